@@ -1,0 +1,113 @@
+"""Loss aggregation with global denominators, so splitting a mini-batch never changes its loss.
+
+Shapes: ``M`` tokens in a micro-batch (packed, flat) · ``N`` sequences · ``R`` response tokens.
+
+The four modes and their meanings follow verl's ``loss_agg_mode`` (``core_algos.agg_loss``):
+
+==========================  ==================================================================
+token-mean                  sum_{s,t} l*m / T            (T = loss tokens in the mini-batch; DAPO)
+seq-mean-token-sum          sum_{s,t} l*m / S            (S = sequences with >= 1 loss token)
+seq-mean-token-mean         sum_s [sum_t l*m / n_s] / S  (n_s = loss tokens of s; original GRPO)
+seq-mean-token-sum-norm     sum_{s,t} l*m / (S * C)      (C constant; Dr. GRPO, arXiv 2503.20783)
+==========================  ==================================================================
+
+Each mode is a sum of per-sequence terms over denominators counted once for the whole
+mini-batch (every micro-batch, every rank, after every mask). Summing the micro-batch and rank
+results therefore gives exactly the full-batch value: gradients across ranks must be summed,
+not averaged (or multiply by the rank count before an averaging all-reduce). A micro-batch whose
+tokens are all masked contributes exactly 0. verl computes T from each micro-batch by default,
+which makes token-mean depend on micro-batching (verl issue #5625); verl's default C for
+sum-norm is the padded width, which changes with batching; here C is a constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import get_args
+
+import torch
+
+from packrl.config.schema import LossAggMode
+
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+
+
+@dataclass(frozen=True, slots=True)
+class LossDenominators:
+    """Global counts of one mini-batch.
+
+    Attributes:
+        num_tokens: loss tokens (True in ``loss_mask``) over the whole mini-batch.
+        num_sequences: sequences with at least one loss token.
+        loss_scale_factor: the constant C of ``seq-mean-token-sum-norm``, in tokens.
+    """
+
+    num_tokens: int
+    num_sequences: int
+    loss_scale_factor: int
+
+    @classmethod
+    def from_masks(cls, loss_masks: Sequence[torch.Tensor], loss_scale_factor: int) -> LossDenominators:
+        """Count over every sequence's loss mask (each Shape [L_s] or [R], bool) of the mini-batch.
+
+        Raises:
+            ValueError: ``loss_scale_factor`` < 1.
+        """
+        if isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, int) or loss_scale_factor < 1:
+            raise ValueError(f"algorithm.loss_scale_factor={loss_scale_factor!r} must be a positive integer (tokens)")
+        counts = [int(m.sum()) for m in loss_masks]
+        return cls(sum(counts), sum(1 for c in counts if c > 0), loss_scale_factor)
+
+
+def aggregate_loss(
+    token_loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: LossAggMode,
+    denominators: LossDenominators,
+    *,
+    sequence_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss.
+
+    Args:
+        token_loss: per-token loss. Shape [M] (packed; give ``sequence_ids``) or [N, R]
+            (rows are sequences), float.
+        loss_mask: True = the token counts in the loss. Same shape, bool. Masked positions may
+            hold anything (even NaN): they are never read.
+        mode: one of `LOSS_AGG_MODES` (``algorithm.loss_agg_mode``).
+        denominators: the whole mini-batch's `LossDenominators`.
+        sequence_ids: for [M] input, the sequence of each token. Shape [M], int64. A sequence
+            must lie entirely inside one micro-batch.
+
+    Returns:
+        A scalar tensor, differentiable w.r.t. ``token_loss``.
+
+    Raises:
+        ValueError: unknown mode, mismatched shapes, or [M] input without ``sequence_ids``.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
+    if token_loss.shape != loss_mask.shape:
+        raise ValueError(f"token_loss {tuple(token_loss.shape)} and loss_mask {tuple(loss_mask.shape)} differ in shape")
+    if token_loss.dim() == 2:
+        sequence_ids = torch.arange(token_loss.shape[0], device=token_loss.device)[:, None].expand_as(token_loss)
+    elif sequence_ids is None or sequence_ids.shape != token_loss.shape:
+        raise ValueError("packed [M] token_loss needs sequence_ids of the same shape")
+    mask = loss_mask.bool()
+    loss = torch.where(mask, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
+    total = loss.sum()
+    if denominators.num_tokens == 0 or not bool(mask.any()):
+        return total * 0.0
+    if mode == "token-mean":
+        return total / denominators.num_tokens
+    if mode == "seq-mean-token-sum":
+        return total / denominators.num_sequences
+    if mode == "seq-mean-token-sum-norm":
+        return total / (denominators.num_sequences * denominators.loss_scale_factor)
+    seq = sequence_ids.reshape(-1)
+    num_seqs = int(seq.max()) + 1
+    seq_sum = loss.new_zeros(num_seqs).index_add(0, seq, loss.reshape(-1))
+    seq_count = loss.new_zeros(num_seqs).index_add(0, seq, mask.reshape(-1).to(loss.dtype))
+    per_seq = torch.where(seq_count > 0, seq_sum / seq_count.clamp(min=1), torch.zeros_like(seq_sum))
+    return per_seq.sum() / denominators.num_sequences

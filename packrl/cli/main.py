@@ -1,0 +1,61 @@
+"""The `packrl` command. Subcommands: config (more arrive with training, audit and preflight)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from packrl import __version__
+from packrl.config import ConfigError, load_config, preset_names, to_yaml
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.preset, args.overrides)
+    print(to_yaml(cfg), end="")
+    if args.budgets:
+        from packrl.seqlen import Budgets
+
+        print()
+        print(Budgets.from_config(cfg, max_context_tokens=None).plan())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="packrl",
+        description="RL post-training for LLMs with sequence length as a budgeted resource.",
+    )
+    parser.add_argument("--version", action="version", version=f"packrl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "config",
+        help="print the resolved config of a preset with key=value overrides",
+        description="Resolve PRESET (a shipped name or a .yaml path) plus dotted key=value overrides, "
+        "check every value, and print the result as YAML. Presets: " + ", ".join(preset_names()) + ".",
+    )
+    p.add_argument("preset", nargs="?", default=None, help="preset name or .yaml path (default: default)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.max_prompt_tokens=1024")
+    p.add_argument("--budgets", action="store_true", help="also print the token-budget plan")
+    p.set_defaults(func=_cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    # A first positional with '=' is an override, not a preset.
+    if getattr(args, "preset", None) and "=" in args.preset:
+        args.overrides = [args.preset, *args.overrides]
+        args.preset = None
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"packrl {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Typed run configuration: dataclass schema, YAML presets, dotlist overrides."""
+
+from packrl.config.load import load_config, preset_names, to_yaml
+from packrl.config.problems import ConfigError, ConfigProblem
+from packrl.config.schema import (
+    AlgorithmConfig,
+    DataConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "ConfigError",
+    "ConfigProblem",
+    "DataConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "load_config",
+    "preset_names",
+    "to_yaml",
+]

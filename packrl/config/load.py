@@ -1,0 +1,191 @@
+"""Load a `RunConfig` from a YAML preset plus `key=value` dotlist overrides.
+
+OmegaConf reads the YAML (data only, never executed), parses the dotlist values with YAML
+typing and merges them; this module then checks every value against the dataclass schema.
+Unknown keys, wrong types, bad choices, out-of-range values and broken relations between
+budgets are all collected and raised as one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from packrl.config.problems import ConfigError, ConfigProblem
+from packrl.config.schema import RunConfig
+
+_MISSING = object()
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped with packrl (``packrl/config/presets/*.yaml``)."""
+    root = resources.files("packrl.config") / "presets"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_preset(preset: str) -> dict[str, Any]:
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError([ConfigProblem("preset", preset, "YAML file not found", "pass an existing .yaml path or a preset name")])
+        text = path.read_text()
+    elif preset in preset_names():
+        text = (resources.files("packrl.config") / "presets" / f"{preset}.yaml").read_text()
+    else:
+        names = ", ".join(preset_names())
+        raise ConfigError([ConfigProblem("preset", preset, f"no such preset (known: {names})", "pass a preset name or a .yaml path")])
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError([ConfigProblem("preset", preset, f"unreadable YAML: {err}", "fix the YAML syntax")]) from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigProblem("preset", preset, "top level is not a mapping", "write sections such as `data:` at the top level")])
+    return data
+
+
+def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    problems = []
+    for item in overrides:
+        if item.startswith("-") or "=" not in item or not item.split("=", 1)[0].strip():
+            problems.append(ConfigProblem(item, item, "is not a key=value override", "write overrides as dotted.key=value, e.g. data.max_prompt_tokens=1024"))
+    if problems:
+        raise ConfigError(problems)
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError([ConfigProblem("overrides", overrides, f"could not parse: {err}", "write overrides as dotted.key=value")]) from err
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += _all_keys(hint, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    """Return ``value`` as type ``hint`` or raise TypeError with what was expected."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise TypeError(f"must be one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value)
+            except TypeError as err:
+                errors.append(str(err))
+        raise TypeError(" or ".join(errors) + (" or null" if type(None) in args else ""))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError("must be true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise TypeError("must be an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError("must be a number")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise TypeError("must be a string")
+    raise TypeError(f"unsupported config type {hint}")  # schema bug, not user input
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad: set[str]) -> Any:
+    """Build dataclass ``cls`` from ``data``; bad values fall back to defaults and are recorded."""
+    if not isinstance(data, dict):
+        problems.append(ConfigProblem(prefix.rstrip("."), data, "must be a mapping of keys", f"write {prefix}<key>=value"))
+        bad.update(k for k in _all_keys(cls, prefix))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            full = f"{prefix}{key}"
+            close = difflib.get_close_matches(full, _all_keys(RunConfig), n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]}?" if close else f"valid keys here: {', '.join(sorted(names))}"
+            problems.append(ConfigProblem(full, data[key], "unknown key", hint))
+    kwargs = {}
+    for name in names & data.keys():
+        hint, value, full = hints[name], data[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{full}.", problems, bad)
+            continue
+        try:
+            kwargs[name] = _convert(hint, value)
+        except TypeError as err:
+            fix = f"set {full}=<value>"
+            if typing.get_origin(hint) is Literal:
+                close = difflib.get_close_matches(str(value), [str(c) for c in typing.get_args(hint)], n=1)
+                fix = f"did you mean {full}={close[0]}?" if close else fix
+            problems.append(ConfigProblem(full, value, str(err), fix))
+            bad.add(full)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Resolve a run config.
+
+    Args:
+        preset: a shipped preset name (see `preset_names`) or a path to a ``.yaml`` file;
+            None means ``default``.
+        overrides: ``dotted.key=value`` strings applied after the preset, e.g.
+            ``["data.max_prompt_tokens=1024", "algorithm.loss_agg_mode=seq-mean-token-mean"]``.
+
+    Returns:
+        The frozen, validated `RunConfig`.
+
+    Raises:
+        ConfigError: (a ValueError) listing every problem: unknown keys with the nearest valid
+            key, wrong types, invalid choices, values out of range and broken budget relations,
+            each with its dotted key, the value seen and the fix.
+    """
+    data = _merge(_read_preset(preset or "default"), _parse_overrides(list(overrides)))
+    problems: list[ConfigProblem] = []
+    bad: set[str] = set()
+    cfg = _build(RunConfig, data, "", problems, bad)
+    problems += [p for p in cfg.problems() if not bad.intersection(p.involved_keys)]
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what ``packrl config`` prints)."""
+    return OmegaConf.to_yaml(OmegaConf.create(dataclasses.asdict(cfg)))

@@ -1,0 +1,51 @@
+"""Config problems and the one error that lists them all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One thing wrong in a config.
+
+    Attributes:
+        key: dotted config key the problem is about, e.g. ``data.max_prompt_tokens``.
+        value: the value seen.
+        message: what is wrong, with the limit where there is one.
+        fix: what to change, naming the dotted key(s).
+        keys: every key the problem depends on (``key`` first); a relation between two keys
+            lists both, so it is dropped when one of them did not parse.
+    """
+
+    key: str
+    value: Any
+    message: str
+    fix: str
+    keys: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}: {self.message}; fix: {self.fix}"
+
+    @property
+    def involved_keys(self) -> tuple[str, ...]:
+        return self.keys or (self.key,)
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, raised once. ``problems`` keeps them for callers."""
+
+    def __init__(self, problems: list[ConfigProblem]):
+        assert problems, "ConfigError needs at least one problem"
+        self.problems = list(problems)
+        lines = [f"{len(self.problems)} config problem(s):"]
+        lines += [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def check_positive(key: str, value: int | float) -> list[ConfigProblem]:
+    """A problem when ``value`` < 1 (budgets, counts and sizes are positive)."""
+    if value >= 1:
+        return []
+    return [ConfigProblem(key, value, "must be >= 1", f"set {key} to a positive number")]

@@ -1,0 +1,1 @@
+"""Model-side pieces: attention backends for packs, packed log-probs (loading arrives with training)."""

@@ -1,0 +1,128 @@
+"""Attention over packs: every path keeps packed sequences from attending to each other.
+
+Shapes: ``K`` tokens in a pack · ``S`` sequences in it · ``H`` hidden size · ``h`` heads · ``d`` head dim.
+
+Three paths (``model.packed_attention``):
+
+- ``varlen``: attention runs per sequence, cost sum(L_i^2). On CUDA with a model loaded as
+  ``flash_attention_2``, flash-attn's varlen kernel reads ``cu_seq_lens_*``. Elsewhere the model
+  uses ``packrl_sdpa``, registered here through transformers' `AttentionInterface`: plain SDPA
+  for ordinary calls (generation included), and one causal SDPA call per sequence when a pack's
+  ``cu_seq_lens_q`` is passed.
+- ``block_mask``: an explicit block-diagonal causal mask [1, 1, K, K] (bool for SDPA, float for
+  eager); cost K^2 per layer, exact for every implementation that accepts 4D masks.
+- ``position_ids``: no mask; transformers detects the restarting position ids and builds the
+  block mask itself. That detection is skipped when a cache exists, so ``use_cache=False`` is
+  always passed (a config's ``use_cache=True`` default otherwise makes sequences leak).
+
+Every path passes ``use_cache=False`` and never a 2D padding mask: with either, transformers
+falls back to a plain causal mask over the whole pack and sequences silently attend across
+their boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from packrl.seqlen.packing import Pack
+
+PackedAttention = Literal["varlen", "block_mask", "position_ids"]
+PACKRL_SDPA = "packrl_sdpa"
+_FLASH = ("flash_attention_2", "flash_attention_3")
+_MASK_IMPLS = ("sdpa", "eager", PACKRL_SDPA)
+
+
+def _packrl_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA that runs causal attention per sequence when ``cu_seq_lens_q`` marks a pack.
+
+    query: [1, h, K, d]; key/value: [1, h_kv, K, d]. Returns ([1, K, h, d], None) as
+    transformers' attention functions do.
+    """
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        raise ValueError(f"packed attention expects one pack without cache; got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    gqa = query.shape[1] != key.shape[1]
+    bounds = cu_seq_lens_q.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKRL_SDPA, _packrl_sdpa)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKRL_SDPA, sdpa_mask)
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Switch a model on SDPA to ``packrl_sdpa`` so `packed_forward` can use ``varlen`` on CPU.
+
+    ``packrl_sdpa`` is SDPA for every call without ``cu_seq_lens_q``, so generation and padded
+    forwards are unchanged. Flash-attention and eager models are left as they are.
+    """
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(PACKRL_SDPA)
+
+
+def _check_impl(model: torch.nn.Module, attention: str) -> str:
+    impl = model.config._attn_implementation
+    if attention == "varlen" and impl not in (PACKRL_SDPA, *_FLASH):
+        raise ValueError(
+            f"model.packed_attention=varlen needs attn_implementation {PACKRL_SDPA!r} or flash_attention_2, "
+            f"but the model uses {impl!r}; call packrl.models.attention.use_packed_attention(model) first, "
+            "or set model.packed_attention=block_mask"
+        )
+    if attention == "block_mask" and impl not in _MASK_IMPLS:
+        raise ValueError(f"model.packed_attention=block_mask needs sdpa or eager attention, the model uses {impl!r}; set model.packed_attention=varlen")
+    if attention == "position_ids" and impl not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(f"model.packed_attention=position_ids needs an attention with mask support, the model uses {impl!r}")
+    if attention not in ("varlen", "block_mask", "position_ids"):
+        raise ValueError(f"model.packed_attention={attention!r} is not one of varlen, block_mask, position_ids")
+    return impl
+
+
+def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttention = "varlen") -> torch.Tensor:
+    """Final hidden states of a pack, each sequence seeing only itself.
+
+    Args:
+        model: a transformers causal LM (``model.model`` is the decoder, as for Llama/Qwen/Mistral).
+        pack: the `Pack` (on the model's device).
+        attention: the isolation path; see the module docstring.
+
+    Returns:
+        Hidden states after the final norm. Shape [K, H], model dtype.
+
+    Raises:
+        ValueError: the model's attention implementation cannot run the chosen path.
+    """
+    impl = _check_impl(model, attention)
+    kwargs: dict[str, Any] = {"position_ids": pack.position_ids, "use_cache": False}
+    if attention == "varlen":
+        cu = pack.cu_seqlens.to(torch.int32)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pack.max_seqlen, max_length_k=pack.max_seqlen)
+    elif attention == "block_mask":
+        dtype = torch.bool if impl != "eager" else model.dtype
+        kwargs["attention_mask"] = pack.block_causal_mask(dtype).to(pack.input_ids.device)
+    decoder = model.get_decoder()
+    out = decoder(input_ids=pack.input_ids, **kwargs)
+    return out.last_hidden_state[0]

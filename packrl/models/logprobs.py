@@ -1,0 +1,85 @@
+"""Per-token log-probs and entropy of a pack: packed forward + chunked LM head.
+
+Shapes: ``K`` tokens in a pack · ``S`` sequences · ``L_i`` tokens of sequence i.
+
+Output alignment: ``token_logprobs[k]`` is log p(x_k | x_<k) of token k under its own sequence's
+prefix, so a sequence's response log-probs are simply its last R entries. The first token of
+each sequence has no prefix: its entry is 0 and ``has_logprob`` is False there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from packrl.models.attention import PackedAttention, packed_forward
+from packrl.seqlen.chunked_logprobs import chunked_logprobs
+from packrl.seqlen.packing import Pack
+
+_UNSUPPORTED_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@dataclass(frozen=True)
+class PackLogprobs:
+    """Log-probs and entropy of every token of a pack.
+
+    Attributes:
+        token_logprobs: log p(x_k | x_<k). Shape [K], float32, nats; 0 at sequence starts.
+        entropy: entropy of the distribution that produced x_k. Shape [K], float32, nats;
+            0 at sequence starts. Carries grad only when asked for.
+        has_logprob: False at each sequence's first token. Shape [K], bool.
+    """
+
+    token_logprobs: torch.Tensor
+    entropy: torch.Tensor
+    has_logprob: torch.Tensor
+
+
+def _lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    for key in _UNSUPPORTED_HEAD_KEYS:
+        if getattr(model.config, key, None) not in (None, 0, 0.0, 1.0):
+            raise ValueError(f"the model config sets {key}={getattr(model.config, key)!r}, which the chunked LM head does not apply yet")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"the model's output embedding is {type(head).__name__}, not a Linear LM head")
+    return head.weight, head.bias
+
+
+def pack_logprobs(
+    model: torch.nn.Module,
+    pack: Pack,
+    *,
+    attention: PackedAttention = "varlen",
+    chunk_tokens: int = 1024,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> PackLogprobs:
+    """Forward a pack and compute every token's log-prob and entropy without ``K x V`` logits.
+
+    Args:
+        model: a transformers causal LM with a Linear LM head.
+        pack: the `Pack` on the model's device.
+        attention: ``model.packed_attention``.
+        chunk_tokens: ``train.logits_chunk_tokens``.
+        temperature: the sampling temperature the responses were drawn with.
+        entropy_grad: let gradients flow through the entropy.
+
+    Returns:
+        `PackLogprobs`; differentiable w.r.t. the model's parameters when grad is enabled.
+
+    Raises:
+        ValueError: an unsupported LM head or attention implementation.
+    """
+    weight, bias = _lm_head(model)
+    hidden = packed_forward(model, pack, attention)  # [K, H]
+    labels, has_label = pack.next_token_labels()
+    logprobs, entropy = chunked_logprobs(
+        hidden, weight, labels, bias=bias, chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad
+    )
+    # Position k predicts token k + 1 of its sequence: shift right by one inside each sequence.
+    zero = logprobs.new_zeros(1)
+    token_logprobs = torch.cat([zero, torch.where(has_label, logprobs, 0.0)[:-1]])
+    token_entropy = torch.cat([zero, torch.where(has_label, entropy, 0.0)[:-1]])
+    has_logprob = torch.cat([has_label.new_zeros(1), has_label[:-1]])
+    return PackLogprobs(token_logprobs, token_entropy, has_logprob)

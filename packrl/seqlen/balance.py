@@ -1,0 +1,195 @@
+"""Data-parallel balancing: split a batch over D ranks so the costliest rank is as cheap as
+possible, with the same number of micro-batches on every rank, and restore order afterwards.
+
+Shapes: ``N`` sequences · ``D`` ranks · ``M`` micro-batches per rank.
+
+Partitioning is the multi-way Karmarkar-Karp largest differencing method (Karmarkar & Karp
+1982; Korf 2009 for the k-way form) on costs ``a*L + L^2``, followed by a swap refinement
+between the costliest and the cheapest rank. Ranks then plan their micro-batches under the
+token cap; every rank gets the largest rank's count, so collectives stay in step (a rank that
+runs out of sequences gets empty micro-batches, which the trainer runs as zero-loss steps).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from packrl.seqlen.microbatch import DEFAULT_LINEAR_COEF, MicrobatchPlan, plan_microbatches, sequence_costs
+
+T = TypeVar("T")
+
+
+def karmarkar_karp(costs: Sequence[float], num_parts: int) -> list[list[int]]:
+    """Partition item indices into ``num_parts`` sets with near-equal cost sums.
+
+    Each item starts as a k-tuple of subsets (itself and k-1 empty ones). Repeatedly the two
+    tuples with the largest spread (max - min) are merged, pairing the heaviest subset of one
+    with the lightest of the other. O(N k log k + N log N).
+
+    Args:
+        costs: N non-negative costs.
+        num_parts: k >= 1.
+
+    Returns:
+        k lists of indices (some empty when N < k), heaviest first.
+
+    Raises:
+        ValueError: ``num_parts`` < 1 or an empty ``costs``.
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts={num_parts} must be >= 1")
+    if len(costs) == 0:
+        raise ValueError("cannot partition an empty batch (0 sequences)")
+    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
+    for i, c in enumerate(costs):
+        sums = [float(c)] + [0.0] * (num_parts - 1)
+        heap.append((-float(c), i, sums, [[i]] + [[] for _ in range(num_parts - 1)]))
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        _, tie, sa, pa = heapq.heappop(heap)
+        _, _, sb, pb = heapq.heappop(heap)
+        # sa and sb are sorted heaviest first: pair a's heaviest with b's lightest.
+        merged = sorted(
+            ((sa[j] + sb[num_parts - 1 - j], j) for j in range(num_parts)), reverse=True
+        )
+        sums, parts = [], []
+        for total, j in merged:
+            part = pa[j]
+            part.extend(pb[num_parts - 1 - j])
+            sums.append(total)
+            parts.append(part)
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), tie, sums, parts))
+    return heap[0][3]
+
+
+def refine_partition(parts: list[list[int]], costs: Sequence[float], max_rounds: int = 64) -> list[list[int]]:
+    """Lower the heaviest part in place by moving or swapping one item with the lightest part,
+    choosing the exchange that lands closest to half their difference. Returns ``parts``."""
+    for _ in range(max_rounds):
+        sums = [sum(costs[i] for i in p) for p in parts]
+        hi = max(range(len(parts)), key=sums.__getitem__)
+        lo = min(range(len(parts)), key=sums.__getitem__)
+        gap = sums[hi] - sums[lo]
+        if gap <= 0:
+            break
+        best_delta, best = 0.0, None
+        lo_sorted = sorted((costs[j], j) for j in parts[lo])
+        lo_costs = [c for c, _ in lo_sorted]
+        for x in parts[hi]:
+            # moving x alone changes the pair by 2*c_x; swapping with y by 2*(c_x - c_y)
+            for cy, y in [(0.0, None)] + _nearest(lo_sorted, lo_costs, costs[x] - gap / 2):
+                delta = costs[x] - cy
+                if 0 < delta < gap and abs(gap / 2 - delta) < abs(gap / 2 - best_delta):
+                    best_delta, best = delta, (x, y)
+        if best is None:
+            break
+        x, y = best
+        parts[hi].remove(x)
+        parts[lo].append(x)
+        if y is not None:
+            parts[lo].remove(y)
+            parts[hi].append(y)
+    return parts
+
+
+def _nearest(sorted_pairs: list[tuple[float, int]], keys: list[float], target: float) -> list[tuple[float, int]]:
+    pos = bisect.bisect_left(keys, target)
+    return sorted_pairs[max(0, pos - 1) : pos + 1]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Per-rank micro-batch plans over one batch. Indices are global input indices.
+
+    Attributes:
+        ranks: D plans, all with the same ``num_microbatches``.
+        linear_coef: ``a`` of the cost model used.
+    """
+
+    ranks: tuple[MicrobatchPlan, ...]
+    linear_coef: float = DEFAULT_LINEAR_COEF
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.ranks[0].num_microbatches
+
+    def rank_indices(self) -> list[list[int]]:
+        return [list(p.order) for p in self.ranks]
+
+    def rank_costs(self) -> list[float]:
+        return [sum(p.costs(self.linear_coef)) for p in self.ranks]
+
+    def imbalance(self) -> float:
+        """Largest rank cost over the mean rank cost (1.0 = perfect; ``seqlen/rank_imbalance``)."""
+        costs = self.rank_costs()
+        mean = sum(costs) / len(costs)
+        return max(costs) / mean if mean > 0 else 1.0
+
+    def restore(self, per_rank_values: Sequence[Sequence[T]]) -> list[T]:
+        """Per-rank values (each in that rank's plan order) back to input order.
+
+        Raises:
+            ValueError: the number of ranks or of values on a rank does not match the plan.
+        """
+        if len(per_rank_values) != len(self.ranks):
+            raise ValueError(f"got values from {len(per_rank_values)} ranks, the plan has {len(self.ranks)}")
+        out: dict[int, T] = {}
+        for plan, values in zip(self.ranks, per_rank_values):
+            if len(values) != len(plan.order):
+                raise ValueError(f"a rank planned for {len(plan.order)} sequences returned {len(values)} values")
+            out.update(zip(plan.order, values))
+        return [out[i] for i in range(len(out))]
+
+
+def balance_ranks(
+    lengths: Sequence[int],
+    num_ranks: int,
+    max_tokens: int,
+    *,
+    linear_coef: float = DEFAULT_LINEAR_COEF,
+    balance_microbatches: bool = True,
+    budget_key: str = "train.max_tokens_per_microbatch",
+) -> RankPlan:
+    """Assign sequences to ``num_ranks`` data-parallel ranks and plan each rank's micro-batches.
+
+    Args:
+        lengths: real tokens per sequence, N >= ``num_ranks``.
+        num_ranks: D >= 1.
+        max_tokens: per-micro-batch token cap on every rank.
+        linear_coef: ``a`` of the cost model ``a*L + L^2``.
+        balance_microbatches: also balance micro-batches within each rank by cost.
+        budget_key: the config key named in errors.
+
+    Returns:
+        A `RankPlan`; every rank has the same number of micro-batches.
+
+    Raises:
+        ValueError: ``num_ranks`` < 1, fewer sequences than ranks, or any error of
+            `plan_microbatches` (a sequence over the cap names its global index).
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks!r} must be a positive integer")
+    plan_microbatches(lengths, max_tokens, balance=False, budget_key=budget_key)  # validates, names bad indices
+    if len(lengths) < num_ranks:
+        raise ValueError(f"{len(lengths)} sequences cannot be spread over {num_ranks} ranks; give every rank at least one")
+    costs = sequence_costs(lengths, linear_coef)
+    parts = refine_partition(karmarkar_karp(costs, num_ranks), costs)
+    for empty in (p for p in parts if not p):  # rare: give an idle rank the cheapest spare item
+        donor = max(parts, key=len)
+        cheapest = min(donor, key=costs.__getitem__)
+        donor.remove(cheapest)
+        empty.append(cheapest)
+    counts = [plan_microbatches([lengths[i] for i in p], max_tokens, balance=False, budget_key=budget_key).num_microbatches for p in parts]
+    plans = []
+    for part in parts:
+        local = plan_microbatches(
+            [lengths[i] for i in part], max_tokens, balance=balance_microbatches, linear_coef=linear_coef,
+            num_microbatches=max(counts), budget_key=budget_key,
+        )
+        mbs = tuple(tuple(sorted(part[j] for j in mb)) for mb in local.microbatches)
+        plans.append(MicrobatchPlan(mbs, tuple(lengths), max_tokens))
+    return RankPlan(tuple(plans), linear_coef)

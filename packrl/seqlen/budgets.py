@@ -1,0 +1,168 @@
+"""Token budgets: every limit a prompt, a response, the model and a micro-batch have, in one place.
+
+The relations checked here are the ones that otherwise fail hours into a run: a prompt plus a
+response that the model context cannot hold, and a micro-batch budget smaller than the longest
+sequence the rollout may produce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from packrl.config.problems import ConfigError, ConfigProblem, check_positive
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RunConfig
+
+# RoPE types whose factor stretches the context beyond `max_position_embeddings` (or beyond
+# `original_max_position_embeddings` where given). `llama3` and `longrope` configs already state
+# the extended length in `max_position_embeddings`.
+_STRETCHING_ROPE_TYPES = ("linear", "dynamic", "yarn")
+
+
+def _get(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def model_context_tokens(model_config: Any) -> tuple[int, float]:
+    """The model context in tokens and the RoPE factor applied to get it.
+
+    Args:
+        model_config: a `transformers.PretrainedConfig` or the dict of a ``config.json``.
+
+    Returns:
+        ``(max_context_tokens, rope_factor)``: ``max_position_embeddings`` (or the RoPE
+        ``original_max_position_embeddings``) times the factor of a ``linear``, ``dynamic`` or
+        ``yarn`` RoPE scaling; factor 1.0 without scaling.
+
+    Raises:
+        ValueError: the config has no positive integer ``max_position_embeddings``.
+    """
+    max_pos = _get(model_config, "max_position_embeddings")
+    if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
+        raise ValueError(
+            f"model config has max_position_embeddings={max_pos!r}, not a positive integer; packrl needs it "
+            "to know the model context. Add it to the model's config.json or pick another model.path"
+        )
+    rope = _get(model_config, "rope_scaling") or _get(model_config, "rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    factor = float(rope.get("factor") or 1.0)
+    if rope_type not in _STRETCHING_ROPE_TYPES or factor <= 1.0:
+        return max_pos, 1.0
+    base = rope.get("original_max_position_embeddings") or max_pos
+    return int(base * factor), factor
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    """Every token budget of a run and the checks between them. All values are in tokens.
+
+    Attributes:
+        max_prompt_tokens: prompt budget (``data.max_prompt_tokens``).
+        max_response_tokens: response budget (``rollout.max_response_tokens``).
+        max_context_tokens: model context including RoPE scaling; None when not yet known
+            (config-only checks), which skips the context relation.
+        max_tokens_per_microbatch: update micro-batch cap (``train.max_tokens_per_microbatch``).
+        max_tokens_per_logprob_microbatch: log-prob micro-batch cap
+            (``train.max_tokens_per_logprob_microbatch``).
+        rope_factor: the RoPE scaling factor included in ``max_context_tokens`` (for the plan).
+    """
+
+    max_prompt_tokens: int
+    max_response_tokens: int
+    max_context_tokens: int | None
+    max_tokens_per_microbatch: int
+    max_tokens_per_logprob_microbatch: int
+    rope_factor: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, max_context_tokens: int | None, rope_factor: float = 1.0) -> Budgets:
+        return cls(
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+            max_response_tokens=cfg.rollout.max_response_tokens,
+            max_context_tokens=max_context_tokens,
+            max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
+            max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
+            rope_factor=rope_factor,
+        )
+
+    @classmethod
+    def from_model_config(cls, cfg: RunConfig, model_config: Any) -> Budgets:
+        """Budgets with the model context read from ``model_config`` (see `model_context_tokens`)."""
+        context, factor = model_context_tokens(model_config)
+        return cls.from_config(cfg, context, factor)
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest possible sequence: prompt budget + response budget."""
+        return self.max_prompt_tokens + self.max_response_tokens
+
+    def problems(self) -> list[ConfigProblem]:
+        """Every broken budget or relation, each with its dotted key, value, limit and fix."""
+        out: list[ConfigProblem] = []
+        for key, value in self._keyed_values():
+            out += check_positive(key, value)
+        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+            out.append(ConfigProblem("model.path", self.max_context_tokens, "model context must be >= 1 token",
+                                     "fix max_position_embeddings in the model's config.json"))
+        if out:
+            return out
+        seq = self.max_sequence_tokens
+        if self.max_context_tokens is not None and seq > self.max_context_tokens:
+            out.append(ConfigProblem(
+                "rollout.max_response_tokens", self.max_response_tokens,
+                f"data.max_prompt_tokens + rollout.max_response_tokens = {seq:,} > model context {self.max_context_tokens:,}",
+                f"lower data.max_prompt_tokens or rollout.max_response_tokens so their sum is <= {self.max_context_tokens:,}, "
+                "or use a model with a longer context",
+                keys=("rollout.max_response_tokens", "data.max_prompt_tokens"),
+            ))
+        for key, value in self._keyed_values()[2:]:
+            if value < seq:
+                out.append(ConfigProblem(
+                    key, value,
+                    f"smaller than the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}",
+                    f"raise {key} to >= {seq:,} or lower the prompt/response budgets",
+                    keys=(key, "data.max_prompt_tokens", "rollout.max_response_tokens"),
+                ))
+        return out
+
+    def validate(self) -> Budgets:
+        """Return self, or raise `ConfigError` (a ValueError) listing every problem."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def plan(self) -> str:
+        """The budgets as a readable table, one budget a line, with the key that sets it."""
+        seq = self.max_sequence_tokens
+        context = "unknown (model config not read)"
+        if self.max_context_tokens is not None:
+            context = f"{self.max_context_tokens:>9,}  (RoPE factor {self.rope_factor:g})"
+        rows = [
+            ("prompt", "data.max_prompt_tokens", f"{self.max_prompt_tokens:>9,}"),
+            ("response", "rollout.max_response_tokens", f"{self.max_response_tokens:>9,}"),
+            ("sequence", "prompt + response", f"{seq:>9,}"),
+            ("model context", "model config", context),
+            ("update micro-batch", "train.max_tokens_per_microbatch",
+             f"{self.max_tokens_per_microbatch:>9,}  ({self.max_tokens_per_microbatch // max(seq, 1)} longest sequences)"),
+            ("log-prob micro-batch", "train.max_tokens_per_logprob_microbatch",
+             f"{self.max_tokens_per_logprob_microbatch:>9,}  ({self.max_tokens_per_logprob_microbatch // max(seq, 1)} longest sequences)"),
+        ]
+        lines = ["token budgets"] + [f"  {name:<22}{key:<42}{value}" for name, key, value in rows]
+        problems = self.problems()
+        lines += [f"  PROBLEM: {p}" for p in problems] or ["  all relations hold"]
+        return "\n".join(lines)
+
+    def _keyed_values(self) -> list[tuple[str, int]]:
+        return [
+            ("data.max_prompt_tokens", self.max_prompt_tokens),
+            ("rollout.max_response_tokens", self.max_response_tokens),
+            ("train.max_tokens_per_microbatch", self.max_tokens_per_microbatch),
+            ("train.max_tokens_per_logprob_microbatch", self.max_tokens_per_logprob_microbatch),
+        ]
+
+    def __str__(self) -> str:
+        return self.plan()

@@ -1,0 +1,153 @@
+"""Log-probs and entropy from hidden states and the LM head, ``chunk`` tokens at a time.
+
+Shapes: ``K`` tokens · ``H`` hidden size · ``V`` vocabulary · ``c`` tokens per chunk.
+
+Full logits cost ``K x V`` floats: 1.5 GiB in float32 for K = 8,192 and V = 49,152, and autograd
+keeps them (and their softmax) for backward. Here the forward keeps only the per-token
+log-sum-exp; the backward recomputes each chunk's logits, so neither pass holds more than one
+chunk of ``c x V`` logits (plus the softmax of that chunk). The gradient is exact:
+d logp_t / d z = onehot(y_t) - softmax(z_t), and for entropy H_t = -sum p log p,
+d H_t / d z = -p * (log p + H_t).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DEFAULT_CHUNK = 1024
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax math runs in float32 at least (float64 models keep float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    # Matmul in the model dtype, softmax math in float32 or wider.
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    logits = logits.to(_math_dtype(logits.dtype))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk, temperature, entropy_grad):
+        num_tokens, dtype = hidden.shape[0], _math_dtype(hidden.dtype)
+        logprobs = hidden.new_empty(num_tokens, dtype=dtype)
+        entropy = hidden.new_empty(num_tokens, dtype=dtype)
+        lse = hidden.new_empty(num_tokens, dtype=dtype)
+        for s in range(0, num_tokens, chunk):
+            e = min(s + chunk, num_tokens)
+            z = _chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logprobs[s:e] = z.gather(1, labels[s:e, None]).squeeze(1) - lse[s:e]
+            z.sub_(lse[s:e, None])  # z is now log p
+            p = z.exp()
+            entropy[s:e] = -(p[:, None, :] @ z[:, :, None]).view(-1)  # -sum p log p without a [c, V] product
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.chunk, ctx.temperature, ctx.entropy_grad = chunk, temperature, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        chunk, temperature = ctx.chunk, ctx.temperature
+        use_entropy = ctx.entropy_grad and grad_entropy is not None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = _math_dtype(weight.dtype)
+        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            e = min(s + chunk, hidden.shape[0])
+            logp = _chunk_logits(hidden[s:e], weight, bias, temperature).sub_(lse[s:e, None])  # [c, V]
+            g = grad_logprobs[s:e, None]
+            if use_entropy:
+                p = logp.exp()
+                # d/dz of g*logp_y + gH*H  =  g*(onehot - p) - gH*p*(logp + H)
+                dz = logp.add_(entropy[s:e, None]).mul_(p).mul_(-grad_entropy[s:e, None]).sub_(p.mul_(g))
+            else:
+                dz = logp.exp_().mul_(-g)
+            dz[rows[: e - s], labels[s:e]] += grad_logprobs[s:e]
+            if temperature != 1.0:
+                dz.div_(temperature)
+            dz = dz.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s:e] = dz @ weight
+            if grad_weight is not None:
+                grad_weight.add_(dz.t() @ hidden[s:e])
+            if grad_bias is not None:
+                grad_bias.add_(dz.sum(0))
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int = _DEFAULT_CHUNK,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each label and the entropy of each token's distribution, chunk by chunk.
+
+    Equal to ``log_softmax(hidden @ weight.T + bias) / temperature)`` gathered at ``labels``
+    (and its entropy), values and gradients, without materialising ``K x V`` logits.
+
+    Args:
+        hidden: final hidden states (after the last norm). Shape [K, H], model dtype.
+        weight: LM head weight. Shape [V, H], model dtype (tied embeddings work).
+        labels: target token at each position. Shape [K], int64, values in [0, V).
+        bias: LM head bias, Shape [V], or None.
+        chunk_tokens: tokens per chunk c (``train.logits_chunk_tokens``); peak extra memory is
+            about 2 x c x V float32.
+        temperature: logits are divided by it (the sampling temperature).
+        entropy_grad: let gradients flow through the entropy (for an entropy bonus). By default
+            the entropy is returned without grad.
+
+    Returns:
+        ``(logprobs, entropy)``, each Shape [K], float32 (float64 for float64 models), nats.
+
+    Raises:
+        ValueError: mismatched shapes, ``chunk_tokens`` < 1 or ``temperature`` <= 0.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [K, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"labels must be [K] = [{hidden.shape[0]}]; got {tuple(labels.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"train.logits_chunk_tokens={chunk_tokens!r} must be a positive integer")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0")
+    return _ChunkedLogprobs.apply(hidden, weight, bias, labels.long(), chunk_tokens, float(temperature), entropy_grad)
+
+
+def full_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the same values through full ``[K, V]`` logits (benchmarks and tests)."""
+    logits = _chunk_logits(hidden, weight, bias, temperature)
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(1, labels[:, None].long()).squeeze(1), entropy

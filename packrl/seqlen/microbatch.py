@@ -1,0 +1,270 @@
+"""Token-budget micro-batching: a hard cap on real tokens per micro-batch, as few micro-batches
+as the cap allows, optionally balanced by cost, and an index map that restores input order.
+
+Shapes: ``N`` sequences · ``L_i`` real tokens of sequence i · ``C`` the token cap · ``M`` micro-batches.
+
+The count is searched upward from the lower bound ``max(ceil(sum L / C), #{L_i > C/2})`` and
+never exceeds first-fit-decreasing's. Balancing minimises the largest micro-batch cost under the
+cost model ``a*L + L^2`` (linear layers + attention; ``a = 6 * hidden_size`` makes the two
+terms FLOP-proportional, the derivation behind verl's ``24576 = 6 * 4096``), so step time is not
+set by one micro-batch full of long sequences.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_LINEAR_COEF = 6 * 576  # 6 * hidden_size of SmolLM2-135M; pass 6 * your model's hidden_size
+_DFS_NODE_LIMIT = 20_000  # exact search fallback per candidate count; FFD is the final fallback
+
+
+def sequence_costs(lengths: Sequence[int], linear_coef: float = DEFAULT_LINEAR_COEF) -> list[float]:
+    """Cost of each sequence under the model ``a*L + L^2`` (a = ``linear_coef``), in token^2 units."""
+    return [linear_coef * n + n * n for n in lengths]
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """Micro-batches as lists of input indices, and the map back to input order.
+
+    Attributes:
+        microbatches: M tuples of input indices; together a permutation of the planned indices.
+            A micro-batch may be empty only when a fixed count larger than N was asked for.
+        lengths: real tokens of every input sequence, indexed like the input.
+        max_tokens: the hard cap C the plan respects.
+    """
+
+    microbatches: tuple[tuple[int, ...], ...]
+    lengths: tuple[int, ...]
+    max_tokens: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Input indices in plan order (micro-batch after micro-batch)."""
+        return tuple(i for mb in self.microbatches for i in mb)
+
+    def num_tokens(self) -> list[int]:
+        """Real tokens in each micro-batch."""
+        return [sum(self.lengths[i] for i in mb) for mb in self.microbatches]
+
+    def costs(self, linear_coef: float = DEFAULT_LINEAR_COEF) -> list[float]:
+        return [sum(sequence_costs([self.lengths[i] for i in mb], linear_coef)) for mb in self.microbatches]
+
+    def fill(self) -> float:
+        """Mean fraction of the cap used by a micro-batch (``seqlen/microbatch_fill``)."""
+        return sum(self.num_tokens()) / (self.max_tokens * max(1, self.num_microbatches))
+
+    def restore(self, values_in_plan_order: Sequence[T]) -> list[T]:
+        """Reorder per-sequence values from plan order (as `order`) back to input order.
+
+        Raises:
+            ValueError: the number of values differs from the number of planned sequences.
+        """
+        order = self.order
+        if len(values_in_plan_order) != len(order):
+            raise ValueError(f"got {len(values_in_plan_order)} values for a plan of {len(order)} sequences")
+        by_index = dict(zip(order, values_in_plan_order))
+        return [by_index[i] for i in sorted(by_index)]
+
+
+def _validate(lengths: Sequence[int], max_tokens: int, budget_key: str) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"{budget_key}={max_tokens!r} must be a positive integer number of tokens")
+    if len(lengths) == 0:
+        raise ValueError("cannot plan micro-batches for an empty batch (0 sequences)")
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"sequence {i} has length {n!r}; lengths must be positive integers (tokens)")
+    over = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if over:
+        i, n = max(over, key=lambda x: x[1])
+        raise ValueError(
+            f"sequence {i} has {n:,} tokens > {budget_key}={max_tokens:,} ({len(over)} sequence(s) over budget); "
+            f"raise {budget_key} to >= {n:,} or lower data.max_prompt_tokens / rollout.max_response_tokens"
+        )
+
+
+def _first_fit(order: list[int], lengths: Sequence[int], cap: int, max_bins: int | None) -> list[list[int]] | None:
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= cap:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            if max_bins is not None and len(bins) == max_bins:
+                return None
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def _least_cost_fit(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int) -> list[list[int]] | None:
+    """LPT under a cap: each item, largest cost first, goes to the cheapest bin it fits in."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    loads, bin_costs = [0] * k, [0.0] * k
+    for i in order:
+        fits = [b for b in range(k) if loads[b] + lengths[i] <= cap]
+        if not fits:
+            return None
+        b = min(fits, key=lambda b: (bin_costs[b], loads[b]))
+        bins[b].append(i)
+        loads[b] += lengths[i]
+        bin_costs[b] += costs[i]
+    return bins
+
+
+def _exact_fit(order: list[int], lengths: Sequence[int], cap: int, k: int) -> list[list[int]] | None:
+    """Depth-first search for any packing into k bins, bounded by `_DFS_NODE_LIMIT` nodes."""
+    loads = [0] * k
+    assign = [0] * len(order)
+    nodes = 0
+
+    def place(pos: int) -> bool:
+        nonlocal nodes
+        if pos == len(order):
+            return True
+        n = lengths[order[pos]]
+        tried: set[int] = set()
+        for b in range(k):
+            if loads[b] + n > cap or loads[b] in tried:
+                continue
+            tried.add(loads[b])  # bins with equal load are interchangeable
+            nodes += 1
+            if nodes > _DFS_NODE_LIMIT:
+                return False
+            loads[b] += n
+            assign[pos] = b
+            if place(pos + 1):
+                return True
+            loads[b] -= n
+        return False
+
+    if not place(0):
+        return None
+    bins: list[list[int]] = [[] for _ in range(k)]
+    for pos, b in enumerate(assign):
+        bins[b].append(order[pos])
+    return bins
+
+
+def _improve(bins: list[list[int]], lengths: Sequence[int], costs: Sequence[float], cap: int, max_rounds: int = 200) -> None:
+    """Local search in place: move or swap items out of the costliest bin while that lowers its cost
+    below the old maximum and keeps every bin within the cap."""
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    bcost = [sum(costs[i] for i in b) for b in bins]
+    for _ in range(max_rounds):
+        top = max(range(len(bins)), key=bcost.__getitem__)
+        peak, best = bcost[top], None  # best = (new peak, move)
+        for o in range(len(bins)):
+            if o == top:
+                continue
+            for x in bins[top]:
+                if loads[o] + lengths[x] <= cap:
+                    new = max(peak - costs[x], bcost[o] + costs[x])
+                    if new < peak and (best is None or new < best[0]):
+                        best = (new, (o, x, None))
+                for y in bins[o]:
+                    dc, dl = costs[x] - costs[y], lengths[x] - lengths[y]
+                    if dc <= 0 or loads[o] + dl > cap or loads[top] - dl > cap:
+                        continue
+                    new = max(peak - dc, bcost[o] + dc)
+                    if new < peak and (best is None or new < best[0]):
+                        best = (new, (o, x, y))
+        if best is None:
+            return
+        o, x, y = best[1]
+        bins[top].remove(x)
+        bins[o].append(x)
+        loads[top] -= lengths[x]
+        loads[o] += lengths[x]
+        bcost[top] -= costs[x]
+        bcost[o] += costs[x]
+        if y is not None:
+            bins[o].remove(y)
+            bins[top].append(y)
+            loads[o] -= lengths[y]
+            loads[top] += lengths[y]
+            bcost[o] -= costs[y]
+            bcost[top] += costs[y]
+
+
+def _fit_k(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int, balance: bool) -> list[list[int]] | None:
+    bins = _least_cost_fit(order, lengths, costs, cap, k) if balance else None
+    if bins is None:
+        bins = _first_fit(order, lengths, cap, max_bins=k)
+    if bins is None:
+        bins = _exact_fit(order, lengths, cap, k)
+    if bins is None:
+        return None
+    bins += [[] for _ in range(k - len(bins))]
+    if balance:
+        _improve(bins, lengths, costs, cap)
+    return bins
+
+
+def plan_microbatches(
+    lengths: Sequence[int],
+    max_tokens: int,
+    *,
+    balance: bool = True,
+    linear_coef: float = DEFAULT_LINEAR_COEF,
+    num_microbatches: int | None = None,
+    budget_key: str = "train.max_tokens_per_microbatch",
+) -> MicrobatchPlan:
+    """Split sequences into micro-batches of at most ``max_tokens`` real tokens each.
+
+    Args:
+        lengths: real tokens of each sequence (prompt + response), N >= 1 positive ints.
+        max_tokens: the hard cap C in tokens.
+        balance: minimise the largest micro-batch cost ``a*L + L^2`` for the chosen count.
+        linear_coef: ``a`` of the cost model, ``6 * hidden_size`` for a transformer.
+        num_microbatches: plan exactly this many (data-parallel ranks must match); it must be
+            >= the fewest feasible. Micro-batches beyond N are empty.
+        budget_key: the config key named in errors.
+
+    Returns:
+        A `MicrobatchPlan` with the fewest micro-batches found (never more than
+        first-fit-decreasing needs), largest first.
+
+    Raises:
+        ValueError: an empty batch, a non-positive length, a cap < 1, a sequence longer than
+            the cap (naming its index, its length and ``budget_key``), or an infeasible
+            ``num_microbatches``.
+    """
+    _validate(lengths, max_tokens, budget_key)
+    costs = sequence_costs(lengths, linear_coef)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    ffd = _first_fit(order, lengths, max_tokens, max_bins=None)
+    assert ffd is not None
+    if num_microbatches is not None:
+        bins = _fit_k(order, lengths, costs, max_tokens, num_microbatches, balance) if num_microbatches >= 1 else None
+        if bins is None:
+            raise ValueError(
+                f"cannot split {len(lengths)} sequences ({sum(lengths):,} tokens) into {num_microbatches} micro-batches "
+                f"of <= {max_tokens:,} tokens ({budget_key}); at least {len(ffd)} may be needed"
+            )
+    else:
+        lower = max(math.ceil(sum(lengths) / max_tokens), sum(1 for n in lengths if 2 * n > max_tokens))
+        bins = None
+        for k in range(lower, len(ffd)):
+            bins = _fit_k(order, lengths, costs, max_tokens, k, balance)
+            if bins is not None:
+                break
+        if bins is None:
+            bins = ffd
+            if balance:
+                _improve(bins, lengths, costs, max_tokens)
+    bins.sort(key=lambda b: -sum(lengths[i] for i in b))  # largest first: an OOM shows at once
+    return MicrobatchPlan(tuple(tuple(sorted(b)) for b in bins), tuple(lengths), max_tokens)
