@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -44,7 +45,7 @@ def _read_preset(preset: str) -> dict[str, Any]:
         raise ConfigError([ConfigProblem("preset", preset, f"no such preset (known: {names})", "pass a preset name or a .yaml path")])
     try:
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
-    except OmegaConfBaseException as err:
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError([ConfigProblem("preset", preset, f"unreadable YAML: {err}", "fix the YAML syntax")]) from err
     if data is None:
         return {}

@@ -1,0 +1,30 @@
+"""The `packrl` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from packrl.cli.main import main
+
+
+def test_help_runs_as_a_console_command():
+    out = subprocess.run([sys.executable, "-m", "packrl.cli.main", "--help"], capture_output=True, text=True, check=True)
+    assert "config" in out.stdout
+
+
+def test_config_prints_resolved_yaml(capsys):
+    assert main(["config", "gsm8k", "data.max_prompt_tokens=300", "--budgets"]) == 0
+    out = capsys.readouterr().out
+    assert "max_prompt_tokens: 300" in out and "token budgets" in out
+
+
+def test_config_overrides_without_preset(capsys):
+    assert main(["config", "rollout.n=3"]) == 0
+    assert "'n': 3" in capsys.readouterr().out
+
+
+def test_config_errors_exit_2_with_every_problem(capsys):
+    assert main(["config", "data.max_prompt_tokns=3", "rollout.n=0"]) == 2
+    err = capsys.readouterr().err
+    assert "2 config problem(s)" in err and "did you mean data.max_prompt_tokens" in err and "rollout.n=0" in err

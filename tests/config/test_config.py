@@ -1,0 +1,108 @@
+"""The typed config: presets, dotlist overrides, and one error that lists every problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from packrl.config import ConfigError, RunConfig, load_config, preset_names, to_yaml
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_every_preset_loads_and_validates(preset):
+    cfg = load_config(preset)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.problems() == []
+
+
+def test_defaults_are_valid():
+    assert RunConfig().problems() == []
+
+
+def test_overrides_apply_with_yaml_types():
+    cfg = load_config(
+        "default",
+        ["data.max_prompt_tokens=1024", "data.overlong_prompt=middle", "rollout.n=4",
+         "train.max_tokens_per_microbatch=16384", "train.max_tokens_per_logprob_microbatch=16384",
+         "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=512",
+         "model.path=/models/x", "train.balance_microbatches=false"],
+    )
+    assert cfg.data.max_prompt_tokens == 1024 and cfg.data.overlong_prompt == "middle"
+    assert cfg.rollout.n == 4 and cfg.algorithm.loss_scale_factor == 512
+    assert cfg.model.path == "/models/x" and cfg.train.balance_microbatches is False
+
+
+def test_the_length_keys_exist_under_their_documented_names():
+    cfg = load_config()
+    for key in ("data.max_prompt_tokens", "data.overlong_prompt", "rollout.max_response_tokens", "rollout.n",
+                "train.max_tokens_per_microbatch", "train.max_tokens_per_logprob_microbatch",
+                "algorithm.loss_agg_mode", "model.path"):
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name), key
+
+
+def test_every_problem_is_reported_at_once_with_key_value_and_fix():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", [
+            "data.max_prompt_token=5",            # unknown key (typo)
+            "rollout.n=abc",                      # wrong type
+            "algorithm.loss_agg_mode=token_mean", # bad choice
+            "data.overlong_prompt=truncate",      # bad choice
+            "train.logits_chunk_tokens=0",        # out of range
+            "train.max_tokens_per_microbatch=100",  # relation: < prompt + response
+        ])
+    problems = {p.key: p for p in err.value.problems}
+    assert set(problems) == {
+        "data.max_prompt_token", "rollout.n", "algorithm.loss_agg_mode", "data.overlong_prompt",
+        "train.logits_chunk_tokens", "train.max_tokens_per_microbatch",
+    }
+    assert "data.max_prompt_tokens" in problems["data.max_prompt_token"].fix
+    assert "token-mean" in problems["algorithm.loss_agg_mode"].fix
+    assert problems["train.max_tokens_per_microbatch"].value == 100
+    assert "512" in problems["train.max_tokens_per_microbatch"].message
+    text = str(err.value)
+    assert text.startswith("6 config problem(s)") and all(k in text for k in problems)
+
+
+def test_misplaced_key_suggests_the_right_section():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["train.max_prompt_tokens=64"])
+    assert "data.max_prompt_tokens" in str(err.value)
+
+
+def test_relation_problems_are_not_reported_for_keys_that_did_not_parse():
+    with pytest.raises(ConfigError) as err:
+        load_config("default", ["data.max_prompt_tokens=lots"])
+    assert [p.key for p in err.value.problems] == ["data.max_prompt_tokens"]
+
+
+@pytest.mark.parametrize("item", ["--data.max_prompt_tokens=3", "data.max_prompt_tokens", "=3"])
+def test_malformed_overrides(item):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("default", [item])
+
+
+def test_unknown_preset_and_yaml_file(tmp_path: Path):
+    with pytest.raises(ConfigError, match="no such preset"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    path = tmp_path / "mine.yaml"
+    path.write_text("data:\n  max_prompt_tokens: 128\nrollout:\n  max_response_tokens: 128\n")
+    assert load_config(str(path)).data.max_prompt_tokens == 128
+    path.write_text("data: [1, 2\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_config(str(path))
+    path.write_text("data: 3\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(str(path))
+
+
+def test_config_is_frozen_and_round_trips_through_yaml(tmp_path: Path):
+    cfg = load_config("gsm8k", ["rollout.n=2"])
+    with pytest.raises(AttributeError):
+        cfg.rollout.n = 3  # type: ignore[misc]
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg

@@ -1,0 +1,82 @@
+"""Budgets: model context from the model config (RoPE included), relations, and the plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from packrl.config import ConfigError, load_config
+from packrl.seqlen.budgets import Budgets, model_context_tokens
+from tests.conftest import SMOLLM_DIR
+
+
+def _budgets(**kw):
+    base = dict(max_prompt_tokens=512, max_response_tokens=512, max_context_tokens=8192,
+                max_tokens_per_microbatch=4096, max_tokens_per_logprob_microbatch=8192)
+    return Budgets(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    ("config", "context", "factor"),
+    [
+        ({"max_position_embeddings": 8192}, 8192, 1.0),
+        ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}, 8192, 2.0),
+        ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "dynamic", "factor": 4}}, 16384, 4.0),
+        ({"max_position_embeddings": 40960, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+          "original_max_position_embeddings": 32768}}, 131072, 4.0),
+        ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+          "original_max_position_embeddings": 8192}}, 131072, 1.0),
+        ({"max_position_embeddings": 2048, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 2048, 1.0),
+    ],
+)
+def test_model_context_includes_rope_scaling(config, context, factor):
+    assert model_context_tokens(config) == (context, factor)
+
+
+def test_model_context_from_the_real_smollm_config():
+    if not (SMOLLM_DIR / "config.json").is_file():
+        pytest.skip(f"no SmolLM2 config under {SMOLLM_DIR}")
+    from transformers import AutoConfig
+
+    assert model_context_tokens(json.loads((SMOLLM_DIR / "config.json").read_text())) == (8192, 1.0)
+    assert model_context_tokens(AutoConfig.from_pretrained(SMOLLM_DIR)) == (8192, 1.0)
+
+
+@pytest.mark.parametrize("bad", [{}, {"max_position_embeddings": 0}, {"max_position_embeddings": "8k"}])
+def test_missing_context_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model_context_tokens(bad)
+
+
+def test_valid_budgets_and_plan():
+    b = _budgets().validate()
+    plan = b.plan()
+    assert b.max_sequence_tokens == 1024
+    for text in ("data.max_prompt_tokens", "rollout.max_response_tokens", "train.max_tokens_per_microbatch",
+                 "8,192", "4 longest sequences", "all relations hold"):
+        assert text in plan
+
+
+def test_every_broken_relation_is_reported():
+    b = _budgets(max_context_tokens=1000, max_tokens_per_microbatch=900, max_tokens_per_logprob_microbatch=1000)
+    keys = [p.key for p in b.problems()]
+    assert keys == ["rollout.max_response_tokens", "train.max_tokens_per_microbatch", "train.max_tokens_per_logprob_microbatch"]
+    with pytest.raises(ConfigError) as err:
+        b.validate()
+    assert "1,024 > model context 1,000" in str(err.value)
+    assert "PROBLEM" in b.plan()
+
+
+@pytest.mark.parametrize("field", ["max_prompt_tokens", "max_response_tokens", "max_tokens_per_microbatch"])
+@pytest.mark.parametrize("value", [0, -5])
+def test_non_positive_budgets(field, value):
+    problems = _budgets(**{field: value}).problems()
+    assert len(problems) == 1 and problems[0].value == value and "must be >= 1" in problems[0].message
+
+
+def test_from_model_config():
+    cfg = load_config("default")
+    b = Budgets.from_model_config(cfg, {"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2}})
+    assert (b.max_context_tokens, b.rope_factor) == (4096, 2.0)
+    assert b.max_prompt_tokens == cfg.data.max_prompt_tokens
