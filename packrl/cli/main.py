@@ -13,10 +13,17 @@ def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     print(to_yaml(cfg), end="")
     if args.budgets:
+        from packrl.models.model_config import load_model_config
         from packrl.seqlen import Budgets
 
         print()
-        print(Budgets.from_config(cfg, max_context_tokens=None).plan())
+        try:
+            budgets = Budgets.from_model_config(cfg, load_model_config(cfg.model.path))
+        except ValueError as err:
+            print(f"(model context unknown: {err})")
+            budgets = Budgets.from_config(cfg, max_context_tokens=None)
+        print(budgets.plan())
+        return 0 if not budgets.problems() else 2
     return 0
 
 
