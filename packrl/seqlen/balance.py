@@ -4,10 +4,11 @@ possible, with the same number of micro-batches on every rank, and restore order
 Shapes: ``N`` sequences · ``D`` ranks · ``M`` micro-batches per rank.
 
 Partitioning is the multi-way Karmarkar-Karp largest differencing method (Karmarkar & Karp
-1982; Korf 2009 for the k-way form) on costs ``a*L + L^2``, followed by a swap refinement
-between the costliest and the cheapest rank. Ranks then plan their micro-batches under the
-token cap; every rank gets the largest rank's count, so collectives stay in step (a rank that
-runs out of sequences gets empty micro-batches, which the trainer runs as zero-loss steps).
+1982; Korf 2009 for the k-way form) on costs ``a*L + L^2``, followed by a local search that
+exchanges up to two items each way between the costliest rank and another. Ranks then plan
+their micro-batches under the token cap; every rank gets the largest rank's count, so
+collectives stay in step (a rank that runs out of sequences gets empty micro-batches, which
+the trainer runs as zero-loss steps).
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from packrl.seqlen.microbatch import DEFAULT_LINEAR_COEF, MicrobatchPlan, plan_microbatches, sequence_costs
+from packrl.seqlen.microbatch import (
+    DEFAULT_LINEAR_COEF,
+    MicrobatchPlan,
+    plan_microbatches,
+    sequence_costs,
+    validate_lengths,
+)
 
 T = TypeVar("T")
+
+_PAIR_CANDIDATES = 24  # distinct costs per part that `refine_partition` pairs up (276 pairs)
 
 
 def karmarkar_karp(costs: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -67,38 +76,77 @@ def karmarkar_karp(costs: Sequence[float], num_parts: int) -> list[list[int]]:
 
 
 def refine_partition(parts: list[list[int]], costs: Sequence[float], max_rounds: int = 64) -> list[list[int]]:
-    """Lower the heaviest part in place by moving or swapping one item with the lightest part,
-    choosing the exchange that lands closest to half their difference. Returns ``parts``."""
+    """Lower the heaviest part in place by exchanging up to two items each way with another part.
+
+    Each round takes the heaviest part and tries the others, lightest first, for the exchange of
+    zero, one or two items each way whose net cost lands closest to half the gap between the
+    two, strictly inside it, so the heaviest part drops and the other stays below the old
+    maximum. Single items come from every distinct cost of a part, pairs from
+    `_PAIR_CANDIDATES` distinct costs spread over its range. Stops when no exchange helps or
+    after ``max_rounds`` exchanges. Returns ``parts``.
+    """
+    loads = [sum(costs[i] for i in p) for p in parts]
+    cache: dict[int, tuple[list[float], list[tuple[int, ...]]]] = {}
+
+    def groups(p: int) -> tuple[list[float], list[tuple[int, ...]]]:
+        if p not in cache:
+            cache[p] = _exchange_groups(parts[p], costs)
+        return cache[p]
+
     for _ in range(max_rounds):
-        sums = [sum(costs[i] for i in p) for p in parts]
-        hi = max(range(len(parts)), key=sums.__getitem__)
-        lo = min(range(len(parts)), key=sums.__getitem__)
-        gap = sums[hi] - sums[lo]
-        if gap <= 0:
-            break
-        best_delta, best = 0.0, None
-        lo_sorted = sorted((costs[j], j) for j in parts[lo])
-        lo_costs = [c for c, _ in lo_sorted]
-        for x in parts[hi]:
-            # moving x alone changes the pair by 2*c_x; swapping with y by 2*(c_x - c_y)
-            for cy, y in [(0.0, None)] + _nearest(lo_sorted, lo_costs, costs[x] - gap / 2):
-                delta = costs[x] - cy
-                if 0 < delta < gap and abs(gap / 2 - delta) < abs(gap / 2 - best_delta):
-                    best_delta, best = delta, (x, y)
-        if best is None:
-            break
-        x, y = best
-        parts[hi].remove(x)
-        parts[lo].append(x)
-        if y is not None:
-            parts[lo].remove(y)
-            parts[hi].append(y)
+        hi = max(range(len(parts)), key=loads.__getitem__)
+        for lo in sorted(range(len(parts)), key=loads.__getitem__):
+            gap = loads[hi] - loads[lo]
+            if gap <= 0:
+                return parts
+            exchange = _best_exchange(groups(hi), groups(lo), gap)
+            if exchange is not None:
+                break
+        else:
+            return parts
+        out_items, in_items = exchange
+        for i in out_items:
+            parts[hi].remove(i)
+            parts[lo].append(i)
+        for j in in_items:
+            parts[lo].remove(j)
+            parts[hi].append(j)
+        moved = sum(costs[i] for i in out_items) - sum(costs[j] for j in in_items)
+        loads[hi] -= moved
+        loads[lo] += moved
+        cache.pop(hi)
+        cache.pop(lo)
     return parts
 
 
-def _nearest(sorted_pairs: list[tuple[float, int]], keys: list[float], target: float) -> list[tuple[float, int]]:
-    pos = bisect.bisect_left(keys, target)
-    return sorted_pairs[max(0, pos - 1) : pos + 1]
+def _exchange_groups(part: list[int], costs: Sequence[float]) -> tuple[list[float], list[tuple[int, ...]]]:
+    """Groups of zero, one or two items of ``part`` that an exchange may move: (sorted sums, items)."""
+    by_cost = {costs[i]: i for i in part}  # items of equal cost are interchangeable
+    distinct = [by_cost[c] for c in sorted(by_cost)]
+    count = min(_PAIR_CANDIDATES, len(distinct))
+    picks = [distinct[round(k * (len(distinct) - 1) / max(1, count - 1))] for k in range(count)]
+    groups: list[tuple[float, tuple[int, ...]]] = [(0.0, ())] + [(costs[i], (i,)) for i in distinct]
+    groups += [(costs[i] + costs[j], (i, j)) for a, i in enumerate(picks) for j in picks[a + 1 :]]
+    groups.sort()
+    return [g[0] for g in groups], [g[1] for g in groups]
+
+
+def _best_exchange(
+    out: tuple[list[float], list[tuple[int, ...]]], into: tuple[list[float], list[tuple[int, ...]]], gap: float
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The pair of groups (leaving the heavy part, leaving the light part) whose net cost is in
+    (0, ``gap``) and nearest ``gap / 2``; None if there is none."""
+    in_sums, in_items = into
+    best_err, best = gap / 2, None
+    for out_sum, out_items in zip(*out):
+        target = out_sum - gap / 2
+        pos = bisect.bisect_left(in_sums, target)
+        for k in (pos - 1, pos):
+            if 0 <= k < len(in_sums) and abs(in_sums[k] - target) < best_err:
+                best_err, best = abs(in_sums[k] - target), (out_items, in_items[k])
+        if best_err < 1e-9 * gap:
+            break
+    return best
 
 
 @dataclass(frozen=True)
@@ -173,7 +221,7 @@ def balance_ranks(
     """
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks!r} must be a positive integer")
-    plan_microbatches(lengths, max_tokens, balance=False, budget_key=budget_key)  # validates, names bad indices
+    validate_lengths(lengths, max_tokens, budget_key)
     if len(lengths) < num_ranks:
         raise ValueError(f"{len(lengths)} sequences cannot be spread over {num_ranks} ranks; give every rank at least one")
     costs = sequence_costs(lengths, linear_coef)

@@ -21,6 +21,7 @@ T = TypeVar("T")
 
 DEFAULT_LINEAR_COEF = 6 * 576  # 6 * hidden_size of SmolLM2-135M; pass 6 * your model's hidden_size
 _DFS_NODE_LIMIT = 20_000  # exact search fallback per candidate count; FFD is the final fallback
+_DFS_MAX_ITEMS = 64  # larger batches skip the exact search (and its recursion depth)
 
 
 def sequence_costs(lengths: Sequence[int], linear_coef: float = DEFAULT_LINEAR_COEF) -> list[float]:
@@ -76,7 +77,8 @@ class MicrobatchPlan:
         return [by_index[i] for i in sorted(by_index)]
 
 
-def _validate(lengths: Sequence[int], max_tokens: int, budget_key: str) -> None:
+def validate_lengths(lengths: Sequence[int], max_tokens: int, budget_key: str) -> None:
+    """Raise ValueError for an empty batch, a non-positive length or cap, or a sequence over the cap."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"{budget_key}={max_tokens!r} must be a positive integer number of tokens")
     if len(lengths) == 0:
@@ -126,7 +128,10 @@ def _least_cost_fit(order: list[int], lengths: Sequence[int], costs: Sequence[fl
 
 
 def _exact_fit(order: list[int], lengths: Sequence[int], cap: int, k: int) -> list[list[int]] | None:
-    """Depth-first search for any packing into k bins, bounded by `_DFS_NODE_LIMIT` nodes."""
+    """Depth-first search for any packing into k bins, bounded by `_DFS_NODE_LIMIT` nodes and
+    used only for batches of at most `_DFS_MAX_ITEMS` sequences."""
+    if len(order) > _DFS_MAX_ITEMS:
+        return None
     loads = [0] * k
     assign = [0] * len(order)
     nodes = 0
@@ -243,7 +248,7 @@ def plan_microbatches(
             the cap (naming its index, its length and ``budget_key``), or an infeasible
             ``num_microbatches``.
     """
-    _validate(lengths, max_tokens, budget_key)
+    validate_lengths(lengths, max_tokens, budget_key)
     costs = sequence_costs(lengths, linear_coef)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     ffd = _first_fit(order, lengths, max_tokens, max_bins=None)
