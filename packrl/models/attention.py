@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.utils import is_flash_attn_2_available
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -74,14 +75,23 @@ AttentionInterface.register(PACKRL_SDPA, _packrl_sdpa)
 ALL_MASK_ATTENTION_FUNCTIONS.register(PACKRL_SDPA, sdpa_mask)
 
 
-def use_packed_attention(model: torch.nn.Module) -> None:
-    """Switch a model on SDPA to ``packrl_sdpa`` so `packed_forward` can use ``varlen`` on CPU.
+def use_packed_attention(model: torch.nn.Module) -> str:
+    """Give an SDPA model an attention implementation that runs ``varlen`` packs.
 
-    ``packrl_sdpa`` is SDPA for every call without ``cu_seq_lens_q``, so generation and padded
-    forwards are unchanged. Flash-attention and eager models are left as they are.
+    On CUDA, in bf16/fp16, with flash-attn installed: ``flash_attention_2`` (its varlen kernel).
+    Otherwise ``packrl_sdpa``, which is SDPA for every call without ``cu_seq_lens_q``, so
+    generation and padded forwards are unchanged. Eager and flash models are left as they are.
+
+    Returns:
+        The model's attention implementation afterwards.
     """
     if model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation(PACKRL_SDPA)
+        param = next(model.parameters())
+        if param.is_cuda and param.dtype in (torch.bfloat16, torch.float16) and is_flash_attn_2_available():
+            model.set_attn_implementation("flash_attention_2")
+        else:
+            model.set_attn_implementation(PACKRL_SDPA)
+    return model.config._attn_implementation
 
 
 def _check_impl(model: torch.nn.Module, attention: str) -> str:

@@ -133,3 +133,10 @@ def test_fixed_count_larger_than_batch_gives_empty_microbatches():
     assert plan.num_microbatches == 3 and sorted(plan.num_tokens()) == [0, 4, 4]
     with pytest.raises(ValueError, match="cannot split"):
         plan_microbatches([8, 8, 8], 8, num_microbatches=2)
+
+
+def test_large_batches_plan_without_deep_recursion():
+    lengths = [(i * 7919) % 900 + 50 for i in range(4096)]
+    plan = balance_ranks(lengths, 8, 8192)
+    assert len({p.num_microbatches for p in plan.ranks}) == 1
+    assert all(t <= 8192 for p in plan.ranks for t in p.num_tokens())
