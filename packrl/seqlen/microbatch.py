@@ -190,19 +190,15 @@ def _improve(bins: list[list[int]], lengths: Sequence[int], costs: Sequence[floa
         if best is None:
             return
         o, x, y = best[1]
-        bins[top].remove(x)
-        bins[o].append(x)
-        loads[top] -= lengths[x]
-        loads[o] += lengths[x]
-        bcost[top] -= costs[x]
-        bcost[o] += costs[x]
-        if y is not None:
-            bins[o].remove(y)
-            bins[top].append(y)
-            loads[o] -= lengths[y]
-            loads[top] += lengths[y]
-            bcost[o] -= costs[y]
-            bcost[top] += costs[y]
+        for item, src, dst in ((x, top, o), (y, o, top)):
+            if item is None:
+                continue
+            bins[src].remove(item)
+            bins[dst].append(item)
+            loads[src] -= lengths[item]
+            loads[dst] += lengths[item]
+            bcost[src] -= costs[item]
+            bcost[dst] += costs[item]
 
 
 def _fit_k(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int, balance: bool) -> list[list[int]] | None:
