@@ -46,8 +46,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse[s:e] = torch.logsumexp(z, dim=-1)
             logprobs[s:e] = z.gather(1, labels[s:e, None]).squeeze(1) - lse[s:e]
             z.sub_(lse[s:e, None])  # z is now log p
-            p = z.exp()
-            entropy[s:e] = -(p[:, None, :] @ z[:, :, None]).view(-1)  # -sum p log p without a [c, V] product
+            entropy[s:e] = -z.exp().mul_(z).sum(-1)  # -sum p log p; the product reuses exp's buffer
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk, ctx.temperature, ctx.entropy_grad = chunk, temperature, entropy_grad
         if not entropy_grad:
@@ -113,8 +112,8 @@ def chunked_logprobs(
         weight: LM head weight. Shape [V, H], model dtype (tied embeddings work).
         labels: target token at each position. Shape [K], int64, values in [0, V).
         bias: LM head bias, Shape [V], or None.
-        chunk_tokens: tokens per chunk c (``train.logits_chunk_tokens``); peak extra memory is
-            about 2 x c x V float32.
+        chunk_tokens: tokens per chunk c (``train.logits_chunk_tokens``); logits buffers peak
+            at about 2 x c x V floats, on top of the LM-head weight gradient.
         temperature: logits are divided by it (the sampling temperature).
         entropy_grad: let gradients flow through the entropy (for an entropy bonus). By default
             the entropy is returned without grad.

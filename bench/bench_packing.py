@@ -1,0 +1,199 @@
+"""Packed vs padded forward+backward: real tokens per second on one GSM8K-shaped batch.
+
+Shapes: ``N`` sequences · ``L_i`` tokens of sequence i · ``b`` sequences per padded micro-batch ·
+``K`` tokens in a pack · ``V`` vocabulary.
+
+Measured: one random model with SmolLM2-135M's shapes (30 layers, hidden 576, V = 49,152) and
+one batch of N sequences of random token ids whose lengths (prompt + response) are drawn from
+GSM8K's real distribution. Each variant runs forward + next-token log-probs + backward over the
+whole batch; time is the median wall time over ``--repeats`` timed runs, after one warm-up of
+every variant on a single padded micro-batch's sequences. The variant order alternates between
+repeats, so padded and ``varlen`` always run back to back and drifting background load hits
+them alike.
+
+- ``padded``: what a padded trainer does. Fixed micro-batches of ``b`` sequences in the given
+  (random) order, each right-padded to its longest sequence, HF forward with a 2D attention
+  mask, position ids from the mask, ``use_cache=False``; full ``[b, L, V]`` logits in float32 ->
+  log_softmax -> gather; loss = -(sum of log-probs of real tokens).
+- ``varlen`` / ``block_mask`` / ``position_ids``: `plan_microbatches` under a token cap, one
+  `pack_sequences` per micro-batch, `pack_logprobs` with that attention path and a chunked LM
+  head; loss = -(sum of token log-probs). ``varlen`` is the default path.
+
+Reported: real tokens/s per variant (real tokens = sum L_i), each packed path's throughput over
+padded (target for ``varlen``: >= 1.5), pad fraction measured from the tensors actually fed to
+the model (pad positions / positions processed), micro-batch counts, and the summed log-prob of
+each variant as a sanity check that all compute the same quantity. The headline ratio is also
+given per repeat and on process CPU time, to show how much background load moved it.
+
+The default batch is 24 sequences (~6,400 real tokens): with 32 and a full-batch warm-up a run
+took ~12 minutes on 2 shared CPU cores, mostly in the two K^2-mask paths (``block_mask``,
+``position_ids``). The layer count stays at 30 so the attention/linear/LM-head mix is the real one.
+
+Command (defaults: 24 sequences, bf16, 30 layers, 2 repeats; ~5 minutes on 2 idle CPU cores)::
+
+    python bench/bench_packing.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import sample_lengths, smollm_model  # noqa: E402
+from packrl.models.logprobs import pack_logprobs  # noqa: E402
+from packrl.seqlen.microbatch import plan_microbatches  # noqa: E402
+from packrl.seqlen.packing import pack_sequences  # noqa: E402
+
+PACKED_PATHS = ("varlen", "block_mask", "position_ids")
+Step = Callable[[], tuple[float, int, int]]  # -> (summed log-prob, positions processed, pad positions)
+
+
+def padded_step(model: torch.nn.Module, seqs: list[torch.Tensor], microbatch: int, pad_id: int) -> Step:
+    """Forward+backward over fixed micro-batches of ``microbatch`` right-padded sequences."""
+    groups = [seqs[i : i + microbatch] for i in range(0, len(seqs), microbatch)]
+
+    def step() -> tuple[float, int, int]:
+        total, positions, pads = 0.0, 0, 0
+        for group in groups:
+            width = max(len(s) for s in group)
+            input_ids = torch.full((len(group), width), pad_id, dtype=torch.int64)  # [b, L]
+            attention_mask = torch.zeros((len(group), width), dtype=torch.int64)  # 1 = real token
+            for row, s in enumerate(group):
+                input_ids[row, : len(s)], attention_mask[row, : len(s)] = s, 1
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [b, L-1, V]
+            logprobs = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [b, L-1]
+            loss_mask = attention_mask[:, 1:].bool()  # right padding: label k+1 is real iff token k+1 is
+            loss = -logprobs.masked_fill(~loss_mask, 0.0).sum()
+            loss.backward()
+            total -= loss.item()
+            positions += input_ids.numel()
+            pads += int((attention_mask == 0).sum())
+        return total, positions, pads
+
+    return step
+
+
+def packed_step(model: torch.nn.Module, seqs: list[torch.Tensor], max_tokens: int, attention: str, chunk_tokens: int) -> tuple[Step, int]:
+    """Forward+backward over token-capped packs; returns the step and its micro-batch count."""
+    plan = plan_microbatches([len(s) for s in seqs], max_tokens)
+    packs = [pack_sequences([seqs[i] for i in mb], indices=mb) for mb in plan.microbatches if mb]
+
+    def step() -> tuple[float, int, int]:
+        total, positions, pads = 0.0, 0, 0
+        for pack in packs:
+            out = pack_logprobs(model, pack, attention=attention, chunk_tokens=chunk_tokens)
+            loss = -out.token_logprobs.sum()
+            loss.backward()
+            total -= loss.item()
+            positions += pack.input_ids.numel()
+            pads += pack.input_ids.numel() - int(pack.cu_seqlens[-1])
+        return total, positions, pads
+
+    return step, len(packs)
+
+
+def timed(model: torch.nn.Module, step: Step) -> tuple[float, float, tuple[float, int, int]]:
+    """(wall s, process CPU s, step result) of one forward+backward over the batch, grads zeroed first."""
+    model.zero_grad(set_to_none=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = step()
+    return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+def build_steps(model: torch.nn.Module, seqs: list[torch.Tensor], args: argparse.Namespace, pad_id: int) -> tuple[dict[str, Step], dict[str, int]]:
+    steps = {"padded": padded_step(model, seqs, args.padded_microbatch, pad_id)}
+    num_microbatches = {"padded": -(-len(seqs) // args.padded_microbatch)}
+    for path in [p for p in args.paths.split(",") if p]:
+        steps[path], num_microbatches[path] = packed_step(model, seqs, args.max_tokens, path, args.chunk_tokens)
+    return steps, num_microbatches
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-sequences", type=int, default=24, help="sequences in the batch")
+    parser.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--num-layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per variant after one warm-up")
+    parser.add_argument("--padded-microbatch", type=int, default=8, help="sequences per padded micro-batch")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="token cap per packed micro-batch")
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per LM-head chunk (packed)")
+    parser.add_argument("--paths", default=",".join(PACKED_PATHS), help="packed attention paths to run, comma-separated")
+    args = parser.parse_args(argv)
+
+    lengths = [p + r for p, r in sample_lengths(args.num_sequences, args.seed)]
+    model = smollm_model(args.dtype, args.num_layers)
+    model.train()
+    gen = torch.Generator().manual_seed(args.seed)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+
+    steps, num_microbatches = build_steps(model, seqs, args, pad_id)
+    # Warm-up: every variant once on the first padded micro-batch's sequences (lazy init, allocator).
+    for step in build_steps(model, seqs[: args.padded_microbatch], args, pad_id)[0].values():
+        timed(model, step)
+    names, results = list(steps), {}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.repeats):  # alternate the order so drifting background load hits all alike
+        for name in names if r % 2 == 0 else names[::-1]:
+            seconds, cpu_seconds, results[name] = timed(model, steps[name])
+            wall[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+            print(f"repeat {r} {name}: {seconds:.1f} s wall, {cpu_seconds:.1f} s cpu", file=sys.stderr, flush=True)
+
+    real_tokens = sum(lengths)
+    median = {name: statistics.median(t) for name, t in wall.items()}
+    tokens_per_s = {name: real_tokens / median[name] for name in steps}
+    variants = {
+        name: {
+            "tokens_per_s": round(tokens_per_s[name], 1),
+            "median_s": round(median[name], 2),
+            "wall_s": [round(t, 2) for t in wall[name]],
+            "cpu_s": [round(t, 2) for t in cpu[name]],
+            "num_microbatches": num_microbatches[name],
+            "positions_processed": results[name][1],
+            "pad_positions": results[name][2],
+            "pad_fraction": round(results[name][2] / results[name][1], 4),
+            "sum_logprobs": round(results[name][0], 2),
+        }
+        for name in steps
+    }
+    packed = [name for name in steps if name != "padded"]
+    ratios = {f"{name}/padded": round(tokens_per_s[name] / tokens_per_s["padded"], 3) for name in packed}
+    # Checks on the headline ratio: per repeat (each pair ran back to back) and on process CPU time.
+    paired = {f"{name}/padded": [round(p / q, 3) for p, q in zip(wall["padded"], wall[name])] for name in packed}
+    cpu_ratios = {f"{name}/padded": round(statistics.median(cpu["padded"]) / statistics.median(cpu[name]), 3) for name in packed}
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": f"SmolLM2-135M shapes, random init, {args.num_layers} layers, {args.dtype}",
+        "torch_threads": torch.get_num_threads(),
+        "num_sequences": len(seqs),
+        "real_tokens": real_tokens,
+        "max_sequence_tokens": max(lengths),
+        "padded_microbatch": args.padded_microbatch,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "variants": variants,
+        "throughput_ratio_vs_padded": ratios,
+        "throughput_ratio_per_repeat": paired,
+        "throughput_ratio_cpu_time": cpu_ratios,
+        "target": "varlen/padded >= 1.5",
+        "target_met": ratios.get("varlen/padded", 0.0) >= 1.5,
+    }
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
