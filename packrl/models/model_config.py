@@ -1,8 +1,7 @@
-"""Read a model's config (never its weights) from a local dir, a `.gguf` file or a hub id."""
+"""Read a model's config (never its weights when avoidable) from any form of ``model.path``."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 
@@ -10,34 +9,29 @@ def load_model_config(path: str) -> Any:
     """The `transformers.PretrainedConfig` of ``model.path``.
 
     Args:
-        path: a model directory with ``config.json``, a ``.gguf`` file (read through
-            transformers' GGUF support, which needs the ``gguf`` package), or a hub id
-            (local cache first; the hub when online).
+        path: anything `packrl.models.loading.resolve_model` accepts: a model directory with
+            ``config.json``, a ``.gguf`` file (its header is read through transformers' GGUF
+            support, which needs the ``gguf`` package), a hub id (HF cache first, then the hub;
+            only the small json/text files are fetched), or the alias ``smollm2-135m-instruct``
+            (its packrl cache or HF cache when present; otherwise it is resolved fully, which
+            downloads and converts the weights once).
 
     Returns:
-        The config; nothing but the config file or the GGUF header is read.
+        The config.
 
     Raises:
-        ValueError: the path does not exist, has no config, or cannot be read; the message
+        ValueError: the path does not resolve, has no config, or cannot be read; the message
             names ``model.path`` and the value.
     """
     from transformers import AutoConfig
 
-    p = Path(path).expanduser()
+    from packrl.models.loading import resolve_model
+
+    resolved = resolve_model(path, weights=False)
     try:
-        if p.suffix == ".gguf":
-            if not p.is_file():
-                raise FileNotFoundError(f"no such file {p}")
-            return AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise FileNotFoundError(f"{p} has no config.json")
-            return AutoConfig.from_pretrained(p)
-        if p.is_absolute() or path.startswith((".", "~")):
-            raise FileNotFoundError(f"no such directory {p}")
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
     except (OSError, ValueError, ImportError) as err:
         raise ValueError(
-            f"cannot read the model config of model.path={path!r}: {err}. "
+            f"cannot read the model config of model.path={path!r} from {resolved.source}: {err}. "
             "Set model.path to a local model directory, a .gguf file or a reachable hub id"
         ) from err

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from packrl.cli.main import main
+from tests.conftest import SMOLLM_DIR
 
 
 def test_help_runs_as_a_console_command():
@@ -14,9 +15,10 @@ def test_help_runs_as_a_console_command():
 
 
 def test_config_prints_resolved_yaml(capsys):
-    assert main(["config", "gsm8k", "data.max_prompt_tokens=300", "--budgets"]) == 0
+    model = str(SMOLLM_DIR)
+    assert main(["config", "gsm8k", "data.max_prompt_tokens=300", f"model.path={model}", "--budgets"]) == 0
     out = capsys.readouterr().out
-    assert "max_prompt_tokens: 300" in out and "token budgets" in out
+    assert "max_prompt_tokens: 300" in out and "token budgets" in out and "8,192" in out
 
 
 def test_config_overrides_without_preset(capsys):

@@ -22,7 +22,7 @@ def test_defaults_are_valid():
 
 def test_overrides_apply_with_yaml_types():
     cfg = load_config(
-        "default",
+        "demo",
         ["data.max_prompt_tokens=1024", "data.overlong_prompt=middle", "rollout.n=4",
          "train.max_tokens_per_microbatch=16384", "train.max_tokens_per_logprob_microbatch=16384",
          "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=512",
@@ -44,13 +44,13 @@ def test_the_length_keys_exist_under_their_documented_names():
 
 def test_every_problem_is_reported_at_once_with_key_value_and_fix():
     with pytest.raises(ConfigError) as err:
-        load_config("default", [
+        load_config("demo", [
             "data.max_prompt_token=5",            # unknown key (typo)
             "rollout.n=abc",                      # wrong type
             "algorithm.loss_agg_mode=token_mean", # bad choice
             "data.overlong_prompt=truncate",      # bad choice
             "train.logits_chunk_tokens=0",        # out of range
-            "train.max_tokens_per_microbatch=100",  # relation: < prompt + response
+            "train.max_tokens_per_microbatch=100",  # relation: < prompt + response (128 + 64)
         ])
     problems = {p.key: p for p in err.value.problems}
     assert set(problems) == {
@@ -60,27 +60,27 @@ def test_every_problem_is_reported_at_once_with_key_value_and_fix():
     assert "data.max_prompt_tokens" in problems["data.max_prompt_token"].fix
     assert "token-mean" in problems["algorithm.loss_agg_mode"].fix
     assert problems["train.max_tokens_per_microbatch"].value == 100
-    assert "512" in problems["train.max_tokens_per_microbatch"].message
+    assert "192" in problems["train.max_tokens_per_microbatch"].message
     text = str(err.value)
     assert text.startswith("6 config problem(s)") and all(k in text for k in problems)
 
 
 def test_misplaced_key_suggests_the_right_section():
     with pytest.raises(ConfigError) as err:
-        load_config("default", ["train.max_prompt_tokens=64"])
+        load_config("demo", ["train.max_prompt_tokens=64"])
     assert "data.max_prompt_tokens" in str(err.value)
 
 
 def test_relation_problems_are_not_reported_for_keys_that_did_not_parse():
     with pytest.raises(ConfigError) as err:
-        load_config("default", ["data.max_prompt_tokens=lots"])
+        load_config("demo", ["data.max_prompt_tokens=lots"])
     assert [p.key for p in err.value.problems] == ["data.max_prompt_tokens"]
 
 
 @pytest.mark.parametrize("item", ["--data.max_prompt_tokens=3", "data.max_prompt_tokens", "=3"])
 def test_malformed_overrides(item):
     with pytest.raises(ConfigError, match="key=value"):
-        load_config("default", [item])
+        load_config("demo", [item])
 
 
 def test_unknown_preset_and_yaml_file(tmp_path: Path):

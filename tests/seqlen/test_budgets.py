@@ -76,7 +76,7 @@ def test_non_positive_budgets(field, value):
 
 
 def test_from_model_config():
-    cfg = load_config("default")
+    cfg = load_config("demo")
     b = Budgets.from_model_config(cfg, {"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2}})
     assert (b.max_context_tokens, b.rope_factor) == (4096, 2.0)
     assert b.max_prompt_tokens == cfg.data.max_prompt_tokens

@@ -1,0 +1,32 @@
+"""Prompt data: loaders (jsonl, json, parquet incl. verl's schema, HF hub), the built-in
+`task:arithmetic`, row normalisation, and the budgeted prompt dataset with its sampler.
+
+`PromptDataset` and `PromptSampler` (which need torch through `packrl.types`) are imported on
+first use, so config-only tools do not load torch.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "VAL_SEED_OFFSET": "tasks",
+    "arithmetic_rows": "tasks",
+    "BadRow": "loaders",
+    "load_rows": "loaders",
+    "ARITHMETIC_SOURCE": "examples",
+    "GSM8K_SOURCE": "examples",
+    "Example": "examples",
+    "clean_number": "examples",
+    "to_example": "examples",
+    "DatasetPrompt": "dataset",
+    "PromptDataset": "dataset",
+    "PromptSampler": "dataset",
+    "check_enough_prompts": "dataset",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'packrl.data' has no attribute {name!r}")
+    return getattr(import_module(f"packrl.data.{_EXPORTS[name]}"), name)

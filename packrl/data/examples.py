@@ -1,0 +1,176 @@
+"""Normalise one raw row into an `Example` (a chat, a ground truth, a data source) or a reason.
+
+Two schemas, detected per row:
+
+    schema   detected by             chat                                     ground truth
+    verl     a `prompt` field        `prompt` messages as given (+ system)    `reward_model.ground_truth`
+    GSM8K    `question`/`answer`     [system], user: question + " " + instr.  text after the last `####`
+
+GSM8K ground truths are cleaned (stripped; `,` and `$` removed) and must be numbers, as
+`"72"`, `"-3"`, `"0.5"`; verl ground truths are kept as text (MATH answers such as
+`\\frac{1}{2}` are valid there). verl's preprocessing already wrote the instruction into the
+prompt, so verl rows get no instruction appended; `data.system_prompt` is prepended to a verl
+chat only when it has no system message of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from packrl.data.loaders import BadRow
+
+GSM8K_SOURCE = "openai/gsm8k"
+ARITHMETIC_SOURCE = "packrl/arithmetic"
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One usable row before tokenization.
+
+    Attributes:
+        chat: the chat messages, each ``{"role": str, "content": str}`` (verl rows keep any
+            other non-null keys of their messages).
+        ground_truth: the reference answer as text, e.g. ``"72"``.
+        data_source: reward dispatch key, e.g. ``"openai/gsm8k"``.
+        row: global index of the row over all sources of the split.
+        extra_info: verl's ``extra_info`` dict, kept as is (None for GSM8K rows).
+    """
+
+    chat: list[dict[str, Any]]
+    ground_truth: str
+    data_source: str
+    row: int
+    extra_info: dict[str, Any] | None = field(default=None, compare=False)
+
+
+def clean_number(text: str) -> str | None:
+    """``text`` stripped, with ``,`` and ``$`` removed, or None when that is not a finite number.
+
+    ==============  ==========
+    text            result
+    ==============  ==========
+    ``" 1,234 "``   ``"1234"``
+    ``"$-3.50"``    ``"-3.50"``
+    ``"72 apples"`` ``None``
+    ==============  ==========
+    """
+    cleaned = text.strip().replace(",", "").replace("$", "").strip()
+    return cleaned if _NUMBER.fullmatch(cleaned) else None
+
+
+def to_example(
+    raw: Any,
+    *,
+    row: int,
+    instruction: str,
+    system_prompt: str | None,
+    data_source: str = GSM8K_SOURCE,
+) -> Example | str:
+    """Normalise one raw row.
+
+    Args:
+        raw: the row as loaded (a dict, a `BadRow`, or anything a file held).
+        row: global row index, stored in the example.
+        instruction: ``data.instruction``, appended after a space to GSM8K questions.
+        system_prompt: ``data.system_prompt``, or None.
+        data_source: the data source of GSM8K-style rows without their own string
+            ``data_source`` field (``"packrl/arithmetic"`` for the built-in task).
+
+    Returns:
+        An `Example`, or the reason the row is bad (e.g. ``"non-numeric answer: 'ten'"``).
+    """
+    if isinstance(raw, BadRow):
+        return raw.reason
+    if not isinstance(raw, dict):
+        return f"row is a {type(raw).__name__}, not an object"
+    if "prompt" in raw:
+        return _verl_example(raw, row=row, system_prompt=system_prompt)
+    if "question" in raw or "answer" in raw:
+        return _gsm8k_example(raw, row=row, instruction=instruction, system_prompt=system_prompt, data_source=data_source)
+    if "reward_model" in raw:
+        return "missing field 'prompt' (verl schema)"
+    fields = ", ".join(sorted(map(str, raw))[:8]) or "none"
+    return f"neither GSM8K fields (question, answer) nor verl fields (prompt, reward_model); fields: {fields}"
+
+
+def _system(system_prompt: str | None) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+
+def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str | None, data_source: str) -> Example | str:
+    question, answer = raw.get("question"), raw.get("answer")
+    for name, value in (("question", question), ("answer", answer)):
+        if value is None:
+            return f"missing field {name!r}"
+        if not isinstance(value, str):
+            return f"field {name!r} is a {type(value).__name__}, expected a string"
+    if not question.strip():
+        return "empty question"
+    ground_truth = clean_number(answer.rsplit("####", 1)[-1])
+    if ground_truth is None:
+        return f"non-numeric answer: {_clip(answer.rsplit('####', 1)[-1].strip())!r}"
+    own_source = raw.get("data_source")
+    content = f"{question} {instruction}" if instruction else question
+    return Example(
+        chat=_system(system_prompt) + [{"role": "user", "content": content}],
+        ground_truth=ground_truth,
+        data_source=own_source if isinstance(own_source, str) and own_source else data_source,
+        row=row,
+    )
+
+
+def _verl_example(raw: dict, *, row: int, system_prompt: str | None) -> Example | str:
+    chat = _messages(raw["prompt"])
+    if isinstance(chat, str):
+        return chat
+    reward_model = raw.get("reward_model")
+    if not isinstance(reward_model, dict):
+        if reward_model is None:
+            return "missing field 'reward_model'"
+        return f"field 'reward_model' is a {type(reward_model).__name__}, expected an object"
+    truth = reward_model.get("ground_truth")
+    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+        kind = "missing" if truth is None else f"a {type(truth).__name__}, expected a string or number"
+        return f"field 'reward_model.ground_truth' is {kind}"
+    if not str(truth).strip():
+        return "empty field 'reward_model.ground_truth'"
+    source = raw.get("data_source")
+    if not isinstance(source, str) or not source:
+        return "missing field 'data_source'" if source is None else f"field 'data_source' is {source!r}, expected a non-empty string"
+    extra = raw.get("extra_info")
+    if system_prompt and not any(m["role"] == "system" for m in chat):
+        chat = _system(system_prompt) + chat
+    return Example(chat=chat, ground_truth=str(truth).strip(), data_source=source, row=row,
+                   extra_info=extra if isinstance(extra, dict) else None)
+
+
+def _messages(prompt: Any) -> list[dict[str, Any]] | str:
+    """verl's ``prompt`` as a list of message dicts, or the reason it is not one.
+
+    Parquet gives a list of dicts (pyarrow) or a numpy array of dicts (pandas); struct columns
+    fill keys a message lacks with None, and those keys are dropped.
+    """
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
+        prompt = prompt.tolist()  # numpy array of dicts
+    if not isinstance(prompt, (list, tuple)):
+        return f"field 'prompt' is a {type(prompt).__name__}, expected a list of chat messages"
+    if not prompt:
+        return "field 'prompt' is an empty list"
+    out = []
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return f"prompt[{i}] is a {type(message).__name__}, expected a message object"
+        for name in ("role", "content"):
+            value = message.get(name)
+            if not isinstance(value, str):
+                kind = "missing" if value is None else type(value).__name__
+                return f"prompt[{i}].{name} is {kind}, expected a string"
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

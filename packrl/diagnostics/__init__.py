@@ -1,0 +1,1 @@
+"""Metrics, stage timers and run logs."""

@@ -1,0 +1,59 @@
+"""Step metrics. Names follow verl where the meaning is the same (``response_length/mean``,
+``critic/score/mean``, ``timing_s/gen``, ``perf/throughput``); see docs/metrics.md.
+
+One difference of meaning: ``response_length/clip_ratio`` is the fraction of responses whose
+finish reason is ``length`` or ``context`` (truncated), taken from the engine; verl counts
+responses whose length equals the padded response width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from packrl.types import FINISH_REASONS, RolloutBatch, ScoredBatch
+
+
+def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    t = torch.tensor([float(v) for v in values]) if values else torch.zeros(1)
+    return {f"{prefix}/mean": t.mean().item(), f"{prefix}/max": t.max().item(), f"{prefix}/min": t.min().item()}
+
+
+def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
+    """Length and finish-reason metrics of one rollout.
+
+    Returns:
+        ``response_length/mean|max|min|clip_ratio`` (tokens; clip_ratio = truncated fraction),
+        ``prompt_length/mean|max|min`` (tokens, per prompt), and
+        ``response/finish_reason/<reason>`` (fraction of responses, every reason present).
+    """
+    responses = rollout.responses
+    out = _stats("response_length", [len(r.response_ids) for r in responses])
+    out["response_length/clip_ratio"] = sum(r.truncated for r in responses) / max(1, len(responses))
+    out |= _stats("prompt_length", [len(p) for p in rollout.prompts.prompt_ids])
+    for reason in FINISH_REASONS:
+        out[f"response/finish_reason/{reason}"] = sum(r.finish_reason == reason for r in responses) / max(1, len(responses))
+    return out
+
+
+def score_metrics(scored: ScoredBatch, advantages: Sequence[torch.Tensor]) -> dict[str, float]:
+    """``critic/score/mean|max|min``, ``critic/rewards/mean|max|min`` and ``critic/advantages/mean|max|min``."""
+    per_seq_adv = [float(a[0]) if a.numel() else 0.0 for a in advantages]
+    return (
+        _stats("critic/score", scored.scores.tolist())
+        | _stats("critic/rewards", scored.rewards.tolist())
+        | _stats("critic/advantages", per_seq_adv)
+    )
+
+
+def perf_metrics(rollout: RolloutBatch, timing: dict[str, float]) -> dict[str, float]:
+    """``timing_s/<stage>``, ``perf/total_num_tokens`` (prompt + response tokens of the step),
+    ``perf/time_per_step`` (s) and ``perf/throughput`` (tokens/s per device; one device here)."""
+    total_tokens = sum(rollout.sequence_lengths())
+    step_s = timing.get("step", sum(timing.values()))
+    out = {f"timing_s/{name}": value for name, value in timing.items()}
+    out["perf/total_num_tokens"] = float(total_tokens)
+    out["perf/time_per_step"] = step_s
+    out["perf/throughput"] = total_tokens / step_s if step_s > 0 else 0.0
+    return out

@@ -1,0 +1,84 @@
+"""The in-process worker group: one actor (and an optional frozen reference) on one device."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from packrl.config.schema import RunConfig
+from packrl.distributed.protocol import Role
+from packrl.models.loading import load_policy, load_reference
+from packrl.rollout.engine import SamplingParams
+from packrl.rollout.hf_engine import HFEngine
+from packrl.seqlen.budgets import model_context_tokens
+from packrl.trainer.actor import LogprobResult, compute_logprobs, update_actor
+from packrl.trainer.checkpoint import load_trainer_state, save_checkpoint
+from packrl.types import PromptBatch, RolloutBatch, TrainBatch
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LocalWorkerGroup:
+    """Actor, reference, rollout engine and optimizer in this process.
+
+    The reference model exists only when ``algorithm.kl_coef > 0``. Parameters and optimizer
+    states are float32; ``model.dtype=bf16`` runs forwards and generation under autocast.
+    """
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, reference: torch.nn.Module | None = None):
+        self.cfg, self.model, self.tokenizer, self.reference = cfg, model, tokenizer, reference
+        self.device = next(model.parameters()).device
+        self.max_context_tokens = model_context_tokens(model.config)[0]
+        self._dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
+        self.engine = HFEngine(model, tokenizer, max_context_tokens=self.max_context_tokens,
+                               max_num_seqs=cfg.rollout.max_num_seqs, autocast_dtype=self._dtype)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        warmup = cfg.train.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+
+    @classmethod
+    def build(cls, cfg: RunConfig, device: torch.device | None = None) -> LocalWorkerGroup:
+        model, tokenizer = load_policy(cfg.model, device=device or default_device())
+        reference = load_reference(model) if cfg.algorithm.kl_coef > 0 else None
+        return cls(cfg, model, tokenizer, reference)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self._dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._dtype)
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+        groups = self.engine.generate(prompts.prompt_ids, params)
+        return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
+
+    def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
+        model = self.model if role == "actor" else self.reference
+        if model is None:
+            return None
+        return compute_logprobs(model, rollout, self.cfg, self.autocast)
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        return update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.autocast)
+
+    def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
+        optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state, trainer_state)
+
+    def load_checkpoint(self, path: Path) -> dict:
+        from safetensors.torch import load_model
+        from transformers.modeling_utils import load_sharded_checkpoint
+
+        state, optimizer_state = load_trainer_state(path)
+        if (path / "model.safetensors").is_file():
+            load_model(self.model, str(path / "model.safetensors"), strict=False)
+        else:
+            load_sharded_checkpoint(self.model, str(path), strict=False)
+        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        return state

@@ -1,0 +1,33 @@
+"""Rewards: the registry (`reward.name`), the GSM8K rule reward, math-verify, DAPO overlong
+shaping, and `score_rollout`, which turns a `RolloutBatch` into a `ScoredBatch`.
+
+The reward modules are imported here so their functions are registered; `score_rollout`
+(which needs torch) is imported on first use.
+"""
+
+from importlib import import_module
+
+from packrl.reward.gsm8k import SOLUTION_CLIP_CHARS, answers_match, extract_answer, gsm8k_reward
+from packrl.reward.math_verify import math_verify_reward
+from packrl.reward.overlong import soft_overlong_penalty
+from packrl.reward.registry import REWARDS, RewardFn, get_reward, register_reward
+
+__all__ = [
+    "REWARDS",
+    "SOLUTION_CLIP_CHARS",
+    "RewardFn",
+    "answers_match",
+    "extract_answer",
+    "get_reward",
+    "gsm8k_reward",
+    "math_verify_reward",
+    "register_reward",
+    "score_rollout",
+    "soft_overlong_penalty",
+]
+
+
+def __getattr__(name: str):
+    if name == "score_rollout":
+        return import_module("packrl.reward.score").score_rollout
+    raise AttributeError(f"module 'packrl.reward' has no attribute {name!r}")

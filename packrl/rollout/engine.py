@@ -1,0 +1,122 @@
+"""The rollout engine contract: sampling parameters in, one group of responses per prompt out.
+
+Shapes: ``B`` prompts · ``G`` responses per prompt (``SamplingParams.n``) · ``P_b`` tokens of
+prompt b · ``R_i`` tokens of response i.
+
+An engine receives canonical prompt ids (invariant 5: it generates from exactly these ids) and
+returns, for each prompt in input order, ``G`` `Response` objects whose finish reason says why
+each one stopped (invariant 7: truncation is read from it, never from tensor widths).
+
+Greedy decoding is ``temperature == 0`` rather than a separate flag, so the two can never
+disagree; `SamplingParams.greedy` reads it. This module imports no torch, so config-only tools
+can build sampling parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RolloutConfig
+    from packrl.types import Response
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How one `RolloutEngine.generate` call samples.
+
+    Attributes:
+        n: responses per prompt (the group size G).
+        temperature: softmax temperature; 0.0 = greedy decoding (argmax, `n` identical responses).
+        top_p: nucleus mass in (0, 1]; 1.0 = off. Ignored when greedy.
+        top_k: keep the k most likely tokens; 0 = off. Ignored when greedy.
+        max_response_tokens: response budget in tokens; a response reaching it ends with `length`.
+        stop: stop strings; a response ending on one ends with `stop` and keeps the string.
+        return_logprobs: fill `Response.rollout_logprobs` with the log-prob of each response
+            token under the temperature-scaled full distribution (top-k/top-p not applied);
+            greedy responses report it at temperature 1.
+
+    Raises:
+        ValueError: a value is out of range; the message names the `rollout.*` key to change.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_response_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    return_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n={self.n} must be >= 1; set rollout.n")
+        if not self.temperature >= 0:
+            problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy); set rollout.temperature")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]; set rollout.top_p=1.0 (off)")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be >= 0; set rollout.top_k=0 (off)")
+        if self.max_response_tokens < 1:
+            problems.append(f"max_response_tokens={self.max_response_tokens} must be >= 1; set rollout.max_response_tokens")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            problems.append(f"stop={self.stop!r} must be a tuple of non-empty strings; fix rollout.stop")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax token (``temperature == 0``)."""
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the distribution `rollout_logprobs` are taken from (1.0 when greedy)."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, *, validation: bool = False) -> SamplingParams:
+        """Sampling parameters of a training rollout, or of validation.
+
+        Args:
+            cfg: the run's `RolloutConfig`.
+            validation: True for validation: one response per prompt at
+                ``rollout.val_temperature`` (0 = greedy) and no log-probs (nothing consumes them).
+
+        Returns:
+            The parameters; `top_p`, `top_k`, `stop` and `max_response_tokens` come from `cfg`
+            in both cases.
+        """
+        return cls(
+            n=1 if validation else cfg.n,
+            temperature=cfg.val_temperature if validation else cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_response_tokens=cfg.max_response_tokens,
+            stop=tuple(cfg.stop),
+            return_logprobs=False if validation else cfg.return_logprobs,
+        )
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Anything that turns prompts into groups of responses."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Response]]:
+        """Generate `params.n` responses for each prompt.
+
+        Args:
+            prompt_ids: B prompts, ``[B][P_b]`` token ids; the model receives exactly these.
+            params: how to sample.
+
+        Returns:
+            ``[B][G]`` responses: the outer list follows the input order of the prompts, the
+            inner list holds the G responses of that prompt.
+
+        Raises:
+            ValueError: a prompt leaves no room for a response in the model context.
+        """
+        ...

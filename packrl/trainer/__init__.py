@@ -1,0 +1,1 @@
+"""The training loop, the actor's update, batch building and checkpoints."""

@@ -1,0 +1,208 @@
+"""The actor's two jobs on packed, token-budgeted micro-batches: score log-probs and update.
+
+Shapes: ``N`` sequences · ``R_i`` response tokens of sequence i · ``K`` tokens in a pack.
+
+Both jobs plan micro-batches over real sequence lengths (`plan_microbatches`), pack each
+micro-batch into one row, and read response tokens back by position: in a pack, sequence i's
+response occupies its last ``R_i`` tokens, and `pack_logprobs` puts log p(x_k | x_<k) at k.
+The update normalises every loss term by denominators counted once per mini-batch
+(`LossDenominators`), so the gradient does not depend on the micro-batch split (invariant 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import logging
+
+import torch
+
+from packrl.algos.loss_agg import LossDenominators, aggregate_loss
+from packrl.algos.losses import kl_penalty, ppo_clip_loss
+from packrl.config.schema import RunConfig
+from packrl.models.logprobs import pack_logprobs
+from packrl.seqlen.microbatch import MicrobatchPlan, plan_microbatches
+from packrl.seqlen.packing import Pack, pack_sequences
+from packrl.types import RolloutBatch, TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LogprobResult:
+    """Per-response log-probs (and entropy) with the plan that produced them.
+
+    Attributes:
+        logprobs: ``N`` tensors of Shape [R_i], float32, nats.
+        entropy: ``N`` tensors of Shape [R_i], float32, nats.
+        plan: the log-prob micro-batch plan (for ``seqlen/*`` metrics).
+    """
+
+    logprobs: tuple[torch.Tensor, ...]
+    entropy: tuple[torch.Tensor, ...]
+    plan: MicrobatchPlan
+
+
+def sequence_ids(rollout: RolloutBatch, i: int) -> torch.Tensor:
+    """Prompt + response ids of sequence i. Shape [T_i], int64."""
+    return torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids, dtype=torch.long)
+
+
+def _pack(rollout: RolloutBatch, indices: Sequence[int], device: torch.device) -> Pack:
+    return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices).to(device)
+
+
+def _response_parts(pack: Pack, values: torch.Tensor, rollout: RolloutBatch) -> list[torch.Tensor]:
+    """The last R_i entries of each packed sequence's per-token ``values`` ([K])."""
+    return [part[-len(rollout.responses[i].response_ids):] for i, part in zip(pack.indices, pack.unpack(values))]
+
+
+def _scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor], fill: float | bool) -> torch.Tensor:
+    """Lay per-response values ([R_i] each, indexed like the rollout) over the pack: prompt
+    tokens get ``fill``. Returns Shape [K]."""
+    parts = []
+    for i in pack.indices:
+        values = per_seq[i].to(pack.input_ids.device)
+        parts.append(torch.cat([values.new_full((len(rollout.prompt_ids_of(i)),), fill), values]))
+    return torch.cat(parts)
+
+
+def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager]) -> LogprobResult:
+    """No-grad log-probs and entropy of every response token, in log-prob micro-batches of at
+    most ``train.max_tokens_per_logprob_microbatch`` real tokens.
+
+    Raises:
+        ValueError: a sequence longer than the log-prob budget (named by index).
+    """
+    plan = plan_microbatches(
+        rollout.sequence_lengths(), cfg.train.max_tokens_per_logprob_microbatch,
+        balance=cfg.train.balance_microbatches, budget_key="train.max_tokens_per_logprob_microbatch",
+    )
+    device = next(model.parameters()).device
+    logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rollout)
+    entropy: list[torch.Tensor] = [torch.empty(0)] * len(rollout)
+    with torch.no_grad(), autocast():
+        for indices in plan.microbatches:
+            pack = _pack(rollout, indices, device)
+            out = pack_logprobs(model, pack, attention=cfg.model.packed_attention,
+                                chunk_tokens=cfg.train.logits_chunk_tokens, temperature=cfg.rollout.temperature)
+            for i, lp, ent in zip(indices, _response_parts(pack, out.token_logprobs, rollout), _response_parts(pack, out.entropy, rollout)):
+                logprobs[i], entropy[i] = lp.float().cpu(), ent.float().cpu()
+    return LogprobResult(tuple(logprobs), tuple(entropy), plan)
+
+
+@dataclass
+class _Totals:
+    """Sums over the micro-batches of one mini-batch (each term already globally normalised)."""
+
+    pg_loss: float = 0.0
+    kl_loss: float = 0.0
+    entropy: float = 0.0
+    clipped_tokens: float = 0.0
+    ppo_kl: float = 0.0
+    num_microbatches: int = 0
+    max_microbatch_tokens: int = 0
+    num_positions: int = 0
+    num_real_tokens: int = 0
+
+
+def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators, cfg: RunConfig, totals: _Totals) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss (PPO clip + KL - entropy bonus)."""
+    algo, rollout = cfg.algorithm, batch.rollout
+    out = pack_logprobs(model, pack, attention=cfg.model.packed_attention, chunk_tokens=cfg.train.logits_chunk_tokens,
+                        temperature=cfg.rollout.temperature, entropy_grad=algo.entropy_coeff > 0)
+    mask = _scatter_response(pack, rollout, batch.loss_masks, False)
+    old = _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
+    adv = _scatter_response(pack, rollout, batch.advantages, 0.0)
+    seq_ids = pack.sequence_ids()
+    mode = algo.loss_agg_mode
+    pg_tokens, clipped = ppo_clip_loss(out.token_logprobs, old, adv, clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high)
+    pg = aggregate_loss(pg_tokens, mask, mode, den, sequence_ids=seq_ids)
+    ent = aggregate_loss(out.entropy, mask, mode, den, sequence_ids=seq_ids)
+    loss = pg - algo.entropy_coeff * ent
+    if batch.ref_logprobs is not None and not algo.kl_in_reward:
+        ref = _scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
+        kl = aggregate_loss(kl_penalty(out.token_logprobs, ref, algo.kl_estimator), mask, mode, den, sequence_ids=seq_ids)
+        loss = loss + algo.kl_coef * kl
+        totals.kl_loss += kl.item()
+    num_tokens = max(1, den.num_tokens)
+    totals.pg_loss += pg.item()
+    totals.entropy += ent.item()
+    totals.clipped_tokens += (clipped & mask).sum().item() / num_tokens
+    totals.ppo_kl += torch.where(mask, old - out.token_logprobs.detach(), 0.0).sum().item() / num_tokens
+    totals.num_microbatches += 1
+    totals.max_microbatch_tokens = max(totals.max_microbatch_tokens, pack.num_tokens)
+    totals.num_positions += pack.input_ids.numel()
+    totals.num_real_tokens += sum(pack.seq_lens)
+    return loss
+
+
+def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequence[int], cfg: RunConfig,
+                     autocast: Callable[[], AbstractContextManager]) -> _Totals:
+    """Forward and backward one mini-batch (sequences ``indices``) in token-budgeted packs.
+    Gradients accumulate in ``model``; the caller steps the optimizer.
+
+    Raises:
+        ValueError: a sequence longer than ``train.max_tokens_per_microbatch`` (named by index).
+    """
+    rollout = batch.rollout
+    scale = cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens
+    den = LossDenominators.from_masks([batch.loss_masks[i] for i in indices], scale)
+    lengths = rollout.sequence_lengths()
+    plan = plan_microbatches([lengths[i] for i in indices], cfg.train.max_tokens_per_microbatch,
+                             balance=cfg.train.balance_microbatches)
+    device = next(model.parameters()).device
+    totals = _Totals()
+    for local in plan.microbatches:
+        pack = _pack(rollout, [indices[j] for j in local], device)
+        with autocast():
+            loss = _microbatch_loss(model, pack, batch, den, cfg, totals)
+        loss.backward()  # outside autocast, as torch recommends
+    return totals
+
+
+def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager]) -> dict[str, float]:
+    """``train.ppo_epochs`` passes over the batch in mini-batches of ``train.mini_batch_size``
+    prompts (whole groups), one optimizer step per mini-batch, gradient norm clipped to
+    ``train.grad_clip``.
+
+    Returns:
+        ``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy``, ``actor/pg_clipfrac``,
+        ``actor/ppo_kl``, ``actor/grad_norm``, ``actor/lr`` (means over optimizer steps) and
+        ``seqlen/num_microbatches``, ``seqlen/microbatch_tokens_max``.
+    """
+    group, num_prompts = batch.rollout.group_size, len(batch.rollout.prompts)
+    mini = cfg.train.mini_batch_size or num_prompts
+    params = [p for p in model.parameters() if p.requires_grad]
+    steps: list[tuple[_Totals, float, float]] = []
+    model.train()
+    for _ in range(cfg.train.ppo_epochs):
+        for start in range(0, num_prompts, mini):
+            indices = list(range(start * group, min(start + mini, num_prompts) * group))
+            totals = update_minibatch(model, batch, indices, cfg, autocast)
+            max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            lr = optimizer.param_groups[0]["lr"]
+            if torch.isfinite(torch.tensor(grad_norm)):
+                optimizer.step()
+            else:
+                logger.warning("gradient norm is %s: optimizer step skipped for this mini-batch", grad_norm)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps.append((totals, grad_norm, lr))
+    count = len(steps)
+    return {
+        "actor/pg_loss": sum(t.pg_loss for t, _, _ in steps) / count,
+        "actor/kl_loss": sum(t.kl_loss for t, _, _ in steps) / count,
+        "actor/entropy": sum(t.entropy for t, _, _ in steps) / count,
+        "actor/pg_clipfrac": sum(t.clipped_tokens for t, _, _ in steps) / count,
+        "actor/ppo_kl": sum(t.ppo_kl for t, _, _ in steps) / count,
+        "actor/grad_norm": sum(g for _, g, _ in steps) / count,
+        "actor/lr": steps[-1][2],
+        "seqlen/num_microbatches": float(sum(t.num_microbatches for t, _, _ in steps)),
+        "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t, _, _ in steps)),
+        "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for t, _, _ in steps) / max(1, sum(t.num_positions for t, _, _ in steps)),
+    }

@@ -1,0 +1,52 @@
+"""Checkpoints: ``RUN_DIR/checkpoints/step_N`` holds the HF model and tokenizer, the optimizer
+and scheduler state, and the trainer state. Written to a temporary folder and renamed, so a
+folder named ``step_N`` is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimizer_state: dict, trainer_state: dict) -> Path:
+    """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path.
+
+    Args:
+        model / tokenizer: saved with ``save_pretrained`` (safetensors).
+        optimizer_state: ``{"optimizer": ..., "scheduler": ...}`` state dicts.
+        trainer_state: JSON-serialisable state (step, data position, ...).
+    """
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".tmp-step_{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def load_trainer_state(path: Path) -> tuple[dict, dict]:
+    """``(trainer_state, optimizer_state)`` of a checkpoint folder.
+
+    Raises:
+        ValueError: the folder is not a complete checkpoint.
+    """
+    if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
+        raise ValueError(f"{path} is not a complete packrl checkpoint (needs {STATE_FILE} and {OPTIMIZER_FILE})")
+    state = json.loads((path / STATE_FILE).read_text())
+    return state, torch.load(path / OPTIMIZER_FILE, weights_only=False)

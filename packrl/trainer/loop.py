@@ -1,0 +1,78 @@
+"""The single-controller training loop. It reads top to bottom as one RL step:
+
+    prompts -> gen -> reward -> old_log_prob -> ref -> adv -> update_actor -> metrics
+
+Every stage is a function or a worker-group call chosen by config; the loop holds no feature
+switches. Workers are in-process by default (`LocalWorkerGroup`); a distributed group with the
+same protocol drops in without changing this file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packrl.config.schema import RunConfig
+from packrl.data.dataset import PromptDataset, PromptSampler
+from packrl.diagnostics.metrics import perf_metrics, rollout_metrics, score_metrics
+from packrl.diagnostics.timers import stage_timer
+from packrl.distributed.local import LocalWorkerGroup
+from packrl.distributed.protocol import WorkerGroup
+from packrl.reward.score import score_rollout
+from packrl.rollout.engine import SamplingParams
+from packrl.seqlen.budgets import Budgets
+from packrl.trainer.batch import build_train_batch
+from packrl.trainer.run import Run, due, seed_everything
+from packrl.trainer.validate import validate
+
+
+def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+    train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files")
+    val = None
+    if cfg.data.val_files:
+        val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
+    return train, val
+
+
+def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
+    """Run ``train.total_steps`` RL steps and return RUN_DIR.
+
+    Raises:
+        ConfigError: a budget relation that the model context breaks (checked before any step).
+        ValueError: data problems (bad rows without ``data.skip_bad_rows``, too few prompts, ...).
+    """
+    seed_everything(cfg.train.seed)
+    run = Run(cfg)
+    workers = workers or LocalWorkerGroup.build(cfg)
+    budgets = Budgets.from_config(cfg, workers.max_context_tokens).validate()
+    run.note("budgets.txt", budgets.plan())
+    train_set, val_set = _datasets(cfg, workers.tokenizer)
+    run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
+    sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    sampling = SamplingParams.from_config(cfg.rollout)
+    total = cfg.train.total_steps
+    for step in range(1, total + 1):
+        seed_everything(cfg.train.seed * 1_000_003 + step)
+        timing: dict[str, float] = {}
+        with stage_timer(timing, "step"):
+            prompts = sampler.next_batch()
+            with stage_timer(timing, "gen"):
+                rollout = workers.generate(prompts, sampling)
+            with stage_timer(timing, "reward"):
+                scored = score_rollout(rollout, workers.tokenizer, cfg.reward, cfg.rollout.max_response_tokens)
+            with stage_timer(timing, "old_log_prob"):
+                old = workers.compute_logprobs(rollout, "actor")
+            with stage_timer(timing, "ref"):
+                ref = workers.compute_logprobs(rollout, "ref")
+            with stage_timer(timing, "adv"):
+                batch, adv_metrics = build_train_batch(scored, old.logprobs, ref and ref.logprobs, cfg.algorithm)
+            with stage_timer(timing, "update_actor"):
+                update_metrics = workers.update(batch)
+        metrics = rollout_metrics(rollout) | score_metrics(scored, batch.advantages) | adv_metrics | update_metrics
+        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
+        if val_set is not None and cfg.train.val_every and due(step, cfg.train.val_every, total):
+            metrics |= validate(workers, val_set, cfg)
+        if due(step, cfg.train.save_every, total):
+            workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
+        run.log_step(step, metrics)
+    run.close()
+    return run.dir

@@ -1,0 +1,87 @@
+"""A run's side effects: RUN_DIR, logs, metrics.jsonl, progress bar, schedules, validation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import secrets
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from packrl.config.load import to_yaml
+from packrl.config.schema import RunConfig
+
+logger = logging.getLogger("packrl")
+
+
+def due(step: int, every: int, total: int) -> bool:
+    """True on every ``every``-th step and on the last one (``every`` 0 = only the last)."""
+    return step == total or (every > 0 and step % every == 0)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _json_number(value: Any) -> Any:
+    return value if not isinstance(value, float) or math.isfinite(value) else str(value)
+
+
+class Run:
+    """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
+    ``metrics.jsonl`` (one JSON object per step) and a live progress bar."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.dir = Path(cfg.train.out_dir or f"runs/{stamp}-{secrets.token_hex(2)}").resolve()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        self._setup_logging()
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.progress = tqdm(total=cfg.train.total_steps, desc="packrl train", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def _setup_logging(self) -> None:
+        root = logging.getLogger("packrl")
+        root.setLevel(logging.INFO)
+        for handler in list(root.handlers):
+            if getattr(handler, "_packrl_run", False):
+                root.removeHandler(handler)
+        handler = logging.FileHandler(self.dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler._packrl_run = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+
+    def note(self, name: str, text: str) -> None:
+        """Log ``text`` and keep it as ``RUN_DIR/<name>``."""
+        (self.dir / name).write_text(text + "\n")
+        logger.info("%s:\n%s", name, text)
+        tqdm.write(text, file=sys.stderr)
+
+    def write_json(self, name: str, data: Any) -> None:
+        (self.dir / name).write_text(json.dumps(data, indent=2, default=lambda o: asdict(o)))
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one line to metrics.jsonl and advance the progress bar."""
+        record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("step %d %s", step, json.dumps(record))
+        self.progress.set_postfix(
+            score=f"{metrics.get('critic/score/mean', 0.0):.3f}",
+            resp_len=f"{metrics.get('response_length/mean', 0.0):.0f}",
+            clip=f"{metrics.get('response_length/clip_ratio', 0.0):.2f}",
+        )
+        self.progress.update(1)
+
+    def close(self) -> None:
+        self.progress.close()

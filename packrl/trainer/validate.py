@@ -1,0 +1,32 @@
+"""Validation: one response per prompt at ``rollout.val_temperature`` (0 = greedy) over the val set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packrl.config.schema import RunConfig
+from packrl.distributed.protocol import WorkerGroup
+from packrl.reward.score import score_rollout
+from packrl.rollout.engine import SamplingParams
+
+
+def validate(workers: WorkerGroup, dataset: Any, cfg: RunConfig) -> dict[str, float]:
+    """``val/accuracy`` (fraction of responses scoring >= 1, i.e. correct), ``val/score/mean``,
+    ``val/response_length/mean`` (tokens) and ``val/response_length/clip_ratio``."""
+    params = SamplingParams.from_config(cfg.rollout, validation=True)
+    scores: list[float] = []
+    lengths: list[int] = []
+    truncated = 0
+    for prompts in dataset.iter_batches(cfg.rollout.max_num_seqs):
+        rollout = workers.generate(prompts, params)
+        scored = score_rollout(rollout, workers.tokenizer, cfg.reward, cfg.rollout.max_response_tokens)
+        scores += scored.scores.tolist()
+        lengths += [len(r.response_ids) for r in rollout.responses]
+        truncated += sum(r.truncated for r in rollout.responses)
+    count = max(1, len(scores))
+    return {
+        "val/accuracy": sum(s >= 1.0 for s in scores) / count,
+        "val/score/mean": sum(scores) / count,
+        "val/response_length/mean": sum(lengths) / count,
+        "val/response_length/clip_ratio": truncated / count,
+    }

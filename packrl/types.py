@@ -1,0 +1,121 @@
+"""Typed batches that flow through a step: PromptBatch -> RolloutBatch -> ScoredBatch -> TrainBatch.
+
+Shapes: ``B`` prompts · ``G`` responses per prompt (``rollout.n``) · ``N = B*G`` sequences ·
+``P_b`` tokens of prompt b · ``R_i`` tokens of response i · ``T_i = P_b + R_i``.
+
+Sequences keep their own lengths (no padding anywhere): per-sequence fields are tuples of
+1-D tensors or of id tuples. Response i belongs to prompt ``i // G``; responses of one prompt
+(a group) are contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["eos", "stop", "length", "context", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("eos", "stop", "length", "context", "abort")
+TRUNCATED_REASONS: frozenset[str] = frozenset({"length", "context"})
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """B prompts, as the prompt policy produced them.
+
+    Attributes:
+        prompt_ids: canonical prompt token ids, ``[B][P_b]``; the engine receives exactly these.
+        ground_truths: reference answer of each prompt (a string, e.g. ``"72"``).
+        data_sources: reward dispatch key of each prompt (e.g. ``"openai/gsm8k"``).
+        rows: index of each prompt's row in its dataset.
+        prompt_truncated: True where the prompt policy shortened the prompt.
+    """
+
+    prompt_ids: tuple[tuple[int, ...], ...]
+    ground_truths: tuple[str, ...]
+    data_sources: tuple[str, ...]
+    rows: tuple[int, ...]
+    prompt_truncated: tuple[bool, ...]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class Response:
+    """One generated response.
+
+    Attributes:
+        response_ids: generated ids, ``[R_i]``; an EOS that ended the response is included.
+        finish_reason: why it stopped, from the engine (never inferred from widths).
+        rollout_logprobs: the engine's log-prob of each response token, ``[R_i]`` float32
+            nats, or None when not requested.
+    """
+
+    response_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    rollout_logprobs: tuple[float, ...] | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason in TRUNCATED_REASONS
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """N = B*G responses; response i answers prompt ``i // group_size``."""
+
+    prompts: PromptBatch
+    group_size: int
+    responses: tuple[Response, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.responses) == len(self.prompts) * self.group_size, "responses must be B*G"
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    def prompt_ids_of(self, i: int) -> tuple[int, ...]:
+        return self.prompts.prompt_ids[i // self.group_size]
+
+    def sequence_lengths(self) -> list[int]:
+        """T_i = P_b + R_i of every sequence, in tokens."""
+        return [len(self.prompt_ids_of(i)) + len(r.response_ids) for i, r in enumerate(self.responses)]
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """A rollout with its rewards.
+
+    Attributes:
+        scores: task score of each response (e.g. 1.0 correct). Shape [N], float32.
+        rewards: score plus shaping (overlong penalty). Shape [N], float32.
+    """
+
+    rollout: RolloutBatch
+    scores: torch.Tensor
+    rewards: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Everything the update needs, per sequence.
+
+    Attributes:
+        scored: the scored rollout.
+        advantages: per response token. ``N`` tensors of Shape [R_i], float32.
+        loss_masks: True = the response token counts in the loss. ``N`` tensors of Shape [R_i], bool.
+        old_logprobs: log pi_old of each response token. ``N`` tensors of Shape [R_i], float32, nats.
+        ref_logprobs: log pi_ref of each response token, or None without a reference model.
+    """
+
+    scored: ScoredBatch
+    advantages: tuple[torch.Tensor, ...]
+    loss_masks: tuple[torch.Tensor, ...]
+    old_logprobs: tuple[torch.Tensor, ...]
+    ref_logprobs: tuple[torch.Tensor, ...] | None
+
+    @property
+    def rollout(self) -> RolloutBatch:
+        return self.scored.rollout

@@ -1,0 +1,151 @@
+"""load_rows: jsonl, json, parquet (GSM8K and verl schema), bad lines as BadRow, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from packrl.config.schema import ArithmeticConfig
+from packrl.data import BadRow, load_rows
+
+ARITH = ArithmeticConfig()
+ROWS = [{"question": "What is 1 + 1?", "answer": "#### 2"}, {"question": "What is 2 + 2?", "answer": "#### 4"}]
+
+
+def _load(path, split="train", key=None):
+    return load_rows(str(path), arithmetic=ARITH, seed=0, split=split, key=key)
+
+
+def test_jsonl_skips_blank_lines_and_a_bom(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode() + b"\n\n   \r\n" + json.dumps(ROWS[1]).encode() + b"\r\n")
+    assert _load(path) == ROWS
+
+
+def test_jsonl_bad_lines_become_bad_rows(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(
+        json.dumps(ROWS[0]).encode() + b"\n"
+        + b'{"question": "caf\xe9", "answer": "#### 1"}\n'  # latin-1 byte: invalid UTF-8
+        + b"{not json\n"
+        + b"[1, 2]\n"
+        + json.dumps(ROWS[1]).encode() + b"\n"
+    )
+    rows = _load(path)
+    assert len(rows) == 5
+    assert rows[0] == ROWS[0] and rows[4] == ROWS[1]
+    assert isinstance(rows[1], BadRow) and rows[1].reason.startswith("line 2: invalid UTF-8")
+    assert isinstance(rows[2], BadRow) and rows[2].reason.startswith("line 3: invalid JSON")
+    assert rows[3] == [1, 2]  # not an object: passed on, rejected by to_example
+
+
+def test_json_list(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(ROWS))
+    assert _load(path) == ROWS
+
+
+def test_json_that_is_not_a_list(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(ROWS[0]))
+    with pytest.raises(ValueError, match=r"data.train_files: .*rows.json.*list of row objects"):
+        _load(path)
+
+
+def test_json_that_does_not_parse(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text("[{]")
+    with pytest.raises(ValueError, match=r"data.val_files: .*not valid UTF-8 JSON"):
+        _load(path, split="val")
+
+
+def test_parquet_gsm8k_rows(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    assert _load(path) == ROWS
+
+
+def test_parquet_verl_schema_keeps_the_prompt_as_a_list_of_dicts(tmp_path):
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "What is 1 + 1? Let's think step by step."}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"split": "train", "index": 0},
+    }
+    path = tmp_path / "verl.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    (loaded,) = _load(path)
+    assert loaded == row
+
+
+def test_custom_key_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"my\.key: .*does not exist"):
+        _load(tmp_path / "missing.jsonl", key="my.key")
+
+
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("missing.jsonl", None, r"data.train_files: .*missing.jsonl' does not exist"),
+        ("empty.jsonl", b"", r"data.train_files: .*empty.jsonl' is empty"),
+        ("blank.jsonl", b"\n \n", r"data.train_files: .*blank.jsonl' has no rows"),
+        ("empty.json", b"[]", r"has no rows"),
+        ("rows.csv", b"a,b\n", r"suffix '.csv'; supported: .jsonl, .json, .parquet"),
+        ("broken.parquet", b"not parquet", r"not a readable parquet file"),
+    ],
+)
+def test_unreadable_sources_name_the_file_and_the_key(tmp_path, name, content, match):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        _load(path)
+
+
+def test_a_directory_is_not_a_source(tmp_path):
+    with pytest.raises(ValueError, match="is not a file"):
+        _load(tmp_path)
+
+
+def test_unknown_task_and_split():
+    with pytest.raises(ValueError, match=r"unknown built-in task 'task:sums'; known tasks: task:arithmetic"):
+        load_rows("task:sums", arithmetic=ARITH, seed=0, split="train")
+    with pytest.raises(ValueError, match="split='test'"):
+        load_rows("task:arithmetic", arithmetic=ARITH, seed=0, split="test")
+
+
+def test_hub_id_without_datasets_names_the_key_and_the_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError, no network
+    with pytest.raises(ValueError, match=r"data.train_files: 'openai/gsm8k:main' .*pip install 'packrl\[hub\]'"):
+        load_rows("openai/gsm8k:main", arithmetic=ARITH, seed=0, split="train")
+
+
+def test_hub_download_failure_is_a_value_error(monkeypatch):
+    class FakeDatasets:
+        @staticmethod
+        def load_dataset(name, config):
+            raise ConnectionError("offline")
+
+    monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
+    with pytest.raises(ValueError, match=r"data.val_files: could not load hub dataset 'openai/gsm8k' \(ConnectionError: offline\)"):
+        load_rows("openai/gsm8k", arithmetic=ARITH, seed=0, split="val")
+
+
+def test_hub_split_choice(monkeypatch):
+    calls = []
+
+    class FakeDatasets:
+        @staticmethod
+        def load_dataset(name, config):
+            calls.append((name, config))
+            return {"train": [ROWS[0]], "test": [ROWS[1]]}
+
+    monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
+    assert load_rows("openai/gsm8k:main", arithmetic=ARITH, seed=0, split="train") == [ROWS[0]]
+    assert load_rows("openai/gsm8k", arithmetic=ARITH, seed=0, split="val") == [ROWS[1]]
+    assert calls == [("openai/gsm8k", "main"), ("openai/gsm8k", None)]

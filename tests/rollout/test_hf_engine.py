@@ -1,0 +1,234 @@
+"""HFEngine: finish reasons, stop strings, order restore, prompt ids, rollout log-probs, caps.
+
+A tiny random Llama (vocab 97) with a character-level tokenizer: ids 0..3 are <pad> <bos> <eos>
+<unk>, ids 4..96 one printable character each.
+"""
+
+from __future__ import annotations
+
+import string
+from collections import Counter
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from packrl.config.schema import RolloutConfig
+from packrl.rollout import HFEngine, RolloutEngine, SamplingParams
+from tests.conftest import tiny_llama
+
+PAD, EOS = 0, 2
+CHARS = string.ascii_letters + string.digits + " " + string.punctuation[:30]  # 93 characters
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+
+
+def _prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def _force_token(model: torch.nn.Module, token: int) -> torch.nn.Module:
+    """Make `token` the model's argmax at every position: a zero LM head with a bias on `token`."""
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[token] = 30.0
+    model.lm_head = head
+    return model
+
+
+def _engine(model, tokenizer, *, context: int = 512, max_num_seqs: int = 64, **kw) -> HFEngine:
+    return HFEngine(model, tokenizer, max_context_tokens=context, max_num_seqs=max_num_seqs, **kw)
+
+
+def _record_prefills(model) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Record (input_ids, attention_mask, model.training) of every prefill forward."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        if kwargs["cache"].get_seq_length() == 0:  # the prefill: nothing cached yet
+            ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+            if mask is None:  # transformers drops a mask without padding
+                mask = torch.ones_like(ids)
+            calls.append((ids.clone(), mask.clone(), module.training))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls
+
+
+def test_hf_engine_is_a_rollout_engine(tokenizer):
+    assert isinstance(_engine(tiny_llama(), tokenizer), RolloutEngine)
+
+
+def test_response_and_context_caps_give_length_and_context(tokenizer):
+    # context 20, budget 6: a 3-token prompt reaches the budget, a 17-token prompt the context
+    # (room 3), a 14-token prompt both at once (room 6 == budget: the budget counts).
+    engine = _engine(_force_token(tiny_llama(), 5), tokenizer, context=20)
+    prompts = _prompts([3, 17, 14])
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0.0, max_response_tokens=6))
+    expected = [("length", 6), ("context", 3), ("length", 6)]
+    for group, (reason, cap) in zip(out, expected):
+        for r in group:
+            assert r.finish_reason == reason and r.truncated
+            assert r.response_ids == (5,) * cap
+    assert all(len(p) + len(r.response_ids) <= 20 for p, g in zip(prompts, out) for r in g)
+
+
+def test_eos_from_the_tokenizer_ends_the_response_and_is_kept(tokenizer):
+    model = _force_token(tiny_llama(), EOS)
+    model.generation_config.eos_token_id = None  # the tokenizer's EOS alone must count
+    out = _engine(model, tokenizer).generate(_prompts([4, 9]), SamplingParams(n=3, max_response_tokens=8))
+    assert all(r.response_ids == (EOS,) and r.finish_reason == "eos" and not r.truncated for g in out for r in g)
+
+
+def test_eos_from_the_generation_config_list_cuts_mid_batch(tokenizer):
+    model = tiny_llama()
+    prompts = _prompts([6, 11])
+    greedy = SamplingParams(temperature=0.0, max_response_tokens=16)
+    ref = _engine(model, tokenizer).generate(prompts, greedy)[0][0].response_ids
+    k = next(t for t in range(2, len(ref)) if ref[t] not in ref[:t])
+    model.generation_config.eos_token_id = [EOS, ref[k]]
+    engine = _engine(model, tokenizer)
+    assert engine.eos_ids == {EOS, ref[k]}
+    out = engine.generate(prompts, greedy)
+    first = out[0][0]
+    assert first.finish_reason == "eos" and first.response_ids == ref[: k + 1]
+    for r in (first, out[1][0]):  # every row ends at its first EOS id, whatever the batch did
+        ids = r.response_ids
+        assert not any(t in engine.eos_ids for t in ids[:-1])
+        assert (r.finish_reason == "eos") == (ids[-1] in engine.eos_ids)
+        assert len(ids) <= 16
+
+
+def test_stop_strings_end_a_response_at_their_first_completion(tokenizer):
+    engine = _engine(tiny_llama(), tokenizer, max_num_seqs=3)
+    prompts = _prompts([5, 8])
+    params = SamplingParams(n=2, temperature=1.0, max_response_tokens=20)
+    torch.manual_seed(0)
+    ref = engine.generate(prompts, params)
+    torch.manual_seed(0)
+    assert engine.generate(prompts, params) == ref  # the caller's seed makes a call reproducible
+    ids = ref[1][1].response_ids
+    text = tokenizer.decode(ids)
+    k = next(t for t in range(3, len(ids)) if text[t - 1 : t + 1] not in tokenizer.decode(prompts[1][-1:]) + text[:t])
+    stop = text[k - 1 : k + 1]
+
+    torch.manual_seed(0)
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_response_tokens=20, stop=(stop, "never!")))
+    hit = out[1][1]
+    assert hit.finish_reason == "stop" and not hit.truncated
+    assert hit.response_ids == ids[: k + 1] and tokenizer.decode(hit.response_ids).endswith(stop)
+    for got, want in zip([r for g in out for r in g], [r for g in ref for r in g]):
+        # the same draws: every response is its reference, cut where the stop string completes
+        assert want.response_ids[: len(got.response_ids)] == got.response_ids
+        assert got.finish_reason == ("stop" if stop in tokenizer.decode(got.response_ids) else "length")
+
+
+def test_groups_come_back_in_input_order_and_prompts_reach_the_model_unchanged(tokenizer):
+    model = tiny_llama()
+    model.train()
+    prefills = _record_prefills(model)
+    prompts = _prompts([5, 1, 9, 3, 12, 7, 2])
+    greedy = dict(temperature=0.0, max_response_tokens=8)
+    batched = _engine(model, tokenizer, max_num_seqs=4).generate(prompts, SamplingParams(n=3, **greedy))
+    assert len(prefills) == 6  # 21 requests in batches of <= 4
+    received = []
+    for ids, mask, training in prefills:
+        assert not training and ids.shape[0] <= 4
+        for row, row_mask in zip(ids, mask):
+            real = row_mask.bool()
+            assert torch.equal(real, real.sort().values), "padding must be on the left"
+            assert (row[~real] == PAD).all()
+            received.append(tuple(row[real].tolist()))
+    assert Counter(received) == Counter(tuple(p) for p in prompts for _ in range(3))  # invariant 5
+    assert model.training  # mode restored
+
+    solo = _engine(model, tokenizer, max_num_seqs=1)
+    alone = [solo.generate([p], SamplingParams(n=1, **greedy))[0][0] for p in prompts]
+    for group, single in zip(batched, alone):
+        assert len(group) == 3 and all(r == single for r in group)
+    assert len({r.response_ids for r in alone}) > 1, "responses should depend on the prompt"
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 0.9), (1.3, 0, 1.0), (0.0, 0, 1.0)])
+def test_rollout_logprobs_match_a_teacher_forced_forward(tokenizer, temperature, top_k, top_p):
+    model = tiny_llama()
+    prompts = _prompts([4, 10, 7])
+    params = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_response_tokens=12, return_logprobs=True)
+    torch.manual_seed(0)
+    out = _engine(model, tokenizer, max_num_seqs=4).generate(prompts, params)
+    scale = temperature if temperature > 0 else 1.0  # greedy reports temperature 1
+    with torch.no_grad():
+        for prompt, group in zip(prompts, out):
+            for r in group:
+                seq = torch.tensor([prompt + list(r.response_ids)])
+                logits = model(input_ids=seq).logits[0, len(prompt) - 1 : -1].float()  # [R, V]
+                want = torch.log_softmax(logits / scale, dim=-1).gather(1, seq[0, len(prompt):, None]).squeeze(1)
+                got = torch.tensor(r.rollout_logprobs)
+                assert got.shape == want.shape
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_model_generation_defaults_do_not_change_sampling(tokenizer):
+    model = tiny_llama()
+    model.generation_config.top_k = 1  # would make every sample the argmax
+    model.generation_config.repetition_penalty = 5.0
+    torch.manual_seed(0)
+    out = _engine(model, tokenizer).generate(_prompts([6]), SamplingParams(n=8, max_response_tokens=6))
+    assert len({r.response_ids for r in out[0]}) > 1
+
+    forced = _force_token(tiny_llama(), EOS)
+    forced.generation_config.min_new_tokens = 4  # would forbid EOS for 4 tokens
+    assert _engine(forced, tokenizer).generate(_prompts([3]), SamplingParams(max_response_tokens=6))[0][0].response_ids == (EOS,)
+
+
+def test_autocast_generation_keeps_the_caps(tokenizer):
+    engine = _engine(_force_token(tiny_llama(), 7), tokenizer, context=12, autocast_dtype=torch.bfloat16)
+    out = engine.generate(_prompts([2, 9]), SamplingParams(n=2, max_response_tokens=5, return_logprobs=True))
+    assert [[(r.finish_reason, len(r.response_ids)) for r in g] for g in out] == [[("length", 5)] * 2, [("context", 3)] * 2]
+    assert all(len(r.rollout_logprobs) == len(r.response_ids) for g in out for r in g)
+
+
+@pytest.mark.parametrize("length", [10, 13])
+def test_a_prompt_filling_the_context_is_an_error_naming_it(tokenizer, length):
+    engine = _engine(tiny_llama(), tokenizer, context=10)
+    with pytest.raises(ValueError, match=rf"prompt 1 has {length} tokens >= max_context_tokens=10.*data.max_prompt_tokens"):
+        engine.generate(_prompts([3, length]), SamplingParams(max_response_tokens=4))
+
+
+def test_an_empty_prompt_is_an_error_naming_it(tokenizer):
+    with pytest.raises(ValueError, match="prompt 2 is empty"):
+        _engine(tiny_llama(), tokenizer).generate([[5], [6], []], SamplingParams())
+
+
+def test_sampling_params_from_config():
+    cfg = RolloutConfig(n=4, temperature=0.9, top_p=0.95, top_k=40, max_response_tokens=64, stop=["</a>"],
+                        return_logprobs=True, val_temperature=0.0)
+    train = SamplingParams.from_config(cfg)
+    assert (train.n, train.temperature, train.top_p, train.top_k, train.max_response_tokens, train.stop, train.return_logprobs) == (
+        4, 0.9, 0.95, 40, 64, ("</a>",), True)
+    assert not train.greedy and train.logprob_temperature == 0.9
+    val = SamplingParams.from_config(cfg, validation=True)
+    got = (val.n, val.temperature, val.greedy, val.logprob_temperature, val.stop, val.return_logprobs)
+    assert got == (1, 0.0, True, 1.0, ("</a>",), False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"n": 0}, "rollout.n"), ({"temperature": -1.0}, "rollout.temperature"), ({"top_p": 0.0}, "rollout.top_p"),
+     ({"top_k": -2}, "rollout.top_k"), ({"max_response_tokens": 0}, "rollout.max_response_tokens"),
+     ({"stop": ("",)}, "rollout.stop")],
+)
+def test_sampling_params_reject_bad_values_naming_the_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        SamplingParams(**kwargs)
