@@ -71,14 +71,33 @@ class LocalWorkerGroup:
         return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state, trainer_state)
 
     def load_checkpoint(self, path: Path) -> dict:
-        from safetensors.torch import load_model
-        from transformers.modeling_utils import load_sharded_checkpoint
-
         state, optimizer_state = load_trainer_state(path)
-        if (path / "model.safetensors").is_file():
-            load_model(self.model, str(path / "model.safetensors"), strict=False)
-        else:
-            load_sharded_checkpoint(self.model, str(path), strict=False)
+        load_weights(self.model, path)
         self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         return state
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a checkpoint's safetensors weights (single file or sharded with an index) into
+    ``model`` in place. Tied weights absent from the files keep their tie.
+
+    Raises:
+        ValueError: no safetensors weights under ``path``, or a parameter of the model missing.
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    if not all((path / f).is_file() for f in files):
+        raise ValueError(f"{path} holds no safetensors weights ({', '.join(files)} expected)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    missing, _ = model.load_state_dict(state, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=True)}
+    really_missing = [m for m in missing if m in tied]
+    if really_missing:
+        raise ValueError(f"{path} lacks weights for {really_missing[:5]}")
