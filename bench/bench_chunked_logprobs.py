@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from packrl.seqlen.chunked_logprobs import chunked_logprobs, full_logprobs  # noqa: E402
+from packrl.seqlen.chunked import chunked_logprobs, full_logprobs  # noqa: E402
 
 VARIANTS = ("full", "chunked", "chunked_entropy_grad")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}

@@ -47,16 +47,34 @@ class LossDenominators:
     num_sequences: int
     loss_scale_factor: int
 
+    def __post_init__(self) -> None:
+        if self.loss_scale_factor < 1:
+            raise ValueError(f"algorithm.loss_scale_factor={self.loss_scale_factor!r} must be a positive integer (tokens)")
+        if self.num_tokens < 0 or self.num_sequences < 0 or self.num_sequences > self.num_tokens:
+            raise ValueError(
+                f"inconsistent denominators: num_tokens={self.num_tokens}, num_sequences={self.num_sequences} "
+                "(counts are >= 0 and every counted sequence has a loss token); build them with LossDenominators.from_masks"
+            )
+
     @classmethod
     def from_masks(cls, loss_masks: Sequence[torch.Tensor], loss_scale_factor: int) -> LossDenominators:
-        """Count over every sequence's loss mask (each Shape [L_s] or [R], bool) of the mini-batch.
+        """Count over every sequence's loss mask of the mini-batch.
+
+        Args:
+            loss_masks: one mask per sequence, each Shape [R_s] (or [T_s]), bool.
+            loss_scale_factor: C of ``seq-mean-token-sum-norm``, tokens.
 
         Raises:
-            ValueError: ``loss_scale_factor`` < 1.
+            ValueError: a mask that is not a 1-D bool tensor, or ``loss_scale_factor`` < 1.
         """
-        if isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, int) or loss_scale_factor < 1:
+        counts = []
+        for i, m in enumerate(loss_masks):
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.dim() != 1:
+                raise ValueError(f"loss mask {i} must be a 1-D bool tensor (one per sequence), got {getattr(m, 'dtype', type(m))} "
+                                 f"of shape {tuple(getattr(m, 'shape', ()))}")
+            counts.append(int(m.sum()))
+        if isinstance(loss_scale_factor, bool) or not isinstance(loss_scale_factor, int):
             raise ValueError(f"algorithm.loss_scale_factor={loss_scale_factor!r} must be a positive integer (tokens)")
-        counts = [int(m.sum()) for m in loss_masks]
         return cls(sum(counts), sum(1 for c in counts if c > 0), loss_scale_factor)
 
 
@@ -84,7 +102,8 @@ def aggregate_loss(
         A scalar tensor, differentiable w.r.t. ``token_loss``.
 
     Raises:
-        ValueError: unknown mode, mismatched shapes, or [M] input without ``sequence_ids``.
+        ValueError: unknown mode, mismatched shapes, a non-bool mask, [M] input without
+            ``sequence_ids``, or denominators that count fewer loss tokens than this micro-batch has.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
@@ -94,11 +113,19 @@ def aggregate_loss(
         sequence_ids = torch.arange(token_loss.shape[0], device=token_loss.device)[:, None].expand_as(token_loss)
     elif sequence_ids is None or sequence_ids.shape != token_loss.shape:
         raise ValueError("packed [M] token_loss needs sequence_ids of the same shape")
-    mask = loss_mask.bool()
+    if loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask must be bool (True = counts in the loss), got {loss_mask.dtype}")
+    mask = loss_mask
     loss = torch.where(mask, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
     total = loss.sum()
-    if denominators.num_tokens == 0 or not bool(mask.any()):
+    local_tokens = int(mask.sum())
+    if local_tokens == 0:
         return total * 0.0
+    if local_tokens > denominators.num_tokens:
+        raise ValueError(
+            f"this micro-batch has {local_tokens} loss tokens but the mini-batch denominators count {denominators.num_tokens}; "
+            "count them with LossDenominators.from_masks over the whole mini-batch"
+        )
     if mode == "token-mean":
         return total / denominators.num_tokens
     if mode == "seq-mean-token-sum":

@@ -20,8 +20,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
         try:
             budgets = Budgets.from_model_config(cfg, load_model_config(cfg.model.path))
         except ValueError as err:
-            print(f"(model context unknown: {err})")
-            budgets = Budgets.from_config(cfg, max_context_tokens=None)
+            print(Budgets.from_config(cfg, max_context_tokens=None).plan())
+            print(f"model context unknown, so prompt + response <= context was NOT checked: {err}", file=sys.stderr)
+            return 2
         print(budgets.plan())
         return 0 if not budgets.problems() else 2
     return 0
@@ -70,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    flags = [a for a in extra if a.startswith("-") or "=" not in a]
+    if flags:
+        parser.error(f"unrecognized arguments: {' '.join(flags)} (overrides are written dotted.key=value)")
+    if extra:  # overrides given after a flag, e.g. `config gsm8k --budgets rollout.n=4`
+        args.overrides = [*args.overrides, *extra]
     if args.command is None:
         parser.print_help()
         return 0

@@ -1,7 +1,9 @@
 """Load a `RunConfig` from a YAML preset plus `key=value` dotlist overrides.
 
-OmegaConf reads the YAML (data only, never executed), parses the dotlist values with YAML
-typing and merges them; this module then checks every value against the dataclass schema.
+PyYAML's safe loader reads preset files (data only: no code, no interpolation); OmegaConf
+parses the dotlist overrides with YAML typing. A preset file is a whole config: keys it leaves
+out take the schema defaults (they do not inherit from another preset). This module then checks
+every value against the dataclass schema.
 Unknown keys, wrong types, bad choices, out-of-range values and broken relations between
 budgets are all collected and raised as one `ConfigError`.
 """
@@ -37,15 +39,18 @@ def _read_preset(preset: str) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise ConfigError([ConfigProblem("preset", preset, "YAML file not found", "pass an existing .yaml path or a preset name")])
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError([ConfigProblem("preset", preset, f"cannot read the file: {err}", "pass a UTF-8 YAML file")]) from err
     elif preset in preset_names():
         text = (resources.files("packrl.config") / "presets" / f"{preset}.yaml").read_text()
     else:
         names = ", ".join(preset_names())
         raise ConfigError([ConfigProblem("preset", preset, f"no such preset (known: {names})", "pass a preset name or a .yaml path")])
     try:
-        data = OmegaConf.to_container(OmegaConf.create(text), resolve=True)
-    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
         raise ConfigError([ConfigProblem("preset", preset, f"unreadable YAML: {err}", "fix the YAML syntax")]) from err
     if data is None:
         return {}
@@ -58,11 +63,14 @@ def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
     problems = []
     for item in overrides:
         if item.startswith("-") or "=" not in item or not item.split("=", 1)[0].strip():
-            problems.append(ConfigProblem(item, item, "is not a key=value override", "write overrides as dotted.key=value, e.g. data.max_prompt_tokens=1024"))
+            fix = "write overrides as dotted.key=value, e.g. data.max_prompt_tokens=1024"
+            if item in preset_names() or item.endswith((".yaml", ".yml")):
+                fix = f"put the preset first: packrl <command> {item} key=value ..."
+            problems.append(ConfigProblem("override", item, "is not a key=value override", fix))
     if problems:
         raise ConfigError(problems)
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=False)
     except OmegaConfBaseException as err:
         raise ConfigError([ConfigProblem("overrides", overrides, f"could not parse: {err}", "write overrides as dotted.key=value")]) from err
 
@@ -108,7 +116,7 @@ def _convert(hint: Any, value: Any) -> Any:
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
             return int(value)
         raise TypeError("must be an integer")
     if hint is float:
@@ -187,7 +195,8 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     cfg = _build(RunConfig, data, "", problems, bad)
     problems += [p for p in cfg.problems() if not bad.intersection(p.involved_keys)]
     if problems:
-        raise ConfigError(problems)
+        unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
+        raise ConfigError(list(unique.values()))
     return cfg
 
 

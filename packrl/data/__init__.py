@@ -5,7 +5,7 @@
 first use, so config-only tools do not load torch.
 """
 
-from importlib import import_module
+from packrl._lazy import lazy_exports
 
 _EXPORTS = {
     "VAL_SEED_OFFSET": "tasks",
@@ -26,7 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'packrl.data' has no attribute {name!r}")
-    return getattr(import_module(f"packrl.data.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports("packrl.data", _EXPORTS)

@@ -99,8 +99,8 @@ def _check_impl(model: torch.nn.Module, attention: str) -> str:
     if attention == "varlen" and impl not in (PACKRL_SDPA, *_FLASH):
         raise ValueError(
             f"model.packed_attention=varlen needs attn_implementation {PACKRL_SDPA!r} or flash_attention_2, "
-            f"but the model uses {impl!r}; call packrl.models.attention.use_packed_attention(model) first, "
-            "or set model.packed_attention=block_mask"
+            f"but the model uses {impl!r}; load it with attn_implementation='sdpa' and call "
+            "packrl.models.attention.use_packed_attention(model), or set model.packed_attention=block_mask"
         )
     if attention == "block_mask" and impl not in _MASK_IMPLS:
         raise ValueError(f"model.packed_attention=block_mask needs sdpa or eager attention, the model uses {impl!r}; set model.packed_attention=varlen")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from packrl.models.attention import PackedAttention, packed_forward
-from packrl.seqlen.chunked_logprobs import chunked_logprobs
+from packrl.seqlen.chunked import chunked_logprobs
 from packrl.seqlen.packing import Pack
 
 _UNSUPPORTED_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")

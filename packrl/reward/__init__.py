@@ -5,7 +5,7 @@ The reward modules are imported here so their functions are registered; `score_r
 (which needs torch) is imported on first use.
 """
 
-from importlib import import_module
+from packrl._lazy import lazy_exports
 
 from packrl.reward.gsm8k import SOLUTION_CLIP_CHARS, answers_match, extract_answer, gsm8k_reward
 from packrl.reward.math_verify import math_verify_reward
@@ -27,7 +27,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name == "score_rollout":
-        return import_module("packrl.reward.score").score_rollout
-    raise AttributeError(f"module 'packrl.reward' has no attribute {name!r}")
+__getattr__ = lazy_exports("packrl.reward", {"score_rollout": "score"})

@@ -4,7 +4,7 @@
 Names are imported on first use, so building sampling parameters does not load transformers.
 """
 
-from importlib import import_module
+from packrl._lazy import lazy_exports
 
 _EXPORTS = {
     "SamplingParams": "engine",
@@ -15,7 +15,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'packrl.rollout' has no attribute {name!r}")
-    return getattr(import_module(f"packrl.rollout.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports("packrl.rollout", _EXPORTS)

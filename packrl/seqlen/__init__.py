@@ -4,7 +4,7 @@ chunked log-probs. Pure functions, unit-testable on CPU.
 Names are imported on first use, so config-only tools (``packrl config``) do not load torch.
 """
 
-from importlib import import_module
+from packrl._lazy import lazy_exports
 
 _EXPORTS = {
     "Budgets": "budgets",
@@ -24,14 +24,11 @@ _EXPORTS = {
     "balance_ranks": "balance",
     "karmarkar_karp": "balance",
     "refine_partition": "balance",
-    "chunked_logprobs": "chunked_logprobs",
-    "full_logprobs": "chunked_logprobs",
+    "chunked_logprobs": "chunked",
+    "full_logprobs": "chunked",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'packrl.seqlen' has no attribute {name!r}")
-    return getattr(import_module(f"packrl.seqlen.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports("packrl.seqlen", _EXPORTS)

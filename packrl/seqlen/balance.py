@@ -24,6 +24,7 @@ from packrl.seqlen.microbatch import (
     MicrobatchPlan,
     plan_microbatches,
     sequence_costs,
+    as_count,
     validate_lengths,
 )
 
@@ -219,9 +220,10 @@ def balance_ranks(
         ValueError: ``num_ranks`` < 1, fewer sequences than ranks, or any error of
             `plan_microbatches` (a sequence over the cap names its global index).
     """
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+    num_ranks = as_count(num_ranks, "num_ranks")
+    if num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks!r} must be a positive integer")
-    validate_lengths(lengths, max_tokens, budget_key)
+    lengths, max_tokens = validate_lengths(lengths, max_tokens, budget_key)
     if len(lengths) < num_ranks:
         raise ValueError(f"{len(lengths)} sequences cannot be spread over {num_ranks} ranks; give every rank at least one")
     costs = sequence_costs(lengths, linear_coef)

@@ -147,13 +147,14 @@ class Budgets:
             ("sequence", "prompt + response", f"{seq:>9,}"),
             ("model context", "model config", context),
             ("update micro-batch", "train.max_tokens_per_microbatch",
-             f"{self.max_tokens_per_microbatch:>9,}  ({self.max_tokens_per_microbatch // max(seq, 1)} longest sequences)"),
+             f"{self.max_tokens_per_microbatch:>9,}  (holds {self.max_tokens_per_microbatch // max(seq, 1)} x the longest sequence)"),
             ("log-prob micro-batch", "train.max_tokens_per_logprob_microbatch",
-             f"{self.max_tokens_per_logprob_microbatch:>9,}  ({self.max_tokens_per_logprob_microbatch // max(seq, 1)} longest sequences)"),
+             f"{self.max_tokens_per_logprob_microbatch:>9,}  (holds {self.max_tokens_per_logprob_microbatch // max(seq, 1)} x the longest sequence)"),
         ]
         lines = ["token budgets"] + [f"  {name:<22}{key:<42}{value}" for name, key, value in rows]
         problems = self.problems()
-        lines += [f"  PROBLEM: {p}" for p in problems] or ["  all relations hold"]
+        unchecked = " (prompt + response <= model context not checked)" if self.max_context_tokens is None else ""
+        lines += [f"  PROBLEM: {p}" for p in problems] or [f"  all relations hold{unchecked}"]
         return "\n".join(lines)
 
     def _keyed_values(self) -> list[tuple[str, int]]:

@@ -13,6 +13,7 @@ set by one micro-batch full of long sequences.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -77,22 +78,41 @@ class MicrobatchPlan:
         return [by_index[i] for i in sorted(by_index)]
 
 
-def validate_lengths(lengths: Sequence[int], max_tokens: int, budget_key: str) -> None:
-    """Raise ValueError for an empty batch, a non-positive length or cap, or a sequence over the cap."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+def as_count(value: object, what: str) -> int:
+    """``value`` as a Python int (numpy and 0-d torch integers included), or ValueError naming ``what``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}={value!r} must be an integer, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what}={value!r} must be an integer") from None
+
+
+def validate_lengths(lengths: Sequence[int], max_tokens: int, budget_key: str) -> tuple[list[int], int]:
+    """``(lengths, max_tokens)`` as Python ints, or ValueError for an empty batch, a non-positive
+    or non-integer length or cap, or a sequence over the cap (named by index and length)."""
+    cap = as_count(max_tokens, budget_key)
+    if cap < 1:
         raise ValueError(f"{budget_key}={max_tokens!r} must be a positive integer number of tokens")
     if len(lengths) == 0:
         raise ValueError("cannot plan micro-batches for an empty batch (0 sequences)")
+    out = []
     for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        try:
+            length = as_count(n, f"length of sequence {i}")
+        except ValueError:
+            length = 0
+        if length < 1:
             raise ValueError(f"sequence {i} has length {n!r}; lengths must be positive integers (tokens)")
-    over = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+        out.append(length)
+    over = [(i, n) for i, n in enumerate(out) if n > cap]
     if over:
         i, n = max(over, key=lambda x: x[1])
         raise ValueError(
-            f"sequence {i} has {n:,} tokens > {budget_key}={max_tokens:,} ({len(over)} sequence(s) over budget); "
+            f"sequence {i} has {n:,} tokens > {budget_key}={cap:,} ({len(over)} sequence(s) over budget); "
             f"raise {budget_key} to >= {n:,} or lower data.max_prompt_tokens / rollout.max_response_tokens"
         )
+    return out, cap
 
 
 def _first_fit(order: list[int], lengths: Sequence[int], cap: int, max_bins: int | None) -> list[list[int]] | None:
@@ -244,7 +264,7 @@ def plan_microbatches(
             the cap (naming its index, its length and ``budget_key``), or an infeasible
             ``num_microbatches``.
     """
-    validate_lengths(lengths, max_tokens, budget_key)
+    lengths, max_tokens = validate_lengths(lengths, max_tokens, budget_key)
     costs = sequence_costs(lengths, linear_coef)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     ffd = _first_fit(order, lengths, max_tokens, max_bins=None)

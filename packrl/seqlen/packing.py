@@ -108,11 +108,13 @@ class Pack:
         return labels, has_label
 
 
-def _as_ids(seq: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    t = torch.as_tensor(seq, dtype=torch.int64)
+def _as_ids(seq: torch.Tensor | Sequence[int], i: int) -> torch.Tensor:
+    t = torch.as_tensor(seq)
     if t.dim() != 1:
-        raise ValueError(f"a sequence must be 1-D token ids, got shape {tuple(t.shape)}")
-    return t
+        raise ValueError(f"sequence {i} must be 1-D token ids, got shape {tuple(t.shape)}")
+    if t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
+        raise ValueError(f"sequence {i} must hold integer token ids, got {t.dtype}")
+    return t.to(torch.int64)
 
 
 def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: Sequence[int] | None = None) -> Pack:
@@ -126,17 +128,20 @@ def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: S
         The `Pack`, K = sum(L_i).
 
     Raises:
-        ValueError: no sequences, an empty or non-1-D sequence, or ``indices`` of another length.
+        ValueError: no sequences, an empty, non-1-D or non-integer sequence, or ``indices`` of
+            another length or with repeats.
     """
     if len(sequences) == 0:
         raise ValueError("cannot pack an empty list of sequences")
-    ids = [_as_ids(s) for s in sequences]
+    ids = [_as_ids(s, i) for i, s in enumerate(sequences)]
     lens = [len(t) for t in ids]
     if min(lens) < 1:
         raise ValueError(f"sequence {lens.index(min(lens))} has length 0; every packed sequence needs >= 1 token")
     indices = tuple(range(len(ids))) if indices is None else tuple(int(i) for i in indices)
     if len(indices) != len(ids):
         raise ValueError(f"got {len(indices)} indices for {len(ids)} sequences")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"indices {list(indices)} repeat a sequence; each packed sequence needs its own index")
     device = ids[0].device
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)

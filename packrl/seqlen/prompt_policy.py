@@ -19,10 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from packrl.seqlen.microbatch import as_count
+
 Status = Literal["kept", "truncated", "filtered", "rejected"]
 Policy = Literal["filter", "left", "right", "middle", "error"]
 POLICIES: tuple[str, ...] = ("filter", "left", "right", "middle", "error")
 _MAX_RENDERS = 12  # re-render attempts per overlong row; 1-3 are typical
+_REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes half a character to
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,16 +169,22 @@ class _Renderer:
         return self.ids(self.texts([chat]))[0]
 
 
-def _cut(ids: list[int], keep: int, side: str) -> list[int]:
+def _cut_text(ids: list[int], keep: int, side: str, decode) -> str:
+    """Decode the ``keep`` tokens ``side`` truncation leaves. A cut inside a multi-byte
+    character decodes to U+FFFD at the cut edge; those replacement characters are dropped, so
+    the prompt never gains text the row did not have."""
+
+    def text(part: list[int]) -> str:
+        return decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     if keep >= len(ids):
-        return ids
+        return text(ids)
     if side == "left":  # drop the start, keep the end
-        return ids[len(ids) - keep :] if keep else []
+        return text(ids[len(ids) - keep :] if keep else []).lstrip(_REPLACEMENT)
     if side == "right":  # keep the start
-        return ids[:keep]
-    head = keep // 2
-    tail = keep - head
-    return ids[:head] + (ids[len(ids) - tail :] if tail else [])
+        return text(ids[:keep]).rstrip(_REPLACEMENT)
+    head, tail = keep // 2, keep - keep // 2
+    return text(ids[:head]).rstrip(_REPLACEMENT) + (text(ids[len(ids) - tail :]).lstrip(_REPLACEMENT) if tail else "")
 
 
 def _with_content(messages: Sequence[dict], index: int, content: str) -> list[dict]:
@@ -194,7 +203,7 @@ def _truncate(renderer: _Renderer, messages: Sequence[dict], budget: int, side: 
     decode = renderer.tokenizer.decode
 
     def attempt(keep: int) -> list[int]:
-        text = decode(_cut(content_ids, keep, side), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = _cut_text(content_ids, keep, side, decode)
         return renderer.render(_with_content(messages, target, text))
 
     keep = min(budget - overhead, len(content_ids))
@@ -243,8 +252,13 @@ def apply_prompt_policy(
         ValueError: ``max_prompt_tokens`` < 1, an unknown policy, a tokenizer without chat
             template, or, under ``error``, any overlong row (all such rows are named).
     """
-    if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+    if as_count(max_prompt_tokens, "data.max_prompt_tokens") < 1:
         raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens!r} must be a positive integer number of tokens")
+    max_prompt_tokens = as_count(max_prompt_tokens, "data.max_prompt_tokens")
+    if isinstance(chats, (str, bytes)) or not isinstance(chats, Sequence):
+        raise ValueError(f"chats must be a list of chats (one per row), got {type(chats).__name__}")
+    if "add_generation_prompt" in (chat_template_kwargs or {}) or "tokenize" in (chat_template_kwargs or {}):
+        raise ValueError("chat_template_kwargs may not set add_generation_prompt or tokenize: prompts always end with the generation prompt")
     if policy not in POLICIES:
         raise ValueError(f"data.overlong_prompt={policy!r} is not one of {', '.join(POLICIES)}")
     renderer = _Renderer(tokenizer, chat_template_kwargs)

@@ -30,3 +30,15 @@ def test_config_errors_exit_2_with_every_problem(capsys):
     assert main(["config", "data.max_prompt_tokns=3", "rollout.n=0"]) == 2
     err = capsys.readouterr().err
     assert "2 config problem(s)" in err and "did you mean data.max_prompt_tokens" in err and "rollout.n=0" in err
+
+
+def test_overrides_may_follow_flags(capsys):
+    model = str(SMOLLM_DIR)
+    assert main(["config", "gsm8k", "--budgets", "rollout.n=4", f"model.path={model}"]) == 0
+    assert "'n': 4" in capsys.readouterr().out
+
+
+def test_unreadable_model_config_is_not_a_silent_pass(tmp_path, capsys):
+    assert main(["config", f"model.path={tmp_path}", "--budgets"]) == 2
+    captured = capsys.readouterr()
+    assert "NOT checked" in captured.err and "not checked" in captured.out

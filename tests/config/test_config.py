@@ -106,3 +106,33 @@ def test_config_is_frozen_and_round_trips_through_yaml(tmp_path: Path):
     path = tmp_path / "resolved.yaml"
     path.write_text(to_yaml(cfg))
     assert load_config(str(path)) == cfg
+
+
+@pytest.mark.parametrize("text", ["42\n", "true\n", "hello\n", "- a\n"])
+def test_yaml_that_is_not_a_mapping(tmp_path: Path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(str(path))
+
+
+def test_yaml_that_is_not_utf8(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"\xff\xfe\x00d")
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_config(str(path))
+
+
+def test_interpolations_stay_literal_text():
+    assert load_config("demo", ["model.path=${oc.env:HOME}"]).model.path == "${oc.env:HOME}"
+
+
+def test_duplicate_problems_are_reported_once():
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", ["train.max_tokens_per_microbatch=-1"])
+    assert len(err.value.problems) == 1
+
+
+def test_huge_floats_for_integers_are_rejected():
+    with pytest.raises(ConfigError, match="rollout.n"):
+        load_config("demo", ["rollout.n=1e30"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packrl.seqlen.chunked_logprobs import chunked_logprobs, full_logprobs
+from packrl.seqlen.chunked import chunked_logprobs, full_logprobs
 
 ATOL = 1e-5
 
@@ -86,7 +86,9 @@ def test_bf16_inputs_give_float32_outputs_close_to_full():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"labels": torch.zeros(3, dtype=torch.long)}, "labels must be"), ({"chunk_tokens": 0}, "logits_chunk_tokens=0"),
-     ({"temperature": 0.0}, "temperature"), ({"weight": torch.zeros(5, 3)}, "hidden must be")],
+     ({"temperature": 0.0}, "temperature"), ({"weight": torch.zeros(5, 3)}, "hidden must be"),
+     ({"labels": torch.full((37,), 101)}, r"\[0, V=101\)"), ({"labels": torch.full((37,), -100)}, "min -100"),
+     ({"labels": torch.zeros(37)}, "integer token ids"), ({"weight": torch.zeros(101, 16, dtype=torch.float64)}, "share a dtype")],
 )
 def test_bad_input(kwargs, match):
     h, w, _, labels = _inputs()

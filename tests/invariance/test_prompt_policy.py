@@ -118,3 +118,17 @@ def test_budget_too_small_for_the_template_rejects(smollm_tokenizer, long_chat):
 def test_bad_arguments(smollm_tokenizer, budget, policy, match):
     with pytest.raises(ValueError, match=match):
         apply_prompt_policy([[{"role": "user", "content": "x"}]], smollm_tokenizer, budget, policy)
+
+
+@pytest.mark.parametrize("policy", ["left", "right", "middle"])
+def test_truncation_never_adds_replacement_characters(smollm_tokenizer, policy):
+    chat = [{"role": "user", "content": "👨‍👩‍👧‍👦🇫🇷é漢字" * 50}]
+    (prompt,) = apply_prompt_policy([chat], smollm_tokenizer, 60, policy).prompts
+    assert prompt.num_tokens <= 60
+    assert "\ufffd" not in smollm_tokenizer.decode(prompt.prompt_ids)
+
+
+@pytest.mark.parametrize("chats", ["hello", None, 42])
+def test_chats_must_be_a_list(smollm_tokenizer, chats):
+    with pytest.raises(ValueError, match="list of chats"):
+        apply_prompt_policy(chats, smollm_tokenizer, 64, "left")

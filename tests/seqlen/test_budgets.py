@@ -54,7 +54,7 @@ def test_valid_budgets_and_plan():
     plan = b.plan()
     assert b.max_sequence_tokens == 1024
     for text in ("data.max_prompt_tokens", "rollout.max_response_tokens", "train.max_tokens_per_microbatch",
-                 "8,192", "4 longest sequences", "all relations hold"):
+                 "8,192", "holds 4 x the longest sequence", "all relations hold"):
         assert text in plan
 
 

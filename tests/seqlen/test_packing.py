@@ -49,9 +49,17 @@ def test_unpack_shapes():
 
 @pytest.mark.parametrize(
     ("seqs", "kwargs", "match"),
-    [([], {}, "empty list"), ([[1], []], {}, "sequence 1 has length 0"), ([[[1, 2]]], {}, "1-D"),
+    [([], {}, "empty list"), ([[1], []], {}, "sequence 1 has length 0"), ([[[1, 2]]], {}, "1-D"), ([[1.5, 2.0]], {}, "integer token ids"),
+     ([[1], [2]], {"indices": [0, 0]}, "repeat"),
      ([[1], [2]], {"indices": [0]}, "1 indices for 2 sequences")],
 )
 def test_bad_input(seqs, kwargs, match):
     with pytest.raises(ValueError, match=match):
         pack_sequences(seqs, **kwargs)
+
+
+def test_package_exports_are_functions_even_after_submodule_imports():
+    import packrl.models.logprobs  # noqa: F401  (imports packrl.seqlen.chunked)
+    from packrl.seqlen import chunked_logprobs, plan_microbatches
+
+    assert callable(chunked_logprobs) and callable(plan_microbatches)

@@ -13,6 +13,7 @@ d H_t / d z = -p * (log p + H_t).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _DEFAULT_CHUNK = 1024
 
@@ -54,6 +55,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         chunk, temperature = ctx.chunk, ctx.temperature
@@ -122,12 +124,19 @@ def chunked_logprobs(
         ``(logprobs, entropy)``, each Shape [K], float32 (float64 for float64 models), nats.
 
     Raises:
-        ValueError: mismatched shapes, ``chunk_tokens`` < 1 or ``temperature`` <= 0.
+        ValueError: mismatched shapes or dtypes, labels that are not integer ids in [0, V),
+            ``chunk_tokens`` < 1 or ``temperature`` <= 0. Double backward is not supported.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [K, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != (hidden.shape[0],):
         raise ValueError(f"labels must be [K] = [{hidden.shape[0]}]; got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integer token ids, got {labels.dtype}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= weight.shape[0]):
+        raise ValueError(f"labels must lie in [0, V={weight.shape[0]}); got min {int(labels.min())}, max {int(labels.max())}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype; run under autocast or cast one")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
