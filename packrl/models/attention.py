@@ -75,19 +75,21 @@ AttentionInterface.register(PACKRL_SDPA, _packrl_sdpa)
 ALL_MASK_ATTENTION_FUNCTIONS.register(PACKRL_SDPA, sdpa_mask)
 
 
-def use_packed_attention(model: torch.nn.Module) -> str:
+def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> str:
     """Give an SDPA model an attention implementation that runs ``varlen`` packs.
 
-    On CUDA, in bf16/fp16, with flash-attn installed: ``flash_attention_2`` (its varlen kernel).
-    Otherwise ``packrl_sdpa``, which is SDPA for every call without ``cu_seq_lens_q``, so
-    generation and padded forwards are unchanged. Eager and flash models are left as they are.
+    On CUDA, with flash-attn installed and a bf16/fp16 compute dtype (the parameters' dtype, or
+    ``compute_dtype`` when forwards run under autocast): ``flash_attention_2`` (its varlen
+    kernel). Otherwise ``packrl_sdpa``, which is SDPA for every call without ``cu_seq_lens_q``,
+    so generation and padded forwards are unchanged. Eager and flash models are left as they are.
 
     Returns:
         The model's attention implementation afterwards.
     """
     if model.config._attn_implementation == "sdpa":
         param = next(model.parameters())
-        if param.is_cuda and param.dtype in (torch.bfloat16, torch.float16) and is_flash_attn_2_available():
+        half = (compute_dtype or param.dtype) in (torch.bfloat16, torch.float16)
+        if param.is_cuda and half and is_flash_attn_2_available():
             model.set_attn_implementation("flash_attention_2")
         else:
             model.set_attn_implementation(PACKRL_SDPA)

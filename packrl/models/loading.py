@@ -517,7 +517,7 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tupl
             f"the tokenizer in {resolved.tokenizer_dir} belongs to another model: put the model's own tokenizer files there"
         )
     model.to(device)
-    use_packed_attention(model)
+    use_packed_attention(model, compute_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
