@@ -21,7 +21,7 @@ Settings (packrl key = TRL ``GRPOConfig`` argument):
 
     model.path (resolved dir)          = model (same dir; float32 params: model_init_kwargs dtype)
     model.dtype=bf16 (autocast)        = bf16=True (accelerate autocast), fp32 master weights
-    data.batch_size B x rollout.n      = per_device_train_batch_size=B*n, gradient_accumulation_steps=1
+    data.batch_size B x rollout.n      = per_device_train_batch_size x gradient_accumulation_steps = B*n
     rollout.n                          = num_generations
     rollout.max_response_tokens        = max_completion_length
     rollout.temperature/top_p/top_k 0  = temperature / top_p / top_k=0
@@ -121,7 +121,7 @@ def prompt_schedule(cfg, tokenizer, total_steps: int) -> list:
     return [by_row[row] for _ in range(total_steps) for row in sampler.next_batch().rows]
 
 
-def run_trl(setting: str, warmup: int, steps: int) -> dict:
+def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -151,9 +151,11 @@ def run_trl(setting: str, warmup: int, steps: int) -> dict:
                 self.records.append((time.perf_counter() - self.start, state.num_input_tokens_seen - self.tokens))
 
         algo, n = cfg.algorithm, cfg.rollout.n
+        if (cfg.data.batch_size * n) % micro:
+            raise SystemExit(f"--trl-micro-batch {micro} does not divide B*n = {cfg.data.batch_size * n}")
         args = GRPOConfig(
-            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=cfg.data.batch_size * n,
-            gradient_accumulation_steps=1, num_generations=n, max_completion_length=cfg.rollout.max_response_tokens,
+            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=micro,
+            gradient_accumulation_steps=cfg.data.batch_size * n // micro, num_generations=n, max_completion_length=cfg.rollout.max_response_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.train.weight_decay,
             max_grad_norm=cfg.train.grad_clip, optim="adamw_torch", beta=0.0, epsilon=algo.clip_ratio_low,
@@ -194,18 +196,19 @@ def run_trl(setting: str, warmup: int, steps: int) -> dict:
     )
 
 
-def worker(framework: str, setting: str, warmup: int, steps: int) -> None:
+def worker(framework: str, setting: str, warmup: int, steps: int, micro: int) -> None:
     import torch
 
     torch.set_num_threads(THREADS)
-    result = (run_packrl if framework == "packrl" else run_trl)(setting, warmup, steps)
+    result = run_packrl(setting, warmup, steps) if framework == "packrl" else run_trl(setting, warmup, steps, micro)
     result["torch_threads_at_end"] = torch.get_num_threads()
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def spawn(framework: str, setting: str, warmup: int, steps: int) -> dict:
+def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int) -> dict:
     env = os.environ | {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup), "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup), "--steps", str(steps),
+           "--trl-micro-batch", str(micro)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -220,10 +223,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after the warm-up)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--first", choices=["packrl", "trl"], default="packrl")
+    parser.add_argument("--trl-micro-batch", type=int, default=4, help="TRL per_device_train_batch_size (sequences)")
     parser.add_argument("--worker", choices=["packrl", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.settings[0], args.warmup, args.steps)
+        return worker(args.worker, args.settings[0], args.warmup, args.steps, args.trl_micro_batch)
     import torch
     import transformers
     import trl
@@ -234,11 +238,12 @@ def main() -> None:
                     "torch_threads": THREADS, "order": order, "target_step_time_ratio": 0.6, "settings": {}}
     for setting in args.settings:
         cfg = packrl_config(setting, args.warmup + args.steps, tempfile.gettempdir())
-        res = {fw: spawn(fw, setting, args.warmup, args.steps) for fw in order}
+        res = {fw: spawn(fw, setting, args.warmup, args.steps, args.trl_micro_batch) for fw in order}
         p, t = res["packrl"], res["trl"]
         report["settings"][setting] = {
-            "config": {"prompts_B": cfg.data.batch_size, "n": cfg.rollout.n, "max_response_tokens": cfg.rollout.max_response_tokens,
-                       "lr": cfg.train.lr, "dtype": cfg.model.dtype, "data": cfg.data.train_files, "instruction": cfg.data.instruction},
+            "config": {"B": cfg.data.batch_size, "n": cfg.rollout.n, "max_response_tokens": cfg.rollout.max_response_tokens,
+                       "lr": cfg.train.lr, "dtype": cfg.model.dtype, "data": cfg.data.train_files,
+                       "trl_micro_batch": args.trl_micro_batch, "instruction": cfg.data.instruction},
             "packrl": p, "trl": t,
             "step_time_ratio_packrl_over_trl": round(p["step_s_median"] / t["step_s_median"], 3),
             "tokens_per_s_ratio_packrl_over_trl": round(p["tokens_per_s"] / t["tokens_per_s"], 3),

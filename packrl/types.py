@@ -106,14 +106,16 @@ class TrainBatch:
         scored: the scored rollout.
         advantages: per response token. ``N`` tensors of Shape [R_i], float32.
         loss_masks: True = the response token counts in the loss. ``N`` tensors of Shape [R_i], bool.
-        old_logprobs: log pi_old of each response token. ``N`` tensors of Shape [R_i], float32, nats.
+        old_logprobs: log pi_old of each response token. ``N`` tensors of Shape [R_i], float32,
+            nats; None when the update is on-policy (one optimizer step per rollout), where
+            pi_old is the policy being updated and its detached log-probs are used.
         ref_logprobs: log pi_ref of each response token, or None without a reference model.
     """
 
     scored: ScoredBatch
     advantages: tuple[torch.Tensor, ...]
     loss_masks: tuple[torch.Tensor, ...]
-    old_logprobs: tuple[torch.Tensor, ...]
+    old_logprobs: tuple[torch.Tensor, ...] | None
     ref_logprobs: tuple[torch.Tensor, ...] | None
 
     @property

@@ -23,11 +23,42 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def rollout_weights(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """The model generation runs on: ``model`` itself in float32, else a frozen copy in ``dtype``.
+
+    Under autocast every decode step would re-cast all float32 weights; a bf16 copy, synced
+    after each optimizer step (`sync_rollout_weights`), generates about twice as fast on CPU
+    for one extra bf16 copy of the weights (0.27 GB for 135M parameters).
+    """
+    if dtype is None:
+        return model
+    import copy
+
+    twin = copy.deepcopy(model).to(dtype)
+    twin.requires_grad_(False)
+    return twin.eval()
+
+
+@torch.no_grad()
+def sync_rollout_weights(model: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Copy (and cast) the trained parameters into the rollout copy; no-op when they are one."""
+    if twin is model:
+        return
+    for dst, src in zip(twin.parameters(), model.parameters(), strict=True):
+        dst.copy_(src)
+
+
 class LocalWorkerGroup:
     """Actor, reference, rollout engine and optimizer in this process.
 
     The reference model exists only when ``algorithm.kl_coef > 0``. Parameters and optimizer
-    states are float32; ``model.dtype=bf16`` runs forwards and generation under autocast.
+    states are float32; ``model.dtype=bf16`` runs training forwards under autocast and
+    generation on a bf16 copy of the weights, synced after every update.
+
+    With one optimizer step per rollout (``train.ppo_epochs=1``, ``train.mini_batch_size`` =
+    ``data.batch_size``), the policy that sampled is the policy being updated: its old log-probs
+    equal the update's own (detached) log-probs, so that forward is skipped (as TRL does with
+    ``num_iterations=1``), unless in-reward KL or rollout log-probs ask for them.
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, reference: torch.nn.Module | None = None):
@@ -35,8 +66,12 @@ class LocalWorkerGroup:
         self.device = next(model.parameters()).device
         self.max_context_tokens = model_context_tokens(model.config)[0]
         self._dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
-        self.engine = HFEngine(model, tokenizer, max_context_tokens=self.max_context_tokens,
-                               max_num_seqs=cfg.rollout.max_num_seqs, autocast_dtype=self._dtype)
+        self.rollout_model = rollout_weights(model, self._dtype)
+        self.engine = HFEngine(self.rollout_model, tokenizer, max_context_tokens=self.max_context_tokens,
+                               max_num_seqs=cfg.rollout.max_num_seqs, autocast_dtype=None)
+        mini = cfg.train.mini_batch_size
+        self.on_policy = (cfg.train.ppo_epochs == 1 and mini in (None, cfg.data.batch_size)
+                          and not cfg.algorithm.kl_in_reward and not cfg.rollout.return_logprobs)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warmup = cfg.train.warmup_steps
@@ -59,12 +94,14 @@ class LocalWorkerGroup:
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
         model = self.model if role == "actor" else self.reference
-        if model is None:
+        if model is None or (role == "actor" and self.on_policy):
             return None
         return compute_logprobs(model, rollout, self.cfg, self.autocast)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        return update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.autocast)
+        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.autocast)
+        sync_rollout_weights(self.model, self.rollout_model)
+        return metrics
 
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -73,6 +110,7 @@ class LocalWorkerGroup:
     def load_checkpoint(self, path: Path) -> dict:
         state, optimizer_state = load_trainer_state(path)
         load_weights(self.model, path)
+        sync_rollout_weights(self.model, self.rollout_model)
         self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         return state

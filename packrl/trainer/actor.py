@@ -114,7 +114,10 @@ def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators
     out = pack_logprobs(model, pack, attention=cfg.model.packed_attention, chunk_tokens=cfg.train.logits_chunk_tokens,
                         temperature=cfg.rollout.temperature, entropy_grad=algo.entropy_coeff > 0)
     mask = _scatter_response(pack, rollout, batch.loss_masks, False)
-    old = _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
+    if batch.old_logprobs is None:  # on-policy: pi_old is the current policy
+        old = out.token_logprobs.detach()
+    else:
+        old = _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
     adv = _scatter_response(pack, rollout, batch.advantages, 0.0)
     seq_ids = pack.sequence_ids()
     mode = algo.loss_agg_mode

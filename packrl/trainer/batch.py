@@ -25,7 +25,7 @@ def loss_masks(scored: ScoredBatch, truncated: str) -> tuple[torch.Tensor, ...]:
 
 def build_train_batch(
     scored: ScoredBatch,
-    old_logprobs: tuple[torch.Tensor, ...],
+    old_logprobs: tuple[torch.Tensor, ...] | None,
     ref_logprobs: tuple[torch.Tensor, ...] | None,
     cfg: AlgorithmConfig,
 ) -> tuple[TrainBatch, dict[str, float]]:
@@ -33,6 +33,7 @@ def build_train_batch(
 
     With ``algorithm.kl_in_reward`` and a reference model, each response's reward is lowered by
     ``kl_coef x sum_t KL_t`` (verl's in-reward KL) before the advantage is estimated.
+    ``old_logprobs`` is None when the update is on-policy (see `LocalWorkerGroup`).
 
     Returns:
         ``(batch, metrics)``; metrics hold ``seqlen/masked_tokens/truncated`` (loss tokens removed
@@ -42,6 +43,7 @@ def build_train_batch(
     rewards = scored.rewards.clone()
     metrics: dict[str, float] = {}
     if cfg.kl_in_reward and ref_logprobs is not None:
+        assert old_logprobs is not None, "in-reward KL needs the old log-probs"
         seq_kl = torch.stack([kl_penalty(old, ref, cfg.kl_estimator).sum() for old, ref in zip(old_logprobs, ref_logprobs)])
         rewards = rewards - cfg.kl_coef * seq_kl
         metrics["critic/kl_in_reward/mean"] = seq_kl.mean().item()

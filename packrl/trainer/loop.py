@@ -64,7 +64,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
             with stage_timer(timing, "ref"):
                 ref = workers.compute_logprobs(rollout, "ref")
             with stage_timer(timing, "adv"):
-                batch, adv_metrics = build_train_batch(scored, old.logprobs, ref and ref.logprobs, cfg.algorithm)
+                batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
             with stage_timer(timing, "update_actor"):
                 update_metrics = workers.update(batch)
         metrics = rollout_metrics(rollout) | score_metrics(scored, batch.advantages) | adv_metrics | update_metrics

@@ -90,3 +90,20 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
     assert reloaded_tokenizer.chat_template == tokenizer.chat_template
     restored = LocalWorkerGroup(cfg, reloaded, reloaded_tokenizer).load_checkpoint(checkpoint)
     assert restored["step"] == 2 and "sampler" in restored
+
+
+def test_bf16_generation_copy_follows_the_trained_weights(tmp_path, tokenizer):
+    cfg = load_config("demo", [
+        f"train.out_dir={tmp_path / 'run'}", "train.total_steps=1", "data.batch_size=2", "rollout.n=2",
+        "rollout.max_response_tokens=8", "model.dtype=bf16", "train.lr=1e-2", "reward.name=test_letter_e",
+        "data.val_files=[]",
+    ])
+    model = _tiny_policy(tokenizer)
+    workers = LocalWorkerGroup(cfg, model, tokenizer)
+    assert workers.rollout_model is not model and next(workers.rollout_model.parameters()).dtype == torch.bfloat16
+    assert workers.on_policy
+    before = [p.detach().clone() for p in workers.rollout_model.parameters()]
+    train(cfg, workers)
+    for twin, param in zip(workers.rollout_model.parameters(), model.parameters()):
+        assert torch.equal(twin, param.detach().to(torch.bfloat16))
+    assert any(not torch.equal(a, b) for a, b in zip(before, workers.rollout_model.parameters()))
