@@ -232,3 +232,16 @@ def test_sampling_params_from_config():
 def test_sampling_params_reject_bad_values_naming_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         SamplingParams(**kwargs)
+
+
+def test_gumbel_max_sampler_draws_from_the_softmax():
+    """The argmax of Gumbel-perturbed scores is a draw from softmax(scores): frequencies over
+    40,000 draws match the probabilities (filtered -inf scores are never drawn)."""
+    from packrl.rollout.hf_engine import GumbelMaxSampler
+
+    torch.manual_seed(0)
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]])
+    draws = GumbelMaxSampler()(None, scores.expand(40_000, -1).clone()).argmax(-1)
+    freq = torch.bincount(draws, minlength=5).float() / draws.numel()
+    torch.testing.assert_close(freq, torch.softmax(scores[0], -1), atol=0.01, rtol=0)
+    assert freq[4] == 0
