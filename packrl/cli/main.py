@@ -32,7 +32,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from packrl.trainer.loop import train
 
     cfg = load_config(args.preset, args.overrides)
-    run_dir = train(cfg)
+    try:
+        run_dir = train(cfg)
+    except (ValueError, OSError) as err:  # data, model, reward and output problems: a message, not a traceback
+        print(f"packrl train: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("packrl train: interrupted; completed steps are in metrics.jsonl and checkpoints/", file=sys.stderr)
+        return 130
     print(f"run finished: {run_dir}")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from importlib import resources
@@ -59,6 +60,23 @@ def _read_preset(preset: str) -> dict[str, Any]:
     return data
 
 
+def _literal_if_needed(item: str) -> str:
+    """``key=value`` with ``value`` quoted when YAML would not read it as written: a ``#`` would
+    start a comment (``Give the answer after ####``) and some characters (``@``, `` ` ``, ``%``,
+    ``*``, unbalanced brackets) are YAML syntax errors. Such values are taken as plain text."""
+    key, value = item.split("=", 1)
+    try:
+        yaml.safe_load(value)
+        plain = "#" not in value
+    except yaml.YAMLError:
+        plain = False
+    if plain:
+        return item
+    if value.startswith("[") and value.endswith("]"):  # a list of plain strings, e.g. rollout.stop=[####]
+        return f"{key}={json.dumps([v.strip() for v in value[1:-1].split(',') if v.strip()])}"
+    return f"{key}={json.dumps(value)}"
+
+
 def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
     problems = []
     for item in overrides:
@@ -70,7 +88,7 @@ def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=False)
+        return OmegaConf.to_container(OmegaConf.from_dotlist([_literal_if_needed(o) for o in overrides]), resolve=False)
     except OmegaConfBaseException as err:
         raise ConfigError([ConfigProblem("overrides", overrides, f"could not parse: {err}", "write overrides as dotted.key=value")]) from err
 

@@ -9,6 +9,7 @@ never written back here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -163,6 +164,8 @@ class RolloutConfig:
             out.append(ConfigProblem(f"{prefix}.top_p", self.top_p, "must be in (0, 1]", "set rollout.top_p=1.0"))
         if self.top_k < 0:
             out.append(ConfigProblem(f"{prefix}.top_k", self.top_k, "must be >= 0", "set rollout.top_k=0 (off)"))
+        if any(not stop for stop in self.stop):
+            out.append(ConfigProblem(f"{prefix}.stop", self.stop, "holds an empty stop string", "remove it from rollout.stop"))
         if self.val_temperature < 0:
             out.append(ConfigProblem(f"{prefix}.val_temperature", self.val_temperature, "must be >= 0", "set rollout.val_temperature=0 (greedy)"))
         return out
@@ -189,9 +192,13 @@ class RewardConfig:
     """Largest overlong penalty, reached at `rollout.max_response_tokens`."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = []
         if self.overlong_buffer_tokens < 0:
-            return [ConfigProblem(f"{prefix}.overlong_buffer_tokens", self.overlong_buffer_tokens, "must be >= 0", "set reward.overlong_buffer_tokens=0 (off)")]
-        return []
+            out.append(ConfigProblem(f"{prefix}.overlong_buffer_tokens", self.overlong_buffer_tokens, "must be >= 0", "set reward.overlong_buffer_tokens=0 (off)"))
+        if not 0 <= self.overlong_penalty_factor < math.inf:
+            out.append(ConfigProblem(f"{prefix}.overlong_penalty_factor", self.overlong_penalty_factor,
+                                     "must be a finite number >= 0 (it is subtracted)", "set reward.overlong_penalty_factor=1.0"))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,8 +262,8 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "val_every"):
             if getattr(self, name) < 0:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name}=0"))
-        if not self.lr > 0:
-            out.append(ConfigProblem(f"{prefix}.lr", self.lr, "must be > 0", "set train.lr=1e-6"))
+        if not 0 < self.lr < math.inf:
+            out.append(ConfigProblem(f"{prefix}.lr", self.lr, "must be a finite number > 0", "set train.lr=1e-6"))
         if self.weight_decay < 0 or self.grad_clip < 0:
             out.append(ConfigProblem(f"{prefix}.grad_clip", self.grad_clip, "grad_clip and weight_decay must be >= 0", "set train.grad_clip=1.0"))
         return out
@@ -343,6 +350,12 @@ class RunConfig:
                 "train.mini_batch_size", mini, f"does not divide data.batch_size={self.data.batch_size}",
                 "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"),
             ))
+        if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "rloo"):
+            out.append(ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {self.algorithm.adv_estimator} (one response per group)",
+                                     "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
+        if self.algorithm.kl_in_reward and self.algorithm.kl_coef == 0:
+            out.append(ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
+                                     "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false", keys=("algorithm.kl_in_reward", "algorithm.kl_coef")))
         buffer = self.reward.overlong_buffer_tokens
         if buffer > self.rollout.max_response_tokens:
             out.append(ConfigProblem(

@@ -55,3 +55,18 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         scores=torch.tensor(scores, dtype=torch.float32),
         rewards=torch.tensor(rewards, dtype=torch.float32),
     )
+
+
+def check_reward(cfg: RewardConfig) -> None:
+    """Fail before a run starts when ``reward.name`` is not registered or cannot run: the reward
+    is called once on an empty response (which any reward must score, usually 0).
+
+    Raises:
+        ValueError: an unknown ``reward.name`` (listing the registered ones) or a reward that
+            raises on a trivial input (e.g. a missing optional package).
+    """
+    fn = get_reward(cfg.name)
+    try:
+        fn("", "0", data_source="packrl/check", cfg=cfg)
+    except Exception as err:
+        raise ValueError(f"reward.name={cfg.name!r} cannot score a response: {type(err).__name__}: {err}") from err

@@ -153,6 +153,9 @@ def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequenc
     rollout = batch.rollout
     scale = cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens
     den = LossDenominators.from_masks([batch.loss_masks[i] for i in indices], scale)
+    if den.num_tokens == 0:
+        logger.warning("a mini-batch of %d responses has no loss tokens (all masked, e.g. algorithm.truncated=mask with every "
+                       "response truncated); it contributes no gradient: raise rollout.max_response_tokens", len(indices))
     lengths = rollout.sequence_lengths()
     plan = plan_microbatches([lengths[i] for i in indices], cfg.train.max_tokens_per_microbatch,
                              balance=cfg.train.balance_microbatches)

@@ -5,6 +5,8 @@ Shapes: ``N`` sequences · ``R_i`` response tokens of sequence i.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from packrl.algos.advantages import get_advantage
@@ -33,7 +35,8 @@ def build_train_batch(
 
     With ``algorithm.kl_in_reward`` and a reference model, each response's reward is lowered by
     ``kl_coef x sum_t KL_t`` (verl's in-reward KL) before the advantage is estimated.
-    ``old_logprobs`` is None when the update is on-policy (see `LocalWorkerGroup`).
+    ``old_logprobs`` is None when the update is on-policy (see `LocalWorkerGroup`). The batch's
+    ``scored.rewards`` are the rewards the advantages were computed from (KL-shaped if asked).
 
     Returns:
         ``(batch, metrics)``; metrics hold ``seqlen/masked_tokens/truncated`` (loss tokens removed
@@ -51,5 +54,5 @@ def build_train_batch(
     masks = loss_masks(scored, cfg.truncated)
     advantages = tuple(torch.full((len(r.response_ids),), float(a)) for r, a in zip(rollout.responses, adv))
     metrics["seqlen/masked_tokens/truncated"] = float(sum(int((~m).sum()) for m in masks))
-    batch = TrainBatch(scored, advantages, masks, old_logprobs, ref_logprobs)
+    batch = TrainBatch(replace(scored, rewards=rewards), advantages, masks, old_logprobs, ref_logprobs)
     return batch, metrics

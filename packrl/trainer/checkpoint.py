@@ -30,10 +30,14 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+    except BaseException:  # an interrupted or failed write leaves nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

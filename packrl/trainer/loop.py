@@ -17,7 +17,7 @@ from packrl.diagnostics.metrics import perf_metrics, rollout_metrics, score_metr
 from packrl.diagnostics.timers import stage_timer
 from packrl.distributed.local import LocalWorkerGroup
 from packrl.distributed.protocol import WorkerGroup
-from packrl.reward.score import score_rollout
+from packrl.reward.score import check_reward, score_rollout
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import Budgets
 from packrl.trainer.batch import build_train_batch
@@ -41,6 +41,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         ValueError: data problems (bad rows without ``data.skip_bad_rows``, too few prompts, ...).
     """
     seed_everything(cfg.train.seed)
+    check_reward(cfg.reward)
     run = Run(cfg)
     workers = workers or LocalWorkerGroup.build(cfg)
     budgets = Budgets.from_config(cfg, workers.max_context_tokens).validate()
@@ -67,12 +68,12 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
                 batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
             with stage_timer(timing, "update_actor"):
                 update_metrics = workers.update(batch)
-        metrics = rollout_metrics(rollout) | score_metrics(scored, batch.advantages) | adv_metrics | update_metrics
+        metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
         metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
         if val_set is not None and cfg.train.val_every and due(step, cfg.train.val_every, total):
             metrics |= validate(workers, val_set, cfg)
+        run.log_step(step, metrics)
         if due(step, cfg.train.save_every, total):
             workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
-        run.log_step(step, metrics)
     run.close()
     return run.dir

@@ -36,6 +36,11 @@ def _json_number(value: Any) -> Any:
     return value if not isinstance(value, float) or math.isfinite(value) else str(value)
 
 
+class _ConsoleHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
 class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
     ``metrics.jsonl`` (one JSON object per step) and a live progress bar."""
@@ -44,8 +49,13 @@ class Run:
         self.cfg = cfg
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.dir = Path(cfg.train.out_dir or f"runs/{stamp}-{secrets.token_hex(2)}").resolve()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        if (self.dir / "metrics.jsonl").is_file() and (self.dir / "metrics.jsonl").stat().st_size:
+            raise ValueError(f"train.out_dir={str(self.dir)!r} already holds a run (metrics.jsonl); choose a new train.out_dir")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "config.yaml").write_text(to_yaml(cfg))
+        except OSError as err:
+            raise ValueError(f"train.out_dir={str(self.dir)!r} cannot be written ({err}); choose a writable train.out_dir") from err
         self._setup_logging()
         self.metrics_path = self.dir / "metrics.jsonl"
         self.progress = tqdm(total=cfg.train.total_steps, desc="packrl train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -58,8 +68,11 @@ class Run:
                 root.removeHandler(handler)
         handler = logging.FileHandler(self.dir / "train.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._packrl_run = True  # type: ignore[attr-defined]
-        root.addHandler(handler)
+        console = _ConsoleHandler(logging.WARNING)  # warnings also reach the terminal, above the progress bar
+        console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        for h in (handler, console):
+            h._packrl_run = True  # type: ignore[attr-defined]
+            root.addHandler(h)
 
     def note(self, name: str, text: str) -> None:
         """Log ``text`` and keep it as ``RUN_DIR/<name>``."""

@@ -42,3 +42,18 @@ def test_unreadable_model_config_is_not_a_silent_pass(tmp_path, capsys):
     assert main(["config", f"model.path={tmp_path}", "--budgets"]) == 2
     captured = capsys.readouterr()
     assert "NOT checked" in captured.err and "not checked" in captured.out
+
+
+def test_train_errors_are_messages_not_tracebacks(tmp_path, capsys):
+    assert main(["train", "reward.name=nope"]) == 2
+    assert "reward.name='nope'" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert main(["train", f"train.out_dir={a_file}"]) == 2
+    assert "train.out_dir=" in capsys.readouterr().err
+
+
+def test_train_refuses_to_mix_two_runs_in_one_dir(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["train", f"train.out_dir={tmp_path}"]) == 2
+    assert "already holds a run" in capsys.readouterr().err

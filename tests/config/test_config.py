@@ -136,3 +136,18 @@ def test_duplicate_problems_are_reported_once():
 def test_huge_floats_for_integers_are_rejected():
     with pytest.raises(ConfigError, match="rollout.n"):
         load_config("demo", ["rollout.n=1e30"])
+
+
+def test_override_values_yaml_cannot_read_are_plain_text():
+    cfg = load_config("demo", ["data.instruction=Give the answer after ####.", "rollout.stop=[####]", "data.system_prompt=*ref"])
+    assert cfg.data.instruction == "Give the answer after ####."
+    assert cfg.rollout.stop == ["####"]
+    assert cfg.data.system_prompt == "*ref"
+
+
+def test_settings_that_silently_do_nothing_are_problems():
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", ["rollout.n=1", "algorithm.kl_in_reward=true", "rollout.stop=['']", "train.lr=.inf",
+                             "reward.overlong_penalty_factor=-5"])
+    keys = {p.key for p in err.value.problems}
+    assert keys == {"rollout.n", "algorithm.kl_in_reward", "rollout.stop", "train.lr", "reward.overlong_penalty_factor"}
