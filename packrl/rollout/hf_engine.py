@@ -52,6 +52,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from packrl.rollout.engine import SamplingParams
 from packrl.types import FinishReason, Response
@@ -67,6 +68,8 @@ _OFF: dict[str, Any] = {
     "guidance_scale": None, "watermarking_config": None, "dola_layers": None, "min_p": None, "top_h": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "output_scores": False,
 }
+# transformers 5 renamed generate's `past_key_values` (argument and output field) to `cache`.
+_CACHE_KEY = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 _NEVER = 1 << 62  # "no event" step index, larger than any response
 
 
@@ -110,6 +113,8 @@ class HFEngine:
     Raises:
         ValueError: a size is < 1, or neither the tokenizer nor the model names an EOS id.
     """
+
+    ROUND_TOKENS = 16  # new tokens per generate call before finished rows leave the batch
 
     def __init__(
         self,
@@ -192,7 +197,14 @@ class HFEngine:
             self.model.train(was_training)
 
     def _generate_batch(self, batch: list[_Request], params: SamplingParams) -> list[Response]:
-        """Left-pad one batch, generate up to its largest cap, and cut each response at its own."""
+        """Left-pad one batch, generate in rounds, and cut each response at its own end.
+
+        Generation runs in rounds of at most `ROUND_TOKENS` new tokens over one KV cache. After
+        each round, rows that are done (EOS, a stop string, or their own cap) leave the batch and
+        the cache (`Cache.batch_select_indices`), so the remaining rounds decode only the rows
+        still running: a decode step costs about 20 ms + 3 ms per row for the 135M shape on 2
+        CPU cores, and most responses end well before the longest.
+        """
         device = next(self.model.parameters()).device
         width = max(len(r.prompt) for r in batch)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [b, P_max]
@@ -200,14 +212,32 @@ class HFEngine:
         for i, req in enumerate(batch):
             input_ids[i, width - len(req.prompt):] = torch.tensor(req.prompt)
             attention_mask[i, width - len(req.prompt):] = 1
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            **self._generate_kwargs(params, max_new_tokens=max(r.cap for r in batch)),
-        )
-        sequences = out.sequences.cpu()  # [b, P_max + R_gen]
-        generated = sequences[:, width:]  # [b, R_gen]
-        logprobs = _token_logprobs(out.logits, generated, params.logprob_temperature) if params.return_logprobs else None
+        rows = _Rows(len(batch), params.return_logprobs)
+        alive = torch.arange(len(batch))  # batch rows still generating, in cache order
+        ids, mask, cache = input_ids.to(device), attention_mask.to(device), None
+        cap = max(r.cap for r in batch)
+        while len(alive) and rows.steps < cap:
+            kwargs = self._generate_kwargs(params, max_new_tokens=min(self.ROUND_TOKENS, cap - rows.steps))
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({_CACHE_KEY: cache} if cache else {}))
+            new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
+            logprobs = _token_logprobs(out.logits, new, params.logprob_temperature) if params.return_logprobs else None
+            rows.add(alive, new.cpu(), logprobs, pad_id=self.pad_id)
+            stop = self._stop_steps(out.sequences.cpu(), ids.shape[1], params)
+            done = [
+                bool(any(int(t) in self.eos_ids for t in new[i].tolist())) or stop[i] != _NEVER or rows.steps >= batch[int(row)].cap
+                for i, row in enumerate(alive)
+            ]
+            keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
+            if len(keep) == 0:
+                break
+            cache = getattr(out, _CACHE_KEY)
+            if len(keep) < len(alive):
+                cache.batch_select_indices(keep.to(device))
+            alive = alive[keep]
+            ids = out.sequences[keep.to(device)]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], new.shape[1])], dim=1)[keep.to(device)]
+        generated, logprobs = rows.stack()  # [b, R_gen]
+        sequences = torch.cat([input_ids, generated], dim=1)
         stop_steps = self._stop_steps(sequences, width, params)
         return [
             self._cut(req, generated[i], stop_steps[i], None if logprobs is None else logprobs[i])
@@ -283,6 +313,37 @@ class HFEngine:
             reason = req.cap_reason
         lps = None if logprobs is None else tuple(logprobs[: len(ids)].tolist())
         return Response(response_ids=tuple(ids), finish_reason=reason, rollout_logprobs=lps)
+
+
+class _Rows:
+    """Generated ids (and log-probs) of a batch's rows, gathered across rounds; a row that left
+    the batch is padded with the pad id (log-prob 0), as `model.generate` pads finished rows."""
+
+    def __init__(self, num_rows: int, with_logprobs: bool) -> None:
+        self.ids: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
+        self.logprobs: list[list[torch.Tensor]] | None = [[] for _ in range(num_rows)] if with_logprobs else None
+        self.steps = 0  # tokens generated per running row so far
+
+    def add(self, rows: torch.Tensor, new: torch.Tensor, logprobs: torch.Tensor | None, *, pad_id: int) -> None:
+        """Append a round: ``new`` [a, r] int64 for batch ``rows`` [a]; others get ``r`` pads."""
+        running = set(rows.tolist())
+        for i in range(len(self.ids)):
+            if i not in running:
+                self.ids[i].append(torch.full((new.shape[1],), pad_id, dtype=torch.long))
+                if self.logprobs is not None:
+                    self.logprobs[i].append(torch.zeros(new.shape[1]))
+        for j, i in enumerate(rows.tolist()):
+            self.ids[i].append(new[j])
+            if self.logprobs is not None:
+                assert logprobs is not None
+                self.logprobs[i].append(logprobs[j])
+        self.steps += new.shape[1]
+
+    def stack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Shapes [b, R_gen] int64 and [b, R_gen] float32 (or None)."""
+        ids = torch.stack([torch.cat(r) for r in self.ids])
+        lps = None if self.logprobs is None else torch.stack([torch.cat(r) for r in self.logprobs])
+        return ids, lps
 
 
 def _token_logprobs(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -59,7 +59,8 @@ def _response_parts(pack: Pack, values: torch.Tensor, rollout: RolloutBatch) -> 
     return [part[-len(rollout.responses[i].response_ids):] for i, part in zip(pack.indices, pack.unpack(values))]
 
 
-def _scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor], fill: float | bool) -> torch.Tensor:
+def _scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor] | dict[int, torch.Tensor],
+                      fill: float | bool) -> torch.Tensor:
     """Lay per-response values ([R_i] each, indexed like the rollout) over the pack: prompt
     tokens get ``fill``. Returns Shape [K]."""
     parts = []
@@ -67,6 +68,12 @@ def _scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch
         values = per_seq[i].to(pack.input_ids.device)
         parts.append(torch.cat([values.new_full((len(rollout.prompt_ids_of(i)),), fill), values]))
     return torch.cat(parts)
+
+
+def _response_positions(pack: Pack, rollout: RolloutBatch) -> torch.Tensor:
+    """True at every response token of the pack. Shape [K], bool."""
+    ones = {i: torch.ones(len(rollout.responses[i].response_ids), dtype=torch.bool) for i in pack.indices}
+    return _scatter_response(pack, rollout, ones, False)
 
 
 def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager]) -> LogprobResult:
@@ -86,8 +93,8 @@ def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConf
     with torch.no_grad(), autocast():
         for indices in plan.microbatches:
             pack = _pack(rollout, indices, device)
-            out = pack_logprobs(model, pack, attention=cfg.model.packed_attention,
-                                chunk_tokens=cfg.train.logits_chunk_tokens, temperature=cfg.rollout.temperature)
+            out = pack_logprobs(model, pack, attention=cfg.model.packed_attention, chunk_tokens=cfg.train.logits_chunk_tokens,
+                                temperature=cfg.rollout.temperature, needed=_response_positions(pack, rollout))
             for i, lp, ent in zip(indices, _response_parts(pack, out.token_logprobs, rollout), _response_parts(pack, out.entropy, rollout)):
                 logprobs[i], entropy[i] = lp.float().cpu(), ent.float().cpu()
     return LogprobResult(tuple(logprobs), tuple(entropy), plan)
@@ -112,7 +119,8 @@ def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators
     """This micro-batch's share of the mini-batch loss (PPO clip + KL - entropy bonus)."""
     algo, rollout = cfg.algorithm, batch.rollout
     out = pack_logprobs(model, pack, attention=cfg.model.packed_attention, chunk_tokens=cfg.train.logits_chunk_tokens,
-                        temperature=cfg.rollout.temperature, entropy_grad=algo.entropy_coeff > 0)
+                        temperature=cfg.rollout.temperature, entropy_grad=algo.entropy_coeff > 0,
+                        needed=_response_positions(pack, rollout))
     mask = _scatter_response(pack, rollout, batch.loss_masks, False)
     if batch.old_logprobs is None:  # on-policy: pi_old is the current policy
         old = out.token_logprobs.detach()

@@ -113,6 +113,28 @@ def test_gradients_flow_through_the_packed_path(model, sequences):
     assert result.has_logprob.tolist().count(False) == 3  # one sequence start each
 
 
+def test_needed_tokens_only_change_nothing_there(sequences):
+    # Log-probs, entropy and gradients at the needed tokens equal the all-token computation.
+    pack = pack_sequences(sequences[:4])
+    g = torch.Generator().manual_seed(3)
+    needed = torch.rand(pack.num_tokens, generator=g) < 0.4
+    results, grads = [], []
+    for flags in (None, needed):
+        model = tiny_llama()
+        out = pack_logprobs(model, pack, chunk_tokens=5, entropy_grad=True, needed=flags)
+        (torch.where(needed, out.token_logprobs + 0.3 * out.entropy, 0.0)).sum().backward()
+        results.append(out)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    full, part = results
+    want = needed & full.has_logprob
+    assert torch.equal(part.has_logprob, want)
+    torch.testing.assert_close(part.token_logprobs, torch.where(want, full.token_logprobs, 0.0), atol=ATOL, rtol=0)
+    torch.testing.assert_close(part.entropy, torch.where(want, full.entropy, 0.0), atol=ATOL, rtol=0)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="one flag per packed token"):
+        pack_logprobs(tiny_llama(), pack, needed=needed[:-1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
 def test_flash_varlen_matches_alone_on_cuda(sequences):

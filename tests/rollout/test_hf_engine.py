@@ -6,6 +6,7 @@ A tiny random Llama (vocab 97) with a character-level tokenizer: ids 0..3 are <p
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from collections import Counter
 
@@ -245,3 +246,60 @@ def test_gumbel_max_sampler_draws_from_the_softmax():
     freq = torch.bincount(draws, minlength=5).float() / draws.numel()
     torch.testing.assert_close(freq, torch.softmax(scores[0], -1), atol=0.01, rtol=0)
     assert freq[4] == 0
+
+
+def _record_decode_rows(model) -> list[int]:
+    """Rows of every decode forward (one new token per row, something cached)."""
+    rows = []
+
+    def hook(module, args, kwargs):
+        if kwargs["cache"].get_seq_length() > 0:
+            rows.append(kwargs["input_ids"].shape[0])
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return rows
+
+
+def test_finished_rows_leave_the_batch_and_rounds_change_nothing(tokenizer):
+    model = tiny_llama()
+    prompts = _prompts([3, 8, 5, 12, 6, 9, 4, 7])
+    params = SamplingParams(temperature=0.0, max_response_tokens=30, return_logprobs=True)
+    ref = _engine(model, tokenizer).generate(prompts, params)
+    # Three of the tokens the greedy rows produce become EOS ids, so rows end at different steps.
+    firsts = Counter(r.response_ids[t] for g in ref for r in g for t in (2, 5, 9))
+    model.generation_config.eos_token_id = [EOS, *[t for t, _ in firsts.most_common(3)]]
+    one_round = _engine(model, tokenizer)
+    one_round.ROUND_TOKENS = 10_000
+    want = one_round.generate(prompts, params)
+    rows = _record_decode_rows(model)
+    rounds = _engine(model, tokenizer)
+    rounds.ROUND_TOKENS = 2
+    got = rounds.generate(prompts, params)
+    lengths = sorted(len(g[0].response_ids) for g in want)
+    assert lengths[0] < lengths[-1], "the rows should end at different steps"
+    for g_want, g_got in zip(want, got):
+        assert g_got[0].response_ids == g_want[0].response_ids and g_got[0].finish_reason == g_want[0].finish_reason
+        torch.testing.assert_close(torch.tensor(g_got[0].rollout_logprobs), torch.tensor(g_want[0].rollout_logprobs), atol=1e-5, rtol=0)
+    assert rows[0] == len(prompts) and min(rows) == sum(len(g[0].response_ids) == lengths[-1] for g in want)
+    assert rows == sorted(rows, reverse=True)  # rows only ever leave
+
+
+def test_stop_strings_across_round_boundaries(tokenizer):
+    engine = _engine(tiny_llama(), tokenizer)
+    engine.ROUND_TOKENS = 1
+    prompts = _prompts([5, 8, 3])
+    params = SamplingParams(temperature=0.0, max_response_tokens=24, return_logprobs=True)
+    ref = engine.generate(prompts, params)
+    text = tokenizer.decode(ref[0][0].response_ids)
+    k = next(t for t in range(3, len(text)) if text[t - 1 : t + 1] not in text[:t])
+    stop = text[k - 1 : k + 1]  # two characters, generated in two different rounds
+    out = engine.generate(prompts, dataclasses.replace(params, stop=(stop,)))
+    assert out[0][0].finish_reason == "stop" and out[0][0].response_ids == ref[0][0].response_ids[: k + 1]
+    for r, r_ref in zip((r for g in out for r in g), (r for g in ref for r in g)):
+        decoded = tokenizer.decode(r.response_ids)
+        assert r_ref.response_ids[: len(r.response_ids)] == r.response_ids
+        if r.finish_reason == "stop":
+            assert decoded.endswith(stop) and stop not in decoded[:-1]
+        else:
+            assert stop not in decoded and r == r_ref
+        assert len(r.rollout_logprobs) == len(r.response_ids)
