@@ -41,8 +41,11 @@ git-ignored through .git/info/exclude and keeps torch 2.13.0+cpu, transformers 5
 
 ``demo``: task:arithmetic, B=8, n=4, 64 response tokens, lr 1e-5 (about 3 min). ``gsm8k``: GSM8K
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
-Measured (packrl 45bb043, median of 3 steps; packrl first / TRL first): demo 15.7 vs 21.2 s /
-16.2 vs 20.7 s (ratio 0.74 / 0.78), gsm8k 34.5 vs 49.9 s / 34.3 vs 50.9 s (0.69 / 0.67): not met.
+Measured (median of 3 steps, packrl first): demo 10.1 vs 19.0 s (ratio 0.53; gen 4.1 s, update
+6.0 s; 227 vs 127 tokens/s), gsm8k 28.3 vs 50.6 s (0.56; gen 13.2 s, update 14.7 s; 172 vs 95
+tokens/s): met. Earlier packrl versions: 0.74 / 0.69 (one decode batch until the longest response
+ended, LM head over prompt tokens too, a frozen rollout copy whose prefill LM head ran through an
+expanded-weight bmm).
 
 Caveats. The two sample different responses (hence ``response_length_mean`` and
 ``s_per_1k_response_tokens``). TRL's micro-batch (``--trl-micro-batch``) is 4 sequences, its
