@@ -23,6 +23,60 @@ AdvEstimator = Literal["grpo", "rloo"]
 KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
+RopeType = Literal["none", "linear", "dynamic", "yarn"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (Hu et al. 2021, through peft); 0 = off (full fine-tuning). With LoRA only the
+    adapters train, and the reference policy is the base model with the adapter disabled (no
+    second copy of the weights)."""
+
+    alpha: float = 32.0
+    """LoRA scaling numerator: the adapter's update is scaled by alpha / rank."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training."""
+
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the Linear modules that get adapters (peft's `target_modules`), or
+    [all-linear] for every Linear except the LM head."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = []
+        if self.rank < 0:
+            out.append(ConfigProblem(f"{prefix}.rank", self.rank, "must be >= 0 (0 = off)", f"set {prefix}.rank=16"))
+        if self.rank > 0 and not self.alpha > 0:
+            out.append(ConfigProblem(f"{prefix}.alpha", self.alpha, "must be > 0", f"set {prefix}.alpha={2 * self.rank}"))
+        if not 0 <= self.dropout < 1:
+            out.append(ConfigProblem(f"{prefix}.dropout", self.dropout, "must be in [0, 1)", f"set {prefix}.dropout=0.0"))
+        if self.rank > 0 and not [m for m in self.target_modules if m.strip()]:
+            out.append(ConfigProblem(f"{prefix}.target_modules", self.target_modules, "is empty",
+                                     f"set {prefix}.target_modules=[q_proj,v_proj] (or [all-linear])"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScalingConfig:
+    type: RopeType = "none"
+    """RoPE scaling applied at load: `linear` (position interpolation, Chen et al. 2023),
+    `dynamic` (dynamic NTK) or `yarn` (Peng et al. 2023); `none` keeps the model's own."""
+
+    factor: float = 1.0
+    """Context multiplier: the model context becomes `max_position_embeddings` x factor (the
+    budgets use it; `packrl preflight` proposes one when prompt + response do not fit)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        if self.type == "none" and self.factor != 1.0:
+            return [ConfigProblem(f"{prefix}.factor", self.factor, "has no effect with type none",
+                                  f"set {prefix}.type=yarn (or linear, dynamic) or {prefix}.factor=1.0")]
+        if self.type != "none" and not self.factor > 1.0:
+            return [ConfigProblem(f"{prefix}.factor", self.factor, f"must be > 1 to extend the context with {self.type}",
+                                  f"set {prefix}.factor=2.0 (or {prefix}.type=none)")]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,10 +96,26 @@ class ModelConfig:
     cost sum(L_i^2); `block_mask` passes an explicit block-diagonal causal mask, cost K^2 per
     pack; `position_ids` lets transformers build that mask from restarting position ids."""
 
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations during the backward instead of keeping them
+    (transformers' non-reentrant gradient checkpointing): the update keeps only each layer's
+    input per token, for about one more forward of compute."""
+
+    activation_offload: bool = False
+    """Keep the tensors saved for the backward in host memory (`torch.autograd.graph.save_on_cpu`,
+    pinned on CUDA): frees device memory for longer micro-batches. No effect on CPU runs."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (off by default)."""
+
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE scaling applied at load (off by default)."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = self.lora.problems(f"{prefix}.lora") + self.rope_scaling.problems(f"{prefix}.rope_scaling")
         if not self.path.strip():
-            return [ConfigProblem(f"{prefix}.path", self.path, "is empty", "set model.path to a model dir, hub id or .gguf file")]
-        return []
+            out.append(ConfigProblem(f"{prefix}.path", self.path, "is empty", "set model.path to a model dir, hub id or .gguf file"))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
