@@ -1,6 +1,6 @@
 """Typed run configuration: dataclass schema, YAML presets, dotlist overrides."""
 
-from packrl.config.load import load_config, preset_names, to_yaml
+from packrl.config.load import check_config, load_config, preset_names, to_yaml
 from packrl.config.problems import ConfigError, ConfigProblem
 from packrl.config.schema import (
     AlgorithmConfig,
@@ -20,6 +20,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "TrainConfig",
+    "check_config",
     "load_config",
     "preset_names",
     "to_yaml",

@@ -207,15 +207,32 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
             key, wrong types, invalid choices, values out of range and broken budget relations,
             each with its dotted key, the value seen and the fix.
     """
+    cfg, problems, _ = check_config(preset, overrides)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def check_config(
+    preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[RunConfig, list[ConfigProblem], set[str]]:
+    """Like `load_config`, but return the problems instead of raising them.
+
+    Returns:
+        ``(cfg, problems, bad_keys)``: the config with defaults in place of values that did not
+        parse, every problem (deduplicated), and the dotted keys whose values did not parse (so
+        a caller adding its own relation checks can drop those that depend on them).
+
+    Raises:
+        ConfigError: the preset itself cannot be read, or an override is not ``key=value``.
+    """
     data = _merge(_read_preset(preset or DEFAULT_PRESET), _parse_overrides(list(overrides)))
     problems: list[ConfigProblem] = []
     bad: set[str] = set()
     cfg = _build(RunConfig, data, "", problems, bad)
     problems += [p for p in cfg.problems() if not bad.intersection(p.involved_keys)]
-    if problems:
-        unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
-        raise ConfigError(list(unique.values()))
-    return cfg
+    unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
+    return cfg, list(unique.values()), bad
 
 
 def to_yaml(cfg: RunConfig) -> str:

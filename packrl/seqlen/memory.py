@@ -1,0 +1,267 @@
+"""Peak memory per device of a run, estimated from configs alone (the model's ``config.json``, never its weights).
+
+Units: bytes unless a name says otherwise. Shapes: ``H`` hidden size · ``I`` intermediate
+(MLP) size · ``L`` layers · ``h`` attention heads · ``g`` key/value heads · ``d`` head dim ·
+``V`` vocabulary · ``T`` real tokens in one update micro-batch · ``c`` bytes of the compute
+dtype (2 for ``model.dtype=bf16``, 4 for ``fp32``) · ``r = 4`` bytes of the float32 residual
+stream (parameters stay float32, so under autocast the residual stream does too).
+
+What a run holds (packrl's own layout, `packrl.distributed.local.LocalWorkerGroup`):
+
+- parameters: float32, 4 bytes each; the reference model (``algorithm.kl_coef > 0`` without
+  LoRA) another 4 each; the bf16 rollout copy (``model.dtype=bf16``) 2 each.
+- trainable parameters (all, or the LoRA adapters): gradients 4 bytes and AdamW's two moments
+  8 bytes each (Loshchilov & Hutter 2019), allocated at the first optimizer step.
+- activations saved for the backward, per token, counted tensor by tensor for a Llama-style
+  decoder layer (RMSNorm, GQA attention with RoPE, gated MLP) under autocast:
+
+  * two RMSNorms keep their float32 input and normalised output: ``4 r H``;
+  * bf16 only: autocast's casts of the normalised input to q, k, v, gate, up: ``5 c H``;
+  * q, k, v projections: ``c (h + 2g) d``; RoPE outputs (float32, promoted by the float32
+    cos/sin): ``r (h + g) d``; their casts back for attention (bf16 only): ``c (h + 2g) d``;
+  * attention output and its contiguous copy for ``o_proj``: ``2 c h d``;
+  * MLP: gate, up, activation and product: ``4 c I``;
+  * LoRA (bf16 only): each adapted module's input cast again for ``lora_A``: ``c`` x its input
+    width, plus ``2 c rank`` for the adapter's own outputs.
+
+  For SmolLM2-135M in bf16 this gives 35.6 KiB per token per layer; the measured peak of one
+  update micro-batch (``bench/bench_memory.py``) implies about 34 KiB.
+  With ``model.gradient_checkpointing`` a layer keeps only its float32 input (``r H``) and one
+  layer's activations exist at a time, during its recomputation.
+- bf16 casts of the weights kept for the backward (each matmul saves its bf16 weight): ``c`` x
+  the matmul parameters, without gradient checkpointing (with it, one layer's at a time).
+- the chunked LM head (`packrl.seqlen.chunked`): about ``2 x logits_chunk_tokens x V`` float32.
+- the rollout KV cache: ``2 L g d c`` per token for ``rollout.max_num_seqs`` sequences of
+  prompt + response budget.
+- a runtime floor: on CPU the interpreter, torch, transformers, the tokenizer and the data
+  (measured 0.55 GiB); on CUDA the context and allocator slack (0.75 GiB, an assumption).
+
+The update phase peaks either during the backward (activations, weight casts, gradients, LM
+head chunk) or during the optimizer step (gradients, moments, one parameter's temporaries); the
+estimate takes the larger. The log-prob phase and generation hold the optimizer moments (they
+live across steps) and one layer's intermediates at a time; generation adds the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from packrl.config.schema import LoraConfig, RunConfig
+
+GIB = 1 << 30
+CPU_RUNTIME_BYTES = int(0.55 * GIB)
+CUDA_RUNTIME_BYTES = int(0.75 * GIB)
+_RESIDUAL_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the memory estimate needs to know about a model.
+
+    Attributes:
+        num_params: unique parameters (tied embeddings counted once).
+        num_matmul_params: parameters of the decoder layers' Linear modules (the weights cast
+            per matmul under autocast).
+        num_lora_params: adapter parameters for the configured LoRA (0 when off).
+        lora_input_width: sum over adapted modules of their input width (for the extra casts).
+        largest_param: elements of the largest single parameter.
+        hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
+        vocab_size: the architecture (``H, I, L, h, g, d, V``).
+    """
+
+    num_params: int
+    num_matmul_params: int
+    num_lora_params: int
+    lora_input_width: int
+    largest_param: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, model_config: Any, lora: LoraConfig | None = None) -> ModelShape:
+        """Instantiate the architecture on torch's ``meta`` device (no memory, no weights) and
+        count its parameters and LoRA targets.
+
+        Raises:
+            ValueError: the architecture cannot be built from the config, or
+                ``model.lora.target_modules`` matches no Linear module (the message lists them).
+        """
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(model_config)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"cannot build the model architecture from its config ({type(model_config).__name__}): {err}") from err
+        params = {id(p): p for p in model.parameters()}
+        head = model.get_output_embeddings()
+        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        lora_params, lora_width = 0, 0
+        if lora is not None and lora.rank > 0:
+            targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules)]
+            if not targets:
+                names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
+                raise ValueError(
+                    f"model.lora.target_modules={lora.target_modules} matches no Linear module of the model; "
+                    f"its Linear modules are named {', '.join(names)} (or use [all-linear])"
+                )
+            lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
+            lora_width = sum(m.in_features for _, m in targets)
+        hidden = _attr(model_config, "hidden_size")
+        heads = _attr(model_config, "num_attention_heads")
+        return cls(
+            num_params=sum(p.numel() for p in params.values()),
+            num_matmul_params=sum(m.weight.numel() for _, m in linears),
+            num_lora_params=lora_params,
+            lora_input_width=lora_width,
+            largest_param=max(p.numel() for p in params.values()),
+            hidden_size=hidden,
+            intermediate_size=getattr(model_config, "intermediate_size", None) or 4 * hidden,
+            num_layers=_attr(model_config, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(model_config, "head_dim", None) or hidden // heads,
+            vocab_size=_attr(model_config, "vocab_size"),
+        )
+
+
+def _attr(config: Any, key: str) -> int:
+    value = getattr(config, key, None)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"the model config has {key}={value!r}, not a positive integer; the memory estimate needs it")
+    return value
+
+
+def _lora_targets(name: str, targets: list[str]) -> bool:
+    """peft's matching of a module name against ``target_modules`` (exact or dotted suffix)."""
+    if targets == ["all-linear"]:
+        return True
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora: bool) -> int:
+    """Bytes one decoder layer keeps per token for the backward, without checkpointing.
+
+    The tensor-by-tensor count is in the module docstring. Returns bytes per token per layer.
+    """
+    c, r = compute_bytes, _RESIDUAL_BYTES
+    H, I, h, g, d = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    casts = c if c < r else 0  # autocast casts exist only when the compute dtype is narrower
+    total = 4 * r * H + 5 * casts * H
+    total += c * (h + 2 * g) * d + r * (h + g) * d + casts * (h + 2 * g) * d
+    total += 2 * c * h * d + 4 * c * I
+    if lora and shape.num_layers:
+        total += (casts * shape.lora_input_width) // shape.num_layers
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes per device, by part and by phase.
+
+    Attributes:
+        device: ``cpu`` or ``cuda``.
+        tokens_per_microbatch: ``T`` used for the update phase.
+        parts: bytes of each part (names as in the module docstring).
+        phases: peak bytes of the ``update``, ``logprob`` and ``generation`` phases.
+    """
+
+    device: str
+    tokens_per_microbatch: int
+    parts: dict[str, int]
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phases.values())
+
+    def table(self) -> str:
+        """The parts and phases as a readable table, in GiB."""
+        lines = [f"memory per device ({self.device}, update micro-batch {self.tokens_per_microbatch:,} tokens)"]
+        lines += [f"  {name:<34}{value / GIB:>9.3f} GiB" for name, value in self.parts.items()]
+        lines += [f"  peak of phase {name:<20}{value / GIB:>9.3f} GiB" for name, value in self.phases.items()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "tokens_per_microbatch": self.tokens_per_microbatch, "parts_bytes": dict(self.parts),
+                "phases_bytes": dict(self.phases), "peak_bytes": self.peak_bytes}
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", tokens_per_microbatch: int | None = None) -> MemoryEstimate:
+    """Peak memory per device of ``cfg`` on a model of ``shape`` (see the module docstring).
+
+    Args:
+        cfg: the run config (dtype, LoRA, checkpointing, budgets, batch sizes).
+        shape: `ModelShape.from_config` of the model.
+        device: ``cpu`` (process RSS) or ``cuda`` (device memory).
+        tokens_per_microbatch: ``T``; default ``train.max_tokens_per_microbatch``.
+
+    Returns:
+        `MemoryEstimate` with every part in bytes.
+    """
+    m = cfg.model
+    T = tokens_per_microbatch or cfg.train.max_tokens_per_microbatch
+    c = 2 if m.dtype == "bf16" else 4
+    lora = m.lora.rank > 0
+    trainable = shape.num_lora_params if lora else shape.num_params
+    per_layer = activation_bytes_per_token_layer(shape, c, lora)
+    if m.gradient_checkpointing:
+        activations = T * (shape.num_layers * _RESIDUAL_BYTES * shape.hidden_size + per_layer)
+    else:
+        activations = T * shape.num_layers * per_layer
+    outside_layers = T * (3 * _RESIDUAL_BYTES + c) * shape.hidden_size  # embedding, final norm, its cast
+    weight_casts = 0 if c == 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
+    parts = {
+        "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,
+        "parameters (float32)": 4 * shape.num_params,
+        "reference model": 4 * shape.num_params if cfg.algorithm.kl_coef > 0 and not lora else 0,
+        "rollout copy (bf16)": 2 * shape.num_params if c == 2 else 0,
+        "gradients": 4 * trainable,
+        "optimizer states (AdamW, float32)": 8 * trainable,
+        "activations": activations + outside_layers,
+        "weight casts for the backward": weight_casts,
+        "logits chunk": 2 * 4 * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
+        "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
+    }
+    held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout copy (bf16)"]
+    backward = parts["gradients"] + parts["activations"] + parts["weight casts for the backward"] + parts["logits chunk"]
+    optimizer_step = parts["gradients"] + parts["optimizer states (AdamW, float32)"] + 2 * 4 * min(shape.largest_param, trainable)
+    states = parts["optimizer states (AdamW, float32)"]
+    # No-grad forwards keep one layer's intermediates at a time; prefill likewise, over the
+    # generation batch's prompts; decoding adds its logits and sampling buffers.
+    logprob = states + cfg.train.max_tokens_per_logprob_microbatch * per_layer + parts["logits chunk"] // 2
+    prefill = cfg.rollout.max_num_seqs * cfg.data.max_prompt_tokens * per_layer
+    generation = states + parts["rollout KV cache"] + prefill + 3 * 4 * cfg.rollout.max_num_seqs * shape.vocab_size
+    phases = {"update": held + max(backward, optimizer_step), "logprob": held + logprob, "generation": held + generation}
+    return MemoryEstimate(device, T, parts, phases)
+
+
+def _kv_cache_bytes(cfg: RunConfig, shape: ModelShape, compute_bytes: int) -> int:
+    tokens = cfg.rollout.max_num_seqs * (cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * compute_bytes * tokens
+
+
+def max_fitting_tokens(cfg: RunConfig, shape: ModelShape, device_memory_bytes: int, *, device: str = "cpu", step: int = 256) -> int:
+    """The largest ``train.max_tokens_per_microbatch`` (a multiple of ``step`` tokens) whose
+    update phase fits ``device_memory_bytes``; 0 when even ``step`` tokens do not fit."""
+    lo, hi = 0, 1
+    while estimate_memory(cfg, shape, device=device, tokens_per_microbatch=hi * step).phases["update"] <= device_memory_bytes:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 20:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        fits = estimate_memory(cfg, shape, device=device, tokens_per_microbatch=mid * step).phases["update"] <= device_memory_bytes
+        lo, hi = (mid, hi) if fits else (lo, mid)
+    return lo * step

@@ -1,0 +1,241 @@
+"""`packrl preflight`: every problem a run would hit, found from configs alone, in seconds.
+
+Reads the run config and the model's ``config.json`` (never the weights; for a ``.gguf`` file
+its header) and reports, all at once:
+
+- every config problem (`packrl.config.check_config`: unknown keys, types, choices, ranges, the
+  relations among budgets and batch sizes);
+- prompt + response budget against the model context (with ``model.rope_scaling`` applied);
+  when they do not fit, a proposed ``model.rope_scaling`` (``yarn``, the smallest integer
+  factor that fits) and the context it gives;
+- LoRA target modules that match nothing in the architecture;
+- the memory estimate per device (`packrl.seqlen.memory`) and, given the device memory, the
+  largest ``train.max_tokens_per_microbatch`` that fits; a phase that does not fit is a problem.
+
+A problem is anything that would crash the run (or, for memory, run it out of memory); the
+report's ``ok`` is False when there is one, and the command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from packrl.config import ConfigProblem, RunConfig, check_config
+from packrl.seqlen.budgets import Budgets, model_context_tokens
+from packrl.seqlen.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What preflight found.
+
+    Attributes:
+        problems: everything that would crash the run, each with key, value, limit and fix.
+        notes: proposals and facts that are not problems (e.g. the proposed RoPE scaling).
+        budgets: the budget plan (None when the config could not be read at all).
+        memory: the memory estimate (None when the model config could not be read).
+        device_memory_bytes: the memory per device the run was checked against, or None.
+        recommended_tokens_per_microbatch: the largest ``train.max_tokens_per_microbatch`` that
+            fits ``device_memory_bytes`` (multiple of 256 tokens), or None.
+        rope_scaling: the proposed ``{"type", "factor", "max_context_tokens"}``, or None.
+    """
+
+    problems: list[ConfigProblem]
+    notes: list[str] = field(default_factory=list)
+    budgets: Budgets | None = None
+    memory: MemoryEstimate | None = None
+    device_memory_bytes: int | None = None
+    recommended_tokens_per_microbatch: int | None = None
+    rope_scaling: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``ok``, ``problems`` (key, value, message, fix), ``notes``, ``budgets``,
+        ``memory`` (`MemoryEstimate.to_dict`), ``device_memory_bytes``,
+        ``recommended_tokens_per_microbatch``, ``rope_scaling``."""
+        budgets = None
+        if self.budgets is not None:
+            b = self.budgets
+            budgets = {"max_prompt_tokens": b.max_prompt_tokens, "max_response_tokens": b.max_response_tokens,
+                       "max_context_tokens": b.max_context_tokens, "max_tokens_per_microbatch": b.max_tokens_per_microbatch,
+                       "max_tokens_per_logprob_microbatch": b.max_tokens_per_logprob_microbatch, "rope_factor": b.rope_factor}
+        return {
+            "ok": self.ok,
+            "problems": [{"key": p.key, "value": _jsonable(p.value), "message": p.message, "fix": p.fix} for p in self.problems],
+            "notes": list(self.notes),
+            "budgets": budgets,
+            "memory": None if self.memory is None else self.memory.to_dict(),
+            "device_memory_bytes": self.device_memory_bytes,
+            "recommended_tokens_per_microbatch": self.recommended_tokens_per_microbatch,
+            "rope_scaling": self.rope_scaling,
+        }
+
+    def to_text(self) -> str:
+        lines = []
+        if self.budgets is not None:
+            lines += [self.budgets.plan(), ""]
+        if self.memory is not None:
+            lines += [self.memory.table(), ""]
+        if self.device_memory_bytes is not None:
+            rec = self.recommended_tokens_per_microbatch
+            lines.append(f"device memory {self.device_memory_bytes / GIB:.2f} GiB: largest train.max_tokens_per_microbatch "
+                         f"that fits = {rec:,}" if rec else f"device memory {self.device_memory_bytes / GIB:.2f} GiB: "
+                         "no update micro-batch fits")
+        lines += [f"note: {n}" for n in self.notes]
+        if self.problems:
+            lines.append(f"{len(self.problems)} problem(s) would break the run:")
+            lines += [f"  - {p}" for p in self.problems]
+        else:
+            lines.append("preflight: no problems found")
+        return "\n".join(lines)
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else repr(value)
+
+
+def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *, device_memory_gib: float | None = None,
+              device: str = "cpu") -> PreflightReport:
+    """Check a run before it starts (see the module docstring).
+
+    Args:
+        preset: preset name or ``.yaml`` path (None = ``demo``).
+        overrides: dotted ``key=value`` overrides.
+        device_memory_gib: memory per device in GiB (2^30 bytes) to check against, or None.
+        device: ``cpu`` (process RSS) or ``cuda`` (device memory).
+
+    Returns:
+        `PreflightReport`.
+
+    Raises:
+        ValueError: ``device_memory_gib`` is not a positive number, ``device`` is unknown, or
+            the preset cannot be read (a `ConfigError`).
+    """
+    if device_memory_gib is not None and not (device_memory_gib > 0 and math.isfinite(device_memory_gib)):
+        raise ValueError(f"--device-memory={device_memory_gib} GiB must be a positive number of GiB per device, e.g. 80")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device={device!r} must be cpu or cuda")
+    cfg, problems, bad = check_config(preset, overrides)
+    notes: list[str] = []
+    memory_bytes = None if device_memory_gib is None else int(device_memory_gib * GIB)
+    model_config = None
+    if "model.path" not in bad:
+        model_config, problem = _read_model_config(cfg)
+        problems += problem
+    budgets = Budgets.from_config(cfg, max_context_tokens=None)
+    rope = None
+    if model_config is not None:
+        try:
+            context, factor, base = _context(cfg, model_config)
+        except ValueError as err:
+            problems.append(ConfigProblem("model.path", cfg.model.path, str(err), "use a model whose config.json sets max_position_embeddings"))
+        else:
+            budgets = Budgets.from_config(cfg, context, factor)
+            rope = _rope_proposal(budgets, base)
+            problems += [_with_rope_fix(p, rope) for p in budgets.problems() if not bad.intersection(p.involved_keys)]
+            if rope is not None:
+                notes.append(f"set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
+                             f"for a model context of {rope['max_context_tokens']:,} tokens (base {base:,})")
+    memory, recommended = None, None
+    if model_config is not None and not bad.intersection({"model.lora.target_modules", "model.lora.rank"}):
+        try:
+            shape = ModelShape.from_config(model_config, cfg.model.lora)
+        except ValueError as err:
+            key = "model.lora.target_modules" if "target_modules" in str(err) else "model.path"
+            if key == "model.path":
+                problems.append(ConfigProblem(key, cfg.model.path, str(err), "use a causal LM transformers can build from its config"))
+            else:
+                problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err), "set model.lora.target_modules to names the model has"))
+        else:
+            memory = estimate_memory(cfg, shape, device=device)
+            if memory_bytes is not None:
+                recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
+                problems += _memory_problems(cfg, memory, memory_bytes, recommended, budgets)
+    unique = {str(p): p for p in problems}
+    return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
+    """The model config, or a problem naming ``model.path``. A ``config.json`` without
+    ``max_position_embeddings`` is a problem too: transformers would fill in its class default
+    (2,048 for Llama) and every context check would rest on a guess."""
+    import json
+
+    from packrl.models.loading import resolve_model
+    from packrl.models.model_config import load_model_config
+
+    fix = "set model.path to a model dir, .gguf file or hub id"
+    try:
+        model_config = load_model_config(cfg.model.path)
+    except ValueError as err:
+        return None, [ConfigProblem("model.path", cfg.model.path, str(err), fix)]
+    config_json = resolve_model(cfg.model.path, weights=False).model_dir / "config.json"
+    if config_json.is_file():
+        raw = json.loads(config_json.read_text())
+        if "max_position_embeddings" not in raw and "max_position_embeddings" not in (raw.get("text_config") or {}):
+            return None, [ConfigProblem(
+                "model.path", cfg.model.path, f"{config_json} has no max_position_embeddings, so the model context is unknown",
+                "add max_position_embeddings (the model's context in tokens) to that config.json",
+            )]
+    return model_config, []
+
+
+def _context(cfg: RunConfig, model_config: Any) -> tuple[int, float, int]:
+    """``(context, rope factor, context without scaling)`` in tokens, ``model.rope_scaling``
+    applied. Raises ValueError when the config has no usable ``max_position_embeddings``."""
+    own, own_factor = model_context_tokens(model_config)
+    base = round(own / own_factor)
+    scaling = cfg.model.rope_scaling
+    if scaling.type == "none":
+        return own, own_factor, base
+    return int(base * scaling.factor), scaling.factor, base
+
+
+def _rope_proposal(budgets: Budgets, base: int) -> dict[str, Any] | None:
+    if budgets.max_context_tokens is None or budgets.max_sequence_tokens <= budgets.max_context_tokens:
+        return None
+    factor = max(2, math.ceil(budgets.max_sequence_tokens / base))
+    return {"type": "yarn", "factor": float(factor), "max_context_tokens": base * factor}
+
+
+def _with_rope_fix(problem: ConfigProblem, rope: dict[str, Any] | None) -> ConfigProblem:
+    """Add the RoPE proposal to the fix of the prompt + response > context problem."""
+    if rope is None or "model context" not in problem.message:
+        return problem
+    fix = (f"{problem.fix}; or set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
+           f"(model context {rope['max_context_tokens']:,} tokens)")
+    return ConfigProblem(problem.key, problem.value, problem.message, fix, problem.keys)
+
+
+def _memory_problems(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recommended: int,
+                     budgets: Budgets) -> list[ConfigProblem]:
+    out = []
+    seq = budgets.max_sequence_tokens
+    gib = memory_bytes / GIB
+    if memory.phases["update"] > memory_bytes:
+        limit = f"the update needs about {memory.phases['update'] / GIB:.2f} GiB > {gib:.2f} GiB per device"
+        if recommended >= seq:
+            fix = f"set train.max_tokens_per_microbatch={recommended} (the largest that fits)"
+        else:
+            fix = ("no micro-batch that holds the longest sequence fits: set model.gradient_checkpointing=true, "
+                   "model.lora.rank=16, or lower data.max_prompt_tokens / rollout.max_response_tokens")
+        out.append(ConfigProblem("train.max_tokens_per_microbatch", cfg.train.max_tokens_per_microbatch, limit, fix))
+    if memory.phases["generation"] > memory_bytes:
+        out.append(ConfigProblem(
+            "rollout.max_num_seqs", cfg.rollout.max_num_seqs,
+            f"generation needs about {memory.phases['generation'] / GIB:.2f} GiB > {gib:.2f} GiB per device "
+            f"(KV cache {memory.parts['rollout KV cache'] / GIB:.2f} GiB)",
+            f"lower rollout.max_num_seqs below {cfg.rollout.max_num_seqs}",
+        ))
+    if memory.phases["logprob"] > memory_bytes:
+        out.append(ConfigProblem(
+            "train.max_tokens_per_logprob_microbatch", cfg.train.max_tokens_per_logprob_microbatch,
+            f"log-prob micro-batches need about {memory.phases['logprob'] / GIB:.2f} GiB > {gib:.2f} GiB per device",
+            "lower train.max_tokens_per_logprob_microbatch",
+        ))
+    return out

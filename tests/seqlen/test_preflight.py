@@ -1,0 +1,147 @@
+"""packrl preflight and the memory estimate, on config-only model dirs (no weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from packrl.cli.main import main
+from packrl.config import load_config
+from packrl.seqlen.memory import GIB, ModelShape, activation_bytes_per_token_layer, estimate_memory, max_fitting_tokens
+from packrl.seqlen.preflight import preflight
+
+
+def _config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaConfig(**(base | kw))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A model directory with config.json only: preflight must never need weights."""
+    _config().save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    return tmp_path
+
+
+def _keys(report) -> set[str]:
+    return {p.key for p in report.problems}
+
+
+def test_five_distinct_mistakes_are_reported_at_once(model_dir):
+    report = preflight("demo", [
+        f"model.path={model_dir}",
+        "data.batch_sizee=8",  # 1: unknown key
+        "algorithm.loss_agg_mode=token_mean",  # 2: invalid choice
+        "rollout.max_response_tokens=500",  # 3: 128 + 500 > context 512
+        "train.max_tokens_per_logprob_microbatch=300",  # 4: below the longest sequence
+        "model.lora.rank=4", "model.lora.target_modules=[qkv]",  # 5: matches no module
+    ])
+    assert not report.ok
+    assert _keys(report) >= {"data.batch_sizee", "algorithm.loss_agg_mode", "rollout.max_response_tokens",
+                             "train.max_tokens_per_logprob_microbatch", "model.lora.target_modules"}
+    by_key = {p.key: p for p in report.problems}
+    assert "did you mean data.batch_size" in by_key["data.batch_sizee"].fix
+    assert "token-mean" in by_key["algorithm.loss_agg_mode"].fix
+    context = by_key["rollout.max_response_tokens"]
+    assert "628" in context.message and "512" in context.message
+    assert "model.rope_scaling.type=yarn model.rope_scaling.factor=2" in context.fix
+    assert report.rope_scaling == {"type": "yarn", "factor": 2.0, "max_context_tokens": 1024}
+    assert "q_proj" in by_key["model.lora.target_modules"].message  # lists the real names
+
+
+def test_rope_scaling_in_the_config_extends_the_context(model_dir):
+    over = [f"model.path={model_dir}", "rollout.max_response_tokens=500", "train.max_tokens_per_logprob_microbatch=4096"]
+    assert "rollout.max_response_tokens" in _keys(preflight("demo", over))
+    report = preflight("demo", [*over, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=2"])
+    assert report.ok, report.to_text()
+    assert report.budgets.max_context_tokens == 1024 and report.rope_scaling is None
+
+
+def test_memory_that_does_not_fit_recommends_the_largest_micro_batch(model_dir):
+    cfg = load_config("demo", [f"model.path={model_dir}"])
+    shape = ModelShape.from_config(_config(), cfg.model.lora)
+    fixed = estimate_memory(cfg, shape, tokens_per_microbatch=256).phases["update"]
+    budget_gib = (fixed + 3000 * 0.6 * (estimate_memory(cfg, shape, tokens_per_microbatch=512).phases["update"] - fixed) / 256) / GIB
+    report = preflight("demo", [f"model.path={model_dir}", "train.max_tokens_per_microbatch=100000"], device_memory_gib=budget_gib)
+    rec = report.recommended_tokens_per_microbatch
+    assert rec is not None and rec % 256 == 0 and rec >= 256
+    assert estimate_memory(cfg, shape, tokens_per_microbatch=rec).phases["update"] <= budget_gib * GIB
+    assert estimate_memory(cfg, shape, tokens_per_microbatch=rec + 256).phases["update"] > budget_gib * GIB
+    problem = next(p for p in report.problems if p.key == "train.max_tokens_per_microbatch")
+    assert f"train.max_tokens_per_microbatch={rec}" in problem.fix
+    ok = preflight("demo", [f"model.path={model_dir}", f"train.max_tokens_per_microbatch={rec}", "rollout.max_num_seqs=1",
+                            "train.max_tokens_per_logprob_microbatch=256"], device_memory_gib=budget_gib)
+    assert ok.ok, ok.to_text()
+
+
+def test_parameter_counts_match_the_real_model():
+    config = _config(tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    shape = ModelShape.from_config(config)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    linears = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert shape.num_matmul_params == sum(m.weight.numel() for m in linears)
+    cfg = load_config("demo", ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"])
+    lora = ModelShape.from_config(config, cfg.model.lora)
+    q, v = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.v_proj
+    assert lora.num_lora_params == 2 * 4 * (q.in_features + q.out_features + v.in_features + v.out_features)
+
+
+def test_lora_count_matches_peft():
+    peft = pytest.importorskip("peft")
+    config = _config()
+    cfg = load_config("demo", ["model.lora.rank=8"])
+    wrapped = peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(r=8, target_modules=cfg.model.lora.target_modules))
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert ModelShape.from_config(config, cfg.model.lora).num_lora_params == trainable
+
+
+def test_estimate_responds_to_each_memory_feature():
+    config = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    base = load_config("demo")
+    shape = ModelShape.from_config(config, base.model.lora)
+    est = lambda cfg: estimate_memory(cfg, ModelShape.from_config(config, cfg.model.lora), tokens_per_microbatch=4096)  # noqa: E731
+    plain = est(base)
+    ckpt = est(load_config("demo", ["model.gradient_checkpointing=true"]))
+    lora = est(load_config("demo", ["model.lora.rank=4"]))
+    fp32 = est(load_config("demo", ["model.dtype=fp32"]))
+    assert ckpt.parts["activations"] * 2 < plain.parts["activations"]
+    assert lora.parts["gradients"] * 10 < plain.parts["gradients"]
+    assert lora.parts["optimizer states (AdamW, float32)"] * 10 < plain.parts["optimizer states (AdamW, float32)"]
+    assert fp32.parts["rollout copy (bf16)"] == 0 and plain.parts["rollout copy (bf16)"] == 2 * shape.num_params
+    assert activation_bytes_per_token_layer(shape, 4, False) != activation_bytes_per_token_layer(shape, 2, False)
+    small, big = (max_fitting_tokens(base, shape, g * GIB) for g in (1, 4))
+    assert small <= big
+
+
+def test_model_config_without_context_is_named(tmp_path):
+    cfg = _config().to_dict()
+    del cfg["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    report = preflight("demo", [f"model.path={tmp_path}"])
+    problem = next(p for p in report.problems if p.key == "model.path")
+    assert "max_position_embeddings" in problem.message and "config.json" in problem.message
+
+
+def test_missing_model_is_a_problem_naming_the_path(tmp_path):
+    report = preflight("demo", [f"model.path={tmp_path / 'nope'}"])
+    assert [p.key for p in report.problems] == ["model.path"] and "nope" in report.problems[0].message
+
+
+@pytest.mark.parametrize("gib", [0, -3])
+def test_non_positive_device_memory_is_an_error(model_dir, gib, capsys):
+    assert main(["preflight", "demo", f"model.path={model_dir}", f"--device-memory={gib}"]) == 2
+    assert "--device-memory" in capsys.readouterr().err
+
+
+def test_cli_json_and_exit_status(model_dir, capsys):
+    assert main(["preflight", "demo", f"model.path={model_dir}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["budgets"]["max_context_tokens"] == 512 and out["memory"]["peak_bytes"] > 0
+    assert main(["preflight", "demo", f"model.path={model_dir}", "rollout.max_response_tokens=600", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["ok"]
