@@ -1,4 +1,4 @@
-"""The `packrl` command: `packrl config` and `packrl train`."""
+"""The `packrl` command: `packrl config`, `packrl train`, `packrl preflight`, `packrl audit`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from packrl import __version__
+from packrl.cli import audit
 from packrl.config import ConfigError, load_config, preset_names, to_yaml
 
 
@@ -13,12 +14,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     print(to_yaml(cfg), end="")
     if args.budgets:
-        from packrl.models.model_config import load_model_config
+        from packrl.models.model_config import apply_rope_scaling, load_model_config
         from packrl.seqlen import Budgets
 
         print()
         try:
-            budgets = Budgets.from_model_config(cfg, load_model_config(cfg.model.path))
+            budgets = Budgets.from_model_config(cfg, apply_rope_scaling(load_model_config(cfg.model.path), cfg.model.rope_scaling))
         except ValueError as err:
             print(Budgets.from_config(cfg, max_context_tokens=None).plan())
             print(f"model context unknown, so prompt + response <= context was NOT checked: {err}", file=sys.stderr)
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_preset_args(p)
     p.set_defaults(func=_cmd_train)
+    audit.add_parser(sub)
+    from packrl.cli import preflight
+
+    preflight.add_parser(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
 """The prompt dataset of one split, and the seeded, resumable sampler over it.
 
 `PromptDataset.build` reads every source, normalises each row (`examples.to_example`), and runs
-the prompt policy once over all good chats at build time, so every batch afterwards is a
+the prompt policy once over all good chats at build time (through `packrl.data.prompts`, the
+path `packrl audit` takes too), so every batch afterwards is a
 lookup of canonical prompt ids. The cost is paid up front: building the 7,473-row GSM8K
 training set with the SmolLM2 tokenizer took 1.0 s on a 2-core CPU. Rows are numbered globally
 across the sources in order; the dataset's `PromptAccounting` has one outcome per input row
@@ -14,41 +15,26 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from packrl.config.schema import DataConfig
-from packrl.data.examples import ARITHMETIC_SOURCE, GSM8K_SOURCE, Example, to_example
-from packrl.data.loaders import load_rows
-from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
+from packrl.data.prompts import (
+    DatasetPrompt,
+    RowSource,
+    account_rows,
+    budget_examples,
+    load_examples,
+    rendered_prompt_lengths,
+)
+from packrl.seqlen.audit import length_percentiles
+from packrl.seqlen.prompt_policy import PromptAccounting
 from packrl.types import PromptBatch
 
 logger = logging.getLogger("packrl.data")
 
 _SHOWN_BAD_ROWS = 10
 
-
-@dataclass(frozen=True, slots=True)
-class _Source:
-    """Where a global row came from: the source string and the row's index inside it."""
-
-    source: str
-    local_row: int
-
-
-@dataclass(frozen=True, slots=True)
-class DatasetPrompt:
-    """One usable prompt: its example and its canonical prompt ids.
-
-    Attributes:
-        example: the normalised row (chat, ground truth, data source, global row).
-        prompt_ids: rendered and tokenized prompt, ``len <= data.max_prompt_tokens``.
-        truncated: True where the prompt policy shortened the prompt.
-    """
-
-    example: Example
-    prompt_ids: tuple[int, ...]
-    truncated: bool
+__all__ = ["DatasetPrompt", "PromptDataset", "PromptSampler", "check_enough_prompts"]
 
 
 class PromptDataset:
@@ -93,44 +79,35 @@ class PromptDataset:
                 ``data.skip_bad_rows``; no usable prompt; under ``data.overlong_prompt=error``,
                 an overlong prompt; for ``train``, fewer usable prompts than ``data.batch_size``.
         """
-        raw_rows, origins = _load_all(sources, data_cfg, seed=seed, split=split, key=key)
-        examples: list[Example] = []
-        bad: dict[int, str] = {}
-        for row, (raw, origin) in enumerate(zip(raw_rows, origins)):
-            data_source = ARITHMETIC_SOURCE if origin.source.startswith("task:") else GSM8K_SOURCE
-            result = to_example(raw, row=row, instruction=data_cfg.instruction,
-                                system_prompt=data_cfg.system_prompt, data_source=data_source)
-            if isinstance(result, str):
-                bad[row] = result
-            else:
-                examples.append(result)
-        if bad and not data_cfg.skip_bad_rows:
-            _raise_bad_rows(bad, origins, key)
-        dataset = cls._apply_policy(examples, bad, len(raw_rows), tokenizer, data_cfg, key=key)
-        logger.info("%s: %s", key, dataset.accounting.summary())
+        rows = load_examples(sources, data_cfg, seed=seed, split=split, key=key)
+        if rows.bad and not data_cfg.skip_bad_rows:
+            _raise_bad_rows(rows.bad, rows.origins, key)
+        prompts, outcomes = budget_examples(
+            rows.examples, tokenizer, max_prompt_tokens=data_cfg.max_prompt_tokens, policy=data_cfg.overlong_prompt
+        )
+        dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key)
+        lengths = dataset.prompt_length_percentiles()
+        logger.info("%s: %s; prompt_length p50 %s, p99 %s, max %s tokens", key, dataset.accounting.summary(),
+                    lengths["p50"], lengths["p99"], lengths["max"])
         if not dataset.prompts:
             raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); fix the data or raise data.max_prompt_tokens")
         if split == "train":
             check_enough_prompts(dataset, data_cfg.batch_size)
         return dataset
 
-    @classmethod
-    def _apply_policy(
-        cls, examples: list[Example], bad: dict[int, str], num_rows: int, tokenizer: Any, data_cfg: DataConfig, *, key: str
-    ) -> PromptDataset:
-        """Run the prompt policy once over the good chats; merge its outcomes with the bad rows."""
-        result = apply_prompt_policy([e.chat for e in examples], tokenizer, data_cfg.max_prompt_tokens, data_cfg.overlong_prompt)
-        outcomes: dict[int, RowOutcome] = {row: RowOutcome(row, "rejected", reason) for row, reason in bad.items()}
-        for local, outcome in enumerate(result.accounting.outcomes):
-            row = examples[local].row
-            outcomes[row] = RowOutcome(row, outcome.status, outcome.reason, outcome.num_tokens, outcome.num_tokens_removed)
-        assert sorted(outcomes) == list(range(num_rows)), "every input row must have exactly one outcome"
-        prompts = [DatasetPrompt(examples[p.row], p.prompt_ids, p.truncated) for p in result.prompts]
-        return cls(prompts, PromptAccounting(tuple(outcomes[r] for r in range(num_rows))), key=key)
-
     def prompt_lengths(self) -> list[int]:
         """Prompt tokens of each usable prompt, in dataset order."""
         return [len(p.prompt_ids) for p in self.prompts]
+
+    def prompt_length_percentiles(self) -> dict[str, int | None]:
+        """Nearest-rank percentiles of the rendered prompt lengths (tokens, before the prompt
+        policy) of every rendered row: keys ``p50 p90 p95 p99 max`` (None when no row rendered).
+
+        Computed from the accounting with `rendered_prompt_lengths` and
+        `packrl.seqlen.audit.length_percentiles`, as `packrl audit` computes its prompt
+        percentiles, so the two agree for the same rows and config.
+        """
+        return length_percentiles(rendered_prompt_lengths(self.accounting))
 
     def batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at dataset positions ``indices`` (0 .. len-1, not global rows) as a `PromptBatch`."""
@@ -151,25 +128,9 @@ class PromptDataset:
             yield self.batch(range(start, min(start + batch_size, len(self))))
 
 
-def _load_all(sources: list[str], data_cfg: DataConfig, *, seed: int, split: str, key: str) -> tuple[list[Any], list[_Source]]:
-    if not sources:
-        raise ValueError(f"{key} is empty; set {key} to a file, task:arithmetic or a hub id")
-    rows: list[Any] = []
-    origins: list[_Source] = []
-    for source in sources:
-        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key)
-        rows.extend(loaded)
-        origins.extend(_Source(source, i) for i in range(len(loaded)))
-    limit = data_cfg.max_val_rows if split == "val" else None
-    if limit is not None and len(rows) > limit:
-        logger.info("%s: using the first %d of %d rows (data.max_val_rows)", key, limit, len(rows))
-        rows, origins = rows[:limit], origins[:limit]
-    return rows, origins
-
-
-def _raise_bad_rows(bad: dict[int, str], origins: list[_Source], key: str) -> None:
+def _raise_bad_rows(bad: dict[int, str], origins: tuple[RowSource, ...], key: str) -> None:
     shown = "; ".join(
-        f"row {row} ({origins[row].source} row {origins[row].local_row}): {reason}"
+        f"row {row} ({origins[row].source} row {origins[row].source_row}): {reason}"
         for row, reason in sorted(bad.items())[:_SHOWN_BAD_ROWS]
     )
     more = f"; and {len(bad) - _SHOWN_BAD_ROWS} more" if len(bad) > _SHOWN_BAD_ROWS else ""

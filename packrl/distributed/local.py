@@ -1,23 +1,38 @@
-"""The in-process worker group: one actor (and an optional frozen reference) on one device."""
+"""The in-process worker group: one actor (and an optional frozen reference) on one device.
+
+The memory features meet here: the model arrives from `load_policy` with RoPE scaling, gradient
+checkpointing and LoRA applied; the group adds activation offload to the update's context
+(`LocalWorkerGroup.update_context`), runs the LoRA reference with the adapters disabled, keeps
+the bf16 rollout copy in step with the merged adapter, and saves and restores adapters.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd.graph import save_on_cpu
 
 from packrl.config.schema import RunConfig
 from packrl.distributed.protocol import Role
 from packrl.models.attention import PACKRL_SDPA
-from packrl.models.loading import load_policy, load_reference
+from packrl.models.loading import disable_gradient_checkpointing, load_policy, load_reference
+from packrl.models.lora import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_policy, is_lora, load_adapter, merged_copy, parameter_counts, sync_merged_weights,
+)
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.trainer.actor import LogprobResult, compute_logprobs, update_actor
 from packrl.trainer.checkpoint import load_trainer_state, save_checkpoint
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
+
+
+logger = logging.getLogger(__name__)
 
 
 def default_device() -> torch.device:
@@ -29,13 +44,17 @@ def rollout_weights(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.
 
     Under autocast every decode step would re-cast all float32 weights; a bf16 copy, synced
     after each optimizer step (`sync_rollout_weights`), generates about twice as fast on CPU
-    for one extra bf16 copy of the weights (0.27 GB for 135M parameters).
+    for one extra bf16 copy of the weights (0.27 GB for 135M parameters). For a LoRA model the
+    copy is a plain model holding the merged weights ``W + (alpha / r) B A``
+    (`packrl.models.lora.merged_copy`), so decoding pays no adapter matmuls; in float32 the peft
+    model itself generates, adapters included. The copy never checkpoints activations.
     """
     if dtype is None:
         return model
     import copy
 
-    twin = copy.deepcopy(model)
+    twin = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
+    disable_gradient_checkpointing(twin)
     for param in twin.parameters():  # buffers (RoPE frequencies) stay float32, as in training
         param.data = param.data.to(dtype)
     twin.config.dtype = dtype
@@ -50,8 +69,12 @@ def rollout_weights(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.
 
 @torch.no_grad()
 def sync_rollout_weights(model: torch.nn.Module, twin: torch.nn.Module) -> None:
-    """Copy (and cast) the trained parameters into the rollout copy; no-op when they are one."""
+    """Copy (and cast) the trained parameters into the rollout copy; no-op when they are one.
+    A LoRA model's adapters are merged into the copy's weights (`sync_merged_weights`)."""
     if twin is model:
+        return
+    if is_lora(model):
+        sync_merged_weights(model, twin)
         return
     for dst, src in zip(twin.parameters(), model.parameters(), strict=True):
         dst.copy_(src)
@@ -60,9 +83,11 @@ def sync_rollout_weights(model: torch.nn.Module, twin: torch.nn.Module) -> None:
 class LocalWorkerGroup:
     """Actor, reference, rollout engine and optimizer in this process.
 
-    The reference model exists only when ``algorithm.kl_coef > 0``. Parameters and optimizer
-    states are float32; ``model.dtype=bf16`` runs training forwards under autocast and
-    generation on a bf16 copy of the weights, synced after every update.
+    The reference model exists only when ``algorithm.kl_coef > 0``; with LoRA it is the policy
+    itself, whose ``ref`` forwards run with the adapters disabled. Parameters and optimizer
+    states are float32, and the optimizer holds only trainable parameters (the adapters, with
+    LoRA); ``model.dtype=bf16`` runs training forwards under autocast and generation on a bf16
+    copy of the weights, synced after every update.
 
     With one optimizer step per rollout (``train.ppo_epochs=1``, ``train.mini_batch_size`` =
     ``data.batch_size``), the policy that sampled is the policy being updated: its old log-probs
@@ -71,9 +96,17 @@ class LocalWorkerGroup:
     """
 
     def __init__(self, cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, reference: torch.nn.Module | None = None):
+        if cfg.model.lora.rank > 0 and not is_lora(model):
+            raise ValueError(f"model.lora.rank={cfg.model.lora.rank} but the model given has no LoRA adapters; load it with "
+                             "packrl.models.loading.load_policy (which applies model.lora), or set model.lora.rank=0")
         self.cfg, self.model, self.tokenizer, self.reference = cfg, model, tokenizer, reference
         self.device = next(model.parameters()).device
-        self.max_context_tokens = model_context_tokens(model.config)[0]
+        self.max_context_tokens, self.rope_factor = model_context_tokens(model.config)
+        self.model_summary = describe_policy(model, cfg, self.max_context_tokens)
+        logger.info("%s", self.model_summary)
+        if cfg.model.activation_offload and self.device.type != "cuda":
+            logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
+                           "copies them; set model.activation_offload=false", self.device.type)
         self._dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
         self.rollout_model = rollout_weights(model, self._dtype)
         self.engine = HFEngine(self.rollout_model, tokenizer, max_context_tokens=self.max_context_tokens,
@@ -97,6 +130,27 @@ class LocalWorkerGroup:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._dtype)
 
+    @contextlib.contextmanager
+    def update_context(self) -> Iterator[None]:
+        """The context of each update micro-batch's forward: autocast to ``model.dtype`` and, with
+        ``model.activation_offload``, `torch.autograd.graph.save_on_cpu` (pinned host memory on
+        CUDA): every tensor the forward saves for the backward is moved to host memory when saved
+        and brought back when the backward reads it. With gradient checkpointing that is each
+        checkpointed layer's input and the tensors outside the layers (embeddings, LM head chunks).
+        Measured on one H200 (SmolLM2-135M shape, one 32,768-token pack, bf16): peak memory above
+        the weights 30.3 GiB -> 3.1 GiB at 2.0 s instead of 0.45 s per forward + backward alone;
+        with gradient checkpointing 4.4 GiB -> 3.1 GiB at 0.69 s instead of 0.56 s.
+        """
+        offload = save_on_cpu(pin_memory=self.device.type == "cuda") if self.cfg.model.activation_offload else contextlib.nullcontext()
+        with self.autocast(), offload:
+            yield
+
+    @contextlib.contextmanager
+    def reference_context(self) -> Iterator[None]:
+        """The context of the reference forwards: autocast, and the base model of a LoRA reference."""
+        with self.autocast(), base_policy(self.reference):
+            yield
+
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         groups = self.engine.generate(prompts.prompt_ids, params)
         return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
@@ -105,10 +159,10 @@ class LocalWorkerGroup:
         model = self.model if role == "actor" else self.reference
         if model is None or (role == "actor" and self.on_policy):
             return None
-        return compute_logprobs(model, rollout, self.cfg, self.autocast)
+        return compute_logprobs(model, rollout, self.cfg, self.autocast if role == "actor" else self.reference_context)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.autocast)
+        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.update_context)
         sync_rollout_weights(self.model, self.rollout_model)
         return metrics
 
@@ -125,21 +179,51 @@ class LocalWorkerGroup:
         return state
 
 
+def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:
+    """One line on the policy for the start of a run: parameters (trainable of total) and the
+    memory features in force, e.g. ``policy: 4,884,480 trainable of 139,399,488 parameters
+    (3.50%); LoRA rank 16, alpha 32 on 210 Linear layers; ...``."""
+    trainable, total = parameter_counts(model)
+    lora = "off (full fine-tuning)"
+    if is_lora(model):
+        from peft.tuners.lora import LoraLayer
+
+        num_layers = sum(isinstance(module, LoraLayer) for module in model.modules())
+        adapter = model.peft_config["default"]
+        lora = f"rank {adapter.r}, alpha {adapter.lora_alpha:g} on {num_layers} Linear layers"
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+    rope = cfg.model.rope_scaling
+    scaling = "none" if rope.type == "none" else f"{rope.type} x{rope.factor:g}"
+    return (f"policy: {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%); "
+            f"LoRA {lora}; gradient checkpointing {'on' if checkpointing else 'off'}; "
+            f"activation offload {'on' if cfg.model.activation_offload else 'off'}; RoPE scaling {scaling} "
+            f"(model context {max_context_tokens:,} tokens)")
+
+
 def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's safetensors weights (single file or sharded with an index) into
-    ``model`` in place. Tied weights absent from the files keep their tie.
+    """Load a checkpoint's weights into ``model`` in place: its safetensors weights (single file
+    or sharded with an index; tied weights absent from the files keep their tie), or for a LoRA
+    model its adapter (`packrl.models.lora.load_adapter`; the base weights are ``model.path``'s).
 
     Raises:
-        ValueError: no safetensors weights under ``path``, or a parameter of the model missing.
+        ValueError: no safetensors weights under ``path`` (naming ``model.lora.rank`` when it holds
+            an adapter instead), a parameter of the model missing, or an adapter that does not fit.
     """
     import json
 
     from safetensors.torch import load_file
 
+    if is_lora(model):
+        load_adapter(model, path)
+        return
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     if not all((path / f).is_file() for f in files):
-        raise ValueError(f"{path} holds no safetensors weights ({', '.join(files)} expected)")
+        hint = ""
+        if (path / ADAPTER_WEIGHTS).is_file():
+            rank = json.loads((path / ADAPTER_CONFIG).read_text()).get("r") if (path / ADAPTER_CONFIG).is_file() else "<its rank>"
+            hint = f"; it holds a LoRA adapter instead: set model.lora.rank={rank} (and its model.lora.* settings) to load it"
+        raise ValueError(f"{path} holds no safetensors weights ({', '.join(files)} expected){hint}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(path / f)))

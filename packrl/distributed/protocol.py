@@ -19,6 +19,11 @@ Role = Literal["actor", "ref"]
 class WorkerGroup(Protocol):
     tokenizer: Any
     max_context_tokens: int
+    """The policy's context in tokens, RoPE scaling included."""
+    rope_factor: float
+    """The RoPE scaling factor included in ``max_context_tokens`` (1.0 = none)."""
+    model_summary: str
+    """One line on the policy: trainable/total parameters and the memory features in force."""
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         """Sample ``params.n`` responses per prompt from exactly ``prompts.prompt_ids``."""

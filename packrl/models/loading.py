@@ -2,8 +2,9 @@
 
 ``model.path`` may be a local HF model directory, a local ``.gguf`` file, a hub id, or the alias
 ``smollm2-135m-instruct``. `resolve_model` turns it into a directory that
-``AutoModelForCausalLM.from_pretrained`` reads; `load_policy` loads it for training and
-`load_reference` freezes a copy for the KL term.
+``AutoModelForCausalLM.from_pretrained`` reads; `load_policy` loads it for training (with RoPE
+scaling, gradient checkpointing and LoRA as ``model.*`` asks) and `load_reference` freezes a copy
+for the KL term (with LoRA: the policy itself, run with its adapters disabled).
 
 A ``.gguf`` file is dequantized once into a safetensors directory under the packrl cache
 (env ``PACKRL_CACHE``, else ``~/.cache/packrl``): ``<cache>/gguf/<stem>-<sha256[:12]>/``. The
@@ -479,36 +480,47 @@ def _last_line(text: str | None) -> str:
 
 
 def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tuple[Any, Any]:
-    """Load the policy model and its tokenizer for training.
+    """Load the policy model and its tokenizer for training, with the memory features applied.
 
     Parameters are float32 whatever ``model.dtype`` says: the optimizer updates float32 master
     weights, and the compute dtype (``model.dtype=bf16``) is applied by autocast around forwards
     and generation. Attention is SDPA, switched to packrl's packed path by `use_packed_attention`.
+    In order: ``model.rope_scaling`` is applied to the config before the weights load
+    (`packrl.models.model_config.apply_rope_scaling`), ``model.lora.rank > 0`` wraps the model
+    with LoRA adapters (`packrl.models.lora.apply_lora`), leaving only the adapters trainable,
+    and ``model.gradient_checkpointing`` turns on transformers' non-reentrant checkpointing
+    (`enable_gradient_checkpointing`). ``model.activation_offload`` belongs to the update's
+    context (`packrl.distributed.local.LocalWorkerGroup.update_context`), not to the model.
 
     Args:
         cfg: the ``model`` config section; ``model.path`` is resolved with `resolve_model`.
         device: where to put the model.
 
     Returns:
-        ``(model, tokenizer)``: the model in train mode with ``generation_config.pad_token_id``
-        set; the tokenizer pads on the left and has a pad token (its eos when it had none).
+        ``(model, tokenizer)``: the model (a ``peft`` model with LoRA) in train mode with
+        ``generation_config.pad_token_id`` set; the tokenizer pads on the left and has a pad
+        token (its eos when it had none).
 
     Raises:
         ValueError: ``model.path`` does not resolve, its directory has no weights, its tokenizer
             is missing, has no chat template or no eos/pad token, or has more tokens than the
-            model's embedding.
+            model's embedding; ``model.rope_scaling`` cannot apply to its config; or
+            ``model.lora.target_modules`` names no Linear module.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from packrl.models.attention import use_packed_attention
+    from packrl.models.lora import apply_lora, parameter_counts
+    from packrl.models.model_config import apply_rope_scaling
 
     resolved = resolve_model(cfg.path)
     if resolved.gguf_file is None and not has_weights(resolved.model_dir):
         raise ValueError(_missing_weights_message(cfg.path, resolved.model_dir))
     tokenizer = load_tokenizer(resolved, cfg.path)
+    config = apply_rope_scaling(AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs()), cfg.rope_scaling)
     model = AutoModelForCausalLM.from_pretrained(
-        resolved.model_dir, dtype=torch.float32, attn_implementation="sdpa", **resolved.load_kwargs()
+        resolved.model_dir, config=config, dtype=torch.float32, attn_implementation="sdpa", **resolved.load_kwargs()
     )
     num_embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > num_embeddings:
@@ -521,8 +533,44 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tupl
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-    log.info("loaded policy %s: %.1fM parameters, attention %s", resolved.source, _num_params(model) / 1e6, model.config._attn_implementation)
+    if cfg.lora.rank > 0:
+        model = apply_lora(model, cfg.lora)
+    if cfg.gradient_checkpointing:  # after LoRA: peft then adds no input-grad hook of its own
+        enable_gradient_checkpointing(model)
+    trainable, total = parameter_counts(model)
+    log.info("loaded policy %s: %.1fM parameters (%.2fM trainable), attention %s",
+             resolved.source, total / 1e6, trainable / 1e6, model.config._attn_implementation)
     return model.train(), tokenizer
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on transformers' gradient checkpointing, non-reentrant, for every decoder layer.
+
+    A checkpointed layer keeps only its input ([K, H] per pack) for the backward and runs its
+    forward again there: about one more forward of compute for the update, in exchange for the
+    layer's intermediate activations. Transformers checkpoints only when the model is in train
+    mode and grad is enabled, so the no-grad log-prob forwards and generation are unchanged.
+    Non-reentrant checkpointing passes keyword arguments (the packed path's ``cu_seq_lens_*``)
+    through and gives LoRA adapters their gradients without inputs that require grad.
+
+    Measured on one H200 with the SmolLM2-135M shape, one 32,768-token pack (8 x 4,096), bf16
+    autocast: the update's peak memory above the weights falls from 30.3 GiB to 4.4 GiB and its
+    forward + backward grows from 0.45 s to 0.56 s.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Undo `enable_gradient_checkpointing` (and the input-embedding grad hook it registers)."""
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+    model.disable_input_require_grads()
 
 
 def _missing_weights_message(path: str, model_dir: Path) -> str:
@@ -574,18 +622,27 @@ def load_tokenizer(resolved: ResolvedModel, path: str) -> Any:
 
 
 def load_reference(policy: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of the policy, for the reference log-probs of the KL term.
+    """The reference policy of the KL term: the base model the policy started from.
 
-    Costs one more copy of the weights in memory: 4 bytes per parameter in float32 (0.54 GB for
-    SmolLM2-135M), no gradients and no optimizer state. Call it before wrapping the policy
-    (FSDP, LoRA). It shares the policy's tokenizer.
+    Without LoRA, a frozen copy: one more copy of the weights in memory, 4 bytes per parameter
+    in float32 (0.54 GB for SmolLM2-135M), no gradients and no optimizer state; call it before
+    wrapping the policy (FSDP). With LoRA (a peft ``policy``), the policy itself and no copy:
+    its frozen base weights are the reference, and its reference forwards must run under
+    `packrl.models.lora.base_policy` (adapters disabled), as `LocalWorkerGroup` does for the
+    ``ref`` role. Either way it shares the policy's tokenizer.
 
     Args:
         policy: the model from `load_policy`.
 
     Returns:
-        A deep copy in eval mode with ``requires_grad=False`` everywhere and no ``.grad``.
+        Without LoRA, a deep copy in eval mode with ``requires_grad=False`` everywhere and no
+        ``.grad``; with LoRA, ``policy``.
     """
+    from packrl.models.lora import is_lora
+
+    if is_lora(policy):
+        log.info("reference policy: the LoRA policy with its adapters disabled (no copy)")
+        return policy
     ref = copy.deepcopy(policy)
     ref.requires_grad_(False)
     for p in ref.parameters():
@@ -594,7 +651,3 @@ def load_reference(policy: torch.nn.Module) -> torch.nn.Module:
     num_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     log.info("reference policy: a frozen copy, %.2f GiB more weights", num_bytes / 2**30)
     return ref
-
-
-def _num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

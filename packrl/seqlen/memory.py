@@ -15,17 +15,17 @@ What a run holds (packrl's own layout, `packrl.distributed.local.LocalWorkerGrou
 - activations saved for the backward, per token, counted tensor by tensor for a Llama-style
   decoder layer (RMSNorm, GQA attention with RoPE, gated MLP) under autocast:
 
-  * two RMSNorms keep their float32 input and normalised output: ``4 r H``;
-  * bf16 only: autocast's casts of the normalised input to q, k, v, gate, up: ``5 c H``;
-  * q, k, v projections: ``c (h + 2g) d``; RoPE outputs (float32, promoted by the float32
-    cos/sin): ``r (h + g) d``; their casts back for attention (bf16 only): ``c (h + 2g) d``;
-  * attention output and its contiguous copy for ``o_proj``: ``2 c h d``;
+  * two RMSNorms keep their float32 input and normalised output: ``4 r H`` (with LoRA the norm
+    weights are frozen and only the input is kept: ``2 r H``);
+  * bf16 only: autocast's casts of the normalised input to q, k, v, gate and up: ``5 c H``;
+  * attention: SDPA's q, k, v inputs ``c (h + 2g) d``, its output and ``o_proj``'s input
+    ``2 c h d``;
   * MLP: gate, up, activation and product: ``4 c I``;
-  * LoRA (bf16 only): each adapted module's input cast again for ``lora_A``: ``c`` x its input
-    width, plus ``2 c rank`` for the adapter's own outputs.
+  * LoRA: the adapters' rank-wide outputs, about ``2 c rank`` per adapted module.
 
-  For SmolLM2-135M in bf16 this gives 35.6 KiB per token per layer; the measured peak of one
-  update micro-batch (``bench/bench_memory.py``) implies about 34 KiB.
+  For SmolLM2-135M in bf16 this gives 31,488 bytes per token per layer (26,880 + adapters with
+  LoRA): the sum of the tensors autograd saves for one layer, counted with
+  `torch.autograd.graph.saved_tensors_hooks` (weights excluded), within 3% (a test checks it).
   With ``model.gradient_checkpointing`` a layer keeps only its float32 input (``r H``) and one
   layer's activations exist at a time, during its recomputation.
 - bf16 casts of the weights kept for the backward (each matmul saves its bf16 weight): ``c`` x
@@ -36,8 +36,13 @@ What a run holds (packrl's own layout, `packrl.distributed.local.LocalWorkerGrou
 - a runtime floor: on CPU the interpreter, torch, transformers, the tokenizer and the data
   (measured 0.55 GiB); on CUDA the context and allocator slack (0.75 GiB, an assumption).
 
-The update phase peaks either during the backward (activations, weight casts, gradients, LM
-head chunk) or during the optimizer step (gradients, moments, one parameter's temporaries); the
+Measured (``bench/bench_memory.py`` on CPU; the same micro-batch on an H200 with
+``torch.cuda.max_memory_allocated``): SmolLM2-135M, 1k-16k tokens, plain, gradient checkpointing and
+LoRA rank 16, all within 15% (the CPU table is in the README).
+
+The update phase peaks either when the backward starts (activations, weight casts, the LM head
+chunk and the LM head's gradient) or during the optimizer step (all gradients, moments, one
+parameter's temporaries); the
 estimate takes the larger. The log-prob phase and generation hold the optimizer moments (they
 live across steps) and one layer's intermediates at a time; generation adds the KV cache.
 """
@@ -65,7 +70,7 @@ class ModelShape:
         num_matmul_params: parameters of the decoder layers' Linear modules (the weights cast
             per matmul under autocast).
         num_lora_params: adapter parameters for the configured LoRA (0 when off).
-        lora_input_width: sum over adapted modules of their input width (for the extra casts).
+        num_lora_modules: Linear modules that get an adapter (0 when LoRA is off).
         largest_param: elements of the largest single parameter.
         hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
         vocab_size: the architecture (``H, I, L, h, g, d, V``).
@@ -74,7 +79,7 @@ class ModelShape:
     num_params: int
     num_matmul_params: int
     num_lora_params: int
-    lora_input_width: int
+    num_lora_modules: int
     largest_param: int
     hidden_size: int
     intermediate_size: int
@@ -104,7 +109,7 @@ class ModelShape:
         params = {id(p): p for p in model.parameters()}
         head = model.get_output_embeddings()
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
-        lora_params, lora_width = 0, 0
+        lora_params, lora_modules = 0, 0
         if lora is not None and lora.rank > 0:
             targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules)]
             if not targets:
@@ -114,14 +119,14 @@ class ModelShape:
                     f"its Linear modules are named {', '.join(names)} (or use [all-linear])"
                 )
             lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
-            lora_width = sum(m.in_features for _, m in targets)
+            lora_modules = len(targets)
         hidden = _attr(model_config, "hidden_size")
         heads = _attr(model_config, "num_attention_heads")
         return cls(
             num_params=sum(p.numel() for p in params.values()),
             num_matmul_params=sum(m.weight.numel() for _, m in linears),
             num_lora_params=lora_params,
-            lora_input_width=lora_width,
+            num_lora_modules=lora_modules,
             largest_param=max(p.numel() for p in params.values()),
             hidden_size=hidden,
             intermediate_size=getattr(model_config, "intermediate_size", None) or 4 * hidden,
@@ -147,7 +152,7 @@ def _lora_targets(name: str, targets: list[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora: bool) -> int:
+def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora_rank: int = 0) -> int:
     """Bytes one decoder layer keeps per token for the backward, without checkpointing.
 
     The tensor-by-tensor count is in the module docstring. Returns bytes per token per layer.
@@ -155,11 +160,11 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora
     c, r = compute_bytes, _RESIDUAL_BYTES
     H, I, h, g, d = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     casts = c if c < r else 0  # autocast casts exist only when the compute dtype is narrower
-    total = 4 * r * H + 5 * casts * H
-    total += c * (h + 2 * g) * d + r * (h + g) * d + casts * (h + 2 * g) * d
-    total += 2 * c * h * d + 4 * c * I
-    if lora and shape.num_layers:
-        total += (casts * shape.lora_input_width) // shape.num_layers
+    norms = (1 if lora_rank else 2) * 2 * r * H  # a frozen norm weight needs no saved normalised output
+    attention = c * (h + 2 * g) * d + 2 * c * h * d  # SDPA inputs, its output, o_proj's input
+    total = norms + 5 * casts * H + attention + 4 * c * I
+    if lora_rank:
+        total += 2 * c * lora_rank * shape.num_lora_modules // shape.num_layers  # the adapters' rank-wide outputs
     return total
 
 
@@ -215,7 +220,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     c = 2 if m.dtype == "bf16" else 4
     lora = m.lora.rank > 0
     trainable = shape.num_lora_params if lora else shape.num_params
-    per_layer = activation_bytes_per_token_layer(shape, c, lora)
+    per_layer = activation_bytes_per_token_layer(shape, c, m.lora.rank)
     if m.gradient_checkpointing:
         activations = T * (shape.num_layers * _RESIDUAL_BYTES * shape.hidden_size + per_layer)
     else:
@@ -235,8 +240,14 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
     }
     held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout copy (bf16)"]
-    backward = parts["gradients"] + parts["activations"] + parts["weight casts for the backward"] + parts["logits chunk"]
-    optimizer_step = parts["gradients"] + parts["optimizer states (AdamW, float32)"] + 2 * 4 * min(shape.largest_param, trainable)
+    # Gradients fill in while the backward frees activations: at its peak (its start) only the LM
+    # head's gradient exists; all gradients together are counted in the optimizer step.
+    first_grads = 4 * min(shape.largest_param, trainable)
+    backward = parts["activations"] + parts["weight casts for the backward"] + parts["logits chunk"] + first_grads
+    # AdamW's temporaries: on CUDA its foreach path holds about one more float32 copy of the
+    # trainable parameters; on CPU the per-parameter loop holds two of the largest parameter.
+    temporaries = 4 * trainable if device == "cuda" else 2 * 4 * min(shape.largest_param, trainable)
+    optimizer_step = parts["gradients"] + parts["optimizer states (AdamW, float32)"] + temporaries
     states = parts["optimizer states (AdamW, float32)"]
     # No-grad forwards keep one layer's intermediates at a time; prefill likewise, over the
     # generation batch's prompts; decoding adds its logits and sampling buffers.

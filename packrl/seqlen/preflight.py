@@ -133,7 +133,10 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
         try:
             context, factor, base = _context(cfg, model_config)
         except ValueError as err:
-            problems.append(ConfigProblem("model.path", cfg.model.path, str(err), "use a model whose config.json sets max_position_embeddings"))
+            key = "model.rope_scaling.type" if "model.rope_scaling" in str(err) else "model.path"
+            value = cfg.model.rope_scaling.type if key != "model.path" else cfg.model.path
+            problems.append(ConfigProblem(key, value, str(err), "see the message: use a model whose config.json sets "
+                                          "max_position_embeddings, or set model.rope_scaling.type=none"))
         else:
             budgets = Budgets.from_config(cfg, context, factor)
             rope = _rope_proposal(budgets, base)
@@ -186,14 +189,17 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
 
 
 def _context(cfg: RunConfig, model_config: Any) -> tuple[int, float, int]:
-    """``(context, rope factor, context without scaling)`` in tokens, ``model.rope_scaling``
-    applied. Raises ValueError when the config has no usable ``max_position_embeddings``."""
-    own, own_factor = model_context_tokens(model_config)
-    base = round(own / own_factor)
-    scaling = cfg.model.rope_scaling
-    if scaling.type == "none":
-        return own, own_factor, base
-    return int(base * scaling.factor), scaling.factor, base
+    """``(context, rope factor, context without packrl's scaling)`` in tokens, with
+    ``model.rope_scaling`` applied the way `load_policy` applies it (`apply_rope_scaling`).
+
+    Raises:
+        ValueError: no usable ``max_position_embeddings``, or a scaling that cannot apply.
+    """
+    from packrl.models.model_config import apply_rope_scaling
+
+    base, _ = model_context_tokens(model_config)
+    context, factor = model_context_tokens(apply_rope_scaling(model_config, cfg.model.rope_scaling))
+    return context, factor, base
 
 
 def _rope_proposal(budgets: Budgets, base: int) -> dict[str, Any] | None:

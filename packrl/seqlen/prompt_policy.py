@@ -233,6 +233,7 @@ def apply_prompt_policy(
     policy: Policy,
     *,
     chat_template_kwargs: dict[str, Any] | None = None,
+    row_numbers: Sequence[int] | None = None,
 ) -> PolicyResult:
     """Render, tokenize and fit every chat prompt to the prompt budget.
 
@@ -244,6 +245,8 @@ def apply_prompt_policy(
             template and the generation prompt.
         policy: ``data.overlong_prompt``; see `packrl.config.DataConfig.overlong_prompt`.
         chat_template_kwargs: extra arguments to ``apply_chat_template`` (e.g. ``enable_thinking``).
+        row_numbers: the row number of each chat in its data, used to name rows in errors
+            (default: the chat's index).
 
     Returns:
         `PolicyResult` with the surviving prompts in row order and the accounting of every row.
@@ -275,7 +278,7 @@ def apply_prompt_policy(
     all_ids = dict(zip(good, renderer.ids(texts)))
     overlong = [i for i in good if len(all_ids[i]) > max_prompt_tokens]
     if policy == "error" and overlong:
-        _raise_overlong(overlong, all_ids, max_prompt_tokens)
+        _raise_overlong(overlong, all_ids, max_prompt_tokens, row_numbers)
     prompts: dict[int, Prompt] = {}
     for i in good:
         ids, n = all_ids[i], len(all_ids[i])
@@ -295,8 +298,8 @@ def apply_prompt_policy(
     return PolicyResult(tuple(prompts[i] for i in sorted(prompts)), accounting)
 
 
-def _raise_overlong(rows: list[int], ids: dict[int, list[int]], budget: int) -> None:
-    shown = ", ".join(f"row {i} ({len(ids[i])} tokens)" for i in rows[:20])
+def _raise_overlong(rows: list[int], ids: dict[int, list[int]], budget: int, row_numbers: Sequence[int] | None) -> None:
+    shown = ", ".join(f"row {i if row_numbers is None else row_numbers[i]} ({len(ids[i])} tokens)" for i in rows[:20])
     more = f" and {len(rows) - 20} more" if len(rows) > 20 else ""
     longest = max(len(ids[i]) for i in rows)
     raise ValueError(

@@ -78,7 +78,8 @@ def _response_positions(pack: Pack, rollout: RolloutBatch) -> torch.Tensor:
 
 def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager]) -> LogprobResult:
     """No-grad log-probs and entropy of every response token, in log-prob micro-batches of at
-    most ``train.max_tokens_per_logprob_microbatch`` real tokens.
+    most ``train.max_tokens_per_logprob_microbatch`` real tokens. The model runs in eval mode
+    (no dropout, e.g. ``model.lora.dropout``) and its mode is restored afterwards.
 
     Raises:
         ValueError: a sequence longer than the log-prob budget (named by index).
@@ -90,6 +91,8 @@ def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConf
     device = next(model.parameters()).device
     logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rollout)
     entropy: list[torch.Tensor] = [torch.empty(0)] * len(rollout)
+    was_training = model.training
+    model.eval()
     with torch.no_grad(), autocast():
         for indices in plan.microbatches:
             pack = _pack(rollout, indices, device)
@@ -97,6 +100,7 @@ def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConf
                                 temperature=cfg.rollout.temperature, needed=_response_positions(pack, rollout))
             for i, lp, ent in zip(indices, _response_parts(pack, out.token_logprobs, rollout), _response_parts(pack, out.entropy, rollout)):
                 logprobs[i], entropy[i] = lp.float().cpu(), ent.float().cpu()
+    model.train(was_training)
     return LogprobResult(tuple(logprobs), tuple(entropy), plan)
 
 

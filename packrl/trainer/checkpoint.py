@@ -1,6 +1,14 @@
 """Checkpoints: ``RUN_DIR/checkpoints/step_N`` holds the HF model and tokenizer, the optimizer
 and scheduler state, and the trainer state. Written to a temporary folder and renamed, so a
 folder named ``step_N`` is always complete.
+
+With LoRA (``model.lora.rank > 0``) the model part is the adapter alone, as peft's
+``save_pretrained`` writes it: ``adapter_model.safetensors`` (float32 A and B of every adapted
+layer: 19.5 MB for SmolLM2-135M at rank 16, against 538 MB for the full model) and
+``adapter_config.json``. The base weights are ``model.path``'s and are not copied; no merged HF
+model is written either (peft's ``merge_and_unload`` makes one when a plain model is wanted).
+Resume loads the adapter into a policy built with the same ``model.*`` settings
+(`packrl.distributed.local.load_weights`), exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path.
 
     Args:
-        model / tokenizer: saved with ``save_pretrained`` (safetensors).
+        model / tokenizer: saved with ``save_pretrained`` (safetensors; a peft model saves only
+            its adapter).
         optimizer_state: ``{"optimizer": ..., "scheduler": ...}`` state dicts.
         trainer_state: JSON-serialisable state (step, data position, ...).
     """

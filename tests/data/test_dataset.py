@@ -214,3 +214,10 @@ def test_iter_batches_visits_every_prompt_once_in_order():
     assert [b.rows for b in ds.iter_batches(3)] == [(0, 1, 2), (3, 4, 5), (6,)]
     with pytest.raises(ValueError, match="batch_size=0"):
         next(ds.iter_batches(0))
+
+
+def test_overlong_error_names_rows_by_their_number_in_the_data(smollm_tokenizer, two_files):
+    # Rows 1-3 and 6 are bad and skipped; the overlong row is row 4 of the data, index 1 of the
+    # rows the policy sees.
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) exceed data.max_prompt_tokens=96: row 4 \("):
+        _build(two_files, smollm_tokenizer, skip_bad_rows=True, overlong_prompt="error")

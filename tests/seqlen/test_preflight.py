@@ -114,7 +114,7 @@ def test_estimate_responds_to_each_memory_feature():
     assert lora.parts["gradients"] * 10 < plain.parts["gradients"]
     assert lora.parts["optimizer states (AdamW, float32)"] * 10 < plain.parts["optimizer states (AdamW, float32)"]
     assert fp32.parts["rollout copy (bf16)"] == 0 and plain.parts["rollout copy (bf16)"] == 2 * shape.num_params
-    assert activation_bytes_per_token_layer(shape, 4, False) != activation_bytes_per_token_layer(shape, 2, False)
+    assert activation_bytes_per_token_layer(shape, 4) != activation_bytes_per_token_layer(shape, 2)
     small, big = (max_fitting_tokens(base, shape, g * GIB) for g in (1, 4))
     assert small <= big
 
@@ -145,3 +145,37 @@ def test_cli_json_and_exit_status(model_dir, capsys):
     assert out["ok"] and out["budgets"]["max_context_tokens"] == 512 and out["memory"]["peak_bytes"] > 0
     assert main(["preflight", "demo", f"model.path={model_dir}", "rollout.max_response_tokens=600", "--json"]) == 1
     assert not json.loads(capsys.readouterr().out)["ok"]
+
+
+def _saved_bytes_per_token(num_layers: int, tokens: int, lora_rank: int) -> float:
+    """Bytes of the token-sized tensors autograd saves in a packed forward under bf16 autocast."""
+    from packrl.models.attention import use_packed_attention
+    from packrl.models.logprobs import pack_logprobs
+    from packrl.seqlen.packing import pack_sequences
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config(num_hidden_layers=num_layers))
+    use_packed_attention(model)
+    if lora_rank:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=load_config("demo").model.lora.target_modules))
+    seen: dict[int, int] = {}
+
+    def pack_hook(t):
+        if tokens in t.shape:  # activations, not weights or their casts
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    pack = pack_sequences([torch.randint(0, 97, (tokens,))])
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        pack_logprobs(model, pack, needed=torch.ones(tokens, dtype=torch.bool))
+    return sum(seen.values()) / tokens
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_activation_count_is_what_autograd_saves_per_layer(lora_rank):
+    tokens = 101  # matches no model dimension
+    per_layer = (_saved_bytes_per_token(3, tokens, lora_rank) - _saved_bytes_per_token(1, tokens, lora_rank)) / 2
+    cfg = load_config("demo", [f"model.lora.rank={lora_rank}"])
+    shape = ModelShape.from_config(_config(), cfg.model.lora)
+    assert activation_bytes_per_token_layer(shape, 2, lora_rank) == pytest.approx(per_layer, rel=0.03)

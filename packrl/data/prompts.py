@@ -1,0 +1,162 @@
+"""From raw rows to budgeted prompts: the one path `packrl train` and `packrl audit` both take.
+
+    load_examples       sources -> raw rows (numbered globally) -> `Example` or bad-row reason
+    budget_examples     examples -> chat template + tokenizer + prompt policy -> prompts, outcomes
+    account_rows        outcomes + bad rows -> `PromptAccounting` (one outcome per input row)
+    rendered_prompt_lengths   accounting -> prompt tokens of every rendered row, before the policy
+
+`PromptDataset.build` (training) and `packrl.seqlen.audit` (the audit) call exactly these
+functions, so the prompt lengths the audit reports are the ones the trainer computes for the
+same rows. `budget_examples` treats each row on its own (rendering is per row, the tokenizer
+call is batched but per text), so running it over chunks of the examples, as the audit does
+for its progress bar, gives the same outcomes as one call over all of them.
+
+No torch import here: the audit loads this module without the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from packrl.config.schema import DataConfig
+from packrl.data.examples import ARITHMETIC_SOURCE, GSM8K_SOURCE, Example, to_example
+from packrl.data.loaders import load_rows
+from packrl.seqlen.prompt_policy import Policy, PromptAccounting, RowOutcome, apply_prompt_policy
+
+
+@dataclass(frozen=True, slots=True)
+class RowSource:
+    """Where a global row came from: the source string and the row's index inside it (0-based)."""
+
+    source: str
+    source_row: int
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetPrompt:
+    """One usable prompt: its example and its canonical prompt ids.
+
+    Attributes:
+        example: the normalised row (chat, ground truth, data source, global row).
+        prompt_ids: rendered and tokenized prompt, ``len <= data.max_prompt_tokens``.
+        truncated: True where the prompt policy shortened the prompt.
+    """
+
+    example: Example
+    prompt_ids: tuple[int, ...]
+    truncated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedRows:
+    """Every row read from the sources of one split, normalised.
+
+    Attributes:
+        raw_rows: the rows as loaded, in global row order.
+        origins: where each global row came from (same length as ``raw_rows``).
+        examples: the usable rows, in global row order (``Example.row`` is the global row).
+        bad: global row -> the reason it is not usable (e.g. ``"missing field 'answer'"``).
+    """
+
+    raw_rows: tuple[Any, ...]
+    origins: tuple[RowSource, ...]
+    examples: tuple[Example, ...]
+    bad: dict[int, str]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.raw_rows)
+
+
+def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split: str, key: str) -> LoadedRows:
+    """Read every source in order and normalise each row (`packrl.data.examples.to_example`).
+
+    Args:
+        sources: ``data.train_files`` or ``data.val_files`` (files, ``task:arithmetic``, hub ids).
+        data_cfg: the ``data`` section (instruction, system prompt, ``max_val_rows``, arithmetic).
+        seed: ``train.seed`` (picks the rows of ``task:arithmetic``).
+        split: ``"train"`` or ``"val"``; for ``val`` only the first ``data.max_val_rows`` rows.
+        key: the config key of ``sources``, for messages.
+
+    Returns:
+        `LoadedRows`; rows are numbered globally across the sources, from 0.
+
+    Raises:
+        ValueError: ``sources`` is empty, or a source cannot be read (see `load_rows`).
+    """
+    raw_rows, origins = _load_all(sources, data_cfg, seed=seed, split=split, key=key)
+    examples: list[Example] = []
+    bad: dict[int, str] = {}
+    for row, (raw, origin) in enumerate(zip(raw_rows, origins)):
+        data_source = ARITHMETIC_SOURCE if origin.source.startswith("task:") else GSM8K_SOURCE
+        result = to_example(raw, row=row, instruction=data_cfg.instruction,
+                            system_prompt=data_cfg.system_prompt, data_source=data_source)
+        if isinstance(result, str):
+            bad[row] = result
+        else:
+            examples.append(result)
+    return LoadedRows(tuple(raw_rows), tuple(origins), tuple(examples), bad)
+
+
+def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split: str, key: str) -> tuple[list[Any], list[RowSource]]:
+    if not sources:
+        raise ValueError(f"{key} is empty; set {key} to a file, task:arithmetic or a hub id")
+    rows: list[Any] = []
+    origins: list[RowSource] = []
+    for source in sources:
+        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key)
+        rows.extend(loaded)
+        origins.extend(RowSource(source, i) for i in range(len(loaded)))
+    limit = data_cfg.max_val_rows if split == "val" else None
+    if limit is not None and len(rows) > limit:
+        logging.getLogger("packrl.data").info("%s: using the first %d of %d rows (data.max_val_rows)", key, limit, len(rows))
+        rows, origins = rows[:limit], origins[:limit]
+    return rows, origins
+
+
+def budget_examples(
+    examples: Sequence[Example], tokenizer: Any, *, max_prompt_tokens: int, policy: Policy
+) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
+    """Render, tokenize and fit each example's chat to the prompt budget (`apply_prompt_policy`).
+
+    Args:
+        examples: usable rows; their ``row`` is the global row number.
+        tokenizer: HF tokenizer with a chat template.
+        max_prompt_tokens: ``data.max_prompt_tokens`` (tokens, template and generation prompt included).
+        policy: ``data.overlong_prompt``.
+
+    Returns:
+        ``(prompts, outcomes)``: the surviving prompts in row order, and one `RowOutcome` per
+        example, numbered by global row. ``num_tokens`` of an outcome is the rendered prompt
+        length before the policy (tokens), whatever the policy did.
+
+    Raises:
+        ValueError: as `apply_prompt_policy` (under ``error``, any overlong prompt).
+    """
+    result = apply_prompt_policy([e.chat for e in examples], tokenizer, max_prompt_tokens, policy, row_numbers=[e.row for e in examples])
+    outcomes = [
+        RowOutcome(examples[o.row].row, o.status, o.reason, o.num_tokens, o.num_tokens_removed)
+        for o in result.accounting.outcomes
+    ]
+    prompts = [DatasetPrompt(examples[p.row], p.prompt_ids, p.truncated) for p in result.prompts]
+    return prompts, outcomes
+
+
+def account_rows(outcomes: Sequence[RowOutcome], bad: dict[int, str], num_rows: int) -> PromptAccounting:
+    """The accounting of all ``num_rows`` rows: bad rows ``rejected`` with their reason, the rest
+    as the policy left them (length invariant 6: the counts sum to ``num_rows``)."""
+    by_row: dict[int, RowOutcome] = {row: RowOutcome(row, "rejected", reason) for row, reason in bad.items()}
+    for outcome in outcomes:
+        by_row[outcome.row] = outcome
+    assert sorted(by_row) == list(range(num_rows)), "every input row must have exactly one outcome"
+    return PromptAccounting(tuple(by_row[r] for r in range(num_rows)))
+
+
+def rendered_prompt_lengths(accounting: PromptAccounting) -> list[int]:
+    """Prompt tokens of every row that was rendered (kept, truncated, filtered, or rejected after
+    rendering), before any truncation, in row order. Rows rejected before rendering (bad rows)
+    have no length and are left out."""
+    return [o.num_tokens for o in accounting.outcomes if o.num_tokens is not None]

@@ -1,0 +1,329 @@
+"""packrl audit: exact numbers on known lengths, the trainer's p99, bad input, images, the cache.
+
+Exact tests use a character-level tokenizer whose chat template is ``<role>content`` per message
+plus ``<assistant>``, so a prompt's token count is the length of that string, computed here
+independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import string
+import sys
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainConfig
+from packrl.data import PromptDataset, load_examples
+from packrl.seqlen.audit import audit_rows, audit_sources, length_percentiles
+from packrl.seqlen.audit_html import render_html
+from packrl.seqlen.images import image_tokens, smart_resize
+from tests.conftest import SHARED
+
+CHARS = string.ascii_letters + string.digits + " " + string.punctuation[:30]
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+INSTRUCTION = "Solve."
+QUESTION_LENGTHS = [5, 10, 20, 30, 40, 50, 60, 70, 80, 200]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return char_tokenizer()
+
+
+def prompt_chars(question: str, instruction: str = INSTRUCTION) -> int:
+    """Tokens of a GSM8K row's prompt under the character tokenizer: the rendered string's length."""
+    return len(f"<user>{question} {instruction}<assistant>")
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def ten_rows(tmp_path) -> str:
+    rows = [{"question": "q" * n, "answer": f"step {'s' * i}\n#### {i}"} for i, n in enumerate(QUESTION_LENGTHS)]
+    return write_jsonl(tmp_path / "ten.jsonl", rows)
+
+
+def config(**data) -> RunConfig:
+    data = {"instruction": INSTRUCTION, "max_prompt_tokens": 60, "batch_size": 1} | data
+    return RunConfig(data=DataConfig(**data), rollout=RolloutConfig(max_response_tokens=100),
+                     train=TrainConfig(max_tokens_per_microbatch=4096))
+
+
+def audit(sources, tok, cfg):
+    return audit_rows(load_examples(sources, cfg.data, seed=0, split="train", key="DATA"), tok, cfg, progress=False)
+
+
+def test_percentiles_are_nearest_rank():
+    assert length_percentiles(range(1, 11)) == {"p50": 5, "p90": 9, "p95": 10, "p99": 10, "max": 10}
+    assert length_percentiles([7]) == {"p50": 7, "p90": 7, "p95": 7, "p99": 7, "max": 7}
+    assert length_percentiles(list(range(1, 201))) == {"p50": 100, "p90": 180, "p95": 190, "p99": 198, "max": 200}
+    assert length_percentiles([])["p99"] is None
+
+
+def test_numbers_are_exact_on_known_lengths(tok, ten_rows):
+    report = audit([ten_rows], tok, config())
+    lengths = sorted(prompt_chars("q" * n) for n in QUESTION_LENGTHS)
+    p = report.prompt_tokens
+    assert (p.num_rows, p.p50, p.p90, p.p95, p.p99, p.max) == (10, lengths[4], lengths[8], lengths[9], lengths[9], lengths[9])
+    assert p.mean == round(sum(lengths) / 10, 2)
+    assert sum(p.histogram.counts) == 10 and p.histogram.bin_edges[0] <= lengths[0] < lengths[-1] < p.histogram.bin_edges[-1]
+    answers = sorted(len(f"step {'s' * i}\n#### {i}") for i in range(10))
+    assert (report.answer_tokens.p50, report.answer_tokens.max) == (answers[4], answers[9])
+    assert report.num_rows == 10 and report.num_bad_rows == 0
+
+
+def test_policies_at_the_budget_are_exact(tok, ten_rows):
+    budget = 60
+    report = audit([ten_rows], tok, config(max_prompt_tokens=budget))
+    lengths = [prompt_chars("q" * n) for n in QUESTION_LENGTHS]
+    over = [row for row, n in enumerate(lengths) if n > budget]
+    removed = sum(lengths[row] - budget for row in over)  # characters are tokens: a cut is exact
+    assert report.num_overlong == len(over) == 6
+    f = report.policy("filter")
+    assert (f.num_kept, f.num_filtered, f.num_truncated, f.num_tokens_removed, f.rows) == (4, 6, 0, 0, tuple(over))
+    for side in ("left", "right", "middle"):
+        t = report.policy(side)
+        assert (t.num_kept, t.num_truncated, t.num_filtered, t.num_rejected, t.num_tokens_removed) == (4, 6, 0, 0, removed)
+        assert t.rows == tuple(over)
+    e = report.policy("error")
+    assert e.stops_training and e.rows == tuple(over) and e.num_filtered == 0
+
+
+def test_a_budget_below_the_template_rejects_instead_of_cutting(tok, ten_rows):
+    report = audit([ten_rows], tok, config(max_prompt_tokens=15))  # the template alone: len("<user><assistant>") = 17
+    assert report.policy("left").num_rejected == 10 and report.policy("left").num_truncated == 0
+
+
+def test_rows_listed_are_the_first_twenty(tok, tmp_path):
+    rows = [{"question": "q" * (5 if i % 3 else 90), "answer": "#### 1"} for i in range(90)]
+    report = audit([write_jsonl(tmp_path / "many.jsonl", rows)], tok, config())
+    over = [i for i in range(90) if i % 3 == 0]
+    assert report.num_overlong == report.policy("filter").num_rows_affected == 30
+    assert report.policy("filter").rows == tuple(over[:20])
+
+
+def test_suggested_budgets_follow_the_stated_rule(tok, ten_rows):
+    report = audit([ten_rows], tok, config())
+    p99 = max(prompt_chars("q" * n) for n in QUESTION_LENGTHS)  # 10 rows: p99 is the longest
+    prompt = -(-p99 // 64) * 64
+    assert report.suggested.max_prompt_tokens == prompt
+    assert report.suggested.max_tokens_per_microbatch == -(-(prompt + 100) // 256) * 256
+
+
+def test_audit_p99_equals_the_trainers(tok, ten_rows, tmp_path):
+    extra = write_jsonl(tmp_path / "more.jsonl", [{"question": "r" * (7 * i % 97 + 1), "answer": "#### 2"} for i in range(300)])
+    cfg = config(overlong_prompt="middle", skip_bad_rows=True)
+    report = audit([ten_rows, extra], tok, cfg)
+    trainer = PromptDataset.build([ten_rows, extra], tok, cfg.data, seed=0, split="train", key="data.train_files")
+    p = report.prompt_tokens
+    assert trainer.prompt_length_percentiles() == {"p50": p.p50, "p90": p.p90, "p95": p.p95, "p99": p.p99, "max": p.max}
+    assert trainer.accounting.num_truncated == report.policy("middle").num_truncated
+    assert trainer.accounting.num_tokens_removed == report.policy("middle").num_tokens_removed
+
+
+def test_audit_p99_equals_the_trainers_with_smollm2(smollm_tokenizer, tmp_path):
+    gsm8k = SHARED / "data" / "gsm8k" / "train.jsonl"
+    if not gsm8k.is_file():
+        pytest.skip(f"{gsm8k} not found")
+    path = tmp_path / "gsm8k_600.jsonl"
+    path.write_text("".join(gsm8k.read_text().splitlines(keepends=True)[:600]))
+    cfg = config(instruction=DataConfig().instruction, max_prompt_tokens=128)
+    report = audit([str(path)], smollm_tokenizer, cfg)
+    trainer = PromptDataset.build([str(path)], smollm_tokenizer, cfg.data, seed=0, split="train", key="data.train_files")
+    assert trainer.prompt_length_percentiles()["p99"] == report.prompt_tokens.p99
+    # and both equal the chat template's own count, row by row
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    direct = [len(smollm_tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"{r['question']} {cfg.data.instruction}"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        for r in rows]
+    assert length_percentiles(direct)["p99"] == report.prompt_tokens.p99
+    assert report.num_overlong == sum(n > 128 for n in direct)
+
+
+def test_bad_rows_are_listed_with_numbers_and_training_reasons(tok, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        {"question": "ok", "answer": "#### 1"},
+        {"question": "no answer"},
+        "{not json",
+        {"question": "x", "answer": "#### ten"},
+        {"question": "ok too", "answer": "#### 2"},
+    ])
+    report = audit([path], tok, config())
+    assert report.num_rows == 5 and report.num_bad_rows == 3
+    assert [(b.row, b.source, b.source_row) for b in report.bad_rows] == [(1, path, 1), (2, path, 2), (3, path, 3)]
+    assert [b.reason for b in report.bad_rows] == [
+        "missing field 'answer'", "line 3: invalid JSON (Expecting property name enclosed in double quotes at column 2)",
+        "non-numeric answer: 'ten'",
+    ]
+    assert report.prompt_tokens.num_rows == 2
+    assert any("3 bad row(s)" in p and "data.skip_bad_rows=true" in p for p in report.problems)
+    skipping = audit([path], tok, config(skip_bad_rows=True))
+    assert not skipping.problems
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing.jsonl", None, "does not exist"),
+        ("empty.jsonl", "", r"is empty \(0 bytes\)"),
+        ("rows.csv", "question,answer\nq,1\n", "has suffix '.csv'"),
+        ("not_json.jsonl", "question,answer\nq,1\n", "is not JSON Lines"),
+    ],
+)
+def test_bad_input_names_the_file(tok, tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as err:
+        audit_sources([str(path)], config(), tokenizer_loader=lambda: tok, tokenizer_id="char", model="char", cache_dir=tmp_path / "c")
+    assert str(path) in str(err.value)
+
+
+def test_image_tokens_follow_the_qwen2_vl_formula():
+    assert smart_resize(224, 224) == (224, 224) and image_tokens(224, 224) == 64 + 2
+    # 1000 rounds to 1008, 1008^2 > 28*28*1280 pixels: scale by sqrt(1e6 / 1003520), floor to 35 cells
+    assert smart_resize(1000, 1000) == (980, 980) and image_tokens(1000, 1000) == 35 * 35 + 2
+    assert smart_resize(20, 20) == (56, 56) and image_tokens(20, 20) == 2 * 2 + 2  # grown to min_pixels = 56*56
+    assert smart_resize(480, 640) == (476, 644) and image_tokens(640, 480) == 17 * 23 + 2
+    with pytest.raises(ValueError, match="aspect ratio"):
+        image_tokens(10_000, 20)
+
+
+def multimodal_row(text: str, *parts: dict) -> dict:
+    content = [*parts, {"type": "text", "text": text}]
+    return {"data_source": "demo", "prompt": [{"role": "user", "content": content}], "reward_model": {"ground_truth": "4"}}
+
+
+IMAGE_224 = {"type": "image", "width": 224, "height": 224}
+
+
+def test_multimodal_rows_keep_their_images_whole(tok, tmp_path):
+    text = "t" * 300
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row(text, IMAGE_224), {"question": "q", "answer": "#### 1"}])
+    text_tokens = len(f"<user>{text}<assistant>")  # 317: verl rows get no instruction
+    m = audit([path], tok, config(max_prompt_tokens=150)).multimodal
+    assert (m.num_rows, m.num_images, m.image_tokens.max, m.text_tokens.max) == (1, 1, 66, text_tokens)
+    assert m.total_tokens.max == text_tokens + 66
+    left = next(p for p in m.policies if p.policy == "left")
+    # only text is cut, to 150 - 66 = 84 tokens; the 66 image tokens stay
+    assert (left.num_truncated, left.num_tokens_removed, left.rows) == (1, text_tokens - (150 - 66), (0,))
+    for budget in (60, 70):  # images alone over the budget; text cannot shrink below the template (17)
+        m = audit([path], tok, config(max_prompt_tokens=budget)).multimodal
+        for side in ("left", "right", "middle", "filter"):
+            outcome = next(p for p in m.policies if p.policy == side)
+            assert (outcome.num_truncated, outcome.num_filtered, outcome.num_tokens_removed) == (0, 1, 0)
+
+
+def test_training_rejects_multimodal_rows_and_the_audit_says_so(tok, tmp_path):
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("look", IMAGE_224, IMAGE_224)])
+    report = audit([path], tok, config())
+    assert report.bad_rows[0].reason == "prompt[0].content is list, expected a string"
+    assert report.multimodal.num_images == 2 and report.multimodal.image_tokens.max == 132
+    assert "rejects these rows" in report.multimodal.training
+
+
+def test_image_files_are_sized_with_pillow(tok, tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (100, 50)).save(tmp_path / "cat.png")
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("what?", {"type": "image", "image": "cat.png"}),
+                                               multimodal_row("and?", {"type": "image", "image": "gone.png"})])
+    report = audit([path], tok, config())
+    assert report.multimodal.rows[0].image_tokens == image_tokens(100, 50) and report.read_image_files
+    assert report.multimodal.bad_rows[0].row == 1 and "gone.png" in report.multimodal.bad_rows[0].reason
+
+
+def test_without_pillow_the_error_says_how_to_install(tok, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("what?", {"type": "image", "image": "cat.png"})])
+    with pytest.raises(ValueError, match="pip install pillow"):
+        audit([path], tok, config())
+
+
+DOCUMENTED_KEYS = {
+    "schema", "sources", "model", "tokenizer", "config", "num_rows", "num_bad_rows", "bad_rows", "prompt_tokens",
+    "answer_tokens", "num_overlong", "policies", "multimodal", "suggested", "problems", "cached", "wall_s", "rows_per_s",
+}
+
+
+def test_json_has_the_documented_keys_and_round_trips(tok, tmp_path):
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("x", IMAGE_224), {"question": "q", "answer": "#### 1"}])
+    report = audit([path], tok, config())
+    data = json.loads(report.to_json())
+    assert set(data) == DOCUMENTED_KEYS
+    import packrl.seqlen.audit as module
+
+    assert all(f"    {key}" in module.__doc__ or f", {key}" in module.__doc__ for key in DOCUMENTED_KEYS)
+    assert set(data["policies"]) == {"filter", "left", "right", "middle", "error"}
+    assert set(data["prompt_tokens"]) == {"num_rows", "p50", "p90", "p95", "p99", "max", "mean", "histogram"}
+    assert set(data["suggested"]) == {"data.max_prompt_tokens", "train.max_tokens_per_microbatch", "rule"}
+    again = type(report).from_dict(data)
+    assert dataclasses.replace(again, read_image_files=report.read_image_files) == report
+
+
+def test_text_report_shows_the_numbers(tok, ten_rows):
+    text = audit([ten_rows], tok, config()).to_text()
+    for needle in ("p99", "rows over the budget: 4, 5, 6, 7, 8, 9", "data.max_prompt_tokens=", "rows/s", "*filter"):
+        assert needle in text
+
+
+def test_html_is_self_contained_with_the_histogram(tok, ten_rows, tmp_path):
+    mm = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("x" * 80, IMAGE_224), "{bad"])
+    page = render_html(audit([ten_rows, mm], tok, config()))
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "prompt tokens: histogram" in page
+    assert "Multimodal rows: 1 (1 images)" in page and "Bad rows: 2" in page
+    assert "<script" not in page and 'src="http' not in page and 'href="http' not in page and "@import" not in page
+
+
+def test_cache_hits_and_misses(tok, ten_rows, tmp_path):
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return tok
+
+    def run(cfg):
+        return audit_sources([ten_rows], cfg, tokenizer_loader=loader, tokenizer_id="char-v1", model="char", cache_dir=tmp_path / "cache")
+
+    first, second = run(config()), run(config())
+    assert (first.cached, second.cached, len(loads)) == (False, True, 1)
+    assert dataclasses.replace(second, cached=False, wall_s=0, rows_per_s=0) == dataclasses.replace(first, wall_s=0, rows_per_s=0)
+    assert not run(config(max_prompt_tokens=61)).cached and len(loads) == 2
+    with open(ten_rows, "a") as f:
+        f.write(json.dumps({"question": "new", "answer": "#### 3"}) + "\n")
+    changed = run(config())
+    assert not changed.cached and changed.num_rows == 11 and len(loads) == 3
+    assert run(config()).cached
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".json")] == []  # no temp files left
+
+
+def test_multimodal_parquet_rows_with_struct_parts(tok, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    row = multimodal_row("What?", IMAGE_224) | {"extra_info": {"answer": "It is 4.\n#### 4"}}
+    row["prompt"] = [system, *row["prompt"]]
+    path = tmp_path / "mm.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)  # parts become structs: absent keys read back as None
+    report = audit([str(path)], tok, config())
+    m = report.multimodal
+    assert m.rows[0].text_tokens == len("<system>Be brief.<user>What?<assistant>") and m.rows[0].image_tokens == 66
+    assert report.num_bad_rows == 1 and report.answer_tokens is None  # training rejects the row, so it has no answer stats
