@@ -90,7 +90,7 @@ class PromptDataset:
         logger.info("%s: %s; prompt_length p50 %s, p99 %s, max %s tokens", key, dataset.accounting.summary(),
                     lengths["p50"], lengths["p99"], lengths["max"])
         if not dataset.prompts:
-            raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); fix the data or raise data.max_prompt_tokens")
+            raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); {_fix_hint(dataset.accounting)}")
         if split == "train":
             check_enough_prompts(dataset, data_cfg.batch_size)
         return dataset
@@ -149,8 +149,16 @@ def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:
     if len(dataset) < batch_size:
         raise ValueError(
             f"{dataset.key}: {len(dataset)} usable prompt(s) < data.batch_size={batch_size} "
-            f"({dataset.accounting.summary()}); add rows, lower data.batch_size, or raise data.max_prompt_tokens"
+            f"({dataset.accounting.summary()}); add rows or lower data.batch_size"
+            + (f", or {_fix_hint(dataset.accounting)}" if dataset.accounting.num_filtered else "")
         )
+
+
+def _fix_hint(accounting: PromptAccounting) -> str:
+    """Raising the prompt budget helps only rows the budget filtered out."""
+    if accounting.num_filtered:
+        return f"raise data.max_prompt_tokens (it filtered {accounting.num_filtered:,} rows) or set data.overlong_prompt=left"
+    return "fix the rejected rows (reasons in parentheses) or set data.skip_bad_rows=true to train on the rest"
 
 
 class PromptSampler:

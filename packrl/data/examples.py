@@ -85,7 +85,7 @@ def to_example(
     if isinstance(raw, BadRow):
         return raw.reason
     if not isinstance(raw, dict):
-        return f"row is a {type(raw).__name__}, not an object"
+        return f"row is of type {type(raw).__name__}, not an object"
     if "prompt" in raw:
         return _verl_example(raw, row=row, system_prompt=system_prompt)
     if "question" in raw or "answer" in raw:
@@ -106,7 +106,7 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
         if value is None:
             return f"missing field {name!r}"
         if not isinstance(value, str):
-            return f"field {name!r} is a {type(value).__name__}, expected a string"
+            return f"field {name!r} is of type {type(value).__name__}, expected a string"
     if not question.strip():
         return "empty question"
     ground_truth = clean_number(answer.rsplit("####", 1)[-1])
@@ -130,10 +130,10 @@ def _verl_example(raw: dict, *, row: int, system_prompt: str | None) -> Example 
     if not isinstance(reward_model, dict):
         if reward_model is None:
             return "missing field 'reward_model'"
-        return f"field 'reward_model' is a {type(reward_model).__name__}, expected an object"
+        return f"field 'reward_model' is of type {type(reward_model).__name__}, expected an object"
     truth = reward_model.get("ground_truth")
     if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
-        kind = "missing" if truth is None else f"a {type(truth).__name__}, expected a string or number"
+        kind = "missing" if truth is None else f"of type {type(truth).__name__}, expected a string or number"
         return f"field 'reward_model.ground_truth' is {kind}"
     if not str(truth).strip():
         return "empty field 'reward_model.ground_truth'"
@@ -156,13 +156,13 @@ def _messages(prompt: Any) -> list[dict[str, Any]] | str:
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
         prompt = prompt.tolist()  # numpy array of dicts
     if not isinstance(prompt, (list, tuple)):
-        return f"field 'prompt' is a {type(prompt).__name__}, expected a list of chat messages"
+        return f"field 'prompt' is of type {type(prompt).__name__}, expected a list of chat messages"
     if not prompt:
         return "field 'prompt' is an empty list"
     out = []
     for i, message in enumerate(prompt):
         if not isinstance(message, dict):
-            return f"prompt[{i}] is a {type(message).__name__}, expected a message object"
+            return f"prompt[{i}] is of type {type(message).__name__}, expected a message object"
         for name in ("role", "content"):
             value = message.get(name)
             if not isinstance(value, str):

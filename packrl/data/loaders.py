@@ -143,7 +143,7 @@ def _jsonl_rows(path: Path) -> list[Any]:
             try:
                 rows.append(json.loads(text))
             except json.JSONDecodeError as err:
-                rows.append(BadRow(f"line {line_no}: invalid JSON ({err.msg} at column {err.colno})"))
+                rows.append(BadRow(f"line {line_no}: invalid JSON ({err.msg.removesuffix(' at')} at column {err.colno})"))
     return rows
 
 

@@ -28,7 +28,7 @@ from packrl.trainer.validate import validate
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files")
     val = None
-    if cfg.data.val_files:
+    if cfg.data.val_files and cfg.train.val_every:
         val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
     return train, val
 
@@ -42,39 +42,38 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     """
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
-    run = Run(cfg)
-    workers = workers or LocalWorkerGroup.build(cfg)
-    run.note("model.txt", workers.model_summary)
-    budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
-    run.note("budgets.txt", budgets.plan())
-    train_set, val_set = _datasets(cfg, workers.tokenizer)
-    run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
-    sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-    sampling = SamplingParams.from_config(cfg.rollout)
-    total = cfg.train.total_steps
-    for step in range(1, total + 1):
-        seed_everything(cfg.train.seed * 1_000_003 + step)
-        timing: dict[str, float] = {}
-        with stage_timer(timing, "step"):
-            prompts = sampler.next_batch()
-            with stage_timer(timing, "gen"):
-                rollout = workers.generate(prompts, sampling)
-            with stage_timer(timing, "reward"):
-                scored = score_rollout(rollout, workers.tokenizer, cfg.reward, cfg.rollout.max_response_tokens)
-            with stage_timer(timing, "old_log_prob"):
-                old = workers.compute_logprobs(rollout, "actor")
-            with stage_timer(timing, "ref"):
-                ref = workers.compute_logprobs(rollout, "ref")
-            with stage_timer(timing, "adv"):
-                batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
-            with stage_timer(timing, "update_actor"):
-                update_metrics = workers.update(batch)
-        metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
-        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
-        if val_set is not None and cfg.train.val_every and due(step, cfg.train.val_every, total):
-            metrics |= validate(workers, val_set, cfg)
-        run.log_step(step, metrics)
-        if due(step, cfg.train.save_every, total):
-            workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
-    run.close()
+    with Run(cfg) as run:
+        workers = workers or LocalWorkerGroup.build(cfg)
+        run.note("model.txt", workers.model_summary)
+        budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
+        run.note("budgets.txt", budgets.plan())
+        train_set, val_set = _datasets(cfg, workers.tokenizer)
+        run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
+        sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+        sampling = SamplingParams.from_config(cfg.rollout)
+        total = cfg.train.total_steps
+        for step in range(1, total + 1):
+            seed_everything(cfg.train.seed * 1_000_003 + step)
+            timing: dict[str, float] = {}
+            with stage_timer(timing, "step"):
+                prompts = sampler.next_batch()
+                with stage_timer(timing, "gen"):
+                    rollout = workers.generate(prompts, sampling)
+                with stage_timer(timing, "reward"):
+                    scored = score_rollout(rollout, workers.tokenizer, cfg.reward, cfg.rollout.max_response_tokens)
+                with stage_timer(timing, "old_log_prob"):
+                    old = workers.compute_logprobs(rollout, "actor")
+                with stage_timer(timing, "ref"):
+                    ref = workers.compute_logprobs(rollout, "ref")
+                with stage_timer(timing, "adv"):
+                    batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
+                with stage_timer(timing, "update_actor"):
+                    update_metrics = workers.update(batch)
+            metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
+            metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
+            if val_set is not None and due(step, cfg.train.val_every, total):
+                metrics |= validate(workers, val_set, cfg)
+            run.log_step(step, metrics)
+            if due(step, cfg.train.save_every, total):
+                workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
     return run.dir

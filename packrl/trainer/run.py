@@ -98,3 +98,9 @@ class Run:
 
     def close(self) -> None:
         self.progress.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # also on errors, so a message never lands on the progress bar's line

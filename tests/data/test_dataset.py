@@ -57,8 +57,8 @@ def test_bad_rows_stop_the_build_with_row_numbers(smollm_tokenizer, two_files):
     assert msg.startswith("data.train_files: 4 bad row(s) of 8: row 1 (")
     assert "row 1 (" in msg and "a.jsonl row 1): non-numeric answer: 'six'" in msg
     assert "row 2 (" in msg and "line 3: invalid UTF-8" in msg
-    assert "row 3 (" in msg and "row is a str, not an object" in msg
-    assert "row 6 (" in msg and "b.jsonl row 1): field 'question' is a list, expected a string" in msg
+    assert "row 3 (" in msg and "row is of type str, not an object" in msg
+    assert "row 6 (" in msg and "b.jsonl row 1): field 'question' is of type list, expected a string" in msg
     assert msg.endswith("set data.skip_bad_rows=true to skip and count them")
 
 
