@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
 def _write_html(report: Any, path: Path) -> None:
     from packrl.seqlen.audit_html import render_html
 
+    if path.is_dir():
+        raise ValueError(f"--html {path} is a directory; pass a file path such as {path / 'audit.html'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(render_html(report), encoding="utf-8")

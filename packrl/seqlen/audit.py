@@ -411,8 +411,8 @@ def _problems(report: AuditReport, cfg: RunConfig) -> tuple[str, ...]:
                    f"data.overlong_prompt=error; raise data.max_prompt_tokens to >= {report.prompt_tokens.max:,} or pick another policy")
     usable = chosen.num_kept + chosen.num_truncated
     if usable < data.batch_size and not chosen.stops_training:
-        out.append(f"{usable:,} usable prompt(s) < data.batch_size={data.batch_size:,}; add rows, lower data.batch_size "
-                   "or raise data.max_prompt_tokens")
+        more = " or raise data.max_prompt_tokens" if chosen.num_filtered else ""
+        out.append(f"{usable:,} usable prompt(s) < data.batch_size={data.batch_size:,}; add rows or lower data.batch_size{more}")
     return tuple(out)
 
 

@@ -324,7 +324,7 @@ def _policy_lines(title: str, policies: Sequence[PolicyOutcome], configured: str
     affected = policies[0] if policies else None
     if affected is not None and affected.num_rows_affected:
         more = f" (first {len(affected.rows)} of {affected.num_rows_affected:,})" if affected.num_rows_affected > len(affected.rows) else ""
-        lines.append(f"  rows over the budget{more}: " + ", ".join(map(str, affected.rows)))
+        lines.append(f"  {affected.num_rows_affected:,} row(s) over the budget{more}, row numbers: " + ", ".join(map(str, affected.rows)))
     lines.append("  (* = data.overlong_prompt; rejected includes the bad rows)")
     return lines
 

@@ -81,7 +81,9 @@ class PreflightReport:
             lines += [self.budgets.plan(), ""]
         if self.memory is not None:
             lines += [self.memory.table(), ""]
-        if self.device_memory_bytes is not None:
+        if self.device_memory_bytes is not None and self.memory is None:
+            lines.append("memory not estimated: fix the model problems below first")
+        elif self.device_memory_bytes is not None:
             rec = self.recommended_tokens_per_microbatch
             lines.append(f"device memory {self.device_memory_bytes / GIB:.2f} GiB: largest train.max_tokens_per_microbatch "
                          f"that fits = {rec:,}" if rec else f"device memory {self.device_memory_bytes / GIB:.2f} GiB: "
@@ -129,9 +131,10 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
         problems += problem
     budgets = Budgets.from_config(cfg, max_context_tokens=None)
     rope = None
+    rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
     if model_config is not None:
         try:
-            context, factor, base = _context(cfg, model_config)
+            context, factor, base = _context(cfg if rope_ok else _without_rope(cfg), model_config)
         except ValueError as err:
             key = "model.rope_scaling.type" if "model.rope_scaling" in str(err) else "model.path"
             value = cfg.model.rope_scaling.type if key != "model.path" else cfg.model.path
@@ -145,7 +148,8 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
                 notes.append(f"set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
                              f"for a model context of {rope['max_context_tokens']:,} tokens (base {base:,})")
     memory, recommended = None, None
-    if model_config is not None and not bad.intersection({"model.lora.target_modules", "model.lora.rank"}):
+    lora_ok = not any(p.key.startswith("model.lora") for p in problems)
+    if model_config is not None and lora_ok:
         try:
             shape = ModelShape.from_config(model_config, cfg.model.lora)
         except ValueError as err:
@@ -158,9 +162,17 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             memory = estimate_memory(cfg, shape, device=device)
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
-                problems += _memory_problems(cfg, memory, memory_bytes, recommended, budgets)
+                problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
     unique = {str(p): p for p in problems}
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _without_rope(cfg: RunConfig) -> RunConfig:
+    from dataclasses import replace
+
+    from packrl.config.schema import RopeScalingConfig
+
+    return replace(cfg, model=replace(cfg.model, rope_scaling=RopeScalingConfig()))
 
 
 def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
@@ -218,30 +230,61 @@ def _with_rope_fix(problem: ConfigProblem, rope: dict[str, Any] | None) -> Confi
     return ConfigProblem(problem.key, problem.value, problem.message, fix, problem.keys)
 
 
-def _memory_problems(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recommended: int,
+def _memory_problems(cfg: RunConfig, shape: ModelShape, memory: MemoryEstimate, memory_bytes: int, recommended: int,
                      budgets: Budgets) -> list[ConfigProblem]:
     out = []
-    seq = budgets.max_sequence_tokens
     gib = memory_bytes / GIB
     if memory.phases["update"] > memory_bytes:
         limit = f"the update needs about {memory.phases['update'] / GIB:.2f} GiB > {gib:.2f} GiB per device"
-        if recommended >= seq:
-            fix = f"set train.max_tokens_per_microbatch={recommended} (the largest that fits)"
-        else:
-            fix = ("no micro-batch that holds the longest sequence fits: set model.gradient_checkpointing=true, "
-                   "model.lora.rank=16, or lower data.max_prompt_tokens / rollout.max_response_tokens")
-        out.append(ConfigProblem("train.max_tokens_per_microbatch", cfg.train.max_tokens_per_microbatch, limit, fix))
+        out.append(ConfigProblem("train.max_tokens_per_microbatch", cfg.train.max_tokens_per_microbatch, limit,
+                                 _update_fix(cfg, memory, memory_bytes, recommended, budgets)))
     if memory.phases["generation"] > memory_bytes:
+        fits = _largest_fitting(lambda n: _replace(cfg, "rollout", max_num_seqs=n), shape, memory, memory_bytes, "generation",
+                                cfg.rollout.max_num_seqs)
         out.append(ConfigProblem(
             "rollout.max_num_seqs", cfg.rollout.max_num_seqs,
             f"generation needs about {memory.phases['generation'] / GIB:.2f} GiB > {gib:.2f} GiB per device "
             f"(KV cache {memory.parts['rollout KV cache'] / GIB:.2f} GiB)",
-            f"lower rollout.max_num_seqs below {cfg.rollout.max_num_seqs}",
+            f"set rollout.max_num_seqs={fits}" if fits else "no generation batch fits; see the other memory fixes",
         ))
     if memory.phases["logprob"] > memory_bytes:
+        fits = _largest_fitting(lambda n: _replace(cfg, "train", max_tokens_per_logprob_microbatch=n), shape, memory, memory_bytes,
+                                "logprob", cfg.train.max_tokens_per_logprob_microbatch)
+        fix = (f"set train.max_tokens_per_logprob_microbatch={fits}" if fits >= budgets.max_sequence_tokens
+               else "no log-prob micro-batch holding the longest sequence fits; see the other memory fixes")
         out.append(ConfigProblem(
             "train.max_tokens_per_logprob_microbatch", cfg.train.max_tokens_per_logprob_microbatch,
-            f"log-prob micro-batches need about {memory.phases['logprob'] / GIB:.2f} GiB > {gib:.2f} GiB per device",
-            "lower train.max_tokens_per_logprob_microbatch",
+            f"log-prob micro-batches need about {memory.phases['logprob'] / GIB:.2f} GiB > {gib:.2f} GiB per device", fix,
         ))
     return out
+
+
+def _update_fix(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recommended: int, budgets: Budgets) -> str:
+    if recommended >= budgets.max_sequence_tokens:
+        return f"set train.max_tokens_per_microbatch={recommended} (the largest that fits)"
+    fixed = sum(memory.parts[k] for k in ("runtime", "parameters (float32)", "reference model", "rollout copy (bf16)"))
+    if fixed > memory_bytes:
+        return (f"the weights and runtime alone need {fixed / GIB:.2f} GiB: use a device with more memory"
+                + ("" if cfg.model.dtype == "fp32" else " (or model.dtype=fp32 to drop the bf16 rollout copy)"))
+    options = [o for o, on in (("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
+                               ("model.lora.rank=16", cfg.model.lora.rank > 0)) if not on]
+    return ("no micro-batch holding the longest sequence fits: " + ", ".join(
+        [*(f"set {o}" for o in options), "lower data.max_prompt_tokens / rollout.max_response_tokens"]))
+
+
+def _replace(cfg: RunConfig, section: str, **values: Any) -> RunConfig:
+    from dataclasses import replace
+
+    return replace(cfg, **{section: replace(getattr(cfg, section), **values)})
+
+
+def _largest_fitting(make: Any, shape: ModelShape, memory: MemoryEstimate, memory_bytes: int, phase: str, current: int) -> int:
+    """The largest value <= ``current`` whose ``phase`` fits, by bisection; 0 if none."""
+    lo, hi = 0, current
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_memory(make(mid), shape, device=memory.device).phases[phase] <= memory_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

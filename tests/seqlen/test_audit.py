@@ -280,7 +280,7 @@ def test_json_has_the_documented_keys_and_round_trips(tok, tmp_path):
 
 def test_text_report_shows_the_numbers(tok, ten_rows):
     text = audit([ten_rows], tok, config()).to_text()
-    for needle in ("p99", "rows over the budget: 4, 5, 6, 7, 8, 9", "data.max_prompt_tokens=", "rows/s", "*filter"):
+    for needle in ("p99", "6 row(s) over the budget, row numbers: 4, 5, 6, 7, 8, 9", "data.max_prompt_tokens=", "rows/s", "*filter"):
         assert needle in text
 
 
