@@ -7,6 +7,8 @@ import sys
 
 from packrl import __version__
 from packrl.cli import audit
+from packrl.cli import report
+from packrl.cli import view
 from packrl.config import ConfigError, load_config, preset_names, to_yaml
 
 
@@ -75,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_preset_args(p)
     p.set_defaults(func=_cmd_train)
     audit.add_parser(sub)
+    report.add_parser(sub)
     from packrl.cli import preflight
 
     preflight.add_parser(sub)
+    view.add_parser(sub)
     return parser
 
 
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = [a for a in extra if a.startswith("-") or "=" not in a]
     if flags:
         parser.error(f"unrecognized arguments: {' '.join(flags)} (overrides are written dotted.key=value)")
+    if extra and not hasattr(args, "overrides"):
+        parser.error(f"packrl {args.command} takes no key=value overrides: {' '.join(extra)}")
     if extra:  # overrides given after a flag, e.g. `config gsm8k --budgets rollout.n=4`
         args.overrides = [*args.overrides, *extra]
     if args.command is None:

@@ -24,6 +24,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
 RopeType = Literal["none", "linear", "dynamic", "yarn"]
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -271,6 +272,24 @@ class RewardConfig:
         return out
 
 
+_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def _logger_problems(key: str, loggers: list[str]) -> list[ConfigProblem]:
+    """A problem for each logger whose package is not importable (checked before any model loads)."""
+    import importlib.util
+
+    out = []
+    for name in loggers:
+        package = _LOGGER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            extra = "pip install 'packrl[tensorboard]'" if name == "tensorboard" else f"pip install {package}"
+            kept = [n for n in loggers if n != name] or ["console"]
+            out.append(ConfigProblem(key, loggers, f"names {name} but the {package} package is not installed",
+                                     f"{extra}, or set {key}=[{','.join(kept)}]"))
+    return out
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     max_tokens_per_microbatch: int = 8192
@@ -323,6 +342,20 @@ class TrainConfig:
     val_every: int = 0
     """Validate every this many steps and at the end (0 = never, also when `data.val_files` is set)."""
 
+    dump_rollouts: bool = False
+    """Write every response of step N to `RUN_DIR/rollouts/step_N.jsonl` (prompt and response text,
+    lengths, finish reason, reward, advantage), for `packrl view` and the report. Off by default:
+    it stores the whole rollout on disk; the `demo` preset turns it on."""
+
+    trace: bool = True
+    """Write `RUN_DIR/trace.json` (Chrome trace-event format, opens in Perfetto): a span per stage
+    and per update micro-batch of every step, with token counts; rewritten after every step."""
+
+    loggers: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
+    """Where step metrics go: `jsonl` (`RUN_DIR/metrics.jsonl`; written even when not listed, since
+    it is the run's record that `packrl report` and `packrl view` read), `console` (progress bar), `tensorboard` (`RUN_DIR/tensorboard`, needs the `tensorboard`
+    package), `wandb`, `mlflow` (need their packages and own settings)."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out: list[ConfigProblem] = []
         for name in ("max_tokens_per_microbatch", "max_tokens_per_logprob_microbatch", "logits_chunk_tokens", "total_steps", "ppo_epochs"):
@@ -336,7 +369,7 @@ class TrainConfig:
             out.append(ConfigProblem(f"{prefix}.lr", self.lr, "must be a finite number > 0", "set train.lr=1e-6"))
         if self.weight_decay < 0 or self.grad_clip < 0:
             out.append(ConfigProblem(f"{prefix}.grad_clip", self.grad_clip, "grad_clip and weight_decay must be >= 0", "set train.grad_clip=1.0"))
-        return out
+        return out + _logger_problems(f"{prefix}.loggers", self.loggers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

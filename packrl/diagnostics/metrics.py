@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from packrl.types import FINISH_REASONS, RolloutBatch, ScoredBatch
+from packrl.diagnostics.buckets import bucket_means, length_buckets
+from packrl.types import FINISH_REASONS, RolloutBatch, ScoredBatch, TrainBatch
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
@@ -56,4 +57,51 @@ def perf_metrics(rollout: RolloutBatch, timing: dict[str, float]) -> dict[str, f
     out["perf/total_num_tokens"] = float(total_tokens)
     out["perf/time_per_step"] = step_s
     out["perf/throughput"] = total_tokens / step_s if step_s > 0 else 0.0
+    return out
+
+
+def bucket_metrics(batch: TrainBatch, max_response_tokens: int) -> dict[str, float]:
+    """``bucket/score/<lo>-<hi>`` (task score) and ``bucket/advantage/<lo>-<hi>`` (mean over the
+    response's loss tokens; responses without loss tokens left out), averaged over the responses
+    of each response-length bucket (`packrl.diagnostics.buckets`). The update adds
+    ``bucket/entropy|clipfrac|kl``."""
+    lengths = [len(r.response_ids) for r in batch.rollout.responses]
+    advantages = [float(a[m].mean()) if m.any() else None for a, m in zip(batch.advantages, batch.loss_masks)]
+    return (bucket_means("score", batch.scored.scores.tolist(), lengths, max_response_tokens)
+            | bucket_means("advantage", advantages, lengths, max_response_tokens))
+
+
+def rollout_mismatch_metrics(rollout: RolloutBatch, logprobs: Sequence[torch.Tensor] | None, max_response_tokens: int) -> dict[str, float]:
+    """Train/rollout probability mismatch over every response token (verl's
+    ``training/rollout_probs_diff_*``): d = |exp(logprobs) - exp(rollout_logprobs)|.
+
+    Args:
+        rollout: responses with the engine's ``rollout_logprobs`` (``rollout.return_logprobs``).
+        logprobs: the trainer's log-probs of the same tokens, ``N`` tensors of Shape [R_i],
+            float32, nats: the old-log-prob pass, which runs whenever the engine returns
+            log-probs (no extra forward). None when that pass did not run.
+        max_response_tokens: the response budget, for the position buckets.
+
+    Returns:
+        ``training/rollout_probs_diff_mean|max|std`` (probability, std unbiased) and
+        ``training/rollout_probs_diff_mean/pos_<lo>-<hi>`` by token position in the response;
+        empty when either side's log-probs are missing.
+    """
+    responses = rollout.responses
+    if logprobs is None or any(r.rollout_logprobs is None for r in responses):
+        return {}
+    diffs = [(lp.float().exp() - torch.tensor(r.rollout_logprobs, dtype=torch.float32).exp()).abs() for r, lp in zip(responses, logprobs)]
+    flat = torch.cat(diffs) if diffs else torch.zeros(0)
+    if flat.numel() == 0:
+        return {}
+    out = {
+        "training/rollout_probs_diff_mean": flat.mean().item(),
+        "training/rollout_probs_diff_max": flat.max().item(),
+        "training/rollout_probs_diff_std": flat.std().item() if flat.numel() > 1 else 0.0,
+    }
+    positions = torch.cat([torch.arange(len(d)) for d in diffs])
+    for lo, hi in length_buckets(max_response_tokens):
+        here = flat[(positions >= lo) & (positions < hi)]
+        if here.numel():
+            out[f"training/rollout_probs_diff_mean/pos_{lo}-{hi}"] = here.mean().item()
     return out

@@ -18,6 +18,7 @@ import torch
 from torch.autograd.graph import save_on_cpu
 
 from packrl.config.schema import RunConfig
+from packrl.diagnostics.trace import NullTracer
 from packrl.distributed.protocol import Role
 from packrl.models.attention import PACKRL_SDPA
 from packrl.models.loading import disable_gradient_checkpointing, load_policy, load_reference
@@ -161,8 +162,8 @@ class LocalWorkerGroup:
             return None
         return compute_logprobs(model, rollout, self.cfg, self.autocast if role == "actor" else self.reference_context)
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.update_context)
+    def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
+        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.update_context, tracer=tracer)
         sync_rollout_weights(self.model, self.rollout_model)
         return metrics
 

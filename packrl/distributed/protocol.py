@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from packrl.diagnostics.trace import NullTracer
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.actor import LogprobResult
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
@@ -31,8 +32,9 @@ class WorkerGroup(Protocol):
     def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
         """Per-response log-probs under the actor or the reference policy (None without one)."""
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One update (all mini-batches and epochs); returns ``actor/*`` and ``seqlen/*`` metrics."""
+    def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
+        """One update (all mini-batches and epochs); returns ``actor/*``, ``seqlen/*`` and
+        ``bucket/*`` metrics. ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
 
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         """Write ``run_dir/checkpoints/step_N`` and return it."""

@@ -22,6 +22,8 @@ import torch
 from packrl.algos.loss_agg import LossDenominators, aggregate_loss
 from packrl.algos.losses import kl_penalty, ppo_clip_loss
 from packrl.config.schema import RunConfig
+from packrl.diagnostics.buckets import bucket_means, per_response_means
+from packrl.diagnostics.trace import NullTracer
 from packrl.models.logprobs import pack_logprobs
 from packrl.seqlen.microbatch import MicrobatchPlan, plan_microbatches
 from packrl.seqlen.packing import Pack, pack_sequences
@@ -119,7 +121,44 @@ class _Totals:
     num_real_tokens: int = 0
 
 
-def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators, cfg: RunConfig, totals: _Totals) -> torch.Tensor:
+@dataclass
+class _ResponseSums:
+    """Per-response sums over loss tokens, over every pass of one update (for ``bucket/*``).
+
+    Attributes (each Shape [N], float64): ``entropy`` (nats), ``clipped`` (tokens where the PPO
+    clip is active), ``kl`` (token KL estimate to the reference, or ``old - current`` log-prob
+    without one, nats) and ``num_tokens`` (loss tokens seen).
+    """
+
+    entropy: torch.Tensor
+    clipped: torch.Tensor
+    kl: torch.Tensor
+    num_tokens: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_responses: int) -> _ResponseSums:
+        return cls(*(torch.zeros(num_responses, dtype=torch.float64) for _ in range(4)))
+
+    def add(self, pack: Pack, mask: torch.Tensor, entropy: torch.Tensor, clipped: torch.Tensor, kl: torch.Tensor) -> None:
+        """Add one micro-batch's per-token values (Shape [K]) at the loss tokens (``mask``)."""
+        per_token = torch.stack([entropy.detach().float(), clipped.float(), kl.detach().float(), torch.ones_like(kl, dtype=torch.float)])
+        per_token = torch.where(mask, per_token, 0.0)  # [4, K]
+        per_seq = per_token.new_zeros(4, len(pack.indices)).index_add_(1, pack.sequence_ids(), per_token)  # [4, S]
+        per_seq = per_seq.double().cpu()  # one device-to-host copy per micro-batch
+        index = torch.tensor(pack.indices, dtype=torch.long)
+        for row, total in enumerate((self.entropy, self.clipped, self.kl, self.num_tokens)):
+            total.index_add_(0, index, per_seq[row])
+
+    def metrics(self, lengths: Sequence[int], max_response_tokens: int) -> dict[str, float]:
+        """``bucket/entropy|clipfrac|kl/<lo>-<hi>``: per-response means, averaged per length bucket."""
+        out: dict[str, float] = {}
+        for name, sums in (("entropy", self.entropy), ("clipfrac", self.clipped), ("kl", self.kl)):
+            out |= bucket_means(name, per_response_means(sums, self.num_tokens), lengths, max_response_tokens)
+        return out
+
+
+def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators, cfg: RunConfig, totals: _Totals,
+                     sums: _ResponseSums) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss (PPO clip + KL - entropy bonus)."""
     algo, rollout = cfg.algorithm, batch.rollout
     out = pack_logprobs(model, pack, attention=cfg.model.packed_attention, chunk_tokens=cfg.train.logits_chunk_tokens,
@@ -137,11 +176,16 @@ def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators
     pg = aggregate_loss(pg_tokens, mask, mode, den, sequence_ids=seq_ids)
     ent = aggregate_loss(out.entropy, mask, mode, den, sequence_ids=seq_ids)
     loss = pg - algo.entropy_coeff * ent
-    if batch.ref_logprobs is not None and not algo.kl_in_reward:
+    token_kl = old - out.token_logprobs.detach()  # ppo_kl per token, the bucket KL without a reference
+    if batch.ref_logprobs is not None:
         ref = _scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
-        kl = aggregate_loss(kl_penalty(out.token_logprobs, ref, algo.kl_estimator), mask, mode, den, sequence_ids=seq_ids)
+        ref_kl = kl_penalty(out.token_logprobs, ref, algo.kl_estimator)
+        token_kl = ref_kl.detach()
+    if batch.ref_logprobs is not None and not algo.kl_in_reward:
+        kl = aggregate_loss(ref_kl, mask, mode, den, sequence_ids=seq_ids)
         loss = loss + algo.kl_coef * kl
         totals.kl_loss += kl.item()
+    sums.add(pack, mask, out.entropy, clipped, token_kl)
     num_tokens = max(1, den.num_tokens)
     totals.pg_loss += pg.item()
     totals.entropy += ent.item()
@@ -155,9 +199,11 @@ def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators
 
 
 def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequence[int], cfg: RunConfig,
-                     autocast: Callable[[], AbstractContextManager]) -> _Totals:
+                     autocast: Callable[[], AbstractContextManager], sums: _ResponseSums | None = None,
+                     tracer: NullTracer = NullTracer()) -> _Totals:
     """Forward and backward one mini-batch (sequences ``indices``) in token-budgeted packs.
-    Gradients accumulate in ``model``; the caller steps the optimizer.
+    Gradients accumulate in ``model``; the caller steps the optimizer. Per-response statistics
+    are added to ``sums``; each micro-batch is timed by ``tracer``.
 
     Raises:
         ValueError: a sequence longer than ``train.max_tokens_per_microbatch`` (named by index).
@@ -173,26 +219,33 @@ def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequenc
                              balance=cfg.train.balance_microbatches)
     device = next(model.parameters()).device
     totals = _Totals()
+    sums = sums if sums is not None else _ResponseSums.zeros(len(rollout))
     for local in plan.microbatches:
         pack = _pack(rollout, [indices[j] for j in local], device)
-        with autocast():
-            loss = _microbatch_loss(model, pack, batch, den, cfg, totals)
-        loss.backward()  # outside autocast, as torch recommends
+        with tracer.microbatch(num_sequences=len(local), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
+            with autocast():
+                loss = _microbatch_loss(model, pack, batch, den, cfg, totals, sums)
+            loss.backward()  # outside autocast, as torch recommends
     return totals
 
 
 def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager]) -> dict[str, float]:
+                 batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
+                 tracer: NullTracer = NullTracer()) -> dict[str, float]:
     """``train.ppo_epochs`` passes over the batch in mini-batches of ``train.mini_batch_size``
     prompts (whole groups), one optimizer step per mini-batch, gradient norm clipped to
-    ``train.grad_clip``.
+    ``train.grad_clip``. ``tracer`` times every micro-batch (forward + backward).
 
     Returns:
         ``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy``, ``actor/pg_clipfrac``,
         ``actor/ppo_kl``, ``actor/grad_norm``, ``actor/lr`` (means over optimizer steps) and
-        ``seqlen/num_microbatches``, ``seqlen/microbatch_tokens_max``.
+        ``seqlen/num_microbatches``, ``seqlen/microbatch_tokens_max``, ``seqlen/pad_fraction``, and
+        ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means over loss tokens and every
+        pass, averaged per response-length bucket; kl is the token KL estimate to the reference,
+        else ``old_logprobs - logprobs``).
     """
     group, num_prompts = batch.rollout.group_size, len(batch.rollout.prompts)
+    sums = _ResponseSums.zeros(len(batch.rollout))
     mini = cfg.train.mini_batch_size or num_prompts
     params = [p for p in model.parameters() if p.requires_grad]
     steps: list[tuple[_Totals, float, float]] = []
@@ -200,7 +253,7 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
     for _ in range(cfg.train.ppo_epochs):
         for start in range(0, num_prompts, mini):
             indices = list(range(start * group, min(start + mini, num_prompts) * group))
-            totals = update_minibatch(model, batch, indices, cfg, autocast)
+            totals = update_minibatch(model, batch, indices, cfg, autocast, sums=sums, tracer=tracer)
             max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             lr = optimizer.param_groups[0]["lr"]
@@ -212,7 +265,8 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
             optimizer.zero_grad(set_to_none=True)
             steps.append((totals, grad_norm, lr))
     count = len(steps)
-    return {
+    lengths = [len(r.response_ids) for r in batch.rollout.responses]
+    return sums.metrics(lengths, cfg.rollout.max_response_tokens) | {
         "actor/pg_loss": sum(t.pg_loss for t, _, _ in steps) / count,
         "actor/kl_loss": sum(t.kl_loss for t, _, _ in steps) / count,
         "actor/entropy": sum(t.entropy for t, _, _ in steps) / count,

@@ -2,6 +2,9 @@
 
     prompts -> gen -> reward -> old_log_prob -> ref -> adv -> update_actor -> metrics
 
+and leaves its record in RUN_DIR: metrics.jsonl, rollouts/step_N.jsonl (``train.dump_rollouts``)
+and trace.json (``train.trace``; stage spans from the stage timers, micro-batch spans from the update).
+
 Every stage is a function or a worker-group call chosen by config; the loop holds no feature
 switches. Workers are in-process by default (`LocalWorkerGroup`); a distributed group with the
 same protocol drops in without changing this file.
@@ -13,8 +16,10 @@ from pathlib import Path
 
 from packrl.config.schema import RunConfig
 from packrl.data.dataset import PromptDataset, PromptSampler
-from packrl.diagnostics.metrics import perf_metrics, rollout_metrics, score_metrics
-from packrl.diagnostics.timers import stage_timer
+from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_metrics, rollout_mismatch_metrics, score_metrics
+from packrl.diagnostics.rollout_dump import build_rollout_dump
+from packrl.diagnostics.timers import Span, stage_timer
+from packrl.diagnostics.trace import build_tracer
 from packrl.distributed.local import LocalWorkerGroup
 from packrl.distributed.protocol import WorkerGroup
 from packrl.reward.score import check_reward, score_rollout
@@ -51,28 +56,34 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
         sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
         sampling = SamplingParams.from_config(cfg.rollout)
-        total = cfg.train.total_steps
+        tracer = build_tracer(cfg.train.trace, run.dir)
+        dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
+        total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
         for step in range(1, total + 1):
             seed_everything(cfg.train.seed * 1_000_003 + step)
             timing: dict[str, float] = {}
-            with stage_timer(timing, "step"):
+            spans: list[Span] = []
+            with stage_timer(timing, "step", spans):
                 prompts = sampler.next_batch()
-                with stage_timer(timing, "gen"):
+                with stage_timer(timing, "gen", spans):
                     rollout = workers.generate(prompts, sampling)
-                with stage_timer(timing, "reward"):
-                    scored = score_rollout(rollout, workers.tokenizer, cfg.reward, cfg.rollout.max_response_tokens)
-                with stage_timer(timing, "old_log_prob"):
+                with stage_timer(timing, "reward", spans):
+                    scored = score_rollout(rollout, workers.tokenizer, cfg.reward, max_response)
+                with stage_timer(timing, "old_log_prob", spans):
                     old = workers.compute_logprobs(rollout, "actor")
-                with stage_timer(timing, "ref"):
+                with stage_timer(timing, "ref", spans):
                     ref = workers.compute_logprobs(rollout, "ref")
-                with stage_timer(timing, "adv"):
+                with stage_timer(timing, "adv", spans):
                     batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
-                with stage_timer(timing, "update_actor"):
-                    update_metrics = workers.update(batch)
+                with stage_timer(timing, "update_actor", spans):
+                    update_metrics = workers.update(batch, tracer)
             metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
+            metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old and old.logprobs, max_response)
             metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
             if val_set is not None and due(step, cfg.train.val_every, total):
                 metrics |= validate(workers, val_set, cfg)
+            dump_rollouts(step, batch)
+            tracer.end_step(step, spans, num_sequences=len(rollout), num_tokens=sum(rollout.sequence_lengths()))
             run.log_step(step, metrics)
             if due(step, cfg.train.save_every, total):
                 workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})

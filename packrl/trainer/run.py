@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from packrl.config.load import to_yaml
 from packrl.config.schema import RunConfig
+from packrl.diagnostics.loggers import build_loggers
 
 logger = logging.getLogger("packrl")
 
@@ -43,7 +44,8 @@ class _ConsoleHandler(logging.Handler):
 
 class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
-    ``metrics.jsonl`` (one JSON object per step) and a live progress bar."""
+    ``metrics.jsonl`` (one JSON object per step) and the loggers of ``train.loggers`` (``console``:
+    a live progress bar)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -58,7 +60,7 @@ class Run:
             raise ValueError(f"train.out_dir={str(self.dir)!r} cannot be written ({err}); choose a writable train.out_dir") from err
         self._setup_logging()
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.progress = tqdm(total=cfg.train.total_steps, desc="packrl train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.loggers = build_loggers(cfg, self.dir)
 
     def _setup_logging(self) -> None:
         root = logging.getLogger("packrl")
@@ -84,20 +86,17 @@ class Run:
         (self.dir / name).write_text(json.dumps(data, indent=2, default=lambda o: asdict(o)))
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one line to metrics.jsonl and advance the progress bar."""
+        """Append one line to metrics.jsonl and pass the metrics to every logger."""
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         logger.info("step %d %s", step, json.dumps(record))
-        self.progress.set_postfix(
-            score=f"{metrics.get('critic/score/mean', 0.0):.3f}",
-            resp_len=f"{metrics.get('response_length/mean', 0.0):.0f}",
-            clip=f"{metrics.get('response_length/clip_ratio', 0.0):.2f}",
-        )
-        self.progress.update(1)
+        for sink in self.loggers:
+            sink.log(step, metrics)
 
     def close(self) -> None:
-        self.progress.close()
+        for sink in self.loggers:
+            sink.close()
 
     def __enter__(self) -> "Run":
         return self

@@ -1,0 +1,120 @@
+"""Step-metric loggers chosen by ``train.loggers``. ``RUN_DIR/metrics.jsonl`` is written by
+`packrl.trainer.run.Run` whatever the choice; these are extra destinations.
+
+- ``jsonl``: ``RUN_DIR/metrics.jsonl``, written by `packrl.trainer.run.Run` in any case.
+- ``console``: the progress bar, with score, mean response length and clip ratio.
+- ``tensorboard``: ``RUN_DIR/tensorboard`` through `torch.utils.tensorboard` (package ``tensorboard``).
+- ``wandb``: a Weights & Biases run in project ``packrl`` (its own settings: ``WANDB_*`` variables).
+- ``mlflow``: an MLflow run (its own settings: ``MLFLOW_TRACKING_URI``).
+
+A missing package is a config problem raised before any model loads (`TrainConfig.problems`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Protocol
+
+from tqdm.auto import tqdm
+
+from packrl.config.load import to_yaml
+from packrl.config.schema import RunConfig
+
+
+class MetricLogger(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numeric metrics (the backends reject NaN, inf and text)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+class ConsoleLogger:
+    """The progress bar on stderr, one tick per step."""
+
+    def __init__(self, total_steps: int):
+        self.bar = tqdm(total=total_steps, desc="packrl train", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.bar.set_postfix(
+            score=f"{metrics.get('critic/score/mean', 0.0):.3f}",
+            resp_len=f"{metrics.get('response_length/mean', 0.0):.0f}",
+            clip=f"{metrics.get('response_length/clip_ratio', 0.0):.2f}",
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class TensorBoardLogger:
+    """Scalars under ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR``), the resolved
+    config as text."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "```\n" + to_yaml(cfg) + "\n```")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in _numbers(metrics).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    def __init__(self, run_dir: Path, cfg: RunConfig):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project="packrl", name=run_dir.name, dir=str(run_dir), config=asdict(cfg))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(_numbers(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowLogger:
+    def __init__(self, run_dir: Path, cfg: RunConfig):
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.start_run(run_name=run_dir.name)
+        mlflow.log_text(to_yaml(cfg), "config.yaml")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.mlflow.log_metrics(_numbers(metrics), step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def build_loggers(cfg: RunConfig, run_dir: Path) -> list[MetricLogger]:
+    """One logger per name in ``train.loggers``, in order.
+
+    Raises:
+        ValueError: an unknown name (the config loader rejects those first).
+    """
+    makers = {
+        "console": lambda: ConsoleLogger(cfg.train.total_steps),
+        "tensorboard": lambda: TensorBoardLogger(run_dir, cfg),
+        "wandb": lambda: WandbLogger(run_dir, cfg),
+        "mlflow": lambda: MlflowLogger(run_dir, cfg),
+    }
+    names = [name for name in cfg.train.loggers if name != "jsonl"]  # Run writes metrics.jsonl itself
+    unknown = [name for name in names if name not in makers]
+    if unknown:
+        raise ValueError(f"train.loggers={cfg.train.loggers!r} names unknown loggers {unknown}; choose from jsonl, {', '.join(makers)}")
+    return [makers[name]() for name in names]

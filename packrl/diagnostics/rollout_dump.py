@@ -1,0 +1,68 @@
+"""``RUN_DIR/rollouts/step_N.jsonl``: every response of step N, one JSON object per line.
+
+Keys (in order): ``step``, ``index`` (position in the step's batch), ``prompt_index``,
+``sample_index`` (within the group), ``row`` (dataset row), ``data_source``, ``prompt``,
+``response`` (text), ``prompt_tokens``, ``response_tokens`` (ints), ``finish_reason``,
+``truncated`` (finish reason ``length``/``context``), ``score``, ``reward`` (after shaping),
+``advantage`` (mean over the response's loss tokens, 0.0 if none), ``ground_truth``,
+``prompt_truncated`` (the prompt policy shortened it).
+
+Text is decoded with ``skip_special_tokens=False``: the prompt shows its chat-template markers
+and a response its EOS, exactly the tokens trained on. Cost: one batched decode and one file
+write per step (about 5 ms for 32 responses of 64 tokens with SmolLM2's tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from packrl.types import TrainBatch
+
+ROLLOUTS_DIR = "rollouts"
+
+
+def rollout_rows(step: int, batch: TrainBatch, tokenizer: Any) -> list[dict[str, Any]]:
+    """The dump rows of one step, in batch order (``N`` rows)."""
+    rollout, prompts = batch.rollout, batch.rollout.prompts
+    group = rollout.group_size
+    prompt_texts = tokenizer.batch_decode([list(p) for p in prompts.prompt_ids], skip_special_tokens=False)
+    response_texts = tokenizer.batch_decode([list(r.response_ids) for r in rollout.responses], skip_special_tokens=False)
+    rows = []
+    for i, response in enumerate(rollout.responses):
+        b = i // group
+        mask, adv = batch.loss_masks[i], batch.advantages[i]
+        rows.append({
+            "step": step, "index": i, "prompt_index": b, "sample_index": i % group, "row": int(prompts.rows[b]),
+            "data_source": str(prompts.data_sources[b]), "prompt": prompt_texts[b], "response": response_texts[i],
+            "prompt_tokens": len(prompts.prompt_ids[b]), "response_tokens": len(response.response_ids),
+            "finish_reason": response.finish_reason, "truncated": bool(response.truncated),
+            "score": float(batch.scored.scores[i]), "reward": float(batch.scored.rewards[i]),
+            "advantage": float(adv[mask].mean()) if bool(mask.any()) else 0.0,
+            "ground_truth": str(prompts.ground_truths[b]), "prompt_truncated": bool(prompts.prompt_truncated[b]),
+        })
+    return rows
+
+
+class RolloutDump(Protocol):
+    def __call__(self, step: int, batch: TrainBatch) -> None: ...
+
+
+def _skip(step: int, batch: TrainBatch) -> None:
+    """The dump of ``train.dump_rollouts=false``."""
+
+
+def build_rollout_dump(enabled: bool, run_dir: Path, tokenizer: Any) -> RolloutDump:
+    """The step hook that writes ``run_dir/rollouts/step_N.jsonl`` (``train.dump_rollouts``), or
+    one that does nothing."""
+    if not enabled:
+        return _skip
+    folder = run_dir / ROLLOUTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def dump(step: int, batch: TrainBatch) -> None:
+        lines = "".join(json.dumps(row) + "\n" for row in rollout_rows(step, batch, tokenizer))
+        (folder / f"step_{step}.jsonl").write_text(lines)
+
+    return dump

@@ -1,0 +1,53 @@
+"""A tiny random-model training run (SmolLM2's tokenizer, 2-layer Llama) for the diagnostics tests.
+
+Run as a script (``python -m tests.diagnostics.tiny_run OUT_DIR STEPS``) it trains until killed
+or done, for the kill -9 test.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from packrl.config import load_config
+from packrl.distributed.local import LocalWorkerGroup
+from packrl.models.attention import use_packed_attention
+from packrl.models.loading import load_reference
+from packrl.trainer.loop import train
+from tests.conftest import SMOLLM_DIR
+
+BASE = [
+    "data.batch_size=2", "rollout.n=3", "rollout.max_response_tokens=12", "model.dtype=fp32", "train.lr=1e-3",
+    "train.max_tokens_per_microbatch=150", "data.val_files=[]", "train.loggers=[]",
+]
+
+
+def tiny_policy(tokenizer) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    use_packed_attention(model)
+    return model
+
+
+def tiny_run(out_dir: Path, tokenizer, overrides: list[str]) -> tuple[Path, LocalWorkerGroup]:
+    """Train the tiny policy with the demo preset, `BASE` and ``overrides``; return RUN_DIR and the workers."""
+    cfg = load_config("demo", [f"train.out_dir={out_dir}", *BASE, *overrides])
+    model = tiny_policy(tokenizer)
+    reference = load_reference(model) if cfg.algorithm.kl_coef > 0 else None
+    workers = LocalWorkerGroup(cfg, model, tokenizer, reference)
+    return train(cfg, workers), workers
+
+
+if __name__ == "__main__":
+    tok = AutoTokenizer.from_pretrained(SMOLLM_DIR)
+    tok.padding_side = "left"
+    tiny_run(Path(sys.argv[1]), tok, [f"train.total_steps={sys.argv[2]}"])
