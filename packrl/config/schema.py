@@ -339,6 +339,10 @@ class TrainConfig:
     save_every: int = 0
     """Save a checkpoint every this many steps and at the end (0 = only at the end)."""
 
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints (None = all). Older ones are deleted only after
+    a newer one is complete on disk."""
+
     val_every: int = 0
     """Validate every this many steps and at the end (0 = never, also when `data.val_files` is set)."""
 
@@ -362,6 +366,9 @@ class TrainConfig:
             out += check_positive(f"{prefix}.{name}", getattr(self, name))
         if self.mini_batch_size is not None:
             out += check_positive(f"{prefix}.mini_batch_size", self.mini_batch_size)
+        if self.keep_last is not None and self.keep_last < 1:
+            out.append(ConfigProblem(f"{prefix}.keep_last", self.keep_last, "must be >= 1 (or null to keep every checkpoint)",
+                                     f"set {prefix}.keep_last=2"))
         for name in ("warmup_steps", "save_every", "val_every"):
             if getattr(self, name) < 0:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name}=0"))

@@ -169,7 +169,8 @@ class LocalWorkerGroup:
 
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state, trainer_state)
+        return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state, trainer_state,
+                               keep_last=self.cfg.train.keep_last)
 
     def load_checkpoint(self, path: Path) -> dict:
         state, optimizer_state = load_trainer_state(path)

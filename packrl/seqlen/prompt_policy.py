@@ -106,6 +106,16 @@ class PromptAccounting:
             "prompt/tokens_removed": self.num_tokens_removed,
         }
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``totals`` (``num_rows``, ``num_kept``, ``num_truncated``, ``num_filtered``,
+        ``num_rejected``, ``num_tokens_removed``; the four statuses sum to ``num_rows``) and
+        ``rows``: one ``{row, status, reason, num_tokens, num_tokens_removed}`` per input row."""
+        totals = {"num_rows": self.num_rows, "num_kept": self.num_kept, "num_truncated": self.num_truncated,
+                  "num_filtered": self.num_filtered, "num_rejected": self.num_rejected, "num_tokens_removed": self.num_tokens_removed}
+        rows = [{"row": o.row, "status": o.status, "reason": o.reason, "num_tokens": o.num_tokens,
+                 "num_tokens_removed": o.num_tokens_removed} for o in self.outcomes]
+        return {"totals": totals, "rows": rows}
+
     def summary(self) -> str:
         reasons = Counter(o.reason for o in self.outcomes if o.status == "rejected")
         text = (

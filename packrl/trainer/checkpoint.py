@@ -25,8 +25,10 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimizer_state: dict, trainer_state: dict) -> Path:
-    """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path.
+def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimizer_state: dict, trainer_state: dict,
+                    keep_last: int | None = None) -> Path:
+    """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path; then, with
+    ``keep_last`` (``train.keep_last``), delete the oldest complete checkpoints beyond that many.
 
     Args:
         model / tokenizer: saved with ``save_pretrained`` (safetensors; a peft model saves only
@@ -50,7 +52,20 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    if keep_last is not None:
+        prune_checkpoints(root, keep_last)
     return final
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` highest-numbered ``step_N`` folders under ``root``.
+    Temporary (incomplete) folders are not checkpoints and are never counted. Returns the deleted."""
+    assert keep_last >= 1, "keep_last is validated by the config"
+    steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+    doomed = [p for _, p in steps[:-keep_last]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 def load_trainer_state(path: Path) -> tuple[dict, dict]:

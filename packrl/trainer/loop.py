@@ -38,6 +38,12 @@ def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset |
     return train, val
 
 
+def _data_accounting(train: PromptDataset, val: PromptDataset | None) -> dict:
+    """Every input row of each split: kept / truncated / filtered / rejected, with the reason
+    (`PromptAccounting.to_dict`); written to ``RUN_DIR/data_accounting.json``."""
+    return {"train": train.accounting.to_dict()} | ({"val": val.accounting.to_dict()} if val is not None else {})
+
+
 def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     """Run ``train.total_steps`` RL steps and return RUN_DIR.
 
@@ -54,6 +60,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         run.note("budgets.txt", budgets.plan())
         train_set, val_set = _datasets(cfg, workers.tokenizer)
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
+        run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
         sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
         sampling = SamplingParams.from_config(cfg.rollout)
         tracer = build_tracer(cfg.train.trace, run.dir)

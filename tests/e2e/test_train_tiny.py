@@ -61,6 +61,7 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
         "data.batch_size=2", "data.max_val_rows=3", "rollout.n=3", "rollout.max_response_tokens=12",
         "model.dtype=fp32", "algorithm.kl_coef=0.01", "train.lr=1e-3", "train.mini_batch_size=1",
         "train.max_tokens_per_microbatch=192", f"algorithm.loss_agg_mode={loss_agg_mode}", "reward.name=test_letter_e",
+        "train.keep_last=1",
     ])
     model = _tiny_policy(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
@@ -69,6 +70,10 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
+    accounting = json.loads((run_dir / "data_accounting.json").read_text())
+    for split in ("train", "val"):  # length invariant 6, in the run's own record
+        totals, rows = accounting[split]["totals"], accounting[split]["rows"]
+        assert len(rows) == totals["num_rows"] == sum(totals[k] for k in ("num_kept", "num_truncated", "num_filtered", "num_rejected"))
     for line in lines:
         missing = [k for k in REQUIRED_KEYS if k not in line and not (k.startswith("val/") and line["step"] == 1)]
         assert not missing, f"step {line['step']} lacks {missing}"
@@ -82,7 +87,7 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
     checkpoint = run_dir / "checkpoints" / "step_2"
-    assert (run_dir / "checkpoints" / "step_1").is_dir() and checkpoint.is_dir()
+    assert not (run_dir / "checkpoints" / "step_1").exists() and checkpoint.is_dir()  # train.keep_last=1
     assert not any(p.name.startswith(".tmp") for p in (run_dir / "checkpoints").iterdir())
     reloaded, reloaded_tokenizer = load_policy(ModelConfig(path=str(checkpoint)))
     for name, param in model.state_dict().items():
