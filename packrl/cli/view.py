@@ -25,6 +25,10 @@ def _cmd_view(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"packrl view: {err}", file=sys.stderr)
         return 2
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("packrl view: needs an interactive terminal (stdin and stdout are not one); for a file view of the "
+              f"same data run `packrl report {args.run_dir}`", file=sys.stderr)
+        return 2
     app.run()
     return 0
 

@@ -320,12 +320,18 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the report of RUN_DIR to ``out`` (default ``RUN_DIR/report.html``) and return its path.
 
     Raises:
-        ValueError: RUN_DIR is not a run (see `load_run`).
-        OSError: ``out`` cannot be written.
+        ValueError: RUN_DIR is not a run (see `load_run`), or ``out`` is a directory.
+        OSError: ``out`` cannot be written (its parent folders are created).
     """
     run = load_run(run_dir)
     path = Path(out) if out is not None else run.run_dir / "report.html"
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a directory; pass a file path such as {path / 'report.html'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render_html(run), encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(render_html(run), encoding="utf-8")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -210,3 +210,18 @@ def test_as_number_keeps_finite_numbers_only(value, expected):
 def test_series_skips_steps_without_a_finite_value():
     metrics = [{"step": 1, "a": 1.0}, {"step": 2, "a": "nan"}, {"step": 3}, {"step": 4, "a": 4}]
     assert series(metrics, "a") == ([1, 4], [1.0, 4.0])
+
+
+def test_out_that_is_a_directory_is_refused_and_leaves_nothing(tmp_path):
+    from packrl.diagnostics.report import write_report
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n')
+    target = tmp_path / "outdir"
+    target.mkdir()
+    with pytest.raises(ValueError, match="is a directory"):
+        write_report(run_dir, target)
+    assert not list(tmp_path.glob(".*.tmp")) and list(target.iterdir()) == []
+    nested = write_report(run_dir, tmp_path / "new" / "deeper" / "r.html")  # parent folders are created
+    assert nested.is_file() and not list(nested.parent.glob(".*.tmp"))

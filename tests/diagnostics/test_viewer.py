@@ -257,3 +257,8 @@ def test_cli_unknown_step_and_stray_argument_exit_2(run_dir: Path, capsys: pytes
     assert "--step 9 has no dump" in capsys.readouterr().err
     assert main(["view", str(run_dir), "a.b=1"]) == 2
     assert "unexpected argument" in capsys.readouterr().err
+
+
+def test_cli_without_a_terminal_refuses_instead_of_spinning(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["view", str(run_dir)]) == 2  # pytest captures stdin/stdout: not a terminal
+    assert "needs an interactive terminal" in capsys.readouterr().err
