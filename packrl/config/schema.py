@@ -339,6 +339,10 @@ class TrainConfig:
     save_every: int = 0
     """Save a checkpoint every this many steps and at the end (0 = only at the end)."""
 
+    max_consecutive_skips: int = 3
+    """Stop the run after this many optimizer steps in a row skipped for a non-finite gradient
+    (each skip is a warning and counts in `train/skipped_steps`)."""
+
     keep_last: int | None = None
     """Keep only the newest this many checkpoints (None = all). Older ones are deleted only after
     a newer one is complete on disk."""
@@ -369,6 +373,7 @@ class TrainConfig:
         if self.keep_last is not None and self.keep_last < 1:
             out.append(ConfigProblem(f"{prefix}.keep_last", self.keep_last, "must be >= 1 (or null to keep every checkpoint)",
                                      f"set {prefix}.keep_last=2"))
+        out += check_positive(f"{prefix}.max_consecutive_skips", self.max_consecutive_skips)
         for name in ("warmup_steps", "save_every", "val_every"):
             if getattr(self, name) < 0:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name}=0"))

@@ -28,7 +28,7 @@ from packrl.models.lora import (
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.seqlen.budgets import model_context_tokens
-from packrl.trainer.actor import LogprobResult, compute_logprobs, update_actor
+from packrl.trainer.actor import LogprobResult, SkipCounter, compute_logprobs, update_actor
 from packrl.trainer.checkpoint import load_trainer_state, save_checkpoint
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
 
@@ -119,6 +119,7 @@ class LocalWorkerGroup:
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warmup = cfg.train.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.skips = SkipCounter(cfg.train.max_consecutive_skips)
 
     @classmethod
     def build(cls, cfg: RunConfig, device: torch.device | None = None) -> LocalWorkerGroup:
@@ -163,7 +164,8 @@ class LocalWorkerGroup:
         return compute_logprobs(model, rollout, self.cfg, self.autocast if role == "actor" else self.reference_context)
 
     def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
-        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.update_context, tracer=tracer)
+        metrics = update_actor(self.model, self.optimizer, self.scheduler, batch, self.cfg, self.update_context, tracer=tracer,
+                               skips=self.skips)
         sync_rollout_weights(self.model, self.rollout_model)
         return metrics
 

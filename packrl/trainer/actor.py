@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import logging
+import math
 
 import torch
 
@@ -229,9 +230,38 @@ def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequenc
     return totals
 
 
+@dataclass
+class SkipCounter:
+    """Optimizer steps skipped because the gradient norm was not finite (a NaN/inf loss makes it
+    so): in total, and in a row across training steps.
+
+    Raises (from `record`):
+        ValueError: ``max_consecutive`` skips in a row (``train.max_consecutive_skips``).
+    """
+
+    max_consecutive: int
+    total: int = 0
+    consecutive: int = 0
+
+    def record(self, grad_norm: float) -> bool:
+        """Count one optimizer step; return True when it must be skipped."""
+        if math.isfinite(grad_norm):
+            self.consecutive = 0
+            return False
+        self.total += 1
+        self.consecutive += 1
+        logger.warning("gradient norm is %s: optimizer step skipped (%d in a row, %d in total)", grad_norm, self.consecutive, self.total)
+        if self.consecutive >= self.max_consecutive:
+            raise ValueError(
+                f"{self.consecutive} optimizer steps in a row had a non-finite gradient (train.max_consecutive_skips="
+                f"{self.max_consecutive}); the run stopped. Lower train.lr, set train.grad_clip, or check the rewards for NaN"
+            )
+        return True
+
+
 def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
-                 tracer: NullTracer = NullTracer()) -> dict[str, float]:
+                 tracer: NullTracer = NullTracer(), skips: SkipCounter | None = None) -> dict[str, float]:
     """``train.ppo_epochs`` passes over the batch in mini-batches of ``train.mini_batch_size``
     prompts (whole groups), one optimizer step per mini-batch, gradient norm clipped to
     ``train.grad_clip``. ``tracer`` times every micro-batch (forward + backward).
@@ -248,6 +278,7 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
     sums = _ResponseSums.zeros(len(batch.rollout))
     mini = cfg.train.mini_batch_size or num_prompts
     params = [p for p in model.parameters() if p.requires_grad]
+    skips = skips or SkipCounter(cfg.train.max_consecutive_skips)
     steps: list[tuple[_Totals, float, float]] = []
     model.train()
     for _ in range(cfg.train.ppo_epochs):
@@ -257,10 +288,8 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
             max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             lr = optimizer.param_groups[0]["lr"]
-            if torch.isfinite(torch.tensor(grad_norm)):
+            if not skips.record(grad_norm):
                 optimizer.step()
-            else:
-                logger.warning("gradient norm is %s: optimizer step skipped for this mini-batch", grad_norm)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             steps.append((totals, grad_norm, lr))
@@ -274,6 +303,7 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
         "actor/ppo_kl": sum(t.ppo_kl for t, _, _ in steps) / count,
         "actor/grad_norm": sum(g for _, g, _ in steps) / count,
         "actor/lr": steps[-1][2],
+        "train/skipped_steps": float(skips.total),
         "seqlen/num_microbatches": float(sum(t.num_microbatches for t, _, _ in steps)),
         "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t, _, _ in steps)),
         "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for t, _, _ in steps) / max(1, sum(t.num_positions for t, _, _ in steps)),

@@ -32,3 +32,52 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
 def test_keep_last_must_be_positive(value):
     with pytest.raises(ConfigError, match="train.keep_last"):
         load_config("demo", [f"train.keep_last={value}"])
+
+
+def test_skip_counter_counts_and_stops_after_max_consecutive(caplog):
+    from packrl.trainer.actor import SkipCounter
+
+    skips = SkipCounter(max_consecutive=3)
+    assert skips.record(1.5) is False
+    assert skips.record(float("nan")) is True and skips.record(float("inf")) is True
+    assert skips.record(0.7) is False and (skips.total, skips.consecutive) == (2, 0)  # a finite step resets the run
+    assert skips.record(float("nan")) and skips.record(float("nan"))
+    with pytest.raises(ValueError, match=r"3 optimizer steps in a row .*train.max_consecutive_skips=3"):
+        skips.record(float("nan"))
+    assert skips.total == 5
+    assert "optimizer step skipped" in caplog.text
+
+
+def test_a_nan_loss_skips_the_optimizer_step_counts_it_and_stops_the_run():
+    import contextlib
+    import dataclasses
+
+    import torch
+
+    from packrl.trainer.actor import SkipCounter, update_actor
+    from packrl.trainer.batch import build_train_batch
+    from tests.conftest import tiny_llama
+    from tests.trainer.test_on_policy import _scored
+
+    cfg = load_config("demo", ["model.dtype=fp32", "train.lr=1e-2", "data.batch_size=2", "train.max_consecutive_skips=2"])
+    model = tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    batch, _ = build_train_batch(_scored(), None, None, cfg.algorithm)
+    nan_batch = dataclasses.replace(batch, advantages=tuple(torch.full_like(a, float("nan")) for a in batch.advantages))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    skips = SkipCounter(cfg.train.max_consecutive_skips)
+    metrics = update_actor(model, optimizer, scheduler, nan_batch, cfg, contextlib.nullcontext, skips=skips)
+    assert metrics["train/skipped_steps"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step taken
+    metrics = update_actor(model, optimizer, scheduler, batch, cfg, contextlib.nullcontext, skips=skips)  # finite: resets
+    assert metrics["train/skipped_steps"] == 1.0 and skips.consecutive == 0
+    update_actor(model, optimizer, scheduler, nan_batch, cfg, contextlib.nullcontext, skips=skips)
+    with pytest.raises(ValueError, match="train.max_consecutive_skips=2"):
+        update_actor(model, optimizer, scheduler, nan_batch, cfg, contextlib.nullcontext, skips=skips)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_max_consecutive_skips_must_be_positive(value):
+    with pytest.raises(ConfigError, match="train.max_consecutive_skips"):
+        load_config("demo", [f"train.max_consecutive_skips={value}"])
