@@ -29,7 +29,7 @@ from packrl.rollout.engine import SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.trainer.actor import LogprobResult, SkipCounter, compute_logprobs, update_actor
-from packrl.trainer.checkpoint import load_trainer_state, save_checkpoint
+from packrl.trainer.checkpoint import check_disk_space, checkpoint_bytes, load_trainer_state, save_checkpoint
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
 
 
@@ -122,7 +122,11 @@ class LocalWorkerGroup:
         self.skips = SkipCounter(cfg.train.max_consecutive_skips)
 
     @classmethod
-    def build(cls, cfg: RunConfig, device: torch.device | None = None) -> LocalWorkerGroup:
+    def build(cls, cfg: RunConfig, device: torch.device | None = None, run_dir: Path | None = None) -> LocalWorkerGroup:
+        """Load the policy (and reference) for ``cfg``. With ``run_dir``, first check from the model
+        config alone that its disk can hold one checkpoint (`check_disk_space`)."""
+        if run_dir is not None:
+            check_disk_space(run_dir, checkpoint_bytes(cfg))
         model, tokenizer = load_policy(cfg.model, device=device or default_device())
         reference = load_reference(model) if cfg.algorithm.kl_coef > 0 else None
         return cls(cfg, model, tokenizer, reference)

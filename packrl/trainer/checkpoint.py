@@ -78,3 +78,35 @@ def load_trainer_state(path: Path) -> tuple[dict, dict]:
         raise ValueError(f"{path} is not a complete packrl checkpoint (needs {STATE_FILE} and {OPTIMIZER_FILE})")
     state = json.loads((path / STATE_FILE).read_text())
     return state, torch.load(path / OPTIMIZER_FILE, weights_only=False)
+
+
+def checkpoint_bytes(cfg: Any) -> int:
+    """Bytes one checkpoint of ``cfg``'s model takes, from its config alone (no weights):
+    float32 weights (4 bytes per parameter; with LoRA only the adapter) plus AdamW's two float32
+    moments (8 bytes per trainable parameter) plus 16 MiB for tokenizer files and state.
+
+    Raises:
+        ValueError: the model config cannot be read (names ``model.path``).
+    """
+    from packrl.models.model_config import load_model_config
+    from packrl.seqlen.memory import ModelShape
+
+    shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora)
+    saved = shape.num_lora_params if cfg.model.lora.rank > 0 else shape.num_params
+    return 12 * saved + (16 << 20)
+
+
+def check_disk_space(run_dir: Path, needed_bytes: int) -> None:
+    """Fail before any model loads when RUN_DIR's disk cannot hold one checkpoint.
+
+    Raises:
+        ValueError: free bytes < ``needed_bytes``; names the path, both numbers and the fix.
+    """
+    free = shutil.disk_usage(run_dir).free
+    if free < needed_bytes:
+        gib = 1 << 30
+        raise ValueError(
+            f"train.out_dir={str(run_dir)!r} has {free / gib:.2f} GiB free, less than the {needed_bytes / gib:.2f} GiB one "
+            "checkpoint needs (float32 weights + AdamW states); free disk space, choose another train.out_dir, or set "
+            "model.lora.rank=16 (checkpoints then hold only the adapter)"
+        )

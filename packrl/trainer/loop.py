@@ -54,7 +54,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
     with Run(cfg) as run:
-        workers = workers or LocalWorkerGroup.build(cfg)
+        workers = workers or LocalWorkerGroup.build(cfg, run_dir=run.dir)
         run.note("model.txt", workers.model_summary)
         budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
         run.note("budgets.txt", budgets.plan())

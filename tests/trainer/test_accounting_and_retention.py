@@ -81,3 +81,26 @@ def test_a_nan_loss_skips_the_optimizer_step_counts_it_and_stops_the_run():
 def test_max_consecutive_skips_must_be_positive(value):
     with pytest.raises(ConfigError, match="train.max_consecutive_skips"):
         load_config("demo", [f"train.max_consecutive_skips={value}"])
+
+
+def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from transformers import LlamaConfig
+
+    from packrl.distributed import local
+    from packrl.distributed.local import LocalWorkerGroup
+    from packrl.trainer.checkpoint import checkpoint_bytes
+
+    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    cfg = load_config("demo", [f"model.path={tmp_path / 'model'}"])
+    needed = checkpoint_bytes(cfg)
+    lora = checkpoint_bytes(load_config("demo", [f"model.path={tmp_path / 'model'}", "model.lora.rank=2"]))
+    assert lora < needed
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * needed, 9 * needed, needed - 1))
+    monkeypatch.setattr(local, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(ValueError, match=r"train.out_dir=.* GiB free, less than the .* GiB one checkpoint needs"):
+        LocalWorkerGroup.build(cfg, run_dir=tmp_path)
