@@ -37,8 +37,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     try:
         run_dir = train(cfg)
-    except (ValueError, OSError) as err:  # data, model, reward and output problems: a message, not a traceback
-        print(f"packrl train: {err}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as err:  # data, model, reward, output and step failures: a message
+        notes = " ".join(getattr(err, "__notes__", []))
+        print(f"packrl train: {err}" + (f" {notes}" if notes else ""), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("packrl train: interrupted; completed steps are in metrics.jsonl and checkpoints/", file=sys.stderr)

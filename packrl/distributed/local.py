@@ -158,7 +158,20 @@ class LocalWorkerGroup:
             yield
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
-        groups = self.engine.generate(prompts.prompt_ids, params)
+        """Generate the step's responses; a raising engine is retried once, then the failure names
+        the data rows of the batch and the cause (RuntimeError). Bad prompts (ValueError) are not
+        retried."""
+        try:
+            groups = self.engine.generate(prompts.prompt_ids, params)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - engine failures (OOM, a driver hiccup) get one more try
+            logger.warning("generation raised %s: %s; retrying once", type(err).__name__, err)
+            try:
+                groups = self.engine.generate(prompts.prompt_ids, params)
+            except Exception as again:
+                raise RuntimeError(f"generation failed twice for data rows {list(prompts.rows)[:16]}: "
+                                   f"{type(again).__name__}: {again}") from again
         return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:

@@ -6,6 +6,7 @@ ground truth and data source of prompt ``i // G``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from packrl.reward.overlong import soft_overlong_penalty
 from packrl.reward.registry import get_reward
 from packrl.types import RolloutBatch, ScoredBatch
 
+logger = logging.getLogger(__name__)
 
 def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_response_tokens: int) -> ScoredBatch:
     """Task scores and shaped rewards of every response.
@@ -31,7 +33,8 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
 
     Raises:
         ValueError: ``cfg.name`` is not registered, or the overlong buffer exceeds the budget.
-        RuntimeError: the reward function raised; names the response index and data source.
+        RuntimeError: the reward function raised twice on one response (it is retried once);
+            names the response index, data source, ground truth and the cause.
     """
     reward_fn = get_reward(cfg.name)
     texts = tokenizer.batch_decode([list(r.response_ids) for r in rollout.responses], skip_special_tokens=True)
@@ -39,12 +42,7 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
     scores, rewards = [], []
     for i, (text, response) in enumerate(zip(texts, rollout.responses)):
         truth, source = prompts.ground_truths[i // group], prompts.data_sources[i // group]
-        try:
-            score = float(reward_fn(text, truth, data_source=source, cfg=cfg))
-        except Exception as err:
-            raise RuntimeError(
-                f"reward {cfg.name!r} failed on response {i} (data_source={source!r}): {type(err).__name__}: {err}"
-            ) from err
+        score = _score_with_retry(reward_fn, text, truth, source, cfg, i)
         penalty = soft_overlong_penalty(
             len(response.response_ids), max_response_tokens, cfg.overlong_buffer_tokens, cfg.overlong_penalty_factor
         )
@@ -70,3 +68,19 @@ def check_reward(cfg: RewardConfig) -> None:
         fn("", "0", data_source="packrl/check", cfg=cfg)
     except Exception as err:
         raise ValueError(f"reward.name={cfg.name!r} cannot score a response: {type(err).__name__}: {err}") from err
+
+
+def _score_with_retry(reward_fn: Any, text: str, truth: str, source: str, cfg: RewardConfig, index: int) -> float:
+    """One response's score; a raising reward function is retried once (a flaky verifier or
+    sandbox), then the failure names the response and the cause."""
+    for attempt in (1, 2):
+        try:
+            return float(reward_fn(text, truth, data_source=source, cfg=cfg))
+        except Exception as err:  # noqa: BLE001 - user code; reported with its type
+            if attempt == 2:
+                raise RuntimeError(
+                    f"reward {cfg.name!r} failed twice on response {index} (data_source={source!r}, ground truth "
+                    f"{truth[:80]!r}): {type(err).__name__}: {err}"
+                ) from err
+            logger.warning("reward %r raised on response %d (%s: %s); retrying once", cfg.name, index, type(err).__name__, err)
+    raise AssertionError("unreachable")

@@ -88,6 +88,7 @@ class Run:
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl and pass the metrics to every logger."""
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
+        self.last_step = step
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         logger.info("step %d %s", step, json.dumps(record))
@@ -101,5 +102,14 @@ class Run:
     def __enter__(self) -> "Run":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
         self.close()  # also on errors, so a message never lands on the progress bar's line
+        if isinstance(exc, Exception):  # the traceback goes to train.log; the console gets one line
+            import traceback
+
+            last = getattr(self, "last_step", None)
+            where = f"in step {last + 1}" if last is not None else "in setup or step 1"
+            with (self.dir / "train.log").open("a") as f:
+                f.write(f"failed {where}:\n" + "".join(traceback.format_exception(exc)))
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"({where}; traceback in {self.dir / 'train.log'})")

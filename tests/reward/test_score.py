@@ -61,7 +61,7 @@ def test_a_failing_reward_names_the_response(smollm_tokenizer, monkeypatch):
 
     monkeypatch.setitem(REWARDS, "broken", broken)
     rollout = _rollout(smollm_tokenizer, ["fine", "boom"], ("4",))
-    with pytest.raises(RuntimeError, match=r"reward 'broken' failed on response 1 \(data_source='openai/gsm8k'\): KeyError") as err:
+    with pytest.raises(RuntimeError, match=r"reward 'broken' failed twice on response 1 \(data_source='openai/gsm8k', ground truth '4'\): KeyError") as err:
         score_rollout(rollout, smollm_tokenizer, RewardConfig(name="broken"), 512)
     assert isinstance(err.value.__cause__, KeyError)
 

@@ -104,3 +104,64 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
     monkeypatch.setattr(local, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
     with pytest.raises(ValueError, match=r"train.out_dir=.* GiB free, less than the .* GiB one checkpoint needs"):
         LocalWorkerGroup.build(cfg, run_dir=tmp_path)
+
+
+def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(caplog):
+    from packrl.reward.registry import register_reward
+    from packrl.reward.score import score_rollout
+    from tests.trainer.test_on_policy import _scored
+
+    calls = {"flaky": 0}
+
+    @register_reward("test_flaky_once")
+    def flaky(text, truth, **kw):
+        calls["flaky"] += 1
+        if calls["flaky"] == 1:
+            raise TimeoutError("verifier timed out")
+        return 1.0
+
+    @register_reward("test_always_broken")
+    def broken(text, truth, **kw):
+        raise KeyError("boxed")
+
+    class Tok:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["x"] * len(ids)
+
+    rollout = _scored().rollout
+    cfg = load_config("demo", ["reward.name=test_flaky_once"]).reward
+    scored = score_rollout(rollout, Tok(), cfg, 64)
+    assert scored.scores.tolist() == [1.0] * len(rollout) and calls["flaky"] == len(rollout) + 1
+    assert "retrying once" in caplog.text
+    cfg = load_config("demo", ["reward.name=test_always_broken"]).reward
+    with pytest.raises(RuntimeError, match=r"failed twice on response 0 \(data_source='t', ground truth '1'\): KeyError"):
+        score_rollout(rollout, Tok(), cfg, 64)
+
+
+def test_generation_is_retried_once_then_names_the_rows():
+    from packrl.distributed.local import LocalWorkerGroup
+    from packrl.rollout.engine import SamplingParams
+    from tests.trainer.test_on_policy import _scored
+
+    prompts = _scored().rollout.prompts
+    attempts = []
+
+    class Engine:
+        def __init__(self, failures):
+            self.failures = failures
+
+        def generate(self, prompt_ids, params):
+            attempts.append(1)
+            if len(attempts) <= self.failures:
+                raise MemoryError("out of memory")
+            from packrl.types import Response
+            return [[Response((3,), "eos")] * params.n for _ in prompt_ids]
+
+    group = object.__new__(LocalWorkerGroup)  # only the engine is needed
+    group.engine = Engine(failures=1)
+    out = group.generate(prompts, SamplingParams(n=2, max_response_tokens=4))
+    assert len(out) == 4 and len(attempts) == 2
+    attempts.clear()
+    group.engine = Engine(failures=2)
+    with pytest.raises(RuntimeError, match=r"generation failed twice for data rows \[0, 1\]: MemoryError"):
+        group.generate(prompts, SamplingParams(n=2, max_response_tokens=4))
