@@ -339,6 +339,11 @@ class TrainConfig:
     save_every: int = 0
     """Save a checkpoint every this many steps and at the end (0 = only at the end)."""
 
+    resume: str | None = None
+    """Continue a run: `auto` = from the newest complete checkpoint in `train.out_dir` (a fresh start
+    when there is none), or a path to a `checkpoints/step_N` folder. Restores the model, optimizer,
+    LR schedule, data position and step; every step reseeds from `train.seed` and its number."""
+
     max_consecutive_skips: int = 3
     """Stop the run after this many optimizer steps in a row skipped for a non-finite gradient
     (each skip is a warning and counts in `train/skipped_steps`)."""
@@ -374,6 +379,9 @@ class TrainConfig:
             out.append(ConfigProblem(f"{prefix}.keep_last", self.keep_last, "must be >= 1 (or null to keep every checkpoint)",
                                      f"set {prefix}.keep_last=2"))
         out += check_positive(f"{prefix}.max_consecutive_skips", self.max_consecutive_skips)
+        if self.resume == "auto" and not self.out_dir:
+            out.append(ConfigProblem(f"{prefix}.resume", self.resume, "needs the run's folder to look for checkpoints in",
+                                     f"set {prefix}.out_dir to the run to continue", keys=(f"{prefix}.resume", f"{prefix}.out_dir")))
         for name in ("warmup_steps", "save_every", "val_every"):
             if getattr(self, name) < 0:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name}=0"))

@@ -110,3 +110,24 @@ def check_disk_space(run_dir: Path, needed_bytes: int) -> None:
             "checkpoint needs (float32 weights + AdamW states); free disk space, choose another train.out_dir, or set "
             "model.lora.rank=16 (checkpoints then hold only the adapter)"
         )
+
+
+def find_resume_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
+    """The checkpoint ``train.resume`` names: None when not resuming or when ``auto`` finds no
+    complete checkpoint; the newest complete ``step_N`` (its trainer state written) for ``auto``.
+    Incomplete ``.tmp-step_N`` folders are never chosen.
+
+    Raises:
+        ValueError: a ``train.resume`` path that is not a complete checkpoint.
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        root = run_dir / "checkpoints"
+        done = [(int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
+        return max(done)[1] if done else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise ValueError(f"train.resume={resume!r} is not a complete checkpoint (no {STATE_FILE}); "
+                         "pass a checkpoints/step_N folder or train.resume=auto")
+    return path

@@ -26,6 +26,7 @@ from packrl.reward.score import check_reward, score_rollout
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import Budgets
 from packrl.trainer.batch import build_train_batch
+from packrl.trainer.checkpoint import find_resume_checkpoint
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.validate import validate
 
@@ -42,6 +43,19 @@ def _data_accounting(train: PromptDataset, val: PromptDataset | None) -> dict:
     """Every input row of each split: kept / truncated / filtered / rejected, with the reason
     (`PromptAccounting.to_dict`); written to ``RUN_DIR/data_accounting.json``."""
     return {"train": train.accounting.to_dict()} | ({"val": val.accounting.to_dict()} if val is not None else {})
+
+
+def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler) -> int:
+    """The last completed step: 0 for a fresh run, else the step of the checkpoint ``train.resume``
+    names, with the model, optimizer, schedule and data position restored from it."""
+    path = find_resume_checkpoint(run.dir, cfg.train.resume)
+    if path is None:
+        return 0
+    state = workers.load_checkpoint(path)
+    sampler.load_state_dict(state["sampler"])
+    run.truncate_metrics(state["step"])
+    run.note("resumed.txt", f"resumed from {path} after step {state['step']}")
+    return int(state["step"])
 
 
 def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
@@ -66,7 +80,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         tracer = build_tracer(cfg.train.trace, run.dir)
         dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
         total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
-        for step in range(1, total + 1):
+        for step in range(_resume(cfg, run, workers, sampler) + 1, total + 1):
             seed_everything(cfg.train.seed * 1_000_003 + step)
             timing: dict[str, float] = {}
             spans: list[Span] = []

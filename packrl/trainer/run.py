@@ -51,7 +51,7 @@ class Run:
         self.cfg = cfg
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.dir = Path(cfg.train.out_dir or f"runs/{stamp}-{secrets.token_hex(2)}").resolve()
-        if (self.dir / "metrics.jsonl").is_file() and (self.dir / "metrics.jsonl").stat().st_size:
+        if cfg.train.resume is None and (self.dir / "metrics.jsonl").is_file() and (self.dir / "metrics.jsonl").stat().st_size:
             raise ValueError(f"train.out_dir={str(self.dir)!r} already holds a run (metrics.jsonl); choose a new train.out_dir")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +94,15 @@ class Run:
         logger.info("step %d %s", step, json.dumps(record))
         for sink in self.loggers:
             sink.log(step, metrics)
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Keep the metrics.jsonl lines of steps <= ``last_step`` (a resumed run redoes the rest)."""
+        if not self.metrics_path.is_file():
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.last_step = last_step
 
     def close(self) -> None:
         for sink in self.loggers:
