@@ -50,4 +50,4 @@ def tiny_run(out_dir: Path, tokenizer, overrides: list[str]) -> tuple[Path, Loca
 if __name__ == "__main__":
     tok = AutoTokenizer.from_pretrained(SMOLLM_DIR)
     tok.padding_side = "left"
-    tiny_run(Path(sys.argv[1]), tok, [f"train.total_steps={sys.argv[2]}"])
+    tiny_run(Path(sys.argv[1]), tok, [f"train.total_steps={sys.argv[2]}", *sys.argv[3:]])
