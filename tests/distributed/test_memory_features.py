@@ -16,20 +16,12 @@ from packrl.models.loading import load_reference
 from packrl.models.lora import apply_lora
 from packrl.trainer.actor import update_minibatch
 from packrl.trainer.batch import build_train_batch
-from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
 from tests.conftest import tiny_llama
+from tests.trainer.test_on_policy import _scored
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
 SIZES = ["model.dtype=fp32", "data.batch_size=2", "data.max_prompt_tokens=4", "rollout.max_response_tokens=8",
          "train.max_tokens_per_microbatch=16"]
-
-
-def _scored() -> ScoredBatch:
-    g = torch.Generator().manual_seed(0)
-    prompts = PromptBatch(((5, 6, 7), (8, 9)), ("1", "2"), ("t", "t"), (0, 1), (False, False))
-    responses = tuple(Response(tuple(torch.randint(3, 97, (n,), generator=g).tolist()), "eos") for n in (4, 7, 2, 5))
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    return ScoredBatch(RolloutBatch(prompts, 2, responses), rewards, rewards)
 
 
 def spy_on_offload(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:

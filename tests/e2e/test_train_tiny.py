@@ -7,15 +7,14 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from packrl.config import load_config
 from packrl.config.schema import ModelConfig
 from packrl.distributed.local import LocalWorkerGroup
-from packrl.models.attention import use_packed_attention
 from packrl.models.loading import load_policy, load_reference
 from packrl.reward import REWARDS, register_reward
 from packrl.trainer.loop import train
+from tests.diagnostics.tiny_run import tiny_policy
 
 if "test_letter_e" not in REWARDS:
 
@@ -35,19 +34,6 @@ REQUIRED_KEYS = [
 ]
 
 
-def _tiny_policy(tokenizer) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    use_packed_attention(model)
-    return model
-
-
 @pytest.fixture
 def tokenizer(smollm_tokenizer):
     smollm_tokenizer.padding_side = "left"
@@ -63,7 +49,7 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
         "train.max_tokens_per_microbatch=192", f"algorithm.loss_agg_mode={loss_agg_mode}", "reward.name=test_letter_e",
         "train.keep_last=1",
     ])
-    model = _tiny_policy(tokenizer)
+    model = tiny_policy(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
     workers = LocalWorkerGroup(cfg, model, tokenizer, load_reference(model))
     run_dir = train(cfg, workers)
@@ -103,7 +89,7 @@ def test_bf16_generation_copy_follows_the_trained_weights(tmp_path, tokenizer):
         "rollout.max_response_tokens=8", "model.dtype=bf16", "train.lr=1e-2", "reward.name=test_letter_e",
         "data.val_files=[]",
     ])
-    model = _tiny_policy(tokenizer)
+    model = tiny_policy(tokenizer)
     workers = LocalWorkerGroup(cfg, model, tokenizer)
     assert workers.rollout_model is not model and next(workers.rollout_model.parameters()).dtype == torch.bfloat16
     assert workers.on_policy
