@@ -34,16 +34,25 @@ logger = logging.getLogger("packrl.data")
 
 _SHOWN_BAD_ROWS = 10
 
-__all__ = ["DatasetPrompt", "PromptDataset", "PromptSampler", "check_enough_prompts"]
+__all__ = ["DatasetPrompt", "PromptDataset", "PromptSampler", "check_enough_prompts", "duplicate_rows"]
 
 
 class PromptDataset:
     """Usable prompts of one split, in global row order, with the accounting of every input row."""
 
-    def __init__(self, prompts: Sequence[DatasetPrompt], accounting: PromptAccounting, *, key: str = "data.train_files"):
+    def __init__(
+        self,
+        prompts: Sequence[DatasetPrompt],
+        accounting: PromptAccounting,
+        *,
+        key: str = "data.train_files",
+        origins: Sequence[RowSource] = (),
+    ):
         self.prompts: tuple[DatasetPrompt, ...] = tuple(prompts)
         self.accounting = accounting
         self.key = key
+        self.origins: tuple[RowSource, ...] = tuple(origins)
+        self.duplicates: dict[int, int] = duplicate_rows(self.prompts)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -76,19 +85,28 @@ class PromptDataset:
 
         Raises:
             ValueError: a source cannot be read (see `load_rows`); bad rows without
-                ``data.skip_bad_rows``; no usable prompt; under ``data.overlong_prompt=error``,
-                an overlong prompt; for ``train``, fewer usable prompts than ``data.batch_size``.
+                ``data.skip_bad_rows`` or, under ``data.overlong_prompt=error``, overlong prompts
+                (one message names all of them, up to 10 of each kind); no usable prompt; for
+                ``train``, fewer usable prompts than ``data.batch_size``.
         """
         rows = load_examples(sources, data_cfg, seed=seed, split=split, key=key)
-        if rows.bad and not data_cfg.skip_bad_rows:
-            _raise_bad_rows(rows.bad, rows.origins, key)
-        prompts, outcomes = budget_examples(
-            rows.examples, tokenizer, max_prompt_tokens=data_cfg.max_prompt_tokens, policy=data_cfg.overlong_prompt
-        )
-        dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key)
+        policy, budget = data_cfg.overlong_prompt, data_cfg.max_prompt_tokens
+        # under `error` the budget is applied as `filter` first, so one message names every bad and overlong row
+        prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,
+                                            policy="filter" if policy == "error" else policy)
+        bad = {} if data_cfg.skip_bad_rows else rows.bad | {o.row: o.reason for o in outcomes if o.status == "rejected"}
+        overlong = {o.row: o.num_tokens for o in outcomes if o.status == "filtered"} if policy == "error" else {}
+        if bad or overlong:
+            _raise_bad_rows(bad, overlong, rows.origins, key, budget)
+        dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins)
         lengths = dataset.prompt_length_percentiles()
         logger.info("%s: %s; prompt_length p50 %s, p99 %s, max %s tokens", key, dataset.accounting.summary(),
                     lengths["p50"], lengths["p99"], lengths["max"])
+        if dataset.duplicates:
+            first = next(iter(dataset.duplicates.items()))
+            logger.warning("%s: %d row(s) repeat an earlier row's prompt and answer (first: row %d = row %d); they are kept "
+                           "and sampled as often as they appear (listed as duplicate_of in RUN_DIR/data_accounting.json)",
+                           key, len(dataset.duplicates), *first)
         if not dataset.prompts:
             raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); {_fix_hint(dataset.accounting)}")
         if split == "train":
@@ -109,6 +127,19 @@ class PromptDataset:
         """
         return length_percentiles(rendered_prompt_lengths(self.accounting))
 
+    def accounting_dict(self) -> dict[str, Any]:
+        """`PromptAccounting.to_dict` with, per row, ``source`` and ``source_row`` (where the row came
+        from; 0-based among the rows of that source, blank jsonl lines not counted) and ``duplicate_of``
+        (the earlier row it repeats, or None), and ``totals.num_duplicates``."""
+        out = self.accounting.to_dict()
+        for entry in out["rows"]:
+            origin = self.origins[entry["row"]] if self.origins else None
+            entry["source"] = origin and origin.source
+            entry["source_row"] = origin and origin.source_row
+            entry["duplicate_of"] = self.duplicates.get(entry["row"])
+        out["totals"]["num_duplicates"] = len(self.duplicates)
+        return out
+
     def batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at dataset positions ``indices`` (0 .. len-1, not global rows) as a `PromptBatch`."""
         chosen = [self.prompts[i] for i in indices]
@@ -128,16 +159,39 @@ class PromptDataset:
             yield self.batch(range(start, min(start + batch_size, len(self))))
 
 
-def _raise_bad_rows(bad: dict[int, str], origins: tuple[RowSource, ...], key: str) -> None:
-    shown = "; ".join(
-        f"row {row} ({origins[row].source} row {origins[row].source_row}): {reason}"
-        for row, reason in sorted(bad.items())[:_SHOWN_BAD_ROWS]
-    )
-    more = f"; and {len(bad) - _SHOWN_BAD_ROWS} more" if len(bad) > _SHOWN_BAD_ROWS else ""
-    raise ValueError(
-        f"{key}: {len(bad)} bad row(s) of {len(origins)}: {shown}{more}. "
-        "Fix the rows, or set data.skip_bad_rows=true to skip and count them"
-    )
+def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int], origins: tuple[RowSource, ...], key: str, budget: int) -> None:
+    """One error naming the bad rows (unreadable or unusable) and, under ``data.overlong_prompt=error``,
+    the overlong ones (row -> prompt tokens), each with its file and row inside the file."""
+    def where(row: int) -> str:
+        return f"row {row} ({origins[row].source} row {origins[row].source_row})"
+
+    def listed(items: list[str]) -> str:
+        more = f"; and {len(items) - _SHOWN_BAD_ROWS} more" if len(items) > _SHOWN_BAD_ROWS else ""
+        return "; ".join(items[:_SHOWN_BAD_ROWS]) + more
+
+    parts, fixes = [], []
+    if bad:
+        parts.append(f"{len(bad)} bad row(s) of {len(origins)}: " + listed([f"{where(r)}: {why}" for r, why in sorted(bad.items())]))
+        fixes.append("fix the rows, or set data.skip_bad_rows=true to skip and count them")
+    if overlong:
+        parts.append(f"{len(overlong)} prompt(s) exceed data.max_prompt_tokens={budget}: "
+                     + listed([f"{where(r)}: {n} tokens" for r, n in sorted(overlong.items())]))
+        fixes.append("set data.overlong_prompt to filter, left, right or middle, "
+                     f"or raise data.max_prompt_tokens to >= {max(overlong.values())}")
+    message = "; ".join(fixes)
+    raise ValueError(f"{key}: " + ". ".join(parts) + ". " + message[0].upper() + message[1:])
+
+
+def duplicate_rows(prompts: Sequence[DatasetPrompt]) -> dict[int, int]:
+    """Global row -> the earlier row it repeats, for usable prompts whose prompt ids, ground truth and
+    data source equal an earlier one's (after the template and the prompt policy)."""
+    first: dict[tuple, int] = {}
+    repeats: dict[int, int] = {}
+    for p in prompts:
+        seen = first.setdefault((p.prompt_ids, p.example.ground_truth, p.example.data_source), p.example.row)
+        if seen != p.example.row:
+            repeats[p.example.row] = seen
+    return repeats
 
 
 def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:

@@ -188,8 +188,8 @@ class LocalWorkerGroup:
 
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state, trainer_state,
-                               keep_last=self.cfg.train.keep_last)
+        return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state,
+                               trainer_state | {"skips": self.skips.state_dict()}, keep_last=self.cfg.train.keep_last)
 
     def load_checkpoint(self, path: Path) -> dict:
         state, optimizer_state = load_trainer_state(path)
@@ -197,6 +197,7 @@ class LocalWorkerGroup:
         sync_rollout_weights(self.model, self.rollout_model)
         self.optimizer.load_state_dict(optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        self.skips.load_state_dict(state.get("skips", {}))
         return state
 
 

@@ -582,6 +582,17 @@ def _missing_weights_message(path: str, model_dir: Path) -> str:
     )
 
 
+def load_policy_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer `load_policy` returns for ``cfg``, without loading the weights: the trainer
+    builds its datasets with it first, so data errors surface before the model loads. A ``.gguf``
+    is converted (once, cached) exactly as for `load_policy`, so the ids are the same.
+
+    Raises:
+        ValueError: as `resolve_model` and `load_tokenizer`.
+    """
+    return load_tokenizer(resolve_model(cfg.path), cfg.path)
+
+
 def load_tokenizer(resolved: ResolvedModel, path: str) -> Any:
     """The tokenizer of a resolved model, ready for left-padded batches of chat prompts.
 

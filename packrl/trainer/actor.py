@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import logging
 import math
+import warnings
 
 import torch
 
@@ -258,6 +259,14 @@ class SkipCounter:
             )
         return True
 
+    def state_dict(self) -> dict[str, int]:
+        """``{skipped_steps, consecutive_skips}``, saved with each checkpoint."""
+        return {"skipped_steps": self.total, "consecutive_skips": self.consecutive}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue counting from a checkpoint's `state_dict` (absent keys count as 0)."""
+        self.total, self.consecutive = int(state.get("skipped_steps", 0)), int(state.get("consecutive_skips", 0))
+
 
 def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
@@ -290,7 +299,9 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
             lr = optimizer.param_groups[0]["lr"]
             if not skips.record(grad_norm):
                 optimizer.step()
-            scheduler.step()
+            with warnings.catch_warnings():  # a skipped step still advances the schedule, as verl's does
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             steps.append((totals, grad_norm, lr))
     count = len(steps)

@@ -1,6 +1,6 @@
 """Checkpoints: ``RUN_DIR/checkpoints/step_N`` holds the HF model and tokenizer, the optimizer
-and scheduler state, and the trainer state. Written to a temporary folder and renamed, so a
-folder named ``step_N`` is always complete.
+and scheduler state, and the trainer state. Written to a temporary folder, flushed to the disk (fsync) and renamed,
+so a folder named ``step_N`` is always complete.
 
 With LoRA (``model.lora.rank > 0``) the model part is the adapter alone, as peft's
 ``save_pretrained`` writes it: ``adapter_model.safetensors`` (float32 A and B of every adapted
@@ -46,15 +46,43 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+        fsync_tree(tmp)
     except BaseException:  # an interrupted or failed write leaves nothing behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)  # the rename itself reaches the disk
     if keep_last is not None:
         prune_checkpoints(root, keep_last)
     return final
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under ``path``, then the folders, to the disk (``os.fsync``), so a
+    checkpoint renamed into place after a power loss holds its bytes, not empty files."""
+    for sub, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(sub, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(sub))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # folders cannot be opened on some platforms (Windows); their entries are flushed with them
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:

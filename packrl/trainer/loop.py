@@ -22,6 +22,7 @@ from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
 from packrl.distributed.local import LocalWorkerGroup
 from packrl.distributed.protocol import WorkerGroup
+from packrl.models.loading import load_policy_tokenizer
 from packrl.reward.score import check_reward, score_rollout
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import Budgets
@@ -41,8 +42,8 @@ def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset |
 
 def _data_accounting(train: PromptDataset, val: PromptDataset | None) -> dict:
     """Every input row of each split: kept / truncated / filtered / rejected, with the reason
-    (`PromptAccounting.to_dict`); written to ``RUN_DIR/data_accounting.json``."""
-    return {"train": train.accounting.to_dict()} | ({"val": val.accounting.to_dict()} if val is not None else {})
+    (`PromptDataset.accounting_dict`); written to ``RUN_DIR/data_accounting.json``."""
+    return {"train": train.accounting_dict()} | ({"val": val.accounting_dict()} if val is not None else {})
 
 
 def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler) -> int:
@@ -68,13 +69,13 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
     with Run(cfg) as run:
+        train_set, val_set = _datasets(cfg, workers.tokenizer if workers else load_policy_tokenizer(cfg.model))
+        run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
+        run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
         workers = workers or LocalWorkerGroup.build(cfg, run_dir=run.dir)
         run.note("model.txt", workers.model_summary)
         budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
         run.note("budgets.txt", budgets.plan())
-        train_set, val_set = _datasets(cfg, workers.tokenizer)
-        run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
-        run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
         sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
         sampling = SamplingParams.from_config(cfg.rollout)
         tracer = build_tracer(cfg.train.trace, run.dir)

@@ -29,7 +29,13 @@ def due(step: int, every: int, total: int) -> bool:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (torch's seeds every CUDA device too). The loop
+    calls it before every step with a seed derived from ``train.seed`` and the step, which is what
+    lets a resumed run draw exactly what the uninterrupted run drew without saving RNG states."""
+    import numpy as np
+
     random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 

@@ -16,8 +16,17 @@ from packrl.config import load_config
 from packrl.distributed.local import LocalWorkerGroup
 from packrl.models.attention import use_packed_attention
 from packrl.models.loading import load_reference
+from packrl.reward import REWARDS, register_reward
 from packrl.trainer.loop import train
 from tests.conftest import SMOLLM_DIR
+
+if "test_letter_e" not in REWARDS:
+
+    @register_reward("test_letter_e")
+    def _letter_e(response_text: str, ground_truth: str, *, data_source: str, cfg) -> float:
+        """A dense reward a random model can move: the share of 'e' among the response's characters."""
+        return response_text.count("e") / max(1, len(response_text))
+
 
 BASE = [
     "data.batch_size=2", "rollout.n=3", "rollout.max_response_tokens=12", "model.dtype=fp32", "train.lr=1e-3",

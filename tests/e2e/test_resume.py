@@ -1,14 +1,24 @@
-"""train.resume: 2 steps, stop, resume for 2 more == 4 steps straight (prompts and losses)."""
+"""train.resume: 2 steps, SIGKILL, resume for 2 more == 4 steps straight (prompts and losses)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-import tests.e2e.test_train_tiny  # noqa: F401  (registers the dense reward test_letter_e)
-from packrl.trainer.checkpoint import find_resume_checkpoint
+from packrl.trainer.checkpoint import STATE_FILE, find_resume_checkpoint
 from tests.diagnostics.tiny_run import tiny_run
+
+ROOT = Path(__file__).resolve().parents[2]
+# A dense reward and a mini-batch per prompt, so parameters and optimizer state move every step.
+COMMON = ["train.dump_rollouts=true", "train.save_every=2", "reward.name=test_letter_e", "train.mini_batch_size=1",
+          "train.lr=1e-2"]
 
 
 def _lines(run_dir):
@@ -19,21 +29,37 @@ def _prompts(run_dir, step):
     return [json.loads(line)["prompt"] for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-def test_resume_after_two_steps_matches_four_straight(tmp_path, smollm_tokenizer):
+def _train_until_killed(run_dir: Path, checkpoint: Path) -> None:
+    """Train the tiny run in a subprocess and SIGKILL it once ``checkpoint`` is complete."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.diagnostics.tiny_run", str(run_dir), "1000", *COMMON], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not (checkpoint / STATE_FILE).is_file():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, f"no {checkpoint} after 240 s"
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_resume_after_sigkill_matches_four_straight(tmp_path, smollm_tokenizer):
     tok = smollm_tokenizer
     tok.padding_side = "left"
-    # A dense reward and a mini-batch per prompt, so parameters and optimizer state move every step.
-    common = ["train.dump_rollouts=true", "train.save_every=2", "reward.name=test_letter_e", "train.mini_batch_size=1",
-              "train.lr=1e-2"]
-    straight, _ = tiny_run(tmp_path / "a", tok, ["train.total_steps=4", *common])
-    tiny_run(tmp_path / "b", tok, ["train.total_steps=2", *common])
-    (tmp_path / "b" / "checkpoints" / ".tmp-step_3").mkdir()  # an interrupted write is never chosen
-    assert find_resume_checkpoint(tmp_path / "b", "auto").name == "step_2"
-    resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=4", "train.resume=auto", *common])
+    straight, _ = tiny_run(tmp_path / "a", tok, ["train.total_steps=4", *COMMON])
+    step_2 = tmp_path / "b" / "checkpoints" / "step_2"
+    _train_until_killed(tmp_path / "b", step_2)  # killed somewhere after the step-2 checkpoint
+    assert json.loads((step_2 / STATE_FILE).read_text())["skips"] == {"skipped_steps": 0, "consecutive_skips": 0}
+    (tmp_path / "b" / "checkpoints" / ".tmp-step_99").mkdir()  # an interrupted write is never chosen
+    assert find_resume_checkpoint(tmp_path / "b", "auto").name != ".tmp-step_99"
+    resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=4", f"train.resume={step_2}", *COMMON])
     a, b = _lines(straight), _lines(resumed)
     assert [line["step"] for line in b] == [1, 2, 3, 4]
     assert any(line["actor/grad_norm"] > 0 for line in a), "the run must actually train"
-    for step in (3, 4):
+    for step in (1, 2, 3, 4):
         assert _prompts(resumed, step) == _prompts(straight, step)
         for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean"):
             assert b[step - 1][key] == pytest.approx(a[step - 1][key], abs=1e-6), (step, key)

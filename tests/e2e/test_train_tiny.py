@@ -12,16 +12,8 @@ from packrl.config import load_config
 from packrl.config.schema import ModelConfig
 from packrl.distributed.local import LocalWorkerGroup
 from packrl.models.loading import load_policy, load_reference
-from packrl.reward import REWARDS, register_reward
 from packrl.trainer.loop import train
-from tests.diagnostics.tiny_run import tiny_policy
-
-if "test_letter_e" not in REWARDS:
-
-    @register_reward("test_letter_e")
-    def _letter_e(response_text: str, ground_truth: str, *, data_source: str, cfg) -> float:
-        """A dense reward a random model can move: the share of 'e' among the response's characters."""
-        return response_text.count("e") / max(1, len(response_text))
+from tests.diagnostics.tiny_run import tiny_policy  # also registers the reward test_letter_e
 
 REQUIRED_KEYS = [
     "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",

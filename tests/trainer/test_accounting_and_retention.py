@@ -48,6 +48,18 @@ def test_skip_counter_counts_and_stops_after_max_consecutive(caplog):
     assert "optimizer step skipped" in caplog.text
 
 
+def test_skip_counter_state_round_trips():
+    from packrl.trainer.actor import SkipCounter
+
+    skips = SkipCounter(max_consecutive=5)
+    skips.record(float("nan")), skips.record(1.0), skips.record(float("inf"))
+    restored = SkipCounter(max_consecutive=5)
+    restored.load_state_dict(skips.state_dict())
+    assert (restored.total, restored.consecutive) == (2, 1)
+    restored.load_state_dict({})  # a checkpoint written before the counter was saved
+    assert (restored.total, restored.consecutive) == (0, 0)
+
+
 def test_a_nan_loss_skips_the_optimizer_step_counts_it_and_stops_the_run():
     import contextlib
     import dataclasses
