@@ -2,11 +2,12 @@
 
 A subprocess trains `tests/diagnostics/tiny_run.py` for ``--steps`` steps with a checkpoint every
 step (`train.save_every=1`, `train.keep_last=2`) and `train.resume=auto`; this script kills it
-with SIGKILL after a random delay (``--kills`` times; delays drawn up to about two steps, so kills
-land in generation, the update and checkpoint writes alike), then starts it again, until a run
-finishes. Checks after every restart: the resumed run starts right after its newest complete
-checkpoint; no `.tmp-step_N` folder is ever chosen; and at the end metrics.jsonl holds steps
-1..N exactly once, in order. Prints one JSON object.
+with SIGKILL after a random delay (``--kills`` times; delays drawn over several steps, so kills
+land in generation and the update; every third kill waits for the next checkpoint write and lands
+inside it, leaving a `.tmp-step_N` folder), then starts it again, until a run finishes. Checks
+after every restart: the run resumes from the newest complete checkpoint (its `resumed.txt`),
+never from a `.tmp-step_N` folder, and no resume fails on a corrupt checkpoint; at the end
+metrics.jsonl holds steps 1..N exactly once, in order. Prints one JSON object.
 
 Command (repository root; about 2 minutes)::
 
@@ -35,6 +36,30 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+def _complete_checkpoints(run_dir: Path) -> list[int]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / "trainer_state.json").is_file())
+
+
+def _kill(proc: subprocess.Popen, run_dir: Path, delay: float, in_checkpoint: bool) -> bool:
+    """SIGKILL ``proc`` after ``delay`` seconds, or with ``in_checkpoint`` at the first checkpoint
+    write after that (a ``.tmp-step_N`` folder appears). False when the run finished first."""
+    try:
+        proc.wait(timeout=delay)
+        return False
+    except subprocess.TimeoutExpired:
+        pass
+    while in_checkpoint and proc.poll() is None and not list((run_dir / "checkpoints").glob(".tmp-step_*")):
+        time.sleep(0.0005)
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
@@ -45,37 +70,51 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="packrl-kill-")) / "run"
     cmd = [sys.executable, "-m", "tests.diagnostics.tiny_run", str(run_dir), str(args.steps),
            "train.save_every=1", "train.keep_last=2", "train.resume=auto"]
-    kills, restarts, log = 0, 0, []
+    kills, log, expected_resume = 0, [], None
     start = time.perf_counter()
     while True:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if kills < args.kills:
-            delay = rng.uniform(2.5, 6.0)  # interpreter + imports take ~2.5 s; a tiny step ~0.3 s
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                kills += 1
-                done = _steps(run_dir)
-                tmp = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-*")) if (run_dir / "checkpoints").is_dir() else []
-                log.append({"kill": kills, "after_s": round(delay, 2), "last_logged_step": done[-1] if done else 0, "tmp_left": tmp})
-                restarts += 1
-                continue
-        else:
-            proc.wait()
+        started = time.time()
+        kill_at = time.monotonic() + rng.uniform(2.5, 6.0)  # interpreter + imports take ~2.5 s; a tiny step ~0.1-0.3 s
+        if expected_resume is not None:
+            _check_resumed_from(run_dir, expected_resume, proc)
+        in_checkpoint = kills % 3 == 2  # every third kill lands inside a checkpoint write
+        if kills < args.kills and _kill(proc, run_dir, max(0.0, kill_at - time.monotonic()), in_checkpoint):
+            kills += 1
+            done = _steps(run_dir)
+            # temporary folders this run started writing (older ones are leftovers of earlier kills)
+            tmp = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-*") if p.stat().st_mtime >= started)
+            complete = _complete_checkpoints(run_dir)
+            expected_resume = complete[-1] if complete else None
+            log.append({"kill": kills, "target": "checkpoint write" if in_checkpoint else "any moment",
+                        "last_logged_step": done[-1] if done else 0, "tmp_written": tmp, "resume_from": expected_resume})
+            continue
+        proc.wait()
         if proc.returncode != 0:
             raise SystemExit(f"a run failed (rc {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
         break
     steps = _steps(run_dir)
     result = {
-        "kills": kills, "restarts": restarts, "wall_s": round(time.perf_counter() - start, 1),
-        "steps_logged": steps, "continuous": steps == list(range(1, args.steps + 1)),
+        "kills": kills, "kills_inside_checkpoint_write": sum(bool(e["tmp_written"]) for e in log),
+        "wall_s": round(time.perf_counter() - start, 1), "num_steps_logged": len(steps),
+        "continuous": steps == list(range(1, args.steps + 1)),
         "checkpoints_left": sorted(p.name for p in (run_dir / "checkpoints").iterdir()), "log": log, "run_dir": str(run_dir),
     }
     print(json.dumps(result, indent=1))
     if not result["continuous"]:
         raise SystemExit("metrics.jsonl steps are not 1..N exactly once")
+
+
+def _check_resumed_from(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
+    """Wait until the restarted run notes where it resumed; it must be the newest complete checkpoint."""
+    note = run_dir / "resumed.txt"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if note.is_file() and f"after step {step}\n" in note.read_text() + "\n":
+            return
+        time.sleep(0.01)
+    text = note.read_text() if note.is_file() else "(no resumed.txt)"
+    raise SystemExit(f"the restarted run did not resume from step_{step}, the newest complete checkpoint: {text}")
 
 
 if __name__ == "__main__":
