@@ -79,12 +79,28 @@ class GumbelMaxSampler(LogitsProcessor):
     top-k- and top-p-processed) scores, so the argmax is a draw from their softmax (the Gumbel-max
     trick; Gumbel 1954, Maddison et al. 2014). It replaces ``softmax`` + ``torch.multinomial``,
     which costs about 24 ms per decode step over a 49,152-token vocabulary on 2 CPU cores, with one
-    exponential draw per score. Filtered scores stay -inf. Uses torch's global RNG.
+    exponential draw per score. Filtered scores stay -inf.
+
+    Each row draws from its own generator (``generators[i]`` for row ``i`` of the scores), so a
+    response depends on its request's seed alone, not on which other rows share its batch: the
+    same prompts give the same responses whether one process generates them all or several
+    data-parallel workers each generate a share (as with vLLM's per-request seeds).
     """
 
+    def __init__(self, generators: Sequence[torch.Generator]) -> None:
+        self.generators = list(generators)
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        noise = torch.empty_like(scores, dtype=torch.float32).exponential_().log_()  # -Gumbel
-        return scores.float() - noise
+        assert len(self.generators) == scores.shape[0], "one generator per decoding row"
+        noise = torch.empty_like(scores, dtype=torch.float32)
+        for row, generator in zip(noise, self.generators):
+            row.exponential_(generator=generator)
+        return scores.float() - noise.log_()  # log(Exp(1)) = -Gumbel(0, 1)
+
+
+def request_seed(prompt_seed: int, sample_index: int) -> int:
+    """The sampling seed of sample ``sample_index`` of a prompt whose seed is ``prompt_seed``."""
+    return (prompt_seed * 1_000_003 + sample_index) % (1 << 63)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +112,7 @@ class _Request:
     prompt: tuple[int, ...]
     cap: int
     cap_reason: FinishReason
+    seed: int = 0
 
 
 class HFEngine:
@@ -138,12 +155,17 @@ class HFEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = _pad_id(model, tokenizer, self.eos_ids)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Response]]:
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[list[Response]]:
         """Generate `params.n` responses for each prompt; see `RolloutEngine.generate`.
 
         Args:
             prompt_ids: B prompts, ``[B][P_b]`` token ids, each non-empty.
             params: how to sample.
+            seeds: one seed per prompt; sample g of prompt b draws its noise from a generator
+                seeded with ``request_seed(seeds[b], g)``. Default: seeds drawn from torch's
+                global RNG, so a call is reproducible under ``torch.manual_seed``.
 
         Returns:
             ``[B][G]`` responses in input order.
@@ -152,7 +174,11 @@ class HFEngine:
             ValueError: a prompt is empty, or fills the context (``P_b >= max_context_tokens``);
                 the message names the prompt index, its length and the context.
         """
-        requests = self._requests(prompt_ids, params)
+        if seeds is None:
+            seeds = torch.randint(0, 1 << 62, (len(prompt_ids),)).tolist()
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; pass one seed per prompt")
+        requests = self._requests(prompt_ids, params, seeds)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
         out: list[list[Response | None]] = [[None] * params.n for _ in prompt_ids]
         with self._generation_mode():
@@ -163,7 +189,7 @@ class HFEngine:
         assert all(r is not None for group in out for r in group), "a request got no response"
         return out  # type: ignore[return-value]
 
-    def _requests(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[_Request]:
+    def _requests(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[_Request]:
         """Expand each prompt into `params.n` requests with their caps; reject prompts without room."""
         requests = []
         for b, ids in enumerate(prompt_ids):
@@ -179,7 +205,7 @@ class HFEngine:
                 )
             cap = min(params.max_response_tokens, room)
             reason: FinishReason = "length" if cap == params.max_response_tokens else "context"
-            requests += [_Request(b, g, prompt, cap, reason) for g in range(params.n)]
+            requests += [_Request(b, g, prompt, cap, reason, request_seed(int(seeds[b]), g)) for g in range(params.n)]
         return requests
 
     @contextlib.contextmanager
@@ -217,8 +243,10 @@ class HFEngine:
         alive = torch.arange(len(batch))  # batch rows still generating, in cache order
         ids, mask, cache = input_ids.to(device), attention_mask.to(device), None
         cap = max(r.cap for r in batch)
+        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
-            kwargs = self._generate_kwargs(params, max_new_tokens=min(self.ROUND_TOKENS, cap - rows.steps))
+            kwargs = self._generate_kwargs(params, max_new_tokens=min(self.ROUND_TOKENS, cap - rows.steps),
+                                           generators=[generators[int(row)] for row in alive])
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({_CACHE_KEY: cache} if cache else {}))
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
             logprobs = _token_logprobs(out.logits, new, params.logprob_temperature) if params.return_logprobs else None
@@ -245,8 +273,9 @@ class HFEngine:
             for i, req in enumerate(batch)
         ]
 
-    def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int) -> dict[str, Any]:
-        """Arguments for `model.generate`: the requested sampling and nothing else."""
+    def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int, generators: Sequence[torch.Generator]) -> dict[str, Any]:
+        """Arguments for `model.generate`: the requested sampling (row i's noise from
+        ``generators[i]``) and nothing else."""
         kwargs: dict[str, Any] = dict(
             _OFF,
             max_new_tokens=max_new_tokens,
@@ -272,7 +301,7 @@ class HFEngine:
             if params.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(params.top_p))
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None,
-                          logits_processor=LogitsProcessorList([*warpers, GumbelMaxSampler()]))
+                          logits_processor=LogitsProcessorList([*warpers, GumbelMaxSampler(generators)]))
         return kwargs
 
     def _stop_steps(self, sequences: torch.Tensor, width: int, params: SamplingParams) -> list[int]:

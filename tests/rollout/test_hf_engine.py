@@ -240,12 +240,29 @@ def test_gumbel_max_sampler_draws_from_the_softmax():
     40,000 draws match the probabilities (filtered -inf scores are never drawn)."""
     from packrl.rollout.hf_engine import GumbelMaxSampler
 
-    torch.manual_seed(0)
     scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]])
-    draws = GumbelMaxSampler()(None, scores.expand(40_000, -1).clone()).argmax(-1)
+    generators = [torch.Generator().manual_seed(i) for i in range(40_000)]
+    draws = GumbelMaxSampler(generators)(None, scores.expand(40_000, -1).clone()).argmax(-1)
     freq = torch.bincount(draws, minlength=5).float() / draws.numel()
     torch.testing.assert_close(freq, torch.softmax(scores[0], -1), atol=0.01, rtol=0)
     assert freq[4] == 0
+
+
+def test_a_response_depends_on_its_seed_not_on_its_batch(model, tokenizer):
+    """Per-request seeds: prompts sampled together, alone or split into two calls (as two
+    data-parallel workers would) give the same responses."""
+    prompts = _prompts([4, 9, 6, 11])
+    seeds = [11, 22, 33, 44]
+    params = SamplingParams(n=2, temperature=1.0, max_response_tokens=8)
+    together = _engine(model, tokenizer, max_num_seqs=8).generate(prompts, params, seeds)
+    split = [*_engine(model, tokenizer).generate(prompts[:2], params, seeds[:2]),
+             *_engine(model, tokenizer).generate(prompts[2:], params, seeds[2:])]
+    alone = [_engine(model, tokenizer).generate([p], params, [s])[0] for p, s in zip(prompts, seeds)]
+    ids = lambda groups: [[r.response_ids for r in g] for g in groups]  # noqa: E731
+    assert ids(together) == ids(split) == ids(alone)
+    assert ids(together)[0][0] != ids(together)[0][1], "the samples of one prompt differ"
+    with pytest.raises(ValueError, match="got 1 seeds for 4 prompts"):
+        _engine(model, tokenizer).generate(prompts, params, [1])
 
 
 def _record_decode_rows(model) -> list[int]:
