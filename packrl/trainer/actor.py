@@ -41,12 +41,12 @@ class LogprobResult:
     Attributes:
         logprobs: ``N`` tensors of Shape [R_i], float32, nats.
         entropy: ``N`` tensors of Shape [R_i], float32, nats.
-        plan: the log-prob micro-batch plan (for ``seqlen/*`` metrics).
+        microbatches: the log-prob micro-batches that ran (sequence indices).
     """
 
     logprobs: tuple[torch.Tensor, ...]
     entropy: tuple[torch.Tensor, ...]
-    plan: MicrobatchPlan
+    microbatches: tuple[tuple[int, ...], ...] = ()
 
 
 def sequence_ids(rollout: RolloutBatch, i: int) -> torch.Tensor:
@@ -80,32 +80,44 @@ def _response_positions(pack: Pack, rollout: RolloutBatch) -> torch.Tensor:
     return _scatter_response(pack, rollout, ones, False)
 
 
-def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager]) -> LogprobResult:
+def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
+                     microbatches: Sequence[Sequence[int]] | None = None) -> LogprobResult:
     """No-grad log-probs and entropy of every response token, in log-prob micro-batches of at
     most ``train.max_tokens_per_logprob_microbatch`` real tokens. The model runs in eval mode
     (no dropout, e.g. ``model.lora.dropout``) and its mode is restored afterwards.
 
+    Args:
+        microbatches: this rank's micro-batches (sequence indices of ``rollout``) from a
+            data-parallel plan (`packrl.seqlen.balance.balance_ranks`); an empty one runs a
+            one-token forward so every rank runs the same number of forwards (FSDP gathers
+            parameters in each). Default: plan all sequences here. Sequences not in any
+            micro-batch get empty tensors.
+
     Raises:
         ValueError: a sequence longer than the log-prob budget (named by index).
     """
-    plan = plan_microbatches(
-        rollout.sequence_lengths(), cfg.train.max_tokens_per_logprob_microbatch,
-        balance=cfg.train.balance_microbatches, budget_key="train.max_tokens_per_logprob_microbatch",
-    )
+    if microbatches is None:
+        microbatches = plan_microbatches(
+            rollout.sequence_lengths(), cfg.train.max_tokens_per_logprob_microbatch,
+            balance=cfg.train.balance_microbatches, budget_key="train.max_tokens_per_logprob_microbatch",
+        ).microbatches
     device = next(model.parameters()).device
     logprobs: list[torch.Tensor] = [torch.empty(0)] * len(rollout)
     entropy: list[torch.Tensor] = [torch.empty(0)] * len(rollout)
     was_training = model.training
     model.eval()
     with torch.no_grad(), autocast():
-        for indices in plan.microbatches:
+        for indices in microbatches:
+            if not indices:
+                model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+                continue
             pack = _pack(rollout, indices, device)
             out = pack_logprobs(model, pack, attention=cfg.model.packed_attention, chunk_tokens=cfg.train.logits_chunk_tokens,
                                 temperature=cfg.rollout.temperature, needed=_response_positions(pack, rollout))
             for i, lp, ent in zip(indices, _response_parts(pack, out.token_logprobs, rollout), _response_parts(pack, out.entropy, rollout)):
                 logprobs[i], entropy[i] = lp.float().cpu(), ent.float().cpu()
     model.train(was_training)
-    return LogprobResult(tuple(logprobs), tuple(entropy), plan)
+    return LogprobResult(tuple(logprobs), tuple(entropy), tuple(tuple(mb) for mb in microbatches))
 
 
 @dataclass
@@ -200,35 +212,66 @@ def _microbatch_loss(model, pack: Pack, batch: TrainBatch, den: LossDenominators
     return loss
 
 
-def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequence[int], cfg: RunConfig,
-                     autocast: Callable[[], AbstractContextManager], sums: _ResponseSums | None = None,
-                     tracer: NullTracer = NullTracer()) -> _Totals:
-    """Forward and backward one mini-batch (sequences ``indices``) in token-budgeted packs.
-    Gradients accumulate in ``model``; the caller steps the optimizer. Per-response statistics
-    are added to ``sums``; each micro-batch is timed by ``tracer``.
+def plan_minibatch(batch: TrainBatch, indices: Sequence[int], cfg: RunConfig) -> tuple[list[list[int]], LossDenominators]:
+    """The micro-batches (sequence indices) and loss denominators of one mini-batch in one process.
 
     Raises:
         ValueError: a sequence longer than ``train.max_tokens_per_microbatch`` (named by index).
     """
-    rollout = batch.rollout
     scale = cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens
     den = LossDenominators.from_masks([batch.loss_masks[i] for i in indices], scale)
-    if den.num_tokens == 0:
-        logger.warning("a mini-batch of %d responses has no loss tokens (all masked, e.g. algorithm.truncated=mask with every "
-                       "response truncated); it contributes no gradient: raise rollout.max_response_tokens", len(indices))
-    lengths = rollout.sequence_lengths()
+    lengths = batch.rollout.sequence_lengths()
     plan = plan_microbatches([lengths[i] for i in indices], cfg.train.max_tokens_per_microbatch,
                              balance=cfg.train.balance_microbatches)
+    return [[indices[j] for j in local] for local in plan.microbatches], den
+
+
+def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Sequence[Sequence[int]], den: LossDenominators,
+                     cfg: RunConfig, autocast: Callable[[], AbstractContextManager], sums: _ResponseSums,
+                     tracer: NullTracer = NullTracer(), grad_sync: Callable[[bool], None] | None = None) -> _Totals:
+    """Forward and backward each micro-batch; gradients accumulate in ``model``.
+
+    Args:
+        microbatches: sequence indices per micro-batch; an empty one (a data-parallel rank with
+            fewer sequences) runs a one-token forward and a zero backward, so every rank runs the
+            same number of passes.
+        den: the mini-batch's global denominators (all ranks together).
+        grad_sync: called with True before the last backward and False before the others (FSDP's
+            ``set_requires_gradient_sync``: reduce gradients once per mini-batch).
+    """
+    if den.num_tokens == 0:
+        logger.warning("a mini-batch has no loss tokens (all masked, e.g. algorithm.truncated=mask with every "
+                       "response truncated); it contributes no gradient: raise rollout.max_response_tokens")
     device = next(model.parameters()).device
     totals = _Totals()
-    sums = sums if sums is not None else _ResponseSums.zeros(len(rollout))
-    for local in plan.microbatches:
-        pack = _pack(rollout, [indices[j] for j in local], device)
-        with tracer.microbatch(num_sequences=len(local), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
+    for k, indices in enumerate(microbatches):
+        if grad_sync is not None:
+            grad_sync(k == len(microbatches) - 1)
+        if not indices:
+            with autocast():
+                loss = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False).logits.sum() * 0.0
+            loss.backward()
+            continue
+        pack = _pack(batch.rollout, indices, device)
+        with tracer.microbatch(num_sequences=len(indices), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
             with autocast():
                 loss = _microbatch_loss(model, pack, batch, den, cfg, totals, sums)
             loss.backward()  # outside autocast, as torch recommends
     return totals
+
+
+def update_minibatch(model: torch.nn.Module, batch: TrainBatch, indices: Sequence[int], cfg: RunConfig,
+                     autocast: Callable[[], AbstractContextManager], sums: _ResponseSums | None = None,
+                     tracer: NullTracer = NullTracer()) -> _Totals:
+    """Forward and backward one mini-batch (sequences ``indices``) in token-budgeted packs in
+    this process (`plan_minibatch` + `run_microbatches`). The caller steps the optimizer.
+
+    Raises:
+        ValueError: a sequence longer than ``train.max_tokens_per_microbatch`` (named by index).
+    """
+    microbatches, den = plan_minibatch(batch, indices, cfg)
+    sums = sums if sums is not None else _ResponseSums.zeros(len(batch.rollout))
+    return run_microbatches(model, batch, microbatches, den, cfg, autocast, sums, tracer)
 
 
 @dataclass
@@ -268,34 +311,44 @@ class SkipCounter:
         self.total, self.consecutive = int(state.get("skipped_steps", 0)), int(state.get("consecutive_skips", 0))
 
 
-def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
-                 tracer: NullTracer = NullTracer(), skips: SkipCounter | None = None) -> dict[str, float]:
+Shard = Callable[[list[int]], tuple[Sequence[Sequence[int]], LossDenominators]]
+"""Mini-batch sequence indices -> this rank's micro-batches and the mini-batch's global denominators."""
+
+
+@dataclass
+class UpdateStats:
+    """What one rank's update leaves for the metrics: per optimizer step its totals, gradient
+    norm and learning rate, the per-response sums, and the skip count so far."""
+
+    steps: list[tuple[_Totals, float, float]]
+    sums: _ResponseSums
+    skipped_steps: int
+
+
+def run_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
+               tracer: NullTracer = NullTracer(), skips: SkipCounter | None = None, shard: Shard | None = None,
+               grad_sync: Callable[[bool], None] | None = None) -> UpdateStats:
     """``train.ppo_epochs`` passes over the batch in mini-batches of ``train.mini_batch_size``
     prompts (whole groups), one optimizer step per mini-batch, gradient norm clipped to
-    ``train.grad_clip``. ``tracer`` times every micro-batch (forward + backward).
-
-    Returns:
-        ``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy``, ``actor/pg_clipfrac``,
-        ``actor/ppo_kl``, ``actor/grad_norm``, ``actor/lr`` (means over optimizer steps) and
-        ``seqlen/num_microbatches``, ``seqlen/microbatch_tokens_max``, ``seqlen/pad_fraction``, and
-        ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means over loss tokens and every
-        pass, averaged per response-length bucket; kl is the token KL estimate to the reference,
-        else ``old_logprobs - logprobs``).
-    """
+    ``train.grad_clip``; a non-finite norm skips the step (``skips``). ``shard`` gives this
+    rank's part of each mini-batch (default: all of it, `plan_minibatch`); ``grad_sync`` is
+    passed to `run_microbatches`. With FSDP parameters the norm is the global one (DTensor)."""
     group, num_prompts = batch.rollout.group_size, len(batch.rollout.prompts)
     sums = _ResponseSums.zeros(len(batch.rollout))
     mini = cfg.train.mini_batch_size or num_prompts
     params = [p for p in model.parameters() if p.requires_grad]
     skips = skips or SkipCounter(cfg.train.max_consecutive_skips)
+    shard = shard or (lambda indices: plan_minibatch(batch, indices, cfg))
     steps: list[tuple[_Totals, float, float]] = []
     model.train()
     for _ in range(cfg.train.ppo_epochs):
         for start in range(0, num_prompts, mini):
-            indices = list(range(start * group, min(start + mini, num_prompts) * group))
-            totals = update_minibatch(model, batch, indices, cfg, autocast, sums=sums, tracer=tracer)
+            microbatches, den = shard(list(range(start * group, min(start + mini, num_prompts) * group)))
+            totals = run_microbatches(model, batch, microbatches, den, cfg, autocast, sums, tracer, grad_sync)
             max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             lr = optimizer.param_groups[0]["lr"]
             if not skips.record(grad_norm):
                 optimizer.step()
@@ -304,18 +357,58 @@ def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             steps.append((totals, grad_norm, lr))
-    count = len(steps)
+    return UpdateStats(steps, sums, skips.total)
+
+
+def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, cfg: RunConfig) -> dict[str, float]:
+    """The update's metrics from every rank's `UpdateStats` (one in a single process).
+
+    Loss terms are each rank's share of the globally normalised loss, so ranks add up; the
+    gradient norm and learning rate are the same on every rank; ``seqlen/num_microbatches`` is
+    per rank (every rank runs the same count), ``seqlen/microbatch_tokens_max`` the largest pack
+    anywhere and ``seqlen/pad_fraction`` over all ranks' packs.
+
+    Returns:
+        ``actor/pg_loss``, ``actor/kl_loss``, ``actor/entropy``, ``actor/pg_clipfrac``,
+        ``actor/ppo_kl``, ``actor/grad_norm``, ``actor/lr`` (means over optimizer steps),
+        ``train/skipped_steps``, ``seqlen/num_microbatches``, ``seqlen/microbatch_tokens_max``,
+        ``seqlen/pad_fraction``, and ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means
+        over loss tokens and every pass, averaged per response-length bucket; kl is the token KL
+        estimate to the reference, else ``old_logprobs - logprobs``).
+    """
+    first = ranks[0]
+    count = len(first.steps)
+    totals = [[r.steps[k][0] for r in ranks] for k in range(count)]  # [step][rank]
+
+    def mean_of(field: str) -> float:
+        return sum(getattr(t, field) for step in totals for t in step) / count
+
+    sums = _ResponseSums(*(sum(getattr(r.sums, f) for r in ranks) for f in ("entropy", "clipped", "kl", "num_tokens")))
     lengths = [len(r.response_ids) for r in batch.rollout.responses]
+    positions = sum(t.num_positions for step in totals for t in step)
     return sums.metrics(lengths, cfg.rollout.max_response_tokens) | {
-        "actor/pg_loss": sum(t.pg_loss for t, _, _ in steps) / count,
-        "actor/kl_loss": sum(t.kl_loss for t, _, _ in steps) / count,
-        "actor/entropy": sum(t.entropy for t, _, _ in steps) / count,
-        "actor/pg_clipfrac": sum(t.clipped_tokens for t, _, _ in steps) / count,
-        "actor/ppo_kl": sum(t.ppo_kl for t, _, _ in steps) / count,
-        "actor/grad_norm": sum(g for _, g, _ in steps) / count,
-        "actor/lr": steps[-1][2],
-        "train/skipped_steps": float(skips.total),
-        "seqlen/num_microbatches": float(sum(t.num_microbatches for t, _, _ in steps)),
-        "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t, _, _ in steps)),
-        "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for t, _, _ in steps) / max(1, sum(t.num_positions for t, _, _ in steps)),
+        "actor/pg_loss": mean_of("pg_loss"),
+        "actor/kl_loss": mean_of("kl_loss"),
+        "actor/entropy": mean_of("entropy"),
+        "actor/pg_clipfrac": mean_of("clipped_tokens"),
+        "actor/ppo_kl": mean_of("ppo_kl"),
+        "actor/grad_norm": sum(g for _, g, _ in first.steps) / count,
+        "actor/lr": first.steps[-1][2],
+        "train/skipped_steps": float(first.skipped_steps),
+        "seqlen/num_microbatches": float(max(sum(t.num_microbatches for t in (s[r] for s in totals)) for r in range(len(ranks)))),
+        "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for step in totals for t in step)),
+        "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for step in totals for t in step) / max(1, positions),
     }
+
+
+def update_actor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
+                 tracer: NullTracer = NullTracer(), skips: SkipCounter | None = None) -> dict[str, float]:
+    """The whole update in this process (`run_update`) and its metrics (`update_metrics`).
+    ``tracer`` times every micro-batch (forward + backward).
+
+    Raises:
+        ValueError: a sequence over ``train.max_tokens_per_microbatch``; ``train.max_consecutive_skips``
+            non-finite gradient norms in a row.
+    """
+    return update_metrics([run_update(model, optimizer, scheduler, batch, cfg, autocast, tracer, skips)], batch, cfg)
