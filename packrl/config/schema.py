@@ -450,6 +450,29 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    num_workers: int = 1
+    """Data-parallel worker processes. 1 trains in this process; N > 1 starts N Ray actors, each
+    a torch.distributed rank (gloo on CPU, NCCL on GPU, one GPU each) holding an FSDP2 shard of
+    the actor (and reference). Every batch is split over them by the seqlen balancer."""
+
+    ray_address: str | None = None
+    """Ray cluster to join (`ray.init(address=...)`, e.g. `auto` or `ray://host:10001`). None
+    starts a private local Ray (loopback only, temp dir under RUN_DIR, no dashboard)."""
+
+    num_cpus_per_worker: int = 1
+    """CPUs Ray reserves for each worker actor (torch intra-op threads follow it)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = check_positive(f"{prefix}.num_workers", self.num_workers)
+        out += check_positive(f"{prefix}.num_cpus_per_worker", self.num_cpus_per_worker)
+        if self.ray_address is not None and not str(self.ray_address).strip():
+            out.append(ConfigProblem(f"{prefix}.ray_address", self.ray_address, "is empty",
+                                     f"set {prefix}.ray_address to a cluster address such as auto, or null for a local Ray"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -457,6 +480,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def problems(self) -> list[ConfigProblem]:
         """Field checks of every section, then the relations among budgets (without the model
@@ -464,7 +488,7 @@ class RunConfig:
         from packrl.seqlen.budgets import Budgets
 
         out: list[ConfigProblem] = []
-        for name in ("model", "data", "rollout", "reward", "train", "algorithm"):
+        for name in ("model", "data", "rollout", "reward", "train", "algorithm", "trainer"):
             out += getattr(self, name).problems(name)
         out += Budgets.from_config(self, max_context_tokens=None).problems()
         mini = self.train.mini_batch_size

@@ -29,7 +29,9 @@ from packrl.rollout.engine import SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.trainer.actor import LogprobResult, SkipCounter, compute_logprobs, update_actor
-from packrl.trainer.checkpoint import check_disk_space, checkpoint_bytes, load_trainer_state, save_checkpoint
+from packrl.trainer.checkpoint import (
+    check_disk_space, checkpoint_bytes, full_optimizer_state, load_full_optimizer_state, load_trainer_state, save_checkpoint,
+)
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
 
 
@@ -187,7 +189,7 @@ class LocalWorkerGroup:
         return metrics
 
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
-        optimizer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        optimizer_state = {"optimizer": full_optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
         return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state,
                                trainer_state | {"skips": self.skips.state_dict()}, keep_last=self.cfg.train.keep_last)
 
@@ -195,7 +197,7 @@ class LocalWorkerGroup:
         state, optimizer_state = load_trainer_state(path)
         load_weights(self.model, path)
         sync_rollout_weights(self.model, self.rollout_model)
-        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        load_full_optimizer_state(self.model, self.optimizer, optimizer_state["optimizer"])
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         self.skips.load_state_dict(state.get("skips", {}))
         return state

@@ -27,7 +27,7 @@ from packrl.config.schema import RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
 from packrl.models.logprobs import pack_logprobs
-from packrl.seqlen.microbatch import MicrobatchPlan, plan_microbatches
+from packrl.seqlen.microbatch import plan_microbatches
 from packrl.seqlen.packing import Pack, pack_sequences
 from packrl.types import RolloutBatch, TrainBatch
 

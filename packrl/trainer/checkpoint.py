@@ -26,15 +26,20 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimizer_state: dict, trainer_state: dict,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path; then, with
     ``keep_last`` (``train.keep_last``), delete the oldest complete checkpoints beyond that many.
 
     Args:
         model / tokenizer: saved with ``save_pretrained`` (safetensors; a peft model saves only
             its adapter).
-        optimizer_state: ``{"optimizer": ..., "scheduler": ...}`` state dicts.
+        optimizer_state: ``{"optimizer": ..., "scheduler": ...}`` state dicts; the optimizer's
+            is the full, parameter-name keyed form of `full_optimizer_state`, the same from
+            one process and from FSDP ranks.
         trainer_state: JSON-serialisable state (step, data position, ...).
+        state_dict: the weights to write instead of ``model``'s own (the gathered full state
+            dict of an FSDP-sharded model; ``model`` is then an unsharded twin with the same
+            architecture).
     """
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -42,7 +47,7 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     tmp = root / f".tmp-step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
@@ -159,3 +164,22 @@ def find_resume_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
         raise ValueError(f"train.resume={resume!r} is not a complete checkpoint (no {STATE_FILE}); "
                          "pass a checkpoints/step_N folder or train.resume=auto")
     return path
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state keyed by parameter names, every tensor whole and on the CPU
+    (`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` with a full state dict):
+    the same layout from one process and from FSDP2 ranks (a collective there: call it on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import torch.distributed as dist
+
+    sharded = dist.is_available() and dist.is_initialized()
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=sharded))
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a `full_optimizer_state` into ``optimizer`` (sharding it for FSDP2 parameters)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
