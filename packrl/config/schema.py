@@ -497,6 +497,17 @@ class RunConfig:
                 "train.mini_batch_size", mini, f"does not divide data.batch_size={self.data.batch_size}",
                 "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"),
             ))
+        workers = self.trainer.num_workers
+        per_step = (mini or self.data.batch_size) * self.rollout.n
+        if workers > 1 and per_step >= 1 and per_step < workers:
+            out.append(ConfigProblem(
+                "trainer.num_workers", workers, f"exceeds the {per_step} sequences of a mini-batch (train.mini_batch_size or "
+                "data.batch_size, times rollout.n); every rank needs at least one", "lower trainer.num_workers or raise the batch",
+                keys=("trainer.num_workers", "train.mini_batch_size", "data.batch_size", "rollout.n"),
+            ))
+        if workers > 1 and self.model.lora.rank > 0:
+            out.append(ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={self.model.lora.rank}) yet",
+                                     "set trainer.num_workers=1 for LoRA runs", keys=("trainer.num_workers", "model.lora.rank")))
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "rloo"):
             out.append(ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {self.algorithm.adv_estimator} (one response per group)",
                                      "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))

@@ -6,7 +6,10 @@ in microseconds (float) from the tracer's start. Per step: one ``step`` span (ca
 span per stage (cat ``stage``: gen, reward, old_log_prob, ref, adv, update_actor; args ``step``,
 ``num_sequences``, ``num_tokens``) and one per update micro-batch (cat ``microbatch``; args
 ``step``, ``num_sequences``, ``num_tokens`` real tokens, ``num_positions`` pack positions).
-All spans run on one thread (tid 1), so the viewers nest micro-batches inside update_actor.
+All spans run on one thread (tid 1), so the viewers nest micro-batches inside update_actor. With
+data-parallel workers (``trainer.num_workers > 1``) the micro-batch spans are the workers': each
+rank's on its own thread (tid ``2 + rank``, named ``rank N`` by a metadata event, args add
+``rank``), and ``otherData.ray_timeline`` names Ray's own timeline file in RUN_DIR.
 
 The whole file is rewritten after every step (temporary file + `os.replace`), so it is valid
 JSON at any moment, also after ``kill -9``. Cost: one JSON dump of the events so far, about
@@ -38,6 +41,33 @@ class NullTracer:
     def end_step(self, step: int, spans: list[Span], *, num_sequences: int, num_tokens: int) -> None:
         pass
 
+    def add_worker_spans(self, rank: int, spans: list[RemoteSpan]) -> None:
+        """Micro-batch spans a data-parallel worker recorded (`SpanRecorder`); nothing here."""
+
+    def link(self, key: str, file_name: str) -> None:
+        """Name a companion file of the trace (e.g. Ray's timeline) in its ``otherData``; nothing here."""
+
+
+RemoteSpan = tuple[float, float, dict[str, Any]]
+"""A span recorded in another process: wall-clock start and end (``time.time()``, seconds) and args."""
+
+
+class SpanRecorder(NullTracer):
+    """The tracer of a data-parallel worker: records micro-batch spans on the wall clock, for the
+    controller's `Tracer.add_worker_spans` (workers may run on other machines)."""
+
+    def __init__(self) -> None:
+        self.spans: list[RemoteSpan] = []
+
+    @contextmanager
+    def microbatch(self, *, num_sequences: int, num_tokens: int, num_positions: int) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append((start, time.time(), {"num_sequences": num_sequences, "num_tokens": num_tokens,
+                                                    "num_positions": num_positions}))
+
 
 class Tracer(NullTracer):
     """Collects spans and rewrites ``path`` after every step.
@@ -49,8 +79,11 @@ class Tracer(NullTracer):
     def __init__(self, path: Path):
         self.path = path
         self.origin = time.perf_counter()
+        self.wall_origin = time.time()  # the same moment on the wall clock, for workers' spans
         self.events: list[dict[str, Any]] = []
         self._pending: list[dict[str, Any]] = []  # micro-batch spans of the step in progress
+        self.other: dict[str, str] = {}
+        self._named_ranks: set[int] = set()
 
     def _event(self, name: str, cat: str, start: float, end: float, args: dict[str, Any]) -> dict[str, Any]:
         ts = round((start - self.origin) * 1e6, 3)
@@ -67,6 +100,22 @@ class Tracer(NullTracer):
             args = {"num_sequences": num_sequences, "num_tokens": num_tokens, "num_positions": num_positions}
             self._pending.append(self._event("microbatch", "microbatch", start, time.perf_counter(), args))
 
+    def add_worker_spans(self, rank: int, spans: list[RemoteSpan]) -> None:
+        """Add a worker's micro-batch spans to the step in progress, on thread ``2 + rank`` (named
+        ``rank N``), placed by wall clock (machines' clocks are assumed in sync)."""
+        tid = 2 + rank
+        if rank not in self._named_ranks:
+            self._named_ranks.add(rank)
+            self.events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"rank {rank}"}})
+        shift = self.origin - self.wall_origin
+        for start, end, args in spans:
+            event = self._event("microbatch", "microbatch", start + shift, end + shift, {"rank": rank, **args})
+            self._pending.append(event | {"tid": tid})
+
+    def link(self, key: str, file_name: str) -> None:
+        self.other[key] = file_name
+        self.write()
+
     def end_step(self, step: int, spans: list[Span], *, num_sequences: int, num_tokens: int) -> None:
         """Add the step's stage spans (from `stage_timer`) and its micro-batch spans, then
         rewrite the file. ``num_sequences``/``num_tokens``: the step's sequences and their
@@ -82,7 +131,8 @@ class Tracer(NullTracer):
 
     def write(self) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        tmp.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}
+                                  | ({"otherData": self.other} if self.other else {})))
         os.replace(tmp, self.path)
 
 

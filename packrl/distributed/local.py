@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from packrl.distributed.protocol import Role
 from packrl.models.attention import PACKRL_SDPA
 from packrl.models.loading import disable_gradient_checkpointing, load_policy, load_reference
 from packrl.models.lora import (
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_policy, is_lora, load_adapter, merged_copy, parameter_counts, sync_merged_weights,
+    base_policy, is_lora, load_adapter, merged_copy, parameter_counts, sync_merged_weights,
 )
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.hf_engine import HFEngine
@@ -31,6 +31,7 @@ from packrl.seqlen.budgets import model_context_tokens
 from packrl.trainer.actor import LogprobResult, SkipCounter, compute_logprobs, update_actor
 from packrl.trainer.checkpoint import (
     check_disk_space, checkpoint_bytes, full_optimizer_state, load_full_optimizer_state, load_trainer_state, save_checkpoint,
+    weights_state_dict,
 )
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
 
@@ -114,9 +115,7 @@ class LocalWorkerGroup:
         self.rollout_model = rollout_weights(model, self._dtype)
         self.engine = HFEngine(self.rollout_model, tokenizer, max_context_tokens=self.max_context_tokens,
                                max_num_seqs=cfg.rollout.max_num_seqs, autocast_dtype=None)
-        mini = cfg.train.mini_batch_size
-        self.on_policy = (cfg.train.ppo_epochs == 1 and mini in (None, cfg.data.batch_size)
-                          and not cfg.algorithm.kl_in_reward and not cfg.rollout.return_logprobs)
+        self.on_policy = is_on_policy(cfg)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warmup = cfg.train.warmup_steps
@@ -163,17 +162,7 @@ class LocalWorkerGroup:
         """Generate the step's responses; a raising engine is retried once, then the failure names
         the data rows of the batch and the cause (RuntimeError). Bad prompts (ValueError) are not
         retried."""
-        try:
-            groups = self.engine.generate(prompts.prompt_ids, params)
-        except ValueError:
-            raise
-        except Exception as err:  # noqa: BLE001 - engine failures (OOM, a driver hiccup) get one more try
-            logger.warning("generation raised %s: %s; retrying once", type(err).__name__, err)
-            try:
-                groups = self.engine.generate(prompts.prompt_ids, params)
-            except Exception as again:
-                raise RuntimeError(f"generation failed twice for data rows {list(prompts.rows)[:16]}: "
-                                   f"{type(again).__name__}: {again}") from again
+        groups = generate_with_retry(lambda: self.engine.generate(prompts.prompt_ids, params), prompts)
         return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
@@ -188,6 +177,9 @@ class LocalWorkerGroup:
         sync_rollout_weights(self.model, self.rollout_model)
         return metrics
 
+    def close(self) -> None:
+        """Nothing to release: the models go with the group."""
+
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         optimizer_state = {"optimizer": full_optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
         return save_checkpoint(run_dir, step, self.model, self.tokenizer, optimizer_state,
@@ -201,6 +193,30 @@ class LocalWorkerGroup:
         self.scheduler.load_state_dict(optimizer_state["scheduler"])
         self.skips.load_state_dict(state.get("skips", {}))
         return state
+
+
+def generate_with_retry(generate: Callable[[], list], prompts: PromptBatch) -> list:
+    """``generate()``, retried once when it raises anything but a ValueError (a bad prompt is not
+    retried); a second failure is a RuntimeError naming the batch's data rows and the cause."""
+    try:
+        return generate()
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - engine failures (OOM, a driver hiccup) get one more try
+        logger.warning("generation raised %s: %s; retrying once", type(err).__name__, err)
+        try:
+            return generate()
+        except Exception as again:
+            raise RuntimeError(f"generation failed twice for data rows {list(prompts.rows)[:16]}: "
+                               f"{type(again).__name__}: {again}") from again
+
+
+def is_on_policy(cfg: RunConfig) -> bool:
+    """One optimizer step per rollout and nothing else that needs them: the old log-probs equal
+    the update's own detached log-probs, so their forward is skipped."""
+    mini = cfg.train.mini_batch_size
+    return (cfg.train.ppo_epochs == 1 and mini in (None, cfg.data.batch_size)
+            and not cfg.algorithm.kl_in_reward and not cfg.rollout.return_logprobs)
 
 
 def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:
@@ -225,32 +241,19 @@ def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: 
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's weights into ``model`` in place: its safetensors weights (single file
-    or sharded with an index; tied weights absent from the files keep their tie), or for a LoRA
-    model its adapter (`packrl.models.lora.load_adapter`; the base weights are ``model.path``'s).
+    """Load a checkpoint's weights into ``model`` in place: its safetensors weights
+    (`packrl.trainer.checkpoint.weights_state_dict`; tied weights absent from the files keep
+    their tie), or for a LoRA model its adapter (`packrl.models.lora.load_adapter`; the base
+    weights are ``model.path``'s).
 
     Raises:
         ValueError: no safetensors weights under ``path`` (naming ``model.lora.rank`` when it holds
             an adapter instead), a parameter of the model missing, or an adapter that does not fit.
     """
-    import json
-
-    from safetensors.torch import load_file
-
     if is_lora(model):
         load_adapter(model, path)
         return
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    if not all((path / f).is_file() for f in files):
-        hint = ""
-        if (path / ADAPTER_WEIGHTS).is_file():
-            rank = json.loads((path / ADAPTER_CONFIG).read_text()).get("r") if (path / ADAPTER_CONFIG).is_file() else "<its rank>"
-            hint = f"; it holds a LoRA adapter instead: set model.lora.rank={rank} (and its model.lora.* settings) to load it"
-        raise ValueError(f"{path} holds no safetensors weights ({', '.join(files)} expected){hint}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(path / f)))
+    state = weights_state_dict(path)
     missing, _ = model.load_state_dict(state, strict=False)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=True)}
     really_missing = [m for m in missing if m in tied]

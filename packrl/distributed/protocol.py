@@ -41,3 +41,6 @@ class WorkerGroup(Protocol):
 
     def load_checkpoint(self, path: Path) -> dict:
         """Restore model and optimizer from ``path``; return its trainer state."""
+
+    def close(self) -> None:
+        """Release processes and devices (the Ray actors and process group of a distributed group)."""

@@ -46,6 +46,23 @@ def _lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     return head.weight, head.bias
 
 
+FSDP_FORWARD = "packrl_pack_logprobs"
+"""The model method `enable_fsdp_forward` registers with FSDP2 as a forward method."""
+
+
+def enable_fsdp_forward(model: torch.nn.Module) -> None:
+    """Let `pack_logprobs` run on an FSDP2-sharded ``model``: it calls the decoder and the LM head
+    weight directly (not ``model.forward``), so the computation is attached to the model as a
+    method FSDP treats as a forward (``register_fsdp_forward_method``): the root's parameters
+    (embeddings, final norm, LM head) are gathered around it and its gradients reduced after it."""
+    import functools
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    setattr(model, FSDP_FORWARD, functools.partial(_pack_logprobs, model))
+    register_fsdp_forward_method(model, FSDP_FORWARD)
+
+
 def pack_logprobs(
     model: torch.nn.Module,
     pack: Pack,
@@ -76,6 +93,15 @@ def pack_logprobs(
     Raises:
         ValueError: an unsupported LM head or attention implementation.
     """
+    kwargs = dict(attention=attention, chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad, needed=needed)
+    sharded = getattr(model, FSDP_FORWARD, None)
+    return PackLogprobs(*(sharded(pack, **kwargs) if sharded is not None else _pack_logprobs(model, pack, **kwargs)))
+
+
+def _pack_logprobs(model: torch.nn.Module, pack: Pack, *, attention: PackedAttention, chunk_tokens: int, temperature: float,
+                   entropy_grad: bool, needed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_logprobs` as plain tensors ``(token_logprobs, entropy, has_logprob)`` (what FSDP's
+    forward hooks can follow)."""
     weight, bias = _lm_head(model)
     hidden = packed_forward(model, pack, attention)  # [K, H]
     labels, has_label = pack.next_token_labels()  # position k predicts token k + 1 of its sequence
@@ -91,4 +117,4 @@ def pack_logprobs(
     token_logprobs = logprobs.new_zeros(labels.shape[0]).index_put((rows + 1,), logprobs)
     token_entropy = entropy.new_zeros(labels.shape[0]).index_put((rows + 1,), entropy)
     has_logprob = torch.cat([has_label.new_zeros(1), has_label[:-1]])
-    return PackLogprobs(token_logprobs, token_entropy, has_logprob)
+    return token_logprobs, token_entropy, has_logprob

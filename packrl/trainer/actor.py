@@ -228,7 +228,8 @@ def plan_minibatch(batch: TrainBatch, indices: Sequence[int], cfg: RunConfig) ->
 
 def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Sequence[Sequence[int]], den: LossDenominators,
                      cfg: RunConfig, autocast: Callable[[], AbstractContextManager], sums: _ResponseSums,
-                     tracer: NullTracer = NullTracer(), grad_sync: Callable[[bool], None] | None = None) -> _Totals:
+                     tracer: NullTracer = NullTracer(), grad_sync: Callable[[bool], None] | None = None,
+                     loss_scale: float = 1.0) -> _Totals:
     """Forward and backward each micro-batch; gradients accumulate in ``model``.
 
     Args:
@@ -238,6 +239,8 @@ def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Se
         den: the mini-batch's global denominators (all ranks together).
         grad_sync: called with True before the last backward and False before the others (FSDP's
             ``set_requires_gradient_sync``: reduce gradients once per mini-batch).
+        loss_scale: multiplies the loss before the backward (the rank count under FSDP, whose
+            reduce-scatter averages gradients over ranks); metrics are not scaled.
     """
     if den.num_tokens == 0:
         logger.warning("a mini-batch has no loss tokens (all masked, e.g. algorithm.truncated=mask with every "
@@ -256,7 +259,7 @@ def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Se
         with tracer.microbatch(num_sequences=len(indices), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
             with autocast():
                 loss = _microbatch_loss(model, pack, batch, den, cfg, totals, sums)
-            loss.backward()  # outside autocast, as torch recommends
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()  # outside autocast, as torch recommends
     return totals
 
 
@@ -328,12 +331,12 @@ class UpdateStats:
 def run_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                batch: TrainBatch, cfg: RunConfig, autocast: Callable[[], AbstractContextManager],
                tracer: NullTracer = NullTracer(), skips: SkipCounter | None = None, shard: Shard | None = None,
-               grad_sync: Callable[[bool], None] | None = None) -> UpdateStats:
+               grad_sync: Callable[[bool], None] | None = None, loss_scale: float = 1.0) -> UpdateStats:
     """``train.ppo_epochs`` passes over the batch in mini-batches of ``train.mini_batch_size``
     prompts (whole groups), one optimizer step per mini-batch, gradient norm clipped to
     ``train.grad_clip``; a non-finite norm skips the step (``skips``). ``shard`` gives this
-    rank's part of each mini-batch (default: all of it, `plan_minibatch`); ``grad_sync`` is
-    passed to `run_microbatches`. With FSDP parameters the norm is the global one (DTensor)."""
+    rank's part of each mini-batch (default: all of it, `plan_minibatch`); ``grad_sync`` and
+    ``loss_scale`` are passed to `run_microbatches`. With FSDP parameters the norm is the global one (DTensor)."""
     group, num_prompts = batch.rollout.group_size, len(batch.rollout.prompts)
     sums = _ResponseSums.zeros(len(batch.rollout))
     mini = cfg.train.mini_batch_size or num_prompts
@@ -345,7 +348,7 @@ def run_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     for _ in range(cfg.train.ppo_epochs):
         for start in range(0, num_prompts, mini):
             microbatches, den = shard(list(range(start * group, min(start + mini, num_prompts) * group)))
-            totals = run_microbatches(model, batch, microbatches, den, cfg, autocast, sums, tracer, grad_sync)
+            totals = run_microbatches(model, batch, microbatches, den, cfg, autocast, sums, tracer, grad_sync, loss_scale)
             max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

@@ -183,3 +183,29 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def weights_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The full weights of a checkpoint folder (or HF model folder): its ``model.safetensors``, or
+    every shard its ``model.safetensors.index.json`` lists, as one state dict on the CPU.
+
+    Raises:
+        ValueError: no safetensors weights under ``path``; when it holds a LoRA adapter instead,
+            the message names the ``model.lora.rank`` to set.
+    """
+    from safetensors.torch import load_file
+
+    from packrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    if not all((path / f).is_file() for f in files):
+        hint = ""
+        if (path / ADAPTER_WEIGHTS).is_file():
+            rank = json.loads((path / ADAPTER_CONFIG).read_text()).get("r") if (path / ADAPTER_CONFIG).is_file() else "<its rank>"
+            hint = f"; it holds a LoRA adapter instead: set model.lora.rank={rank} (and its model.lora.* settings) to load it"
+        raise ValueError(f"{path} holds no safetensors weights ({', '.join(files)} expected){hint}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(path / f)))
+    return state

@@ -20,7 +20,7 @@ from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_met
 from packrl.diagnostics.rollout_dump import build_rollout_dump
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
-from packrl.distributed.local import LocalWorkerGroup
+from packrl.distributed.ray_group import open_worker_group
 from packrl.distributed.protocol import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer
 from packrl.reward.score import check_reward, score_rollout
@@ -59,6 +59,43 @@ def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampl
     return int(state["step"])
 
 
+def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
+    """Steps after the last completed one up to ``train.total_steps``, each logged (and checkpointed when due)."""
+    sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    sampling = SamplingParams.from_config(cfg.rollout)
+    tracer = build_tracer(cfg.train.trace, run.dir)
+    dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
+    total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
+    for step in range(_resume(cfg, run, workers, sampler) + 1, total + 1):
+        seed_everything(cfg.train.seed * 1_000_003 + step)
+        timing: dict[str, float] = {}
+        spans: list[Span] = []
+        with stage_timer(timing, "step", spans):
+            prompts = sampler.next_batch()
+            with stage_timer(timing, "gen", spans):
+                rollout = workers.generate(prompts, sampling)
+            with stage_timer(timing, "reward", spans):
+                scored = score_rollout(rollout, workers.tokenizer, cfg.reward, max_response)
+            with stage_timer(timing, "old_log_prob", spans):
+                old = workers.compute_logprobs(rollout, "actor")
+            with stage_timer(timing, "ref", spans):
+                ref = workers.compute_logprobs(rollout, "ref")
+            with stage_timer(timing, "adv", spans):
+                batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
+            with stage_timer(timing, "update_actor", spans):
+                update_metrics = workers.update(batch, tracer)
+        metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
+        metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old and old.logprobs, max_response)
+        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
+        if val_set is not None and due(step, cfg.train.val_every, total):
+            metrics |= validate(workers, val_set, cfg)
+        dump_rollouts(step, batch)
+        tracer.end_step(step, spans, num_sequences=len(rollout), num_tokens=sum(rollout.sequence_lengths()))
+        run.log_step(step, metrics)
+        if due(step, cfg.train.save_every, total):
+            workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
+
+
 def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     """Run ``train.total_steps`` RL steps and return RUN_DIR.
 
@@ -72,41 +109,9 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         train_set, val_set = _datasets(cfg, workers.tokenizer if workers else load_policy_tokenizer(cfg.model))
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
         run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
-        workers = workers or LocalWorkerGroup.build(cfg, run_dir=run.dir)
-        run.note("model.txt", workers.model_summary)
-        budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
-        run.note("budgets.txt", budgets.plan())
-        sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-        sampling = SamplingParams.from_config(cfg.rollout)
-        tracer = build_tracer(cfg.train.trace, run.dir)
-        dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
-        total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
-        for step in range(_resume(cfg, run, workers, sampler) + 1, total + 1):
-            seed_everything(cfg.train.seed * 1_000_003 + step)
-            timing: dict[str, float] = {}
-            spans: list[Span] = []
-            with stage_timer(timing, "step", spans):
-                prompts = sampler.next_batch()
-                with stage_timer(timing, "gen", spans):
-                    rollout = workers.generate(prompts, sampling)
-                with stage_timer(timing, "reward", spans):
-                    scored = score_rollout(rollout, workers.tokenizer, cfg.reward, max_response)
-                with stage_timer(timing, "old_log_prob", spans):
-                    old = workers.compute_logprobs(rollout, "actor")
-                with stage_timer(timing, "ref", spans):
-                    ref = workers.compute_logprobs(rollout, "ref")
-                with stage_timer(timing, "adv", spans):
-                    batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
-                with stage_timer(timing, "update_actor", spans):
-                    update_metrics = workers.update(batch, tracer)
-            metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
-            metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old and old.logprobs, max_response)
-            metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
-            if val_set is not None and due(step, cfg.train.val_every, total):
-                metrics |= validate(workers, val_set, cfg)
-            dump_rollouts(step, batch)
-            tracer.end_step(step, spans, num_sequences=len(rollout), num_tokens=sum(rollout.sequence_lengths()))
-            run.log_step(step, metrics)
-            if due(step, cfg.train.save_every, total):
-                workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
+        with open_worker_group(cfg, run.dir, workers) as workers:
+            run.note("model.txt", workers.model_summary)
+            budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
+            run.note("budgets.txt", budgets.plan())
+            _train_steps(cfg, run, workers, train_set, val_set)
     return run.dir
