@@ -104,7 +104,9 @@ class PromptDataset:
                     lengths["p50"], lengths["p99"], lengths["max"])
         if dataset.duplicates:
             first = next(iter(dataset.duplicates.items()))
-            logger.warning("%s: %d row(s) repeat an earlier row's prompt and answer (first: row %d = row %d); they are kept "
+            # a built-in task draws its questions with replacement: repeats there are expected
+            built_in = all(dataset.origins[row].source.startswith("task:") for row in dataset.duplicates)
+            logger.log(logging.INFO if built_in else logging.WARNING,"%s: %d row(s) repeat an earlier row's prompt and answer (first: row %d = row %d); they are kept "
                            "and sampled as often as they appear (listed as duplicate_of in RUN_DIR/data_accounting.json)",
                            key, len(dataset.duplicates), *first)
         if not dataset.prompts:

@@ -51,18 +51,21 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank that never joins a collective fails the run instead of hanging it
 
 
-def free_address(loopback: bool) -> tuple[str, int]:
-    """An address for torch.distributed's rendezvous on this machine: loopback for a local run,
-    else the machine's address as Ray sees it; and a free TCP port."""
+def rendezvous_listener(loopback: bool) -> socket.socket:
+    """A listening socket for torch.distributed's store on rank 0: on loopback for a local run, else
+    on this machine's address as Ray sees it (never on all interfaces, where the store would
+    listen by default)."""
     if loopback:
         host = "127.0.0.1"
     else:
         import ray
 
         host = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return host, sock.getsockname()[1]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
 
 
 def shard_model(model: torch.nn.Module) -> None:
@@ -106,8 +109,10 @@ class FSDPWorker:
         torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
 
     def address(self) -> tuple[str, int]:
-        """Rank 0's rendezvous address (`free_address`)."""
-        return free_address(self.loopback)
+        """Open rank 0's rendezvous socket (`rendezvous_listener`) and return its address."""
+        self._listener = rendezvous_listener(self.loopback)
+        host, port = self._listener.getsockname()[:2]
+        return host, port
 
     def setup(self, host: str, port: int) -> dict[str, Any]:
         """Join the process group, load and shard the policy, build the engine and optimizer.
@@ -118,8 +123,10 @@ class FSDPWorker:
         cfg = self.cfg
         device = default_device()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        listener = getattr(self, "_listener", None)
+        store = dist.TCPStore(host, port, self.world_size, is_master=self.rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                              **({"master_listen_fd": listener.fileno()} if listener is not None else {}))
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
         model, self.tokenizer = load_policy(cfg.model, device=device)
         self.max_context_tokens, self.rope_factor = model_context_tokens(model.config)
         summary = describe_policy(model, cfg, self.max_context_tokens)

@@ -68,12 +68,14 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
             for ``trainer.num_workers``; or a local Ray would not bind to loopback.
     """
     local = cfg.trainer.ray_address is None
-    if local:  # before ray is imported: Ray then uses 127.0.0.1 as this node's address
+    if local:  # Ray's single-machine mode: this node's address is 127.0.0.1, so every server binds there
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     try:
         import ray
     except ImportError as err:
         raise ValueError("trainer.num_workers > 1 needs Ray: pip install 'packrl[ray]' (or set trainer.num_workers=1)") from err
+    if local:
+        _single_machine_mode()
     if ray.is_initialized():
         raise ValueError("Ray is already initialised in this process; call ray.shutdown() first or set trainer.ray_address")
     if local:
@@ -82,8 +84,8 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
                  _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False, configure_logging=False)
         if ray.util.get_node_ip_address() != "127.0.0.1":
             ray.shutdown()
-            raise ValueError("Ray would listen beyond loopback because it was imported before packrl set up a local run; "
-                             "import packrl before ray, or set trainer.ray_address to use a cluster")
+            raise ValueError("this Ray release would listen beyond loopback for a local run; "
+                             "start Ray yourself and set trainer.ray_address, or use trainer.num_workers=1")
     else:
         try:
             ray.init(address=cfg.trainer.ray_address, log_to_driver=False, configure_logging=False)
@@ -92,6 +94,20 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
                              f"{type(err).__name__}: {err}; start it with `ray start --head` or fix the address") from err
     _check_resources(cfg, ray.cluster_resources())
     return True
+
+
+def _single_machine_mode() -> None:
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when imported: if it was imported before the
+    variable was set, its constant is set too (the child processes read the variable). Checked
+    after ``ray.init`` by the node address."""
+    import importlib
+
+    try:
+        constants = importlib.import_module("ray._private.ray_constants")
+    except ImportError:
+        return
+    if hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 def _check_resources(cfg: RunConfig, resources: dict[str, float]) -> None:

@@ -1,0 +1,154 @@
+"""Data-parallel training over Ray + FSDP2 (gloo on this CPU): 2 workers train exactly as 1 process,
+checkpoints move between the two, skewed lengths do not hang, and a local run listens on loopback only."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from packrl.config import load_config  # noqa: E402
+from packrl.trainer.loop import train  # noqa: E402
+from tests.diagnostics.tiny_run import BASE, tiny_policy  # noqa: E402  (also registers reward test_letter_e)
+
+# A dense reward and two mini-batches per step, so parameters, optimizer state and old log-probs all matter.
+COMMON = [*BASE, "reward.name=test_letter_e", "train.mini_batch_size=1", "train.lr=1e-2", "train.save_every=2",
+          "train.dump_rollouts=true"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm_tokenizer):
+    """The tiny random policy saved as an HF model folder, as the workers load it."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_policy(smollm_tokenizer).save_pretrained(path)
+    smollm_tokenizer.save_pretrained(path)
+    return path
+
+
+def _run(out, model_dir, workers: int, *overrides: str):
+    cfg = load_config("demo", [f"train.out_dir={out}", f"model.path={model_dir}", f"trainer.num_workers={workers}", *COMMON,
+                               *overrides])
+    return train(cfg)
+
+
+def _weights(run_dir, step):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+
+
+def _assert_same_weights(a, b, atol=1e-5):
+    assert sorted(a) == sorted(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
+
+
+def _lines(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _responses(run_dir, step):
+    return [json.loads(line)["response"] for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_workers_train_as_one_process(tmp_path, model_dir, mode):
+    one = _run(tmp_path / "one", model_dir, 1, "train.total_steps=2", f"algorithm.loss_agg_mode={mode}")
+    two = _run(tmp_path / "two", model_dir, 2, "train.total_steps=2", f"algorithm.loss_agg_mode={mode}")
+    for step in (1, 2):
+        assert _responses(one, step) == _responses(two, step)  # per-prompt seeds: the same samples on any rank
+    _assert_same_weights(_weights(one, 2), _weights(two, 2))
+    assert (_weights(one, 2)["model.norm.weight"] != 1).any(), "the run must actually train"
+    a, b = _lines(one), _lines(two)
+    for x, y in zip(a, b):
+        assert y["actor/pg_loss"] == pytest.approx(x["actor/pg_loss"], abs=1e-5)
+        assert y["actor/grad_norm"] == pytest.approx(x["actor/grad_norm"], rel=1e-4)
+        assert y["seqlen/rank_imbalance"] >= 1.0 and "seqlen/rank_imbalance" not in x
+    trace = json.loads((two / "trace.json").read_text())
+    assert trace["otherData"]["ray_timeline"] == "ray_timeline.json" and (two / "ray_timeline.json").is_file()
+    ranks = {e["args"]["rank"] for e in trace["traceEvents"] if e["name"] == "microbatch"}
+    assert ranks == {0, 1}
+
+
+def test_checkpoints_move_between_one_process_and_two_workers(tmp_path, model_dir):
+    """4 steps straight in one process == 2 steps on either side + resume for 2 on the other."""
+    straight = _run(tmp_path / "straight", model_dir, 1, "train.total_steps=4")
+    half_one = _run(tmp_path / "half_one", model_dir, 1, "train.total_steps=2")
+    half_two = _run(tmp_path / "half_two", model_dir, 2, "train.total_steps=2")
+    to_two = _run(tmp_path / "half_one", model_dir, 2, "train.total_steps=4", "train.resume=auto")
+    to_one = _run(tmp_path / "half_two", model_dir, 1, "train.total_steps=4", "train.resume=auto")
+    assert [line["step"] for line in _lines(to_two)] == [1, 2, 3, 4]
+    _assert_same_weights(_weights(straight, 4), _weights(to_two, 4))
+    _assert_same_weights(_weights(straight, 4), _weights(to_one, 4))
+    assert half_two == to_one and half_one == to_two
+
+
+def _skewed_batch(tokenizer):
+    """One prompt with a response 10x as long as the other prompt's three (a rank's share 10x longer)."""
+    from packrl.config.schema import RewardConfig
+    from packrl.reward.score import score_rollout
+    from packrl.trainer.batch import build_train_batch
+    from packrl.types import PromptBatch, Response, RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: tuple(torch.randint(100, 5000, (n,), generator=g).tolist())  # noqa: E731
+    prompts = PromptBatch((ids(30), ids(20)), ("1", "2"), ("t", "t"), (0, 1), (False, False))
+    responses = tuple(Response(ids(n), "length") for n in (300, 290, 280, 30, 25, 28))
+    rollout = RolloutBatch(prompts, 3, responses)
+    cfg = load_config("demo", ["reward.name=test_letter_e"])
+    scored = score_rollout(rollout, tokenizer, RewardConfig(name="test_letter_e"), 512)
+    return build_train_batch(scored, None, None, cfg.algorithm)[0]
+
+
+def test_skewed_lengths_do_not_hang_and_report_rank_imbalance(tmp_path, model_dir, smollm_tokenizer):
+    from packrl.distributed.local import LocalWorkerGroup
+    from packrl.distributed.ray_group import RayWorkerGroup
+
+    overrides = [f"model.path={model_dir}", "trainer.num_workers=2", "model.dtype=fp32", "rollout.max_response_tokens=320",
+                 "data.max_prompt_tokens=64", "train.max_tokens_per_microbatch=400", "data.batch_size=2", "rollout.n=3"]
+    cfg = load_config("demo", overrides)
+    batch = _skewed_batch(smollm_tokenizer)
+    group = RayWorkerGroup.build(cfg, tmp_path)
+    try:
+        plans, imbalance = group._minibatch_plans(batch)
+        counts = [len(p[0]) for p in plans]
+        assert counts[0] == counts[1], "every rank runs the same number of micro-batches"
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(group.update(batch)), daemon=True)
+        worker.start()
+        worker.join(timeout=300)
+        assert not worker.is_alive(), "the data-parallel update hung"
+    finally:
+        group.close()
+    assert result["seqlen/rank_imbalance"] == pytest.approx(imbalance) and imbalance >= 1.0
+    local = LocalWorkerGroup.build(load_config("demo", [*overrides[:1], *overrides[2:]]))
+    expected = local.update(batch)
+    assert result["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
+    assert result["actor/pg_loss"] == pytest.approx(expected["actor/pg_loss"], abs=1e-6)
+
+
+def test_a_local_run_listens_on_loopback_only(tmp_path, model_dir):
+    import psutil
+
+    from packrl.distributed.ray_group import RayWorkerGroup
+
+    cfg = load_config("demo", [f"model.path={model_dir}", "trainer.num_workers=2", *BASE])
+    group = RayWorkerGroup.build(cfg, tmp_path)
+    try:
+        processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+        listening = []
+        for proc in processes:
+            try:
+                listening += [(proc.name(), c.laddr) for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            except psutil.NoSuchProcess:
+                continue
+    finally:
+        group.close()
+    assert len(processes) > 4 and listening, "Ray's processes and sockets must be visible"
+    outside = [(name, addr) for name, addr in listening if addr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not outside, f"sockets listening beyond loopback: {outside}"
+    assert (tmp_path / "ray").exists(), "Ray's temp dir (or a link to it) lives in the run dir"
