@@ -251,7 +251,13 @@ class RayWorkerGroup:
     def _write_timeline(self) -> None:
         import ray
 
-        ray.timeline(filename=str(self.run_dir / RAY_TIMELINE_FILE))
+        state_logger = logging.getLogger("ray._private.state")  # silence a notice about a future dashboard-based timeline
+        level = state_logger.level
+        state_logger.setLevel(logging.ERROR)
+        try:
+            ray.timeline(filename=str(self.run_dir / RAY_TIMELINE_FILE))
+        finally:
+            state_logger.setLevel(level)
 
     def close(self) -> None:
         """Write Ray's timeline, end the process group and shut down the Ray this group started."""
