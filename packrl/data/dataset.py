@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from packrl.types import PromptBatch
 logger = logging.getLogger("packrl.data")
 
 _SHOWN_BAD_ROWS = 10
+_NO_ROOM = re.compile(r"no room for any content after the template \((\d+) of")
 
 __all__ = ["DatasetPrompt", "PromptDataset", "PromptSampler", "check_enough_prompts", "duplicate_rows"]
 
@@ -114,6 +116,16 @@ class PromptDataset:
         if split == "train":
             check_enough_prompts(dataset, data_cfg.batch_size)
         return dataset
+
+    def fingerprint(self) -> str:
+        """sha256 (hex, 16 characters) of every usable prompt's ids, ground truth and data source, in
+        order: what a resumed run must find again for its saved data position to mean the same prompts."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for p in self.prompts:
+            digest.update(repr((p.prompt_ids, p.example.ground_truth, p.example.data_source)).encode())
+        return digest.hexdigest()[:16]
 
     def prompt_lengths(self) -> list[int]:
         """Prompt tokens of each usable prompt, in dataset order."""
@@ -211,10 +223,15 @@ def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:
 
 
 def _fix_hint(accounting: PromptAccounting) -> str:
-    """Raising the prompt budget helps only rows the budget filtered out."""
+    """Raising the prompt budget helps rows the budget filtered out, and rows whose chat template
+    alone fills it (truncation cannot help those)."""
+    overheads = [int(m.group(1)) for o in accounting.outcomes if (m := _NO_ROOM.search(o.reason))]
+    if overheads:
+        return (f"raise data.max_prompt_tokens above {max(overheads)} tokens: the chat template alone takes that many, "
+                "so no truncation can fit the prompt")
     if accounting.num_filtered:
         return f"raise data.max_prompt_tokens (it filtered {accounting.num_filtered:,} rows) or set data.overlong_prompt=left"
-    return "fix the rejected rows (reasons in parentheses) or set data.skip_bad_rows=true to train on the rest"
+    return "fix the rejected rows (reasons in parentheses); data.skip_bad_rows=true trains on the rest"
 
 
 class PromptSampler:
@@ -257,9 +274,16 @@ class PromptSampler:
         self.index += self.batch_size
         return self.dataset.batch(indices)
 
-    def state_dict(self) -> dict[str, int]:
-        """``{epoch, index, seed, num_prompts}``: enough to continue exactly where this sampler is."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_prompts": len(self.dataset)}
+    def state_dict(self) -> dict[str, int | str]:
+        """``{epoch, index, seed, num_prompts, fingerprint}``: enough to continue exactly where this
+        sampler is, and to tell whether the data is still the same (`PromptDataset.fingerprint`)."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_prompts": len(self.dataset),
+                "fingerprint": self._fingerprint()}
+
+    def _fingerprint(self) -> str:
+        if not hasattr(self, "_data_fingerprint"):
+            self._data_fingerprint = self.dataset.fingerprint()
+        return self._data_fingerprint
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (from `state_dict`); the saved seed wins so the order is the saved run's.
@@ -272,6 +296,13 @@ class PromptSampler:
             raise ValueError(
                 f"sampler state is for {num} prompts but {self.dataset.key} now gives {len(self.dataset)}; "
                 f"resume with the same data and data.max_prompt_tokens, or start a new run"
+            )
+        saved = state.get("fingerprint")
+        if saved is not None and saved != self._fingerprint():
+            raise ValueError(
+                f"the prompts of {self.dataset.key} differ from the checkpoint's ({len(self.dataset)} prompts either way, "
+                f"fingerprint {self._fingerprint()} != {saved}): the saved data position would point at other prompts; "
+                "resume with the same data files and data.* settings, or start a new run (a new train.out_dir)"
             )
         if state["seed"] != self.seed:
             logger.warning("resuming the sampler with its saved seed %d, not train.seed=%d", state["seed"], self.seed)

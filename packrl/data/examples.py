@@ -15,6 +15,7 @@ chat only when it has no system message of its own.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,10 +56,11 @@ def clean_number(text: str) -> str | None:
     ``" 1,234 "``   ``"1234"``
     ``"$-3.50"``    ``"-3.50"``
     ``"72 apples"`` ``None``
+    ``"1e999"``     ``None`` (not finite)
     ==============  ==========
     """
     cleaned = text.strip().replace(",", "").replace("$", "").strip()
-    return cleaned if _NUMBER.fullmatch(cleaned) else None
+    return cleaned if _NUMBER.fullmatch(cleaned) and math.isfinite(float(cleaned)) else None
 
 
 def to_example(
@@ -107,6 +109,8 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
             return f"missing field {name!r}"
         if not isinstance(value, str):
             return f"field {name!r} is of type {type(value).__name__}, expected a string"
+        if (broken := _invalid_unicode(value)) is not None:
+            return f"field {name!r} {broken}"
     if not question.strip():
         return "empty question"
     ground_truth = clean_number(answer.rsplit("####", 1)[-1])
@@ -137,6 +141,10 @@ def _verl_example(raw: dict, *, row: int, system_prompt: str | None) -> Example 
         return f"field 'reward_model.ground_truth' is {kind}"
     if not str(truth).strip():
         return "empty field 'reward_model.ground_truth'"
+    if isinstance(truth, float) and not math.isfinite(truth):
+        return f"field 'reward_model.ground_truth' is {truth}, not a finite number"
+    if isinstance(truth, str) and (broken := _invalid_unicode(truth)) is not None:
+        return f"field 'reward_model.ground_truth' {broken}"
     source = raw.get("data_source")
     if not isinstance(source, str) or not source:
         return "missing field 'data_source'" if source is None else f"field 'data_source' is {source!r}, expected a non-empty string"
@@ -168,8 +176,19 @@ def _messages(prompt: Any) -> list[dict[str, Any]] | str:
             if not isinstance(value, str):
                 kind = "missing" if value is None else type(value).__name__
                 return f"prompt[{i}].{name} is {kind}, expected a string"
+            if (broken := _invalid_unicode(value)) is not None:
+                return f"prompt[{i}].{name} {broken}"
         out.append({k: v for k, v in message.items() if v is not None})
     return out
+
+
+def _invalid_unicode(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (a lone surrogate from a ``\\ud800`` JSON escape), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"is not valid Unicode (lone surrogate at character {err.start})"
+    return None
 
 
 def _clip(text: str, limit: int = 40) -> str:

@@ -144,13 +144,15 @@ def _jsonl_rows(path: Path) -> list[Any]:
                 rows.append(json.loads(text))
             except json.JSONDecodeError as err:
                 rows.append(BadRow(f"line {line_no}: invalid JSON ({err.msg.removesuffix(' at')} at column {err.colno})"))
+            except (ValueError, RecursionError) as err:  # a 5,000-digit number, nesting deeper than Python's stack
+                rows.append(BadRow(f"line {line_no}: unreadable JSON ({type(err).__name__}: {str(err)[:80]})"))
     return rows
 
 
 def _json_rows(path: Path, key: str) -> list[Any]:
     try:
         data = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # invalid UTF-8 or JSON, huge numbers, deep nesting
         raise ValueError(f"{key}: {str(path)!r} is not valid UTF-8 JSON ({err}); fix the file, or use .jsonl to skip bad lines") from err
     if not isinstance(data, list):
         raise ValueError(

@@ -42,7 +42,7 @@ from packrl.rollout.hf_engine import HFEngine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.trainer.actor import SkipCounter, UpdateStats, compute_logprobs, run_update
 from packrl.trainer.checkpoint import (
-    full_optimizer_state, load_full_optimizer_state, load_trainer_state, save_checkpoint, weights_state_dict,
+    full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint, weights_state_dict,
 )
 from packrl.types import RolloutBatch, TrainBatch
 
@@ -215,8 +215,7 @@ class FSDPWorker:
         state, optimizer_state = load_trainer_state(Path(path))
         set_model_state_dict(self.model, weights_state_dict(Path(path)),
                              options=StateDictOptions(full_state_dict=True, strict=False))
-        load_full_optimizer_state(self.model, self.optimizer, optimizer_state["optimizer"])
-        self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        load_optimizer_and_schedule(self.model, self.optimizer, self.scheduler, optimizer_state, self.cfg.train.lr, Path(path))
         self.skips.load_state_dict(state.get("skips", {}))
         self._sync_rollout()
 

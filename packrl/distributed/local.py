@@ -30,7 +30,7 @@ from packrl.rollout.hf_engine import HFEngine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.trainer.actor import LogprobResult, SkipCounter, compute_logprobs, update_actor
 from packrl.trainer.checkpoint import (
-    check_disk_space, checkpoint_bytes, full_optimizer_state, load_full_optimizer_state, load_trainer_state, save_checkpoint,
+    check_disk_space, checkpoint_bytes, full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint,
     weights_state_dict,
 )
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
@@ -127,7 +127,7 @@ class LocalWorkerGroup:
         """Load the policy (and reference) for ``cfg``. With ``run_dir``, first check from the model
         config alone that its disk can hold one checkpoint (`check_disk_space`)."""
         if run_dir is not None:
-            check_disk_space(run_dir, checkpoint_bytes(cfg))
+            check_disk_space(run_dir, checkpoint_bytes(cfg), lora=cfg.model.lora.rank > 0)
         model, tokenizer = load_policy(cfg.model, device=device or default_device())
         reference = load_reference(model) if cfg.algorithm.kl_coef > 0 else None
         return cls(cfg, model, tokenizer, reference)
@@ -186,11 +186,15 @@ class LocalWorkerGroup:
                                trainer_state | {"skips": self.skips.state_dict()}, keep_last=self.cfg.train.keep_last)
 
     def load_checkpoint(self, path: Path) -> dict:
+        """Restore weights, optimizer, schedule (with ``train.lr`` applied) and skip counter.
+
+        Raises:
+            ValueError: a file of ``path`` is missing, unreadable or does not fit the model (named).
+        """
         state, optimizer_state = load_trainer_state(path)
         load_weights(self.model, path)
         sync_rollout_weights(self.model, self.rollout_model)
-        load_full_optimizer_state(self.model, self.optimizer, optimizer_state["optimizer"])
-        self.scheduler.load_state_dict(optimizer_state["scheduler"])
+        load_optimizer_and_schedule(self.model, self.optimizer, self.scheduler, optimizer_state, self.cfg.train.lr, path)
         self.skips.load_state_dict(state.get("skips", {}))
         return state
 
@@ -253,7 +257,13 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     if is_lora(model):
         load_adapter(model, path)
         return
-    state = weights_state_dict(path)
+    try:
+        state = weights_state_dict(path)
+    except ValueError:
+        raise
+    except Exception as err:  # safetensors raises its own error type for a truncated or corrupt file
+        raise ValueError(f"the weights in {path} cannot be read ({type(err).__name__}: {err}); resume from another "
+                         "checkpoint with train.resume=RUN_DIR/checkpoints/step_N") from err
     missing, _ = model.load_state_dict(state, strict=False)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=True)}
     really_missing = [m for m in missing if m in tied]

@@ -144,7 +144,7 @@ class RayWorkerGroup:
         Raises:
             ValueError: see `start_ray`; the disk check (`check_disk_space`).
         """
-        check_disk_space(run_dir, checkpoint_bytes(cfg))
+        check_disk_space(run_dir, checkpoint_bytes(cfg), lora=cfg.model.lora.rank > 0)
         tokenizer = load_policy_tokenizer(cfg.model)
         owns_ray = start_ray(cfg, run_dir)
         import ray

@@ -14,12 +14,16 @@ Resume loads the adapter into a policy built with the same ``model.*`` settings
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -52,8 +56,13 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         fsync_tree(tmp)
-    except BaseException:  # an interrupted or failed write leaves nothing behind
+    except BaseException as err:  # an interrupted or failed write leaves nothing behind
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, Exception):
+            free = shutil.disk_usage(root).free / (1 << 30)
+            raise OSError(f"writing checkpoint step_{step} into {root} failed ({type(err).__name__}: {err}); "
+                          f"{free:.2f} GiB free there now: free disk space, set train.keep_last, or choose another "
+                          "train.out_dir") from err
         raise
     if final.exists():
         shutil.rmtree(final)
@@ -109,8 +118,20 @@ def load_trainer_state(path: Path) -> tuple[dict, dict]:
     """
     if not (path / STATE_FILE).is_file() or not (path / OPTIMIZER_FILE).is_file():
         raise ValueError(f"{path} is not a complete packrl checkpoint (needs {STATE_FILE} and {OPTIMIZER_FILE})")
-    state = json.loads((path / STATE_FILE).read_text())
-    return state, torch.load(path / OPTIMIZER_FILE, weights_only=False)
+    fix = "resume from another checkpoint with train.resume=RUN_DIR/checkpoints/step_N, or start a new run"
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path / STATE_FILE} cannot be read ({type(err).__name__}: {err}); {fix}") from err
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("sampler"), dict):
+        raise ValueError(f"{path / STATE_FILE} lacks the step or the sampler position; {fix}")
+    try:
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, weights_only=False)
+    except Exception as err:  # torch raises several types for a truncated or corrupt file
+        raise ValueError(f"{path / OPTIMIZER_FILE} cannot be read ({type(err).__name__}: {err}); {fix}") from err
+    if not isinstance(optimizer_state, dict) or not {"optimizer", "scheduler"} <= set(optimizer_state):
+        raise ValueError(f"{path / OPTIMIZER_FILE} holds no optimizer and scheduler state; {fix}")
+    return state, optimizer_state
 
 
 def checkpoint_bytes(cfg: Any) -> int:
@@ -129,20 +150,27 @@ def checkpoint_bytes(cfg: Any) -> int:
     return 12 * saved + (16 << 20)
 
 
-def check_disk_space(run_dir: Path, needed_bytes: int) -> None:
+def check_disk_space(run_dir: Path, needed_bytes: int, *, lora: bool = False) -> None:
     """Fail before any model loads when RUN_DIR's disk cannot hold one checkpoint.
+
+    Args:
+        lora: the checkpoints hold a LoRA adapter (the fix then does not suggest LoRA).
 
     Raises:
         ValueError: free bytes < ``needed_bytes``; names the path, both numbers and the fix.
     """
     free = shutil.disk_usage(run_dir).free
     if free < needed_bytes:
-        gib = 1 << 30
-        raise ValueError(
-            f"train.out_dir={str(run_dir)!r} has {free / gib:.2f} GiB free, less than the {needed_bytes / gib:.2f} GiB one "
-            "checkpoint needs (float32 weights + AdamW states); free disk space, choose another train.out_dir, or set "
-            "model.lora.rank=16 (checkpoints then hold only the adapter)"
-        )
+        fix = "free disk space or choose another train.out_dir"
+        if not lora:
+            fix += ", or set model.lora.rank=16 (checkpoints then hold only the adapter)"
+        raise ValueError(f"train.out_dir={str(run_dir)!r} has {_size(free)} ({free:,} bytes) free, less than the "
+                         f"{_size(needed_bytes)} ({needed_bytes:,} bytes) one "
+                         f"checkpoint needs (float32 weights + AdamW states); {fix}")
+
+
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def find_resume_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
@@ -153,17 +181,44 @@ def find_resume_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
     Raises:
         ValueError: a ``train.resume`` path that is not a complete checkpoint.
     """
+    candidates = resume_candidates(run_dir, resume)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(run_dir: Path, resume: str | None) -> list[Path]:
+    """The checkpoints ``train.resume`` allows, newest first: none when not resuming; for ``auto``
+    every complete ``step_N`` in RUN_DIR (an older one is the fallback when a newer one cannot be
+    read); for a path, that path.
+
+    Raises:
+        ValueError: a ``train.resume`` path that does not exist or is not a complete checkpoint.
+    """
     if resume is None:
-        return None
+        return []
     if resume == "auto":
         root = run_dir / "checkpoints"
         done = [(int(p.name[5:]), p) for p in root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
-        return max(done)[1] if done else None
-    path = Path(resume)
+        return [p for _, p in sorted(done, reverse=True)]
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise ValueError(f"train.resume={resume!r} does not exist; pass a RUN_DIR/checkpoints/step_N folder or train.resume=auto")
     if not (path / STATE_FILE).is_file():
         raise ValueError(f"train.resume={resume!r} is not a complete checkpoint (no {STATE_FILE}); "
                          "pass a checkpoints/step_N folder or train.resume=auto")
-    return path
+    return [path]
+
+
+def restore_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """After loading a checkpoint's optimizer and schedule: apply ``train.lr`` as the base learning
+    rate (the schedule's position is the checkpoint's), so a resumed run can change it; warns when
+    it differs from the checkpoint's."""
+    old = scheduler.base_lrs[0] if scheduler.base_lrs else lr
+    if not math.isclose(old, lr, rel_tol=1e-9):
+        logger.warning("train.lr=%g differs from the checkpoint's %g: the resumed run uses %g from here on", lr, old, lr)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
 
 
 def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -182,6 +237,9 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     """Load a `full_optimizer_state` into ``optimizer`` (sharding it for FSDP2 parameters)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if state.get("state") and all(isinstance(k, int) for k in state["state"]):  # torch's own index-keyed form
+        optimizer.load_state_dict(state)
+        return
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
@@ -209,3 +267,20 @@ def weights_state_dict(path: Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(path / f)))
     return state
+
+
+def load_optimizer_and_schedule(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, optimizer_state: dict,
+                                lr: float, path: Path) -> None:
+    """Load a checkpoint's optimizer (`load_full_optimizer_state`) and LR schedule, then apply
+    ``train.lr`` (`restore_schedule`).
+
+    Raises:
+        ValueError: the saved state does not fit this model's optimizer (names ``path``).
+    """
+    try:
+        load_full_optimizer_state(model, optimizer, optimizer_state["optimizer"])
+        scheduler.load_state_dict(optimizer_state["scheduler"])
+    except (KeyError, ValueError, RuntimeError) as err:
+        raise ValueError(f"the optimizer state in {path / OPTIMIZER_FILE} does not fit this model ({type(err).__name__}: {err}); "
+                         "resume with the model.* settings of the run that wrote it, or start a new run") from err
+    restore_schedule(optimizer, scheduler, lr)

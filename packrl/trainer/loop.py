@@ -12,6 +12,7 @@ same protocol drops in without changing this file.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from packrl.config.schema import RunConfig
@@ -27,9 +28,11 @@ from packrl.reward.score import check_reward, score_rollout
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import Budgets
 from packrl.trainer.batch import build_train_batch
-from packrl.trainer.checkpoint import find_resume_checkpoint
+from packrl.trainer.checkpoint import resume_candidates
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.validate import validate
+
+logger = logging.getLogger(__name__)
 
 
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
@@ -48,15 +51,32 @@ def _data_accounting(train: PromptDataset, val: PromptDataset | None) -> dict:
 
 def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler) -> int:
     """The last completed step: 0 for a fresh run, else the step of the checkpoint ``train.resume``
-    names, with the model, optimizer, schedule and data position restored from it."""
-    path = find_resume_checkpoint(run.dir, cfg.train.resume)
-    if path is None:
+    names, with the model, optimizer, schedule and data position restored from it. Under ``auto``
+    a checkpoint that cannot be read is skipped for the next older one, and a run dir without any
+    starts over at step 1 (its metrics.jsonl emptied), each with a warning."""
+    candidates = resume_candidates(run.dir, cfg.train.resume)
+    if cfg.train.resume == "auto" and not candidates:
+        logger.warning("train.resume=auto: no complete checkpoint in %s; starting at step 1", run.dir / "checkpoints")
+        run.truncate_metrics(0)
         return 0
-    state = workers.load_checkpoint(path)
-    sampler.load_state_dict(state["sampler"])
-    run.truncate_metrics(state["step"])
-    run.note("resumed.txt", f"resumed from {path} after step {state['step']}")
-    return int(state["step"])
+    for path in candidates:
+        try:
+            state = workers.load_checkpoint(path)
+            sampler.load_state_dict(state["sampler"])
+            break
+        except ValueError as err:
+            if path == candidates[-1]:
+                raise
+            logger.warning("cannot resume from %s (%s); trying the next older checkpoint", path, err)
+    else:
+        return 0
+    step = int(state["step"])
+    run.truncate_metrics(step)
+    run.note("resumed.txt", f"resumed from {path} after step {step}")
+    if step >= cfg.train.total_steps:
+        logger.warning("the checkpoint is at step %d >= train.total_steps=%d: nothing to train; raise train.total_steps",
+                       step, cfg.train.total_steps)
+    return step
 
 
 def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
@@ -105,6 +125,8 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     """
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
+    if cfg.train.resume not in (None, "auto"):
+        resume_candidates(Path("."), cfg.train.resume)  # a wrong path fails before anything is written or loaded
     with Run(cfg) as run:
         train_set, val_set = _datasets(cfg, workers.tokenizer if workers else load_policy_tokenizer(cfg.model))
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")

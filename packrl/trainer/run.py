@@ -56,9 +56,10 @@ class Run:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.dir = Path(cfg.train.out_dir or f"runs/{stamp}-{secrets.token_hex(2)}").resolve()
+        self.dir = Path(cfg.train.out_dir or f"runs/{stamp}-{secrets.token_hex(2)}").expanduser().resolve()
         if cfg.train.resume is None and (self.dir / "metrics.jsonl").is_file() and (self.dir / "metrics.jsonl").stat().st_size:
-            raise ValueError(f"train.out_dir={str(self.dir)!r} already holds a run (metrics.jsonl); choose a new train.out_dir")
+            raise ValueError(f"train.out_dir={str(self.dir)!r} already holds a run (metrics.jsonl); set train.resume=auto to "
+                             "continue it, or choose a new train.out_dir")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.yaml").write_text(to_yaml(cfg))
@@ -123,7 +124,7 @@ class Run:
             import traceback
 
             last = getattr(self, "last_step", None)
-            where = f"in step {last + 1}" if last is not None else "in setup or step 1"
+            where = f"after step {last} was logged" if last is not None else "before any step was logged"
             with (self.dir / "train.log").open("a") as f:
                 f.write(f"failed {where}:\n" + "".join(traceback.format_exception(exc)))
             if hasattr(exc, "add_note"):  # Python >= 3.11

@@ -192,7 +192,7 @@ def test_sampler_resumes_exactly_from_its_state():
     reference = PromptSampler(ds, 4, True, seed=3)
     _rows(reference, 5)  # into the third epoch
     state = reference.state_dict()
-    assert state == {"epoch": 2, "index": 4, "seed": 3, "num_prompts": 11}
+    assert state == {"epoch": 2, "index": 4, "seed": 3, "num_prompts": 11, "fingerprint": ds.fingerprint()}
     resumed = PromptSampler(ds, 4, True, seed=99)
     resumed.load_state_dict(dict(state))
     assert _rows(resumed, 7) == _rows(reference, 7)
@@ -202,6 +202,13 @@ def test_sampler_state_from_other_data_is_refused():
     sampler = PromptSampler(_dataset(6), 2, True, seed=0)
     with pytest.raises(ValueError, match="sampler state is for 9 prompts but data.train_files now gives 6"):
         sampler.load_state_dict({"epoch": 0, "index": 2, "seed": 0, "num_prompts": 9})
+    # as many prompts, other prompts: the fingerprint tells
+    other = PromptDataset([DatasetPrompt(Example([{"role": "user", "content": "x"}], "7", "s", row=i), (i + 100,), False)
+                           for i in range(6)], PromptAccounting(tuple(RowOutcome(i, "kept") for i in range(6))))
+    state = PromptSampler(other, 2, True, seed=0).state_dict()
+    with pytest.raises(ValueError, match=r"the prompts of data.train_files differ from the checkpoint's \(6 prompts"):
+        sampler.load_state_dict(state)
+    sampler.load_state_dict({k: v for k, v in state.items() if k != "fingerprint"})  # a state saved before fingerprints
 
 
 def test_sampler_needs_a_full_batch():

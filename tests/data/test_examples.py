@@ -27,7 +27,8 @@ def _verl(**over):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [(" 72 ", "72"), ("1,234", "1234"), ("$-3.50", "-3.50"), ("$ 5", "5"), (".5", ".5"), ("72 apples", None), ("", None), ("inf", None)],
+    [(" 72 ", "72"), ("1,234", "1234"), ("$-3.50", "-3.50"), ("$ 5", "5"), (".5", ".5"), ("72 apples", None), ("", None), ("inf", None),
+     ("1e999", None), ("1e3", "1e3")],
 )
 def test_clean_number(text, expected):
     assert clean_number(text) == expected
@@ -102,3 +103,12 @@ def test_verl_ground_truth_may_be_text():
 )
 def test_bad_rows_have_a_specific_reason(raw, reason):
     assert _ex(raw) == reason
+
+
+def test_lone_surrogates_and_non_finite_truths_are_rejected():
+    assert _ex({"question": "lone \ud800", "answer": "#### 1"}) == "field 'question' is not valid Unicode (lone surrogate at character 5)"
+    assert _ex({"question": "q", "answer": "#### 1e999"}) == "non-numeric answer: '1e999'"
+    message = [{"role": "user", "content": "x\udc00"}]
+    assert _ex(_verl(prompt=message)) == "prompt[0].content is not valid Unicode (lone surrogate at character 1)"
+    for truth in (float("nan"), float("inf")):
+        assert _ex(_verl(reward_model={"ground_truth": truth})).endswith("not a finite number")

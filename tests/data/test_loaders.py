@@ -43,6 +43,27 @@ def test_jsonl_bad_lines_become_bad_rows(tmp_path):
     assert rows[3] == [1, 2]  # not an object: passed on, rejected by to_example
 
 
+def test_jsonl_hostile_lines_become_bad_rows(tmp_path):
+    """A 5,000-digit number and nesting deeper than Python's stack cost one row each, not the load."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(
+        b'{"question": "q", "answer": "#### 1", "id": ' + b"9" * 5000 + b"}\n"
+        + b"[" * 100_000 + b"]" * 100_000 + b"\n"
+        + json.dumps(ROWS[0]).encode() + b"\n"
+    )
+    rows = _load(path)
+    assert isinstance(rows[0], BadRow) and rows[0].reason.startswith("line 1: unreadable JSON (ValueError")
+    assert isinstance(rows[1], BadRow) and rows[1].reason.startswith("line 2: unreadable JSON (RecursionError")
+    assert rows[2] == ROWS[0]
+
+
+def test_json_with_a_huge_number_names_the_file(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_bytes(b'[{"question": "q", "answer": "#### 1", "id": ' + b"9" * 5000 + b"}]")
+    with pytest.raises(ValueError, match=r"data.train_files: .*rows.json.* is not valid UTF-8 JSON"):
+        _load(path)
+
+
 def test_json_list(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(ROWS))

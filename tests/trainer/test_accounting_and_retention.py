@@ -114,8 +114,14 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * needed, 9 * needed, needed - 1))
     monkeypatch.setattr(local, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
-    with pytest.raises(ValueError, match=r"train.out_dir=.* GiB free, less than the .* GiB one checkpoint needs"):
+    with pytest.raises(ValueError, match=rf"train.out_dir=.* \({needed - 1:,} bytes\) free, less than the .* \({needed:,} bytes\) "
+                                         r"one checkpoint needs.*model.lora.rank=16"):
         LocalWorkerGroup.build(cfg, run_dir=tmp_path)
+    lora_cfg = load_config("demo", [f"model.path={tmp_path / 'model'}", "model.lora.rank=2"])
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * needed, 9 * needed, lora - 1))
+    with pytest.raises(ValueError, match="one checkpoint needs") as err:
+        LocalWorkerGroup.build(lora_cfg, run_dir=tmp_path)
+    assert "model.lora.rank" not in str(err.value)  # LoRA is on already
 
 
 def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(caplog):
