@@ -45,6 +45,9 @@ from packrl.types import PromptBatch, RolloutBatch, TrainBatch
 logger = logging.getLogger(__name__)
 
 RAY_TIMELINE_FILE = "ray_timeline.json"
+# Batches travel through Ray's object store: a 512-sequence batch of 4k-token sequences is ~16 MB of ids,
+# so a small store is plenty (Ray's default reserves 30% of the machine's memory in /dev/shm).
+_OBJECT_STORE_BYTES = 512 << 20
 _MAX_TEMP_DIR_CHARS = 40  # Ray adds ~66 characters of session and socket names; Unix sockets allow 107
 
 
@@ -81,7 +84,8 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     if local:
         num_cpus = max(os.cpu_count() or 1, cfg.trainer.num_workers * cfg.trainer.num_cpus_per_worker)
         ray.init(num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-                 _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False, configure_logging=False)
+                 object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,
+                 configure_logging=False)
         if ray.util.get_node_ip_address() != "127.0.0.1":
             ray.shutdown()
             raise ValueError("this Ray release would listen beyond loopback for a local run; "
