@@ -83,9 +83,13 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         raise ValueError("Ray is already initialised in this process; call ray.shutdown() first or set trainer.ray_address")
     if local:
         num_cpus = max(os.cpu_count() or 1, cfg.trainer.num_workers * cfg.trainer.num_cpus_per_worker)
-        ray.init(num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-                 object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,
-                 configure_logging=False)
+        try:
+            ray.init(num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+                     object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,
+                     configure_logging=False)
+        except BaseException:  # Ctrl-C or a failure half-way: stop what already started
+            ray.shutdown()
+            raise
         if ray.util.get_node_ip_address() != "127.0.0.1":
             ray.shutdown()
             raise ValueError("this Ray release would listen beyond loopback for a local run; "
@@ -156,14 +160,18 @@ class RayWorkerGroup:
         from packrl.distributed.fsdp_worker import FSDPWorker
 
         gpus = 1 if torch.cuda.is_available() else 0
-        remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(FSDPWorker)
         loopback = cfg.trainer.ray_address is None
-        actors = [remote.remote(cfg, rank, cfg.trainer.num_workers, loopback) for rank in range(cfg.trainer.num_workers)]
+        actors: list = []
         try:
+            remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(FSDPWorker)
+            actors = [remote.remote(cfg, rank, cfg.trainer.num_workers, loopback) for rank in range(cfg.trainer.num_workers)]
             host, port = ray.get(actors[0].address.remote())
             infos = ray.get([a.setup.remote(host, port) for a in actors])
-        except BaseException:
-            ray.shutdown()
+        except BaseException:  # a failed set-up or Ctrl-C leaves no actor and no Ray of ours behind
+            for actor in actors:
+                ray.kill(actor)
+            if owns_ray:
+                ray.shutdown()
             raise
         logger.info("%d data-parallel workers ready (rendezvous %s:%d)", len(actors), host, port)
         return cls(cfg, run_dir, tokenizer, actors, infos[0], owns_ray)
@@ -263,15 +271,17 @@ class RayWorkerGroup:
         finally:
             state_logger.setLevel(level)
 
-    def close(self) -> None:
-        """Write Ray's timeline, end the process group and shut down the Ray this group started."""
+    def close(self, graceful: bool = True) -> None:
+        """Write Ray's timeline, end the process group (``graceful``; skipped after a failure or
+        Ctrl-C, when a rank may be inside a collective) and shut down the Ray this group started."""
         import ray
 
         if not ray.is_initialized():
             return
         try:
             self._write_timeline()
-            ray.get([a.close.remote() for a in self.actors], timeout=60)
+            if graceful:
+                ray.get([a.close.remote() for a in self.actors], timeout=60)
         except Exception as err:  # noqa: BLE001 - closing after a failure must not hide the failure
             logger.warning("closing the workers: %s: %s", type(err).__name__, err)
         finally:
@@ -296,5 +306,7 @@ def open_worker_group(cfg: RunConfig, run_dir: Path, given: Any = None) -> Itera
     group = RayWorkerGroup.build(cfg, run_dir)
     try:
         yield group
-    finally:
-        group.close()
+    except BaseException:
+        group.close(graceful=False)
+        raise
+    group.close()
