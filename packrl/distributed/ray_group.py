@@ -84,7 +84,7 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     if local:
         num_cpus = max(os.cpu_count() or 1, cfg.trainer.num_workers * cfg.trainer.num_cpus_per_worker)
         try:
-            ray.init(num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
                      object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,
                      configure_logging=False)
         except BaseException:  # Ctrl-C or a failure half-way: stop what already started
@@ -102,6 +102,25 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
                              f"{type(err).__name__}: {err}; start it with `ray start --head` or fix the address") from err
     _check_resources(cfg, ray.cluster_resources())
     return True
+
+
+def _gather(refs: Any) -> Any:
+    """``ray.get`` with a worker's error as the user sees it in one process: a raised exception as
+    itself (not wrapped in Ray's header), a dead worker as a RuntimeError saying how to go on."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return ray.get(refs)
+    except RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+    except RayActorError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(f"a data-parallel worker died ({first}); its memory or its process was lost: continue from "
+                           "the newest checkpoint with train.resume=auto, with fewer trainer.num_workers if memory ran out") from err
 
 
 def _single_machine_mode() -> None:
@@ -165,8 +184,8 @@ class RayWorkerGroup:
         try:
             remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(FSDPWorker)
             actors = [remote.remote(cfg, rank, cfg.trainer.num_workers, loopback) for rank in range(cfg.trainer.num_workers)]
-            host, port = ray.get(actors[0].address.remote())
-            infos = ray.get([a.setup.remote(host, port) for a in actors])
+            host, port = _gather(actors[0].address.remote())
+            infos = _gather([a.setup.remote(host, port) for a in actors])
         except BaseException:  # a failed set-up or Ctrl-C leaves no actor and no Ray of ours behind
             for actor in actors:
                 ray.kill(actor)
@@ -190,7 +209,7 @@ class RayWorkerGroup:
             calls = [self.actors[r].generate.remote([prompts.prompt_ids[i] for i in part], params, [seeds[i] for i in part])
                      for r, part in enumerate(parts)]
             out: list = [None] * len(costs)
-            for part, groups in zip(parts, ray.get(calls)):
+            for part, groups in zip(parts, _gather(calls)):
                 for i, group in zip(part, groups):
                     out[i] = group
             return out
@@ -210,7 +229,7 @@ class RayWorkerGroup:
         shared = ray.put(rollout)
         calls = [a.compute_logprobs.remote(shared, role, [list(mb) for mb in p.microbatches]) for a, p in zip(self.actors, plan.ranks)]
         merged: dict[int, tuple] = {}
-        for part in ray.get(calls):
+        for part in _gather(calls):
             merged.update(part)
         assert sorted(merged) == list(range(len(rollout))), "every sequence comes back exactly once"
         return LogprobResult(tuple(merged[i][0] for i in range(len(rollout))), tuple(merged[i][1] for i in range(len(rollout))),
@@ -223,7 +242,7 @@ class RayWorkerGroup:
 
         plans, imbalance = self._minibatch_plans(batch)
         shared = ray.put(batch)
-        results = ray.get([a.update.remote(shared, plans[r]) for r, a in enumerate(self.actors)])
+        results = _gather([a.update.remote(shared, plans[r]) for r, a in enumerate(self.actors)])
         for rank, (_, spans) in enumerate(results):
             tracer.add_worker_spans(rank, spans)
         if not self._linked:
@@ -250,14 +269,14 @@ class RayWorkerGroup:
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         import ray
 
-        paths = ray.get([a.save_checkpoint.remote(str(run_dir), step, trainer_state) for a in self.actors])
+        paths = _gather([a.save_checkpoint.remote(str(run_dir), step, trainer_state) for a in self.actors])
         self._write_timeline()
         return Path(paths[0])
 
     def load_checkpoint(self, path: Path) -> dict:
         import ray
 
-        ray.get([a.load_checkpoint.remote(str(path)) for a in self.actors])
+        _gather([a.load_checkpoint.remote(str(path)) for a in self.actors])
         return load_trainer_state(path)[0]
 
     def _write_timeline(self) -> None:
