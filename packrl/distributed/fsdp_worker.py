@@ -103,6 +103,7 @@ class FSDPWorker:
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, loopback: bool):
         self.cfg, self.rank, self.world_size, self.loopback = cfg, rank, world_size, loopback
+        self._listener: socket.socket | None = None  # rank 0's rendezvous socket, opened by `address`
         if loopback:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
             os.environ["NCCL_SOCKET_IFNAME"] = "lo"
@@ -123,7 +124,7 @@ class FSDPWorker:
         cfg = self.cfg
         device = default_device()
         backend = "nccl" if device.type == "cuda" else "gloo"
-        listener = getattr(self, "_listener", None)
+        listener = self._listener
         store = dist.TCPStore(host, port, self.world_size, is_master=self.rank == 0, timeout=COLLECTIVE_TIMEOUT,
                               **({"master_listen_fd": listener.fileno()} if listener is not None else {}))
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
