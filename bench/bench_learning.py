@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from packrl.config import load_config
-from packrl.distributed.local import LocalWorkerGroup
+from packrl.distributed.local import local_group
 from packrl.trainer.loop import train
 from packrl.trainer.validate import validate
 from packrl.data.dataset import PromptDataset
@@ -34,7 +34,7 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
     cfg = load_config("demo", [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}", *args.overrides])
     start = time.perf_counter()
-    workers = LocalWorkerGroup.build(cfg)
+    workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
     before = validate(workers, val_set, cfg)
     run_dir = train(cfg, workers)

@@ -3,12 +3,12 @@
 For each micro-batch size (1k, 2k, 4k tokens by default) and each variant (``plain``;
 ``gc`` = ``model.gradient_checkpointing=true``; ``lora16`` = ``model.lora.rank=16``), a fresh
 subprocess builds the `demo` preset's worker group on SmolLM2-135M-Instruct (the alias cache, or
-``--model``) with packrl's own loading code, then runs one update (`LocalWorkerGroup.update`) on
+``--model``) with packrl's own loading code, then runs one update (`WorkerGroup.update`) on
 a synthetic batch of 4 sequences filling exactly one micro-batch (a quarter prompt, three
 quarters response). The measured peak is the process's peak RSS (``VmHWM``) over that update,
 reset just before it through ``/proc/self/clear_refs``; everything resident counts (runtime,
 weights, the bf16 rollout copy, gradients, AdamW moments allocated at the first step,
-activations). The estimate is `packrl.seqlen.memory.estimate_memory`'s update phase for the same
+activations). The estimate is `packrl.inspect.memory.estimate_memory`'s update phase for the same
 config, from the model's config alone.
 
 Also reported: the activation part (peak at T minus peak at 256 tokens, same variant) and the
@@ -68,18 +68,19 @@ def worker(tokens: int, overrides: list[str]) -> dict:
     import torch
 
     from packrl.config import load_config
-    from packrl.distributed.local import LocalWorkerGroup
+    from packrl.distributed.local import local_group
 
     torch.set_num_threads(2)
     cfg = load_config("demo", [*COMMON, f"train.max_tokens_per_microbatch={tokens}", *overrides])
-    workers = LocalWorkerGroup.build(cfg, torch.device("cpu"))
-    batch = _synthetic_batch(tokens, workers.model.config.vocab_size)
+    workers = local_group(cfg)
+    worker = workers.transport.worker
+    batch = _synthetic_batch(tokens, worker.model.config.vocab_size)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _rss_kib("VmRSS")
     metrics = workers.update(batch)
     peak = _rss_kib("VmHWM")
-    trainable = sum(p.numel() for p in workers.model.parameters() if p.requires_grad)
-    states = sum(t.numel() * t.element_size() for s in workers.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    trainable = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
+    states = sum(t.numel() * t.element_size() for s in worker.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     assert metrics["seqlen/num_microbatches"] == 1, "the batch must fill exactly one micro-batch"
     return {"rss_before_bytes": before * 1024, "peak_bytes": peak * 1024, "grad_and_optimizer_bytes": 4 * trainable + states,
             "num_trainable_params": trainable}
@@ -88,7 +89,7 @@ def worker(tokens: int, overrides: list[str]) -> dict:
 def estimate(tokens: int, overrides: list[str]) -> int:
     from packrl.config import load_config
     from packrl.models.model_config import load_model_config
-    from packrl.seqlen.memory import ModelShape, estimate_memory
+    from packrl.inspect.memory import ModelShape, estimate_memory
 
     cfg = load_config("demo", [*COMMON, f"train.max_tokens_per_microbatch={tokens}", *overrides])
     shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from packrl.config import load_config
-from packrl.distributed.local import LocalWorkerGroup
+from packrl.distributed.local import local_group
 from packrl.models.loading import load_policy
 from packrl.trainer.loop import train
 
@@ -59,7 +59,7 @@ def main() -> None:
         for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
             cfg = load_config("demo", [*base, *arms[arm], f"train.out_dir={out / f'{r}-{arm}'}"])
             model.load_state_dict(initial)
-            workers = LocalWorkerGroup(cfg, model, tokenizer)
+            workers = local_group(cfg, model, tokenizer)
             start = time.perf_counter()
             run_dir = train(cfg, workers)
             wall = time.perf_counter() - start

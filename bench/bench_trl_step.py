@@ -128,7 +128,8 @@ def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from packrl.models.loading import load_tokenizer, resolve_model
+    from packrl.models.loading import load_tokenizer
+    from packrl.models.resolve import resolve_model
     from packrl.reward.gsm8k import gsm8k_reward
 
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:

@@ -51,15 +51,35 @@ class Response:
         finish_reason: why it stopped, from the engine (never inferred from widths).
         rollout_logprobs: the engine's log-prob of each response token, ``[R_i]`` float32
             nats, or None when not requested.
+        response_mask: True = a token the policy generated, ``[R_i]``; False marks tokens it did
+            not write (a tool's answer inside a multi-turn trajectory), which never count in the
+            loss. None = every token was generated (a single-turn response).
+
+    Raises:
+        ValueError: ``rollout_logprobs`` or ``response_mask`` does not have one entry per token.
     """
 
     response_ids: tuple[int, ...]
     finish_reason: FinishReason
     rollout_logprobs: tuple[float, ...] | None = None
+    response_mask: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rollout_logprobs", "response_mask"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.response_ids):
+                raise ValueError(f"Response.{name} has {len(values)} entries for {len(self.response_ids)} response tokens; "
+                                 "give one per token")
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason in TRUNCATED_REASONS
+
+    def generated_mask(self) -> torch.Tensor:
+        """`response_mask` as a tensor (all True when it is None). Shape [R_i], bool."""
+        if self.response_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.bool)
+        return torch.tensor(self.response_mask, dtype=torch.bool)
 
 
 @dataclass(frozen=True)

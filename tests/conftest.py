@@ -42,3 +42,53 @@ def smollm_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(SMOLLM_DIR)
+
+
+
+def score_of(model, rollout, cfg, context=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Log-probs and entropy of every response of ``rollout`` under ``model``, planned and restored
+    to rollout order as the worker group does for one rank (`packrl.seqlen.update_plan.plan_ranks`)."""
+    import contextlib
+
+    from packrl.seqlen.update_plan import plan_ranks
+    from packrl.worker.actor import PackForward, compute_logprobs
+
+    plan = plan_ranks(rollout.sequence_lengths(), 1, cfg.train.max_tokens_per_logprob_microbatch, balance=True,
+                      budget_key="train.max_tokens_per_logprob_microbatch")
+    forward = PackForward.from_config(cfg)
+    values = plan.restore([compute_logprobs(model, rollout, forward, context or contextlib.nullcontext, plan.ranks[0].microbatches)])
+    return [lp for lp, _ in values], [ent for _, ent in values]
+
+
+def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
+    """The log-probs of `score_of`."""
+    return score_of(model, rollout, cfg, context)[0]
+
+
+def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1) -> float:
+    """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
+    (`packrl.worker.actor.run_microbatches`) as planned for ``num_ranks`` simulated ranks (each
+    rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
+    Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
+    import contextlib
+
+    from packrl.config.plan import BatchPlan
+    from packrl.seqlen.update_plan import plan_update
+    from packrl.worker.actor import MicrobatchLoss, ResponseSums, run_microbatches
+
+    plan = BatchPlan.from_config(cfg)
+    update = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
+                         group_size=batch.rollout.group_size, mini_batch_prompts=plan.mini_batch_prompts, num_epochs=1,
+                         num_ranks=num_ranks, max_tokens=cfg.train.max_tokens_per_microbatch,
+                         balance=cfg.train.balance_microbatches, loss_scale_factor=plan.loss_scale_factor)
+    loss = MicrobatchLoss.from_config(cfg)
+    minibatch = update.minibatches[0]
+    sums = ResponseSums.zeros(len(batch.rollout))
+    total = 0.0
+    for rank in range(num_ranks):
+        totals = run_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
+                                  context=context or contextlib.nullcontext, sums=sums)
+        metrics = totals.metrics
+        algo = cfg.algorithm
+        total += metrics["actor/pg_loss"] + algo.kl_coef * metrics["actor/kl_loss"] - algo.entropy_coeff * metrics["actor/entropy"]
+    return total

@@ -1,6 +1,16 @@
-"""Advantage estimators for outcome rewards: one registered pure function each.
+"""Advantage estimators (``algorithm.adv_estimator``): registered functions from a scored batch
+to an advantage per response token.
 
-Shapes: ``B`` prompts · ``G`` responses per prompt · ``N = B*G`` (groups contiguous).
+Shapes: ``B`` prompts · ``G`` responses per prompt · ``N = B*G`` (groups contiguous) · ``R_i``
+tokens of response i.
+
+An estimator takes `AdvantageInputs` (the scored batch, its rewards after any in-reward KL, the
+response masks and the log-probs known at that point) and returns ``N`` tensors of Shape [R_i],
+float32: token-level estimators (GAE, per-turn credit) fill each token; outcome estimators give
+every token of a response the same value (`per_token`). Register one with
+``@packrl.registry.ADVANTAGE_ESTIMATORS.register("name")`` (see `packrl.registry`).
+
+The outcome estimators built in:
 
 - ``grpo``: A_i = (r_i - mean_group) / (std_group + eps) (Shao et al. 2024, DeepSeekMath,
   arXiv 2402.03300); without the std division it is Dr. GRPO (Liu et al. 2025, arXiv 2503.20783).
@@ -13,29 +23,81 @@ A group of one response has advantage 0 under both (no baseline to compare again
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-AdvantageFn = Callable[..., torch.Tensor]
-ADVANTAGES: dict[str, AdvantageFn] = {}
+from packrl.config.schema import AlgorithmConfig
+from packrl.registry import ADVANTAGE_ESTIMATORS
+from packrl.types import ScoredBatch
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an estimator ``fn(rewards [N], group_size, *, norm_by_std) -> [N]`` under ``name``."""
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator may read.
 
-    def wrap(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGES[name] = fn
-        return fn
+    Attributes:
+        scored: the scored rollout (responses, prompts, task scores).
+        rewards: one reward per response after shaping and any in-reward KL. Shape [N], float32.
+        response_masks: True = a token the policy generated (False for tool output in a
+            multi-turn trajectory). ``N`` tensors of Shape [R_i], bool.
+        old_logprobs / ref_logprobs: ``N`` tensors of Shape [R_i], float32 nats, or None when
+            that pass did not run.
+        cfg: the ``algorithm`` section.
+    """
 
-    return wrap
+    scored: ScoredBatch
+    rewards: torch.Tensor
+    response_masks: tuple[torch.Tensor, ...]
+    old_logprobs: tuple[torch.Tensor, ...] | None
+    ref_logprobs: tuple[torch.Tensor, ...] | None
+    cfg: AlgorithmConfig
+
+    @property
+    def group_size(self) -> int:
+        return self.scored.rollout.group_size
 
 
-def get_advantage(name: str) -> AdvantageFn:
-    """The estimator registered as ``name``; ValueError listing the known names otherwise."""
-    if name not in ADVANTAGES:
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not registered; known: {', '.join(sorted(ADVANTAGES))}")
-    return ADVANTAGES[name]
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, ...]]
+"""``fn(inputs) -> N tensors of Shape [R_i], float32`` (advantage of every response token)."""
+
+
+def per_token(per_response: torch.Tensor, inputs: AdvantageInputs) -> tuple[torch.Tensor, ...]:
+    """Give every token of response i the value ``per_response[i]``. ``N`` tensors of Shape [R_i], float32."""
+    return tuple(torch.full((len(r.response_ids),), float(a)) for r, a in zip(inputs.scored.rollout.responses, per_response))
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, ...]:
+    """`grpo_advantages` of the rewards (``algorithm.norm_adv_by_std``), on every token."""
+    return per_token(grpo_advantages(inputs.rewards, inputs.group_size, norm_by_std=inputs.cfg.norm_adv_by_std), inputs)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, ...]:
+    """`rloo_advantages` of the rewards, on every token."""
+    return per_token(rloo_advantages(inputs.rewards, inputs.group_size), inputs)
+
+
+def check_advantages(advantages: Sequence[torch.Tensor], inputs: AdvantageInputs) -> tuple[torch.Tensor, ...]:
+    """An estimator's result as float32 tensors, checked against the responses.
+
+    Raises:
+        ValueError: not one tensor per response, or a tensor whose shape is not [R_i] (names the
+            estimator and the response).
+    """
+    name, responses = inputs.cfg.adv_estimator, inputs.scored.rollout.responses
+    if len(advantages) != len(responses):
+        raise ValueError(f"algorithm.adv_estimator={name!r} returned {len(advantages)} advantages for {len(responses)} responses; "
+                         "return one tensor of Shape [R_i] per response")
+    out = []
+    for i, (adv, response) in enumerate(zip(advantages, responses)):
+        if not isinstance(adv, torch.Tensor) or tuple(adv.shape) != (len(response.response_ids),):
+            raise ValueError(f"algorithm.adv_estimator={name!r} returned Shape {tuple(getattr(adv, 'shape', ()))} for response {i} "
+                             f"of {len(response.response_ids)} tokens; return one value per response token")
+        out.append(adv.detach().float().cpu())
+    return tuple(out)
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -44,7 +106,6 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.float().view(-1, group_size)
 
 
-@register_advantage("grpo")
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages.
 
@@ -69,7 +130,6 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, norm_by_std: bool
     return centred.view(-1)
 
 
-@register_advantage("rloo")
 def rloo_advantages(rewards: torch.Tensor, group_size: int, **_: object) -> torch.Tensor:
     """Leave-one-out baseline: r_i minus the mean of the group's other rewards.
 

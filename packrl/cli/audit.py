@@ -1,7 +1,7 @@
 """`packrl audit DATA... [--model M] [--preset NAME] [key=value ...] [--json] [--html FILE]`.
 
 Audits the prompt lengths of data files with the model's tokenizer, through the path training
-takes (see `packrl.seqlen.audit`). The config is the preset (``--preset``, default ``demo``)
+takes (see `packrl.inspect.audit`). The config is the preset (``--preset``, default ``demo``)
 plus ``key=value`` overrides, as for `packrl train`; DATA replaces ``data.train_files`` and
 ``--model`` replaces ``model.path`` (default: the config's ``model.path``). Arguments with
 ``=`` whose left side is a dotted key (``data.max_prompt_tokens=1024``) are overrides; every
@@ -61,7 +61,7 @@ def locate_tokenizer(model: str) -> TokenizerSource:
         ValueError: the model does not resolve (the message lists where it looked, as for
             ``model.path``), or a ``.gguf`` path does not exist.
     """
-    from packrl.models.loading import cache_root, file_sha256, is_complete, resolve_model
+    from packrl.models.resolve import cache_root, file_sha256, is_complete, resolve_model
 
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
@@ -94,7 +94,8 @@ def load_audit_tokenizer(source: TokenizerSource) -> Any:
     Raises:
         ValueError: no tokenizer there, or it has no chat template (see `load_tokenizer`).
     """
-    from packrl.models.loading import ResolvedModel, load_tokenizer, resolve_model
+    from packrl.models.loading import load_tokenizer
+    from packrl.models.resolve import ResolvedModel, resolve_model
 
     if source.directory is None:
         return load_tokenizer(resolve_model(source.model), source.model)
@@ -119,8 +120,8 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """The `packrl audit` command; returns the exit status (0 audited, 2 bad input)."""
-    from packrl.models.loading import cache_root
-    from packrl.seqlen.audit import audit_sources
+    from packrl.models.resolve import cache_root
+    from packrl.inspect.audit import audit_sources
 
     start = time.perf_counter()
     sources, overrides = split_arguments([*args.data, *args.overrides])
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_html(report: Any, path: Path) -> None:
-    from packrl.seqlen.audit_html import render_html
+    from packrl.inspect.audit_html import render_html
 
     if path.is_dir():
         raise ValueError(f"--html {path} is a directory; pass a file path such as {path / 'audit.html'}")

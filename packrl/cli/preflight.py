@@ -1,4 +1,4 @@
-"""`packrl preflight`: check a run from its configs before anything loads (see `packrl.seqlen.preflight`)."""
+"""`packrl preflight`: check a run from its configs before anything loads (see `packrl.inspect.preflight`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 
 def _cmd_preflight(args: argparse.Namespace) -> int:
-    from packrl.seqlen.preflight import preflight
+    from packrl.inspect.preflight import preflight
 
     try:
         report = preflight(args.preset, args.overrides, device_memory_gib=args.device_memory, device=args.device)

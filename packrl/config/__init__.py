@@ -1,7 +1,7 @@
 """Typed run configuration: dataclass schema, YAML presets, dotlist overrides."""
 
 from packrl.config.load import check_config, load_config, preset_names, to_yaml
-from packrl.config.problems import ConfigError, ConfigProblem
+from packrl.errors import ConfigError, ConfigProblem
 from packrl.config.schema import (
     AlgorithmConfig,
     DataConfig,

@@ -23,8 +23,9 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from packrl.config.problems import ConfigError, ConfigProblem
 from packrl.config.schema import RunConfig
+from packrl.errors import ConfigError, ConfigProblem
+from packrl.registry import CONFIG_REGISTRIES, import_plugins
 
 DEFAULT_PRESET = "demo"
 
@@ -231,8 +232,24 @@ def check_config(
     bad: set[str] = set()
     cfg = _build(RunConfig, data, "", problems, bad)
     problems += [p for p in cfg.problems() if not bad.intersection(p.involved_keys)]
+    problems += _registry_problems(cfg, bad)
     unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
     return cfg, list(unique.values()), bad
+
+
+def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
+    """Import ``trainer.plugins``, then check every key that names a registered part
+    (`packrl.registry.CONFIG_REGISTRIES`), naming the nearest registered name."""
+    problems = [ConfigProblem("trainer.plugins", plugin, f"cannot be imported ({error})",
+                              "fix the plugin or remove it from trainer.plugins")
+                for plugin, error in import_plugins(cfg.trainer.plugins)]
+    for key, registry in CONFIG_REGISTRIES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        problem = None if key in bad else registry.problem(value)
+        if problem is not None:
+            problems.append(ConfigProblem(key, value, *problem))
+    return problems
 
 
 def to_yaml(cfg: RunConfig) -> str:

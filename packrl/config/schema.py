@@ -13,13 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from packrl.config.problems import ConfigProblem, check_positive
+from packrl.errors import ConfigProblem, check_positive
 
 OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PackedAttention = Literal["varlen", "block_mask", "position_ids"]
 ModelDtype = Literal["bf16", "fp32"]
-AdvEstimator = Literal["grpo", "rloo"]
 KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
@@ -226,6 +225,10 @@ class RolloutConfig:
     val_temperature: float = 0.0
     """Temperature for validation (0 = greedy), one response per prompt."""
 
+    engine: str = "hf"
+    """Rollout engine, a name in `packrl.registry.ROLLOUT_ENGINES`: `hf` (transformers'
+    `generate` on the policy's weights, CPU or one GPU), or one registered through `trainer.plugins`."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)
         out += check_positive(f"{prefix}.max_num_seqs", self.max_num_seqs)
@@ -394,9 +397,15 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
-    adv_estimator: AdvEstimator = "grpo"
-    """Advantage estimator (`packrl.algos.ADVANTAGES`): `grpo` (group-normalised reward) or
-    `rloo` (leave-one-out baseline)."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator, a name in `packrl.registry.ADVANTAGE_ESTIMATORS`: `grpo`
+    (group-normalised reward), `rloo` (leave-one-out baseline), or one registered through
+    `trainer.plugins`. It gives every response token its advantage."""
+
+    policy_loss: str = "ppo_clip"
+    """Policy loss, a name in `packrl.registry.POLICY_LOSSES`: `ppo_clip` (the PPO clipped
+    surrogate with `clip_ratio_low|high`), or one registered through `trainer.plugins`. The loss is
+    per token; `loss_agg_mode` makes it one number, and the KL and entropy terms are added to it."""
 
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std. False is Dr. GRPO (arXiv 2503.20783)."""
@@ -462,6 +471,11 @@ class TrainerConfig:
 
     num_cpus_per_worker: int = 1
     """CPUs Ray reserves for each worker actor (torch intra-op threads follow it)."""
+
+    plugins: list[str] = field(default_factory=list)
+    """Python files (`path/to/file.py`) or module names imported before the config's registered
+    names are checked, in this process and in every worker: register your own reward, advantage
+    estimator, policy loss or rollout engine there (`packrl.registry`)."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.num_workers", self.num_workers)

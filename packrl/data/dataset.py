@@ -27,7 +27,7 @@ from packrl.data.prompts import (
     load_examples,
     rendered_prompt_lengths,
 )
-from packrl.seqlen.audit import length_percentiles
+from packrl.seqlen.stats import length_percentiles
 from packrl.seqlen.prompt_policy import PromptAccounting
 from packrl.types import PromptBatch
 
@@ -136,7 +136,7 @@ class PromptDataset:
         policy) of every rendered row: keys ``p50 p90 p95 p99 max`` (None when no row rendered).
 
         Computed from the accounting with `rendered_prompt_lengths` and
-        `packrl.seqlen.audit.length_percentiles`, as `packrl audit` computes its prompt
+        `packrl.seqlen.stats.length_percentiles`, as `packrl audit` computes its prompt
         percentiles, so the two agree for the same rows and config.
         """
         return length_percentiles(rendered_prompt_lengths(self.accounting))

@@ -5,7 +5,7 @@
     account_rows        outcomes + bad rows -> `PromptAccounting` (one outcome per input row)
     rendered_prompt_lengths   accounting -> prompt tokens of every rendered row, before the policy
 
-`PromptDataset.build` (training) and `packrl.seqlen.audit` (the audit) call exactly these
+`PromptDataset.build` (training) and `packrl.inspect.audit` (the audit) call exactly these
 functions, so the prompt lengths the audit reports are the ones the trainer computes for the
 same rows. `budget_examples` treats each row on its own (rendering is per row, the tokenizer
 call is batched but per text), so running it over chunks of the examples, as the audit does

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from packrl.diagnostics.buckets import bucket_means, length_buckets
-from packrl.types import FINISH_REASONS, RolloutBatch, ScoredBatch, TrainBatch
+from packrl.types import FINISH_REASONS, RolloutBatch, TrainBatch
 
 
 def _stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
@@ -38,13 +38,17 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     return out
 
 
-def score_metrics(scored: ScoredBatch, advantages: Sequence[torch.Tensor]) -> dict[str, float]:
-    """``critic/score/mean|max|min``, ``critic/rewards/mean|max|min`` and ``critic/advantages/mean|max|min``."""
-    per_seq_adv = [float(a[0]) if a.numel() else 0.0 for a in advantages]
+def score_metrics(batch: TrainBatch) -> dict[str, float]:
+    """``critic/score/mean|max|min`` and ``critic/rewards/mean|max|min`` (per response), and
+    ``critic/advantages/mean|max|min`` over every response token the policy generated (verl's
+    meaning: advantages are per token; an outcome estimator's mean is then length-weighted)."""
+    scored = batch.scored
+    generated = [a[r.generated_mask()] for a, r in zip(batch.advantages, batch.rollout.responses)]
+    tokens = torch.cat(generated) if generated else torch.zeros(0)
     return (
         _stats("critic/score", scored.scores.tolist())
         | _stats("critic/rewards", scored.rewards.tolist())
-        | _stats("critic/advantages", per_seq_adv)
+        | _stats("critic/advantages", tokens.tolist())
     )
 
 

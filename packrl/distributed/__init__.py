@@ -1,1 +1,41 @@
-"""Worker groups: the protocol the training loop calls, and its in-process implementation."""
+"""Worker groups: the controller's side of the policy workers (`group.WorkerGroup`) and its
+transports, in process (`local`) and over Ray actors holding FSDP2 ranks (`ray_group`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RunConfig
+    from packrl.distributed.group import WorkerGroup
+
+
+@contextlib.contextmanager
+def open_worker_group(cfg: RunConfig, run_dir: Path, given: WorkerGroup | None = None) -> Iterator[WorkerGroup]:
+    """The run's worker group: ``given`` as is (its owner closes it), else (after checking from
+    the model config alone that RUN_DIR's disk holds one checkpoint, `check_disk_space`) one worker in this
+    process for ``trainer.num_workers=1`` (`packrl.distributed.local.local_group`) or Ray actors
+    (`packrl.distributed.ray_group.ray_group`), closed when the block ends (also on errors)."""
+    if given is not None:
+        yield given
+        return
+    from packrl.inspect.disk import check_disk_space, checkpoint_bytes
+
+    check_disk_space(run_dir, checkpoint_bytes(cfg), lora=cfg.model.lora.rank > 0)  # before any weight loads
+    if cfg.trainer.num_workers == 1:
+        from packrl.distributed.local import local_group
+
+        group = local_group(cfg)
+    else:
+        from packrl.distributed.ray_group import ray_group
+
+        group = ray_group(cfg, run_dir)
+    try:
+        yield group
+    except BaseException:
+        group.close(graceful=False)
+        raise
+    group.close()

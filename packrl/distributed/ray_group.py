@@ -1,16 +1,6 @@
-"""The data-parallel worker group: ``trainer.num_workers`` Ray actors, each an `FSDPWorker` rank.
-
-The controller (the training loop's process) keeps the tokenizer and the data; each call splits
-the batch over the ranks with the seqlen balancer, sends every rank its part and puts the results
-back in input order:
-
-    call               split (packrl.seqlen.balance)                  back in order by
-    generate           prompts: karmarkar_karp on prompt + response   prompt position
-                       budget; each prompt keeps its seed
-    compute_logprobs   sequences: balance_ranks (equal micro-batch    sequence index
-                       counts, log-prob token budget)
-    update             each mini-batch: balance_ranks (update token   -- (metrics merged)
-                       budget); denominators all-reduced on the ranks
+"""The Ray transport: ``trainer.num_workers`` Ray actors, each a `PolicyWorker` holding one FSDP2
+rank (`packrl.worker.strategy.FSDP2`; one GPU each on CUDA). The controller's `WorkerGroup`
+plans every pass and sends each rank its part through `RayActors`.
 
 Local Ray (no ``trainer.ray_address``) listens on the loopback interface only (Ray's own
 processes and torch.distributed's rendezvous and collectives), keeps its temp dir in
@@ -21,26 +11,20 @@ the Unix socket paths Ray makes) and starts no dashboard. Ray's task timeline is
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
-from packrl.diagnostics.trace import NullTracer
-from packrl.distributed.local import generate_with_retry, is_on_policy
-from packrl.distributed.protocol import Role
+from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer
-from packrl.rollout.engine import SamplingParams
-from packrl.seqlen.balance import balance_ranks, karmarkar_karp
-from packrl.trainer.actor import LogprobResult, update_metrics
-from packrl.trainer.checkpoint import check_disk_space, checkpoint_bytes, load_trainer_state
-from packrl.types import PromptBatch, RolloutBatch, TrainBatch
+from packrl.worker.policy import PolicyWorker
 
 logger = logging.getLogger(__name__)
 
@@ -150,134 +134,32 @@ def _check_resources(cfg: RunConfig, resources: dict[str, float]) -> None:
                          f"lower trainer.num_workers" + ("" if need_gpu else " or trainer.num_cpus_per_worker"))
 
 
-class RayWorkerGroup:
-    """`WorkerGroup` over ``trainer.num_workers`` `FSDPWorker` Ray actors (one GPU each on CUDA).
+class RayActors:
+    """`Transport` over Ray actors, one `PolicyWorker` (an FSDP2 rank) each.
 
-    Use `build`; `close` writes Ray's timeline, ends the process group and shuts Ray down.
+    Use `ray_group`; `close` writes Ray's timeline, ends the process group and shuts down the Ray
+    this run started.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer: Any, actors: list, info: dict[str, Any], owns_ray: bool):
-        self.cfg, self.run_dir, self.tokenizer, self.actors, self.owns_ray = cfg, run_dir, tokenizer, actors, owns_ray
+    in_process = False
+
+    def __init__(self, actors: list, run_dir: Path, owns_ray: bool):
+        self.actors, self.run_dir, self.owns_ray = actors, run_dir, owns_ray
         self.num_ranks = len(actors)
-        self.max_context_tokens, self.rope_factor = info["max_context_tokens"], info["rope_factor"]
-        self.model_summary = info["model_summary"]
-        self.on_policy = is_on_policy(cfg)
-        self._linked = False
 
-    @classmethod
-    def build(cls, cfg: RunConfig, run_dir: Path) -> RayWorkerGroup:
-        """Start Ray, place the ranks, form the process group and load the shards.
+    def call(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
+        return _gather([getattr(actor, method).remote(*args) for actor, args in zip(self.actors, args_per_rank)])
 
-        Raises:
-            ValueError: see `start_ray`; the disk check (`check_disk_space`).
-        """
-        check_disk_space(run_dir, checkpoint_bytes(cfg), lora=cfg.model.lora.rank > 0)
-        tokenizer = load_policy_tokenizer(cfg.model)
-        owns_ray = start_ray(cfg, run_dir)
+    def share(self, obj: Any) -> Any:
         import ray
 
-        from packrl.distributed.fsdp_worker import FSDPWorker
+        return ray.put(obj)
 
-        gpus = 1 if torch.cuda.is_available() else 0
-        loopback = cfg.trainer.ray_address is None
-        actors: list = []
-        try:
-            remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(FSDPWorker)
-            actors = [remote.remote(cfg, rank, cfg.trainer.num_workers, loopback) for rank in range(cfg.trainer.num_workers)]
-            host, port = _gather(actors[0].address.remote())
-            infos = _gather([a.setup.remote(host, port) for a in actors])
-        except BaseException:  # a failed set-up or Ctrl-C leaves no actor and no Ray of ours behind
-            for actor in actors:
-                ray.kill(actor)
-            if owns_ray:
-                ray.shutdown()
-            raise
-        logger.info("%d data-parallel workers ready (rendezvous %s:%d)", len(actors), host, port)
-        return cls(cfg, run_dir, tokenizer, actors, infos[0], owns_ray)
+    def trace_links(self) -> dict[str, str]:
+        return {"ray_timeline": RAY_TIMELINE_FILE}
 
-    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
-        """Each rank generates for its share of the prompts, with the prompts' own seeds (drawn
-        here from torch's RNG as the single-process engine draws them), so the responses are the
-        ones one process would sample."""
-        import ray
-
-        seeds = torch.randint(0, 1 << 62, (len(prompts.prompt_ids),)).tolist()
-        costs = [len(p) + params.max_response_tokens for p in prompts.prompt_ids]
-        parts = [p for p in karmarkar_karp(costs, min(self.num_ranks, len(costs))) if p]
-
-        def run() -> list:
-            calls = [self.actors[r].generate.remote([prompts.prompt_ids[i] for i in part], params, [seeds[i] for i in part])
-                     for r, part in enumerate(parts)]
-            out: list = [None] * len(costs)
-            for part, groups in zip(parts, _gather(calls)):
-                for i, group in zip(part, groups):
-                    out[i] = group
-            return out
-
-        groups = generate_with_retry(run, prompts)
-        return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
-
-    def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
-        """Log-probs over the ranks' balanced shares (equal micro-batch counts), in sequence order."""
-        import ray
-
-        if (role == "ref" and self.cfg.algorithm.kl_coef == 0) or (role == "actor" and self.on_policy):
-            return None
-        plan = balance_ranks(rollout.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch,
-                             balance_microbatches=self.cfg.train.balance_microbatches,
-                             budget_key="train.max_tokens_per_logprob_microbatch")
-        shared = ray.put(rollout)
-        calls = [a.compute_logprobs.remote(shared, role, [list(mb) for mb in p.microbatches]) for a, p in zip(self.actors, plan.ranks)]
-        merged: dict[int, tuple] = {}
-        for part in _gather(calls):
-            merged.update(part)
-        assert sorted(merged) == list(range(len(rollout))), "every sequence comes back exactly once"
-        return LogprobResult(tuple(merged[i][0] for i in range(len(rollout))), tuple(merged[i][1] for i in range(len(rollout))),
-                             tuple(mb for p in plan.ranks for mb in p.microbatches))
-
-    def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
-        """Every rank updates on its share of each mini-batch; metrics merged over ranks, plus
-        ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches)."""
-        import ray
-
-        plans, imbalance = self._minibatch_plans(batch)
-        shared = ray.put(batch)
-        results = _gather([a.update.remote(shared, plans[r]) for r, a in enumerate(self.actors)])
-        for rank, (_, spans) in enumerate(results):
-            tracer.add_worker_spans(rank, spans)
-        if not self._linked:
-            tracer.link("ray_timeline", RAY_TIMELINE_FILE)
-            self._linked = True
-        return update_metrics([stats for stats, _ in results], batch, self.cfg) | {"seqlen/rank_imbalance": imbalance}
-
-    def _minibatch_plans(self, batch: TrainBatch) -> tuple[list[dict[int, list[list[int]]]], float]:
-        """Per rank: first index of each mini-batch -> that rank's micro-batches (sequence indices)."""
-        group, num_prompts = batch.rollout.group_size, len(batch.rollout.prompts)
-        mini = self.cfg.train.mini_batch_size or num_prompts
-        lengths = batch.rollout.sequence_lengths()
-        plans: list[dict[int, list[list[int]]]] = [{} for _ in self.actors]
-        imbalances = []
-        for start in range(0, num_prompts, mini):
-            indices = list(range(start * group, min(start + mini, num_prompts) * group))
-            plan = balance_ranks([lengths[i] for i in indices], self.num_ranks, self.cfg.train.max_tokens_per_microbatch,
-                                 balance_microbatches=self.cfg.train.balance_microbatches)
-            imbalances.append(plan.imbalance())
-            for rank, rank_plan in enumerate(plan.ranks):
-                plans[rank][indices[0]] = [[indices[j] for j in mb] for mb in rank_plan.microbatches]
-        return plans, sum(imbalances) / len(imbalances)
-
-    def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
-        import ray
-
-        paths = _gather([a.save_checkpoint.remote(str(run_dir), step, trainer_state) for a in self.actors])
+    def checkpoint_written(self) -> None:
         self._write_timeline()
-        return Path(paths[0])
-
-    def load_checkpoint(self, path: Path) -> dict:
-        import ray
-
-        _gather([a.load_checkpoint.remote(str(path)) for a in self.actors])
-        return load_trainer_state(path)[0]
 
     def _write_timeline(self) -> None:
         import ray
@@ -310,22 +192,30 @@ class RayWorkerGroup:
                 ray.shutdown()
 
 
-@contextlib.contextmanager
-def open_worker_group(cfg: RunConfig, run_dir: Path, given: Any = None) -> Iterator[Any]:
-    """The run's worker group: ``given`` as is (its owner closes it), else `LocalWorkerGroup` for
-    ``trainer.num_workers=1`` or `RayWorkerGroup`, closed when the block ends (also on errors)."""
-    if given is not None:
-        yield given
-        return
-    if cfg.trainer.num_workers == 1:
-        from packrl.distributed.local import LocalWorkerGroup
+def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
+    """Start Ray, place the ranks, form the process group and load the shards.
 
-        yield LocalWorkerGroup.build(cfg, run_dir=run_dir)
-        return
-    group = RayWorkerGroup.build(cfg, run_dir)
+    Raises:
+        ValueError: see `start_ray`; a worker's set-up error.
+    """
+    tokenizer = load_policy_tokenizer(cfg.model)
+    owns_ray = start_ray(cfg, run_dir)
+    import ray
+
+    gpus = 1 if torch.cuda.is_available() else 0
+    loopback = cfg.trainer.ray_address is None
+    plan = BatchPlan.from_config(cfg)
+    actors: list = []
     try:
-        yield group
-    except BaseException:
-        group.close(graceful=False)
+        remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(PolicyWorker)
+        actors = [remote.remote(cfg, plan, rank, cfg.trainer.num_workers, loopback) for rank in range(cfg.trainer.num_workers)]
+        address = _gather(actors[0].listen.remote())
+        infos = _gather([a.setup.remote(address) for a in actors])
+    except BaseException:  # a failed set-up or Ctrl-C leaves no actor and no Ray of ours behind
+        for actor in actors:
+            ray.kill(actor)
+        if owns_ray:
+            ray.shutdown()
         raise
-    group.close()
+    logger.info("%d data-parallel workers ready (rendezvous %s:%d)", len(actors), *address)
+    return WorkerGroup(cfg, tokenizer, RayActors(actors, run_dir, owns_ray), infos[0])

@@ -25,6 +25,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -121,13 +122,14 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain transformers model whose Linear weights are ``W + (alpha / r) B A`` of ``model``.
 
     Costs one float32 copy of the weights while it is built. Keep it current with
-    `sync_merged_weights`.
+    `merged_weights`.
     """
     twin = copy.deepcopy(model).merge_and_unload()
-    twin.requires_grad_(True)  # as the base model had them; see packrl.distributed.local.rollout_weights
+    twin.requires_grad_(True)  # as the base model had them; see packrl.rollout.hf_engine.rollout_copy
     return twin
 
 
+@torch.no_grad()
 def _merged_weight(module: Any, leaf: str) -> torch.Tensor:
     """A LoRA layer's base parameter ``leaf``, plus its adapters' delta for the weight."""
     value = getattr(module.get_base_layer(), leaf)
@@ -139,23 +141,27 @@ def _merged_weight(module: Any, leaf: str) -> torch.Tensor:
     return value
 
 
-@torch.no_grad()
-def sync_merged_weights(model: torch.nn.Module, twin: torch.nn.Module) -> None:
-    """Copy ``model``'s merged weights into ``twin`` (from `merged_copy`), casting to its dtype.
-
-    Raises:
-        ValueError: ``twin`` has a parameter that ``model`` lacks (it was built from another model).
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of ``model`` as its plain transformers model would hold them: every parameter
+    of the base model by its base name (``model.layers.0.self_attn.q_proj.weight``), the weight of
+    each LoRA layer merged (``W + (alpha / r) B A``), the adapters themselves left out. These are
+    the names and values of `merged_copy`'s parameters (tied weights under each of their names).
     """
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    for name, dst in twin.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        try:
-            module = base.get_submodule(owner)
-        except AttributeError as err:
-            raise ValueError(f"the rollout copy has parameter {name!r}, which the LoRA model lacks; rebuild it with merged_copy") from err
-        dst.copy_(_merged_weight(module, leaf) if isinstance(module, LoraLayer) else getattr(module, leaf))
+    adapted: list[str] = []
+    for name, module in base.named_modules():
+        if any(name.startswith(f"{owner}.") for owner in adapted):
+            continue  # a LoRA layer's base layer and adapters
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            adapted.append(name)
+            for leaf, _ in module.get_base_layer().named_parameters(recurse=False):
+                yield f"{prefix}{leaf}", _merged_weight(module, leaf)
+            continue
+        for leaf, param in module.named_parameters(recurse=False):
+            yield f"{prefix}{leaf}", param.detach()
 
 
 def load_adapter(model: torch.nn.Module, path: Path) -> None:

@@ -15,7 +15,7 @@ def load_model_config(path: str) -> Any:
     """The `transformers.PretrainedConfig` of ``model.path``.
 
     Args:
-        path: anything `packrl.models.loading.resolve_model` accepts: a model directory with
+        path: anything `packrl.models.resolve.resolve_model` accepts: a model directory with
             ``config.json``, a ``.gguf`` file (its header is read through transformers' GGUF
             support, which needs the ``gguf`` package), a hub id (HF cache first, then the hub;
             only the small json/text files are fetched), or the alias ``smollm2-135m-instruct``
@@ -31,7 +31,7 @@ def load_model_config(path: str) -> Any:
     """
     from transformers import AutoConfig
 
-    from packrl.models.loading import resolve_model
+    from packrl.models.resolve import resolve_model
 
     resolved = resolve_model(path, weights=False)
     try:

@@ -1,7 +1,8 @@
-"""Reward functions by name (`reward.name`).
+"""Reward functions by name (``reward.name``): the `packrl.registry.REWARDS` registry.
 
 A reward function scores one decoded response against its prompt's ground truth. Adding one
-is one decorated function in any module imported before the run starts::
+is one decorated function in a file named in ``trainer.plugins`` (or any module imported
+before the run starts)::
 
     from packrl.config.schema import RewardConfig
     from packrl.reward import register_reward
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from packrl.config.schema import RewardConfig
+from packrl.registry import REWARDS
 
 
 class RewardFn(Protocol):
@@ -28,35 +30,19 @@ class RewardFn(Protocol):
         ...
 
 
-REWARDS: dict[str, RewardFn] = {}
-
-
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Register the decorated function as reward ``name``.
+    """Register the decorated function as reward ``name`` (`packrl.registry.Registry.register`).
 
     Raises:
         ValueError: ``name`` is already registered to another function.
     """
-
-    def decorate(fn: RewardFn) -> RewardFn:
-        if name in REWARDS and REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered ({REWARDS[name]!r}); pick another name for {fn!r}")
-        REWARDS[name] = fn
-        return fn
-
-    return decorate
+    return REWARDS.register(name)
 
 
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as ``name``.
 
     Raises:
-        ValueError: ``name`` is not registered; the message lists the registered names.
+        ValueError: ``name`` is not registered; the message names the nearest and every registered name.
     """
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(
-            f"reward.name={name!r} is not a registered reward; registered: {', '.join(sorted(REWARDS))}. "
-            "Set reward.name to one of them, or register one with @register_reward"
-        ) from None
+    return REWARDS.lookup(name)

@@ -4,8 +4,15 @@ Shapes: ``B`` prompts · ``G`` responses per prompt (``SamplingParams.n``) · ``
 prompt b · ``R_i`` tokens of response i.
 
 An engine receives canonical prompt ids (invariant 5: it generates from exactly these ids) and
-returns, for each prompt in input order, ``G`` `Response` objects whose finish reason says why
-each one stopped (invariant 7: truncation is read from it, never from tensor widths).
+one seed per prompt, and returns, for each prompt in input order, ``G`` `Response` objects whose
+finish reason says why each one stopped (invariant 7: truncation is read from it, never from
+tensor widths) and whose ``response_mask`` says which tokens the policy generated. After every
+update the worker hands the engine the new weights (`RolloutEngine.load_weights`); around
+generation it wakes the engine and puts it to sleep (`wake_up`, `sleep`), so an engine that holds
+device memory (a KV cache) can give it back to training.
+
+Engines are built by name (``rollout.engine``) from `packrl.registry.ROLLOUT_ENGINES`: a factory
+takes an `EngineContext` and returns the engine.
 
 Greedy decoding is ``temperature == 0`` rather than a separate flag, so the two can never
 disagree; `SamplingParams.greedy` reads it. This module imports no torch, so config-only tools
@@ -14,12 +21,12 @@ can build sampling parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RolloutConfig
+    from packrl.config.schema import RolloutConfig, RunConfig
     from packrl.types import Response
 
 
@@ -103,14 +110,17 @@ class SamplingParams:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Anything that turns prompts into groups of responses."""
+    """Anything that turns prompts into groups of responses and follows the policy's weights."""
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Response]]:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
         """Generate `params.n` responses for each prompt.
 
         Args:
             prompt_ids: B prompts, ``[B][P_b]`` token ids; the model receives exactly these.
             params: how to sample.
+            seeds: one seed per prompt; sample g of prompt b draws its randomness from
+                ``(seeds[b], g)`` alone, so a response does not depend on the batch or the worker
+                that generates it.
 
         Returns:
             ``[B][G]`` responses: the outer list follows the input order of the prompts, the
@@ -120,3 +130,43 @@ class RolloutEngine(Protocol):
             ValueError: a prompt leaves no room for a response in the model context.
         """
         ...
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Take the policy's new weights: ``(name, tensor)`` pairs named as in the plain
+        transformers model (a LoRA policy's adapters merged in), full (not sharded). An engine
+        that generates on the policy's own parameters ignores them without reading them."""
+        ...
+
+    def sleep(self) -> None:
+        """Release the device memory generation holds (weights copy, KV cache) until `wake_up`;
+        a no-op for an engine that holds none of its own."""
+        ...
+
+    def wake_up(self) -> None:
+        """Reacquire what `sleep` released, before the next `generate`."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine factory gets.
+
+    Attributes:
+        policy: the policy model as loaded (``torch.nn.Module``; a peft model with LoRA), before
+            any sharding.
+        tokenizer: its tokenizer.
+        cfg: the run's config (``rollout.*``, ``model.*``, budgets).
+        max_context_tokens: the model context, RoPE scaling included; prompt + response never exceed it.
+        may_share_policy: the engine may generate on ``policy``'s own parameters (one process,
+            float32); False when the policy will be sharded, so the engine must hold its own copy.
+    """
+
+    policy: Any
+    tokenizer: Any
+    cfg: RunConfig
+    max_context_tokens: int
+    may_share_policy: bool
+
+
+EngineFactory = Callable[[EngineContext], RolloutEngine]
+"""``factory(context) -> engine``, registered in `packrl.registry.ROLLOUT_ENGINES`."""

@@ -1,5 +1,7 @@
-"""Sequence-length management: budgets, prompt policy, packing, micro-batching, balancing,
-chunked log-probs. Pure functions, unit-testable on CPU.
+"""Sequence-length management, the length core: budgets, prompt policy, packing, micro-batching,
+balancing, the update plan with its loss denominators, chunked log-probs and length statistics.
+Pure functions on lengths and tensors, unit-testable on CPU; nothing here imports the rest of
+packrl (the tools that inspect data and configs before a run live in `packrl.inspect`).
 
 Names are imported on first use, so config-only tools (``packrl config``) do not load torch.
 """
@@ -16,7 +18,6 @@ _EXPORTS = {
     "apply_prompt_policy": "prompt_policy",
     "Pack": "packing",
     "pack_sequences": "packing",
-    "restore_order": "packing",
     "MicrobatchPlan": "microbatch",
     "plan_microbatches": "microbatch",
     "sequence_costs": "microbatch",
@@ -24,6 +25,12 @@ _EXPORTS = {
     "balance_ranks": "balance",
     "karmarkar_karp": "balance",
     "refine_partition": "balance",
+    "LossDenominators": "denominators",
+    "MinibatchPlan": "update_plan",
+    "UpdatePlan": "update_plan",
+    "plan_ranks": "update_plan",
+    "plan_update": "update_plan",
+    "length_percentiles": "stats",
     "chunked_logprobs": "chunked",
     "full_logprobs": "chunked",
 }

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from packrl.config.problems import ConfigError, ConfigProblem, check_positive
+from packrl.errors import ConfigError, ConfigProblem, check_positive
 
 if TYPE_CHECKING:
     from packrl.config.schema import RunConfig

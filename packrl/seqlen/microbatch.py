@@ -1,5 +1,5 @@
 """Token-budget micro-batching: a hard cap on real tokens per micro-batch, as few micro-batches
-as the cap allows, optionally balanced by cost, and an index map that restores input order.
+as the cap allows, optionally balanced by cost (`RankPlan.restore` puts results back in order).
 
 Shapes: ``N`` sequences · ``L_i`` real tokens of sequence i · ``C`` the token cap · ``M`` micro-batches.
 
@@ -16,9 +16,6 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
-
-T = TypeVar("T")
 
 DEFAULT_LINEAR_COEF = 6 * 576  # 6 * hidden_size of SmolLM2-135M; pass 6 * your model's hidden_size
 _DFS_NODE_LIMIT = 20_000  # exact search fallback per candidate count; FFD is the final fallback
@@ -32,7 +29,7 @@ def sequence_costs(lengths: Sequence[int], linear_coef: float = DEFAULT_LINEAR_C
 
 @dataclass(frozen=True)
 class MicrobatchPlan:
-    """Micro-batches as lists of input indices, and the map back to input order.
+    """Micro-batches as lists of input indices.
 
     Attributes:
         microbatches: M tuples of input indices; together a permutation of the planned indices.
@@ -60,22 +57,6 @@ class MicrobatchPlan:
 
     def costs(self, linear_coef: float = DEFAULT_LINEAR_COEF) -> list[float]:
         return [sum(sequence_costs([self.lengths[i] for i in mb], linear_coef)) for mb in self.microbatches]
-
-    def fill(self) -> float:
-        """Mean fraction of the cap used by a micro-batch (``seqlen/microbatch_fill``)."""
-        return sum(self.num_tokens()) / (self.max_tokens * max(1, self.num_microbatches))
-
-    def restore(self, values_in_plan_order: Sequence[T]) -> list[T]:
-        """Reorder per-sequence values from plan order (as `order`) back to input order.
-
-        Raises:
-            ValueError: the number of values differs from the number of planned sequences.
-        """
-        order = self.order
-        if len(values_in_plan_order) != len(order):
-            raise ValueError(f"got {len(values_in_plan_order)} values for a plan of {len(order)} sequences")
-        by_index = dict(zip(order, values_in_plan_order))
-        return [by_index[i] for i in sorted(by_index)]
 
 
 def as_count(value: object, what: str) -> int:

@@ -147,29 +147,3 @@ def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: S
     cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)
     position_ids = torch.cat([torch.arange(n, device=device) for n in lens])
     return Pack(torch.cat(ids)[None], position_ids[None], cu, indices)
-
-
-def restore_order(packs: Sequence[Pack], per_pack_values: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """Put per-sequence outputs of several packs back into input order.
-
-    Args:
-        packs: packs whose ``indices`` together are a permutation of 0..N-1.
-        per_pack_values: for each pack, its per-sequence values in pack order (as `Pack.unpack` gives).
-
-    Returns:
-        N values, the i-th belonging to input sequence i.
-
-    Raises:
-        ValueError: the indices are not a permutation of 0..N-1 or counts disagree.
-    """
-    out: dict[int, torch.Tensor] = {}
-    for pack, values in zip(packs, per_pack_values, strict=True):
-        if len(values) != len(pack.indices):
-            raise ValueError(f"a pack of {len(pack.indices)} sequences got {len(values)} values")
-        for i, v in zip(pack.indices, values):
-            if i in out:
-                raise ValueError(f"sequence index {i} appears in two packs")
-            out[i] = v
-    if sorted(out) != list(range(len(out))):
-        raise ValueError(f"pack indices are not a permutation of 0..{len(out) - 1}")
-    return [out[i] for i in range(len(out))]

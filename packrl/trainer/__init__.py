@@ -1,1 +1,2 @@
-"""The training loop, the actor's update, batch building and checkpoints."""
+"""The controller: the training loop (one RL step top to bottom), the advantage stage, the run
+directory and validation."""

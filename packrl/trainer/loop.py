@@ -6,8 +6,8 @@ and leaves its record in RUN_DIR: metrics.jsonl, rollouts/step_N.jsonl (``train.
 and trace.json (``train.trace``; stage spans from the stage timers, micro-batch spans from the update).
 
 Every stage is a function or a worker-group call chosen by config; the loop holds no feature
-switches. Workers are in-process by default (`LocalWorkerGroup`); a distributed group with the
-same protocol drops in without changing this file.
+switches. The worker group (`packrl.distributed.group.WorkerGroup`) reaches one policy worker in
+this process or data-parallel ranks over Ray without this file knowing which.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_met
 from packrl.diagnostics.rollout_dump import build_rollout_dump
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
-from packrl.distributed.ray_group import open_worker_group
-from packrl.distributed.protocol import WorkerGroup
+from packrl.distributed import open_worker_group
+from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer
 from packrl.reward.score import check_reward, score_rollout
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import Budgets
 from packrl.trainer.batch import build_train_batch
-from packrl.trainer.checkpoint import resume_candidates
+from packrl.worker.checkpoint import resume_candidates
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.validate import validate
 
@@ -104,7 +104,7 @@ def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: Prom
                 batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
             with stage_timer(timing, "update_actor", spans):
                 update_metrics = workers.update(batch, tracer)
-        metrics = rollout_metrics(rollout) | score_metrics(batch.scored, batch.advantages) | adv_metrics | update_metrics
+        metrics = rollout_metrics(rollout) | score_metrics(batch) | adv_metrics | update_metrics
         metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old and old.logprobs, max_response)
         metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
         if val_set is not None and due(step, cfg.train.val_every, total):
@@ -134,6 +134,6 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         with open_worker_group(cfg, run.dir, workers) as workers:
             run.note("model.txt", workers.model_summary)
             budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
-            run.note("budgets.txt", budgets.plan())
+            run.note("budgets.txt", f"{budgets.plan()}\n{workers.plan.summary()}")
             _train_steps(cfg, run, workers, train_set, val_set)
     return run.dir

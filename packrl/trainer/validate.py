@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from packrl.config.schema import RunConfig
-from packrl.distributed.protocol import WorkerGroup
+from packrl.distributed.group import WorkerGroup
 from packrl.reward.score import score_rollout
 from packrl.rollout.engine import SamplingParams
 

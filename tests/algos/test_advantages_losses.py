@@ -7,12 +7,18 @@ import math
 import pytest
 import torch
 
-from packrl.algos import ADVANTAGES, get_advantage, kl_penalty, ppo_clip_loss
+from packrl.algos import grpo_advantages, kl_penalty, ppo_clip_loss, rloo_advantages
+from packrl.config import load_config
+from packrl.registry import ADVANTAGE_ESTIMATORS
+from packrl.trainer.batch import build_train_batch
+from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
+
+OUTCOME = {"grpo": grpo_advantages, "rloo": rloo_advantages}
 
 
 def test_grpo_normalises_within_groups():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
-    adv = get_advantage("grpo")(rewards, 4)
+    adv = grpo_advantages(rewards, 4)
     first = adv[:4]
     assert first[0] > 0 and torch.allclose(first[1:], first[1].expand(3))
     torch.testing.assert_close(first.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
@@ -22,26 +28,43 @@ def test_grpo_normalises_within_groups():
 
 def test_dr_grpo_only_centres():
     rewards = torch.tensor([2.0, 0.0, 1.0, 1.0])
-    adv = get_advantage("grpo")(rewards, 4, norm_by_std=False)
+    adv = grpo_advantages(rewards, 4, norm_by_std=False)
     assert adv.tolist() == [1.0, -1.0, 0.0, 0.0]
 
 
 def test_rloo_is_leave_one_out():
     rewards = torch.tensor([3.0, 0.0, 0.0])
-    adv = get_advantage("rloo")(rewards, 3)
+    adv = rloo_advantages(rewards, 3)
     assert adv.tolist() == pytest.approx([3.0, -1.5, -1.5])
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", sorted(OUTCOME))
 def test_single_response_groups_have_zero_advantage(name):
-    assert torch.equal(get_advantage(name)(torch.tensor([1.0, 0.0]), 1), torch.zeros(2))
+    assert torch.equal(OUTCOME[name](torch.tensor([1.0, 0.0]), 1), torch.zeros(2))
+
+
+def _scored(rewards: list[float], lengths: list[int]) -> ScoredBatch:
+    prompts = PromptBatch(((5, 6), (7,)), ("1", "2"), ("t", "t"), (0, 1), (False, False))
+    responses = tuple(Response(tuple(range(3, 3 + n)), "eos") for n in lengths)
+    r = torch.tensor(rewards)
+    return ScoredBatch(RolloutBatch(prompts, 2, responses), r, r)
+
+
+@pytest.mark.parametrize("name", sorted(OUTCOME))
+def test_registered_outcome_estimators_give_every_token_the_response_advantage(name):
+    assert name in ADVANTAGE_ESTIMATORS.names()
+    scored = _scored([1.0, 0.0, 0.5, 0.25], [3, 1, 4, 2])
+    batch, _ = build_train_batch(scored, None, None, load_config("demo", [f"algorithm.adv_estimator={name}"]).algorithm)
+    expected = OUTCOME[name](scored.rewards, 2)
+    for adv, value, n in zip(batch.advantages, expected, [3, 1, 4, 2], strict=True):
+        assert adv.shape == (n,) and torch.equal(adv, torch.full((n,), float(value)))
 
 
 def test_advantage_errors():
-    with pytest.raises(ValueError, match="adv_estimator='gae'"):
-        get_advantage("gae")
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='gae' is not a registered advantage estimator.*grpo, rloo"):
+        ADVANTAGE_ESTIMATORS.lookup("gae")
     with pytest.raises(ValueError, match="rollout.n=4"):
-        get_advantage("grpo")(torch.zeros(6), 4)
+        grpo_advantages(torch.zeros(6), 4)
 
 
 def test_ppo_clip_table():

@@ -9,7 +9,7 @@ import pytest
 from packrl.cli.audit import locate_tokenizer, split_arguments
 from packrl.cli.main import main
 from tests.conftest import SMOLLM_DIR
-from tests.seqlen.test_audit import DOCUMENTED_KEYS, INSTRUCTION, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
+from tests.inspect.test_audit import DOCUMENTED_KEYS, INSTRUCTION, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,8 @@ def test_text_report_and_html_page(capsys, data, model_dir, tmp_path):
     assert "prompt tokens" in captured.out and "p99" in captured.out and "rows/s" in captured.out
     assert f"wrote {page}" in captured.err
     text = page.read_text()
-    assert "<svg" in text and "prompt tokens: histogram" in text
-    assert "<script" not in text and 'src="http' not in text and 'href="http' not in text
+    assert "Plotly.newPlot" in text and "prompt tokens: histogram" in text
+    assert "<script src=" not in text and '<link' not in text  # plotly.js inlined: nothing fetched
 
 
 def test_preset_and_overrides_reach_the_audit(capsys, data, model_dir):

@@ -3,21 +3,21 @@ each against a direct computation on a small known batch."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from packrl.algos.losses import kl_penalty
 from packrl.config import load_config
-from packrl.config.problems import ConfigError
+from packrl.errors import ConfigError
 from packrl.diagnostics.buckets import bucket_means, length_buckets
 from packrl.diagnostics.metrics import bucket_metrics, rollout_mismatch_metrics
-from packrl.trainer.actor import compute_logprobs, update_actor
+from packrl.distributed.local import local_group
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
-from tests.conftest import tiny_llama
+from tests.conftest import score_of, tiny_llama
 
 M = 12  # rollout.max_response_tokens: buckets 0-3, 3-6, 6-9, 9-13
 LENGTHS = (2, 4, 5, 12, 7, 11)
@@ -68,21 +68,19 @@ def test_masked_token_counts(truncated, expected):
 def test_update_buckets_equal_direct_computation():
     cfg = _cfg("algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3")
     model, scored = tiny_llama(), _scored()
-    current = compute_logprobs(model, scored.rollout, cfg, contextlib.nullcontext)
-    ref = tuple(lp - 0.1 * torch.arange(len(lp)) for lp in current.logprobs)  # a reference that differs per token
-    old = tuple(lp + 0.3 * (-1) ** torch.arange(len(lp)) for lp in current.logprobs)  # clip active on some tokens
+    logprobs, entropy = score_of(model, scored.rollout, cfg)
+    ref = tuple(lp - 0.1 * torch.arange(len(lp)) for lp in logprobs)  # a reference that differs per token
+    old = tuple(lp + 0.3 * (-1) ** torch.arange(len(lp)) for lp in logprobs)  # clip active on some tokens
     batch, _ = build_train_batch(scored, old, ref, cfg.algorithm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    got = update_actor(model, optimizer, scheduler, batch, cfg, contextlib.nullcontext)
+    got = local_group(cfg, model, SimpleNamespace(eos_token_id=2, pad_token_id=0)).update(batch)  # metrics before the step
     expected: dict[str, float] = {}
     per_kl, per_clip = [], []
-    for lp, o, r, a in zip(current.logprobs, old, ref, batch.advantages):
+    for lp, o, r, a in zip(logprobs, old, ref, batch.advantages):
         ratio = torch.exp(lp - o)
         clipped = -a * ratio.clamp(0.8, 1.2) > -a * ratio
         per_kl.append(kl_penalty(lp, r, "k3").mean().item())
         per_clip.append(clipped.float().mean().item())
-    per_ent = [e.mean().item() for e in current.entropy]
+    per_ent = [e.mean().item() for e in entropy]
     for name, values in (("kl", per_kl), ("entropy", per_ent), ("clipfrac", per_clip)):
         expected |= bucket_means(name, values, LENGTHS, M)
     assert {k: v for k, v in got.items() if k.startswith("bucket/")} == pytest.approx(expected, abs=1e-5)

@@ -81,8 +81,7 @@ def _dump_dom(page: Path, tmp_path: Path) -> _PlotScan:
 def tiny_run_dir(tmp_path_factory, smollm_tokenizer) -> Path:
     """RUN_DIR of a real 2-step GRPO run of the tiny random policy, rollouts dumped, validation at step 2."""
     from packrl.config import load_config
-    from packrl.distributed.local import LocalWorkerGroup
-    from packrl.models.loading import load_reference
+    from packrl.distributed.local import local_group
     from packrl.trainer.loop import train
     from tests.diagnostics.tiny_run import tiny_policy
 
@@ -93,8 +92,7 @@ def tiny_run_dir(tmp_path_factory, smollm_tokenizer) -> Path:
         "rollout.max_response_tokens=12", "model.dtype=fp32", "train.lr=1e-3", "train.max_tokens_per_microbatch=192",
         "data.max_val_rows=3", "train.val_every=2", "train.dump_rollouts=true", "algorithm.kl_coef=0.01",
     ])
-    model = tiny_policy(smollm_tokenizer)
-    return train(cfg, LocalWorkerGroup(cfg, model, smollm_tokenizer, load_reference(model)))
+    return train(cfg, local_group(cfg, tiny_policy(smollm_tokenizer), smollm_tokenizer))
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install chromium; .ci/run "

@@ -13,9 +13,9 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from packrl.config import load_config
-from packrl.distributed.local import LocalWorkerGroup
+from packrl.distributed.group import WorkerGroup
+from packrl.distributed.local import local_group
 from packrl.models.attention import use_packed_attention
-from packrl.models.loading import load_reference
 from packrl.reward import REWARDS, register_reward
 from packrl.trainer.loop import train
 from tests.conftest import SMOLLM_DIR
@@ -47,12 +47,10 @@ def tiny_policy(tokenizer) -> LlamaForCausalLM:
     return model
 
 
-def tiny_run(out_dir: Path, tokenizer, overrides: list[str]) -> tuple[Path, LocalWorkerGroup]:
+def tiny_run(out_dir: Path, tokenizer, overrides: list[str]) -> tuple[Path, WorkerGroup]:
     """Train the tiny policy with the demo preset, `BASE` and ``overrides``; return RUN_DIR and the workers."""
     cfg = load_config("demo", [f"train.out_dir={out_dir}", *BASE, *overrides])
-    model = tiny_policy(tokenizer)
-    reference = load_reference(model) if cfg.algorithm.kl_coef > 0 else None
-    workers = LocalWorkerGroup(cfg, model, tokenizer, reference)
+    workers = local_group(cfg, tiny_policy(tokenizer), tokenizer)
     return train(cfg, workers), workers
 
 

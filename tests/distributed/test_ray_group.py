@@ -82,8 +82,11 @@ def test_checkpoints_move_between_one_process_and_two_workers(tmp_path, model_di
     to_two = _run(tmp_path / "half_one", model_dir, 2, "train.total_steps=4", "train.resume=auto")
     to_one = _run(tmp_path / "half_two", model_dir, 1, "train.total_steps=4", "train.resume=auto")
     assert [line["step"] for line in _lines(to_two)] == [1, 2, 3, 4]
-    _assert_same_weights(_weights(straight, 4), _weights(to_two, 4))
-    _assert_same_weights(_weights(straight, 4), _weights(to_one, 4))
+    # four float32 AdamW steps at lr 1e-2 on each side: summation-order differences of the two
+    # ranks' gradients grow to 2e-5 here (the same figure before and after the worker refactor);
+    # exactness of the split itself is invariant 4, checked in float64 to 1e-6
+    _assert_same_weights(_weights(straight, 4), _weights(to_two, 4), atol=5e-5)
+    _assert_same_weights(_weights(straight, 4), _weights(to_one, 4), atol=5e-5)
     assert half_two == to_one and half_one == to_two
 
 
@@ -104,40 +107,54 @@ def _skewed_batch(tokenizer):
     return build_train_batch(scored, None, None, cfg.algorithm)[0]
 
 
-def test_skewed_lengths_do_not_hang_and_report_rank_imbalance(tmp_path, model_dir, smollm_tokenizer):
-    from packrl.distributed.local import LocalWorkerGroup
-    from packrl.distributed.ray_group import RayWorkerGroup
+def test_skewed_lengths_do_not_hang_and_memory_features_work_on_every_rank(tmp_path, model_dir, smollm_tokenizer):
+    """Ranks with 10x different work stay in step; with model.activation_offload=true every rank's
+    update saves its activations through the offload hook (gradient checkpointing on too); the
+    result equals one process's."""
+    from packrl.distributed.local import local_group
+    from packrl.distributed.ray_group import ray_group
+    from packrl.worker.actor import update_metrics
 
     overrides = [f"model.path={model_dir}", "trainer.num_workers=2", "model.dtype=fp32", "rollout.max_response_tokens=320",
-                 "data.max_prompt_tokens=64", "train.max_tokens_per_microbatch=400", "data.batch_size=2", "rollout.n=3"]
+                 "data.max_prompt_tokens=64", "train.max_tokens_per_microbatch=400", "data.batch_size=2", "rollout.n=3",
+                 "model.activation_offload=true", "model.gradient_checkpointing=true"]
     cfg = load_config("demo", overrides)
     batch = _skewed_batch(smollm_tokenizer)
-    group = RayWorkerGroup.build(cfg, tmp_path)
+    group = ray_group(cfg, tmp_path)
     try:
-        plans, imbalance = group._minibatch_plans(batch)
-        counts = [len(p[0]) for p in plans]
+        plan = group.plan_update(batch)
+        counts = [len(plan.minibatches[0].microbatches(rank)) for rank in range(2)]
         assert counts[0] == counts[1], "every rank runs the same number of micro-batches"
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(group.update(batch)), daemon=True)
+        stats: list = []
+        shared = group.transport.share(batch)
+        worker = threading.Thread(target=lambda: stats.extend(s for s, _ in group.transport.call("update", [(shared, plan, None)] * 2)),
+                                  daemon=True)
         worker.start()
         worker.join(timeout=300)
         assert not worker.is_alive(), "the data-parallel update hung"
     finally:
         group.close()
-    assert result["seqlen/rank_imbalance"] == pytest.approx(imbalance) and imbalance >= 1.0
-    local = LocalWorkerGroup.build(load_config("demo", [*overrides[:1], *overrides[2:]]))
+    assert len(stats) == 2 and all(s.offloaded_bytes > 0 for s in stats), "each rank's saved tensors went through the hook"
+    assert plan.imbalance() >= 1.0
+    result = update_metrics(stats, batch, cfg.rollout.max_response_tokens)
+    local = local_group(load_config("demo", [*overrides[:1], *overrides[2:]]))
     expected = local.update(batch)
     assert result["actor/grad_norm"] == pytest.approx(expected["actor/grad_norm"], rel=1e-4)
     assert result["actor/pg_loss"] == pytest.approx(expected["actor/pg_loss"], abs=1e-6)
 
 
 def test_a_local_run_listens_on_loopback_only(tmp_path, model_dir):
+    """Also: each rank imports trainer.plugins itself (the policy loss it names is looked up there)."""
     import psutil
 
-    from packrl.distributed.ray_group import RayWorkerGroup
+    from packrl.distributed.ray_group import ray_group
 
-    cfg = load_config("demo", [f"model.path={model_dir}", "trainer.num_workers=2", *BASE])
-    group = RayWorkerGroup.build(cfg, tmp_path)
+    plugin = tmp_path / "rank_plugin.py"
+    plugin.write_text("from packrl.algos.policy_losses import ppo_clip\nfrom packrl.registry import POLICY_LOSSES\n\n"
+                      "POLICY_LOSSES.register('test_rank_plugin_loss')(lambda inputs: ppo_clip(inputs))\n")
+    cfg = load_config("demo", [f"model.path={model_dir}", "trainer.num_workers=2", *BASE, f"trainer.plugins=[{plugin}]",
+                               "algorithm.policy_loss=test_rank_plugin_loss"])
+    group = ray_group(cfg, tmp_path)
     try:
         processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
         listening = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from packrl.trainer.checkpoint import STATE_FILE, find_resume_checkpoint
+from packrl.worker.checkpoint import STATE_FILE, find_resume_checkpoint
 from tests.diagnostics.tiny_run import tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]

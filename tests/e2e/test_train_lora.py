@@ -12,13 +12,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from packrl.config import load_config
-from packrl.distributed.local import LocalWorkerGroup
+from packrl.distributed.local import local_group
 from packrl.models.loading import load_policy
-from packrl.trainer.actor import compute_logprobs
 from packrl.trainer.loop import train
 from packrl.types import PromptBatch, Response, RolloutBatch
-from tests.conftest import SMOLLM_DIR
-from tests.distributed.test_memory_features import spy_on_offload
+from tests.conftest import SMOLLM_DIR, logprobs_of
 from tests.e2e.test_train_tiny import tokenizer  # noqa: F401  (fixture; also registers reward test_letter_e)
 
 
@@ -42,7 +40,7 @@ def _rollout() -> RolloutBatch:
     return RolloutBatch(prompts, 2, responses)
 
 
-def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer, monkeypatch):  # noqa: F811
+def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer):  # noqa: F811
     model_dir = _tiny_dir(tmp_path / "tiny", tokenizer)
     cfg = load_config("demo", [
         f"model.path={model_dir}", "model.lora.rank=4", "model.lora.alpha=8", "model.gradient_checkpointing=true",
@@ -51,15 +49,15 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer, monkeypatch):
         "algorithm.kl_coef=0.01", "train.lr=1e-2", "train.mini_batch_size=1", "train.max_tokens_per_microbatch=192",
         "reward.name=test_letter_e",
     ])
-    offload = spy_on_offload(monkeypatch)
-    workers = LocalWorkerGroup.build(cfg, device=torch.device("cpu"))
-    model = workers.model
-    assert workers.reference is model  # the reference is the adapter-disabled policy, not a copy
+    workers = local_group(cfg)
+    worker = workers.transport.worker
+    model = worker.model
+    assert worker.reference is model  # the reference is the adapter-disabled policy, not a copy
     assert model.get_base_model().model.layers[0].gradient_checkpointing
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
-    assert {id(p) for p in workers.optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for p in worker.optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
 
     run_dir = train(cfg, workers)
 
@@ -69,7 +67,7 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer, monkeypatch):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
             assert math.isfinite(line[key]), key
     assert lines[1]["actor/kl_loss"] != 0.0  # the adapter moved the policy away from the base model
-    assert offload.packed > 0 and set(offload.entries) == {False}
+    assert all(line["perf/offloaded_activation_gib"] > 0 for line in lines)  # the saved activations went to host memory
     summary = (run_dir / "model.txt").read_text()
     assert "LoRA rank 4, alpha 8 on 14 Linear layers" in summary and "gradient checkpointing on" in summary
     assert "activation offload on" in summary
@@ -83,17 +81,17 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer, monkeypatch):
     # the bf16 rollout copy holds the merged weights W + (alpha / r) B A of the trained adapter
     layer = model.get_base_model().model.layers[0].self_attn.q_proj
     merged = layer.base_layer.weight + layer.get_delta_weight("default")
-    twin_weight = workers.rollout_model.model.layers[0].self_attn.q_proj.weight
+    twin_weight = worker.engine.model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(twin_weight, merged.detach().to(torch.bfloat16))
     assert not torch.equal(twin_weight, layer.base_layer.weight.detach().to(torch.bfloat16))
 
     # the reference log-probs are the base model's
     rollout = _rollout()
     base_model, _ = load_policy(load_config("demo", [f"model.path={model_dir}"]).model)
-    expected = compute_logprobs(base_model, rollout, cfg, workers.autocast).logprobs
+    expected = logprobs_of(base_model, rollout, cfg, worker.autocast)
     for a, b in zip(workers.compute_logprobs(rollout, "ref").logprobs, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    trained = compute_logprobs(model, rollout, cfg, workers.autocast).logprobs
+    trained = logprobs_of(model, rollout, cfg, worker.autocast)
     assert max((a - b).abs().max() for a, b in zip(trained, expected)) > 0
 
     # the checkpoint holds the adapter alone and restores it exactly
@@ -101,12 +99,13 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer, monkeypatch):
     files = {p.name for p in checkpoint.iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "trainer_state.json"} <= files
     assert "model.safetensors" not in files
-    restored = LocalWorkerGroup.build(cfg, device=torch.device("cpu"))
-    assert restored.load_checkpoint(checkpoint)["step"] == 2
+    restored_group = local_group(cfg)
+    restored = restored_group.transport.worker
+    assert restored_group.load_checkpoint(checkpoint)["step"] == 2
     for (name, a), b in zip(model.state_dict().items(), restored.model.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
-    again = compute_logprobs(restored.model, rollout, cfg, restored.autocast).logprobs
+    again = logprobs_of(restored.model, rollout, cfg, restored.autocast)
     for a, b in zip(again, trained, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for a, b in zip(restored.rollout_model.parameters(), workers.rollout_model.parameters(), strict=True):
+    for a, b in zip(restored.engine.model.parameters(), worker.engine.model.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -10,8 +10,8 @@ import torch
 
 from packrl.config import load_config
 from packrl.config.schema import ModelConfig
-from packrl.distributed.local import LocalWorkerGroup
-from packrl.models.loading import load_policy, load_reference
+from packrl.distributed.local import local_group
+from packrl.models.loading import load_policy
 from packrl.trainer.loop import train
 from tests.diagnostics.tiny_run import tiny_policy  # also registers the reward test_letter_e
 
@@ -43,7 +43,7 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
     ])
     model = tiny_policy(tokenizer)
     before = [p.detach().clone() for p in model.parameters()]
-    workers = LocalWorkerGroup(cfg, model, tokenizer, load_reference(model))
+    workers = local_group(cfg, model, tokenizer)
     run_dir = train(cfg, workers)
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -71,7 +71,7 @@ def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
     for name, param in model.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], param, rtol=0, atol=0, msg=name)
     assert reloaded_tokenizer.chat_template == tokenizer.chat_template
-    restored = LocalWorkerGroup(cfg, reloaded, reloaded_tokenizer).load_checkpoint(checkpoint)
+    restored = local_group(cfg, reloaded, reloaded_tokenizer).load_checkpoint(checkpoint)
     assert restored["step"] == 2 and "sampler" in restored
 
 
@@ -82,11 +82,12 @@ def test_bf16_generation_copy_follows_the_trained_weights(tmp_path, tokenizer):
         "data.val_files=[]",
     ])
     model = tiny_policy(tokenizer)
-    workers = LocalWorkerGroup(cfg, model, tokenizer)
-    assert workers.rollout_model is not model and next(workers.rollout_model.parameters()).dtype == torch.bfloat16
-    assert workers.on_policy
-    before = [p.detach().clone() for p in workers.rollout_model.parameters()]
+    workers = local_group(cfg, model, tokenizer)
+    engine_model = workers.transport.worker.engine.model
+    assert engine_model is not model and next(engine_model.parameters()).dtype == torch.bfloat16
+    assert not workers.plan.needs_old_logprobs
+    before = [p.detach().clone() for p in engine_model.parameters()]
     train(cfg, workers)
-    for twin, param in zip(workers.rollout_model.parameters(), model.parameters()):
+    for twin, param in zip(engine_model.parameters(), model.parameters()):
         assert torch.equal(twin, param.detach().to(torch.bfloat16))
-    assert any(not torch.equal(a, b) for a, b in zip(before, workers.rollout_model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, engine_model.parameters()))

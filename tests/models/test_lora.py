@@ -12,12 +12,11 @@ from packrl.config import load_config
 from packrl.config.schema import LoraConfig
 from packrl.models.loading import enable_gradient_checkpointing
 from packrl.models.logprobs import pack_logprobs
-from packrl.models.lora import apply_lora, base_policy, load_adapter, merged_copy, parameter_counts, sync_merged_weights
+from packrl.models.lora import apply_lora, base_policy, load_adapter, merged_copy, merged_weights, parameter_counts
 from packrl.seqlen.packing import pack_sequences
-from packrl.trainer.actor import update_minibatch
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
-from tests.conftest import tiny_llama
+from tests.conftest import minibatch_grads, tiny_llama
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -88,7 +87,7 @@ def test_base_policy_runs_without_the_adapter_and_restores_it():
     assert isinstance(base_policy(tiny_llama()), contextlib.nullcontext)
 
 
-def test_merged_copy_equals_the_adapted_model_and_follows_updates():
+def test_merged_copy_equals_the_adapted_model_and_follows_the_merged_weights():
     model = _lora()
     _perturb_adapters(model, seed=1)
     twin = merged_copy(model)
@@ -97,7 +96,10 @@ def test_merged_copy_equals_the_adapted_model_and_follows_updates():
     torch.testing.assert_close(_logprobs(twin, pack), _logprobs(model, pack), rtol=1e-5, atol=1e-5)
     _perturb_adapters(model, seed=2)
     assert (_logprobs(twin, pack) - _logprobs(model, pack)).abs().max() > 1e-3  # stale until synced
-    sync_merged_weights(model, twin)
+    params = dict(twin.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        names = [name for name, value in merged_weights(model) if params[name].copy_(value) is not None]
+    assert sorted(names) == sorted(params)  # every weight of the plain model under its own name, no adapter
     torch.testing.assert_close(_logprobs(twin, pack), _logprobs(model, pack), rtol=1e-5, atol=1e-5)
     layer = model.get_base_model().model.layers[1].mlp.down_proj
     expected = layer.base_layer.weight + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
@@ -141,7 +143,7 @@ def _grads(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
     calls = []
     decoder = model.get_decoder()
     handle = decoder.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
-    update_minibatch(model, batch, list(range(4)), cfg, contextlib.nullcontext)
+    minibatch_grads(model, batch, cfg)
     handle.remove()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, len(calls)
 

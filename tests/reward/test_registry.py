@@ -17,19 +17,19 @@ def test_builtin_rewards_are_registered():
 
 
 def test_unknown_name_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"reward.name='nope' is not a registered reward; registered: .*gsm8k, math_verify"):
-        get_reward("nope")
+    with pytest.raises(ValueError, match=r"reward.name='gsm9k' is not a registered reward; did you mean reward.name=gsm8k\? "
+                                         r"registered: .*gsm8k, math_verify"):
+        get_reward("gsm9k")
 
 
 def test_register_a_reward(monkeypatch):
-    monkeypatch.setattr("packrl.reward.registry.REWARDS", dict(REWARDS))
-    from packrl.reward import registry
+    monkeypatch.setattr(REWARDS, "_parts", dict(REWARDS._parts))  # forget the registration after the test
 
     @register_reward("exact")
     def exact(response_text, ground_truth, *, data_source, cfg):
         return float(response_text == ground_truth)
 
-    assert registry.get_reward("exact") is exact
+    assert get_reward("exact") is exact
     assert exact("1", "1", data_source="s", cfg=RewardConfig()) == 1.0
     with pytest.raises(ValueError, match="reward 'exact' is already registered"):
         register_reward("exact")(lambda *a, **k: 0.0)

@@ -46,23 +46,23 @@ def test_overlong_penalty_is_added_to_rewards_not_scores(smollm_tokenizer):
     assert scored.rewards.tolist() == pytest.approx([1.0, 0.5])  # at the ramp start: 0; at the budget: -0.5
 
 
-def test_special_tokens_are_skipped(smollm_tokenizer, monkeypatch):
+def test_special_tokens_are_skipped(smollm_tokenizer):
     seen = []
-    monkeypatch.setitem(REWARDS, "echo", lambda text, truth, *, data_source, cfg: seen.append((text, truth, data_source)) or 0.0)
-    score_rollout(_rollout(smollm_tokenizer, ["#### 4"], ("4",)), smollm_tokenizer, RewardConfig(name="echo"), 512)
+    REWARDS.register("test_echo")(lambda text, truth, *, data_source, cfg: seen.append((text, truth, data_source)) or 0.0)
+    score_rollout(_rollout(smollm_tokenizer, ["#### 4"], ("4",)), smollm_tokenizer, RewardConfig(name="test_echo"), 512)
     assert seen == [("#### 4", "4", "openai/gsm8k")]
 
 
-def test_a_failing_reward_names_the_response(smollm_tokenizer, monkeypatch):
+def test_a_failing_reward_names_the_response(smollm_tokenizer):
+    @REWARDS.register("test_broken")
     def broken(text, truth, *, data_source, cfg):
         if "boom" in text:
             raise KeyError("missing table")
         return 1.0
 
-    monkeypatch.setitem(REWARDS, "broken", broken)
     rollout = _rollout(smollm_tokenizer, ["fine", "boom"], ("4",))
-    with pytest.raises(RuntimeError, match=r"reward 'broken' failed twice on response 1 \(data_source='openai/gsm8k', ground truth '4'\): KeyError") as err:
-        score_rollout(rollout, smollm_tokenizer, RewardConfig(name="broken"), 512)
+    with pytest.raises(RuntimeError, match=r"reward 'test_broken' failed twice on response 1 \(data_source='openai/gsm8k', ground truth '4'\): KeyError") as err:
+        score_rollout(rollout, smollm_tokenizer, RewardConfig(name="test_broken"), 512)
     assert isinstance(err.value.__cause__, KeyError)
 
 

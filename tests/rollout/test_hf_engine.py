@@ -317,6 +317,7 @@ def test_stop_strings_across_round_boundaries(tokenizer):
         assert r_ref.response_ids[: len(r.response_ids)] == r.response_ids
         if r.finish_reason == "stop":
             assert decoded.endswith(stop) and stop not in decoded[:-1]
-        else:
-            assert stop not in decoded and r == r_ref
+        else:  # a row that stopped left the batch: the others' log-probs may move in the last float bits
+            assert stop not in decoded and (r.response_ids, r.finish_reason) == (r_ref.response_ids, r_ref.finish_reason)
+            torch.testing.assert_close(torch.tensor(r.rollout_logprobs), torch.tensor(r_ref.rollout_logprobs), atol=1e-5, rtol=0)
         assert len(r.rollout_logprobs) == len(r.response_ids)

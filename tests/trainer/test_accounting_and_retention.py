@@ -6,7 +6,7 @@ import pytest
 
 from packrl.config import ConfigError, load_config
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome
-from packrl.trainer.checkpoint import prune_checkpoints
+from packrl.worker.checkpoint import prune_checkpoints
 
 
 def test_accounting_dict_has_every_row_and_totals_that_sum():
@@ -35,7 +35,7 @@ def test_keep_last_must_be_positive(value):
 
 
 def test_skip_counter_counts_and_stops_after_max_consecutive(caplog):
-    from packrl.trainer.actor import SkipCounter
+    from packrl.worker.actor import SkipCounter
 
     skips = SkipCounter(max_consecutive=3)
     assert skips.record(1.5) is False
@@ -49,7 +49,7 @@ def test_skip_counter_counts_and_stops_after_max_consecutive(caplog):
 
 
 def test_skip_counter_state_round_trips():
-    from packrl.trainer.actor import SkipCounter
+    from packrl.worker.actor import SkipCounter
 
     skips = SkipCounter(max_consecutive=5)
     skips.record(float("nan")), skips.record(1.0), skips.record(float("inf"))
@@ -61,32 +61,30 @@ def test_skip_counter_state_round_trips():
 
 
 def test_a_nan_loss_skips_the_optimizer_step_counts_it_and_stops_the_run():
-    import contextlib
     import dataclasses
+    from types import SimpleNamespace
 
     import torch
 
-    from packrl.trainer.actor import SkipCounter, update_actor
+    from packrl.distributed.local import local_group
     from packrl.trainer.batch import build_train_batch
     from tests.conftest import tiny_llama
     from tests.trainer.test_on_policy import _scored
 
     cfg = load_config("demo", ["model.dtype=fp32", "train.lr=1e-2", "data.batch_size=2", "train.max_consecutive_skips=2"])
     model = tiny_llama()
+    workers = local_group(cfg, model, SimpleNamespace(eos_token_id=2, pad_token_id=0))
     before = [p.detach().clone() for p in model.parameters()]
     batch, _ = build_train_batch(_scored(), None, None, cfg.algorithm)
     nan_batch = dataclasses.replace(batch, advantages=tuple(torch.full_like(a, float("nan")) for a in batch.advantages))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    skips = SkipCounter(cfg.train.max_consecutive_skips)
-    metrics = update_actor(model, optimizer, scheduler, nan_batch, cfg, contextlib.nullcontext, skips=skips)
+    metrics = workers.update(nan_batch)
     assert metrics["train/skipped_steps"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step taken
-    metrics = update_actor(model, optimizer, scheduler, batch, cfg, contextlib.nullcontext, skips=skips)  # finite: resets
-    assert metrics["train/skipped_steps"] == 1.0 and skips.consecutive == 0
-    update_actor(model, optimizer, scheduler, nan_batch, cfg, contextlib.nullcontext, skips=skips)
+    metrics = workers.update(batch)  # finite: resets the run of skips
+    assert metrics["train/skipped_steps"] == 1.0 and workers.transport.worker.opt.skips.consecutive == 0
+    workers.update(nan_batch)
     with pytest.raises(ValueError, match="train.max_consecutive_skips=2"):
-        update_actor(model, optimizer, scheduler, nan_batch, cfg, contextlib.nullcontext, skips=skips)
+        workers.update(nan_batch)
 
 
 @pytest.mark.parametrize("value", [0, -2])
@@ -101,9 +99,9 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
 
     from transformers import LlamaConfig
 
-    from packrl.distributed import local
-    from packrl.distributed.local import LocalWorkerGroup
-    from packrl.trainer.checkpoint import checkpoint_bytes
+    from packrl.distributed import open_worker_group
+    from packrl.inspect.disk import checkpoint_bytes
+    from packrl.worker import policy
 
     LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "model")
@@ -113,14 +111,16 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
     assert lora < needed
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * needed, 9 * needed, needed - 1))
-    monkeypatch.setattr(local, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(policy, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
     with pytest.raises(ValueError, match=rf"train.out_dir=.* \({needed - 1:,} bytes\) free, less than the .* \({needed:,} bytes\) "
                                          r"one checkpoint needs.*model.lora.rank=16"):
-        LocalWorkerGroup.build(cfg, run_dir=tmp_path)
+        with open_worker_group(cfg, tmp_path):
+            pass
     lora_cfg = load_config("demo", [f"model.path={tmp_path / 'model'}", "model.lora.rank=2"])
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * needed, 9 * needed, lora - 1))
     with pytest.raises(ValueError, match="one checkpoint needs") as err:
-        LocalWorkerGroup.build(lora_cfg, run_dir=tmp_path)
+        with open_worker_group(lora_cfg, tmp_path):
+            pass
     assert "model.lora.rank" not in str(err.value)  # LoRA is on already
 
 
@@ -157,29 +157,31 @@ def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(capl
 
 
 def test_generation_is_retried_once_then_names_the_rows():
-    from packrl.distributed.local import LocalWorkerGroup
+    from packrl.distributed.group import WorkerGroup
+    from packrl.distributed.local import InProcess
     from packrl.rollout.engine import SamplingParams
+    from packrl.types import Response
+    from packrl.worker.policy import WorkerInfo
     from tests.trainer.test_on_policy import _scored
 
     prompts = _scored().rollout.prompts
     attempts = []
 
-    class Engine:
+    class Worker:  # only generation is needed
         def __init__(self, failures):
             self.failures = failures
 
-        def generate(self, prompt_ids, params):
+        def generate(self, prompt_ids, params, seeds):
             attempts.append(1)
             if len(attempts) <= self.failures:
                 raise MemoryError("out of memory")
-            from packrl.types import Response
             return [[Response((3,), "eos")] * params.n for _ in prompt_ids]
 
-    group = object.__new__(LocalWorkerGroup)  # only the engine is needed
-    group.engine = Engine(failures=1)
-    out = group.generate(prompts, SamplingParams(n=2, max_response_tokens=4))
+    def group(failures: int) -> WorkerGroup:
+        return WorkerGroup(load_config("demo"), None, InProcess(Worker(failures)), WorkerInfo(512, 1.0, "test"))
+
+    out = group(failures=1).generate(prompts, SamplingParams(n=2, max_response_tokens=4))
     assert len(out) == 4 and len(attempts) == 2
     attempts.clear()
-    group.engine = Engine(failures=2)
     with pytest.raises(RuntimeError, match=r"generation failed twice for data rows \[0, 1\]: MemoryError"):
-        group.generate(prompts, SamplingParams(n=2, max_response_tokens=4))
+        group(failures=2).generate(prompts, SamplingParams(n=2, max_response_tokens=4))

@@ -3,15 +3,15 @@ recomputed equals the update that uses its own detached log-probs."""
 
 from __future__ import annotations
 
-import contextlib
+from types import SimpleNamespace
 
 import torch
 
 from packrl.config import load_config
-from packrl.trainer.actor import compute_logprobs, update_actor
+from packrl.distributed.local import local_group
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
-from tests.conftest import tiny_llama
+from tests.conftest import logprobs_of, tiny_llama
 
 
 def _scored() -> ScoredBatch:
@@ -25,12 +25,12 @@ def _scored() -> ScoredBatch:
 def _step(with_old: bool) -> list[torch.Tensor]:
     cfg = load_config("demo", ["model.dtype=fp32", "train.lr=1e-2", "data.batch_size=2"])
     model = tiny_llama()
+    workers = local_group(cfg, model, SimpleNamespace(eos_token_id=2, pad_token_id=0))
+    assert not workers.plan.needs_old_logprobs
     scored = _scored()
-    old = compute_logprobs(model, scored.rollout, cfg, contextlib.nullcontext).logprobs if with_old else None
+    old = tuple(logprobs_of(model, scored.rollout, cfg)) if with_old else None
     batch, _ = build_train_batch(scored, old, None, cfg.algorithm)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    update_actor(model, optimizer, scheduler, batch, cfg, contextlib.nullcontext)
+    workers.update(batch)
     return [p.detach().clone() for p in model.parameters()]
 
 

@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from packrl.cli.main import main
 from packrl.config import load_config
-from packrl.seqlen.memory import GIB, ModelShape, activation_bytes_per_token_layer, estimate_memory, max_fitting_tokens
-from packrl.seqlen.preflight import preflight
+from packrl.inspect.memory import GIB, ModelShape, activation_bytes_per_token_layer, estimate_memory, max_fitting_tokens
+from packrl.inspect.preflight import preflight
 
 
 def _config(**kw) -> LlamaConfig:
@@ -113,10 +113,24 @@ def test_estimate_responds_to_each_memory_feature():
     assert ckpt.parts["activations"] * 2 < plain.parts["activations"]
     assert lora.parts["gradients"] * 10 < plain.parts["gradients"]
     assert lora.parts["optimizer states (AdamW, float32)"] * 10 < plain.parts["optimizer states (AdamW, float32)"]
-    assert fp32.parts["rollout copy (bf16)"] == 0 and plain.parts["rollout copy (bf16)"] == 2 * shape.num_params
+    assert fp32.parts["rollout engine copy"] == 0 and plain.parts["rollout engine copy"] == 2 * shape.num_params
     assert activation_bytes_per_token_layer(shape, 4) != activation_bytes_per_token_layer(shape, 2)
     small, big = (max_fitting_tokens(base, shape, g * GIB) for g in (1, 4))
     assert small <= big
+
+
+def test_estimate_reads_the_strategy_layout():
+    """FSDP2 ranks hold 1/D of parameters, gradients and moments, gather whole units while they
+    compute, and keep an unsharded engine copy even in float32 (`packrl.worker.strategy.weight_layout`)."""
+    config = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    shape = ModelShape.from_config(config, None)
+    one = estimate_memory(load_config("demo", ["model.dtype=fp32"]), shape, tokens_per_microbatch=1024)
+    two = estimate_memory(load_config("demo", ["model.dtype=fp32", "trainer.num_workers=2"]), shape, tokens_per_microbatch=1024)
+    for part in ("parameters (float32)", "gradients", "optimizer states (AdamW, float32)"):
+        assert two.parts[part] == one.parts[part] // 2, part
+    assert one.parts["rollout engine copy"] == 0 and two.parts["rollout engine copy"] == 4 * shape.num_params
+    assert one.parts["gathered parameters (FSDP2)"] == 0 < two.parts["gathered parameters (FSDP2)"] < 4 * shape.num_params
+    assert two.parts["activations"] == one.parts["activations"]
 
 
 def test_model_config_without_context_is_named(tmp_path):

@@ -12,7 +12,7 @@ prompt, prompt policy), and reports:
 - for ``data.max_prompt_tokens``, what each ``data.overlong_prompt`` policy would do;
 - bad rows with their numbers and reasons (the rejection logic of training);
 - suggested budgets (`suggest_budgets`);
-- multimodal rows (`packrl.seqlen.images`): image tokens per row, and what each policy would do
+- multimodal rows (`packrl.inspect.images`): image tokens per row, and what each policy would do
   when image tokens are fixed and only text is shortened.
 
 Rows are numbered from 0 across the DATA files in order, as training numbers them (a jsonl row
@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 from packrl.data.examples import GSM8K_SOURCE, to_example
 from packrl.data.loaders import BadRow
 from packrl.data.prompts import account_rows, budget_examples, load_examples, rendered_prompt_lengths
-from packrl.seqlen.audit_report import (
+from packrl.inspect.audit_report import (
     AuditReport,
     BadRowInfo,
     LengthStats,
@@ -82,11 +82,12 @@ from packrl.seqlen.audit_report import (
     MultimodalStats,
     PolicyOutcome,
     SourceInfo,
+    SCHEMA_VERSION,
     SuggestedBudgets,
-    length_percentiles,
 )
-from packrl.seqlen.images import image_size, image_tokens, split_content
+from packrl.inspect.images import image_size, image_tokens, split_content
 from packrl.seqlen.prompt_policy import POLICIES, RowOutcome
+from packrl.seqlen.stats import length_percentiles
 
 if TYPE_CHECKING:
     from packrl.config.schema import RunConfig
@@ -98,7 +99,6 @@ __all__ = [
     "length_percentiles", "suggest_budgets",
 ]
 
-SCHEMA_VERSION = 2
 PROMPT_BUDGET_MULTIPLE = 64
 MICROBATCH_MULTIPLE = 256
 DATA_KEY = "DATA"

@@ -9,7 +9,7 @@ its header) and reports, all at once:
   when they do not fit, a proposed ``model.rope_scaling`` (``yarn``, the smallest integer
   factor that fits) and the context it gives;
 - LoRA target modules that match nothing in the architecture;
-- the memory estimate per device (`packrl.seqlen.memory`) and, given the device memory, the
+- the memory estimate per device (`packrl.inspect.memory`) and, given the device memory, the
   largest ``train.max_tokens_per_microbatch`` that fits; a phase that does not fit is a problem.
 
 A problem is anything that would crash the run (or, for memory, run it out of memory); the
@@ -24,7 +24,7 @@ from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.seqlen.budgets import Budgets, model_context_tokens
-from packrl.seqlen.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
+from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
     (2,048 for Llama) and every context check would rest on a guess."""
     import json
 
-    from packrl.models.loading import resolve_model
+    from packrl.models.resolve import resolve_model
     from packrl.models.model_config import load_model_config
 
     fix = "set model.path to a model dir, .gguf file or hub id"

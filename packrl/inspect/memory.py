@@ -6,12 +6,17 @@ Units: bytes unless a name says otherwise. Shapes: ``H`` hidden size · ``I`` in
 dtype (2 for ``model.dtype=bf16``, 4 for ``fp32``) · ``r = 4`` bytes of the float32 residual
 stream (parameters stay float32, so under autocast the residual stream does too).
 
-What a run holds (packrl's own layout, `packrl.distributed.local.LocalWorkerGroup`):
+What a run holds (the policy worker's layout, `packrl.worker.policy.PolicyWorker`, under the
+strategy `packrl.worker.strategy.weight_layout` names for the config):
 
 - parameters: float32, 4 bytes each; the reference model (``algorithm.kl_coef > 0`` without
-  LoRA) another 4 each; the bf16 rollout copy (``model.dtype=bf16``) 2 each.
+  LoRA) another 4 each; the rollout engine's copy: 2 each in bf16 (``model.dtype=bf16``), 4 each
+  under FSDP2 in float32 (a sharded policy cannot generate), none otherwise.
 - trainable parameters (all, or the LoRA adapters): gradients 4 bytes and AdamW's two moments
   8 bytes each (Loshchilov & Hutter 2019), allocated at the first optimizer step.
+- under FSDP2 (``trainer.num_workers = D > 1``): parameters, reference, gradients and moments
+  are split D ways; while it computes a rank gathers whole units: the root (embeddings, final
+  norm, LM head) and up to two decoder layers (the current one and the prefetched next).
 - activations saved for the backward, per token, counted tensor by tensor for a Llama-style
   decoder layer (RMSNorm, GQA attention with RoPE, gated MLP) under autocast:
 
@@ -54,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrl.config.schema import LoraConfig, RunConfig
+from packrl.worker.strategy import weight_layout
 
 GIB = 1 << 30
 CPU_RUNTIME_BYTES = int(0.55 * GIB)
@@ -227,19 +233,25 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         activations = T * shape.num_layers * per_layer
     outside_layers = T * (3 * _RESIDUAL_BYTES + c) * shape.hidden_size  # embedding, final norm, its cast
     weight_casts = 0 if c == 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
+    layout = weight_layout(cfg)
+    shards = layout.num_shards
+    engine_copy = 2 if c == 2 else (4 if layout.engine_copy_always else 0)
+    layer_params = shape.num_matmul_params // shape.num_layers
     parts = {
         "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,
-        "parameters (float32)": 4 * shape.num_params,
-        "reference model": 4 * shape.num_params if cfg.algorithm.kl_coef > 0 and not lora else 0,
-        "rollout copy (bf16)": 2 * shape.num_params if c == 2 else 0,
-        "gradients": 4 * trainable,
-        "optimizer states (AdamW, float32)": 8 * trainable,
+        "parameters (float32)": 4 * shape.num_params // shards,
+        "reference model": 4 * shape.num_params // shards if cfg.algorithm.kl_coef > 0 and not lora else 0,
+        "rollout engine copy": engine_copy * shape.num_params,
+        "gathered parameters (FSDP2)": 4 * (shape.num_params - shape.num_matmul_params + 2 * layer_params) if layout.gathers_layers else 0,
+        "gradients": 4 * trainable // shards,
+        "optimizer states (AdamW, float32)": 8 * trainable // shards,
         "activations": activations + outside_layers,
         "weight casts for the backward": weight_casts,
         "logits chunk": 2 * 4 * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
         "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
     }
-    held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout copy (bf16)"]
+    held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout engine copy"]
+    held += parts["gathered parameters (FSDP2)"]
     # Gradients fill in while the backward frees activations: at its peak (its start) only the LM
     # head's gradient exists; all gradients together are counted in the optimizer step.
     first_grads = 4 * min(shape.largest_param, trainable)

@@ -1,7 +1,7 @@
 """The `packrl audit` report: frozen dataclasses, their JSON form and the text table.
 
-`packrl.seqlen.audit` fills an `AuditReport`; its module docstring lists every JSON key.
-Percentiles are nearest-rank (`length_percentiles`); histogram bins are half-open integer
+`packrl.inspect.audit` fills an `AuditReport`; its module docstring lists every JSON key.
+Percentiles are nearest-rank (`packrl.seqlen.stats.length_percentiles`); histogram bins are half-open integer
 ranges ``[edge_i, edge_i+1)`` of equal width.
 """
 
@@ -12,30 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
+from packrl.seqlen.stats import PERCENTILES, length_percentiles
+
+SCHEMA_VERSION = 2
+"""Version of the audit JSON (and its cache); raised whenever a key changes."""
+
 NUM_HISTOGRAM_BINS = 20
 _BAR_WIDTH = 40
-
-
-def length_percentiles(lengths: Sequence[int]) -> dict[str, int | None]:
-    """Nearest-rank percentiles of ``lengths`` (tokens): ``{"p50", "p90", "p95", "p99", "max"}``.
-
-    ``pQ`` is the ``ceil(Q/100 * n)``-th smallest length (1-based), i.e. the smallest length
-    with at least Q% of the values at or under it; every result is one of the lengths. Values
-    are None for an empty input.
-
-    ================  =====  =====  =====
-    lengths           p50    p90    p99
-    ================  =====  =====  =====
-    1, 2, ..., 10     5      9      10
-    7                 7      7      7
-    ================  =====  =====  =====
-    """
-    ordered = sorted(lengths)
-    n = len(ordered)
-    out: dict[str, int | None] = {f"p{q}": ordered[-(-q * n // 100) - 1] if n else None for q in PERCENTILES}
-    out["max"] = ordered[-1] if n else None
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +182,7 @@ def _fields(obj: Any) -> dict[str, Any]:
 class AuditReport:
     """Everything `packrl audit` found. Token counts are in tokens of the audited tokenizer.
 
-    See `packrl.seqlen.audit` for the meaning of every field (they are the JSON keys).
+    See `packrl.inspect.audit` for the meaning of every field (they are the JSON keys).
     ``read_image_files`` (not in the JSON) is True when image files were opened to size images.
     """
 
@@ -232,9 +215,7 @@ class AuditReport:
         return next(p for p in self.policies if p.policy == name)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object (keys documented in `packrl.seqlen.audit`)."""
-        from packrl.seqlen.audit import SCHEMA_VERSION
-
+        """The JSON object (keys documented in `packrl.inspect.audit`)."""
         return {
             "schema": SCHEMA_VERSION, "sources": [_fields(s) for s in self.sources], "model": self.model,
             "tokenizer": self.tokenizer, "config": dict(self.config), "num_rows": self.num_rows,

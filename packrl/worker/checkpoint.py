@@ -8,7 +8,7 @@ layer: 19.5 MB for SmolLM2-135M at rank 16, against 538 MB for the full model) a
 ``adapter_config.json``. The base weights are ``model.path``'s and are not copied; no merged HF
 model is written either (peft's ``merge_and_unload`` makes one when a plain model is wanted).
 Resume loads the adapter into a policy built with the same ``model.*`` settings
-(`packrl.distributed.local.load_weights`), exactly.
+(`load_weights`), exactly.
 """
 
 from __future__ import annotations
@@ -134,45 +134,6 @@ def load_trainer_state(path: Path) -> tuple[dict, dict]:
     return state, optimizer_state
 
 
-def checkpoint_bytes(cfg: Any) -> int:
-    """Bytes one checkpoint of ``cfg``'s model takes, from its config alone (no weights):
-    float32 weights (4 bytes per parameter; with LoRA only the adapter) plus AdamW's two float32
-    moments (8 bytes per trainable parameter) plus 16 MiB for tokenizer files and state.
-
-    Raises:
-        ValueError: the model config cannot be read (names ``model.path``).
-    """
-    from packrl.models.model_config import load_model_config
-    from packrl.seqlen.memory import ModelShape
-
-    shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora)
-    saved = shape.num_lora_params if cfg.model.lora.rank > 0 else shape.num_params
-    return 12 * saved + (16 << 20)
-
-
-def check_disk_space(run_dir: Path, needed_bytes: int, *, lora: bool = False) -> None:
-    """Fail before any model loads when RUN_DIR's disk cannot hold one checkpoint.
-
-    Args:
-        lora: the checkpoints hold a LoRA adapter (the fix then does not suggest LoRA).
-
-    Raises:
-        ValueError: free bytes < ``needed_bytes``; names the path, both numbers and the fix.
-    """
-    free = shutil.disk_usage(run_dir).free
-    if free < needed_bytes:
-        fix = "free disk space or choose another train.out_dir"
-        if not lora:
-            fix += ", or set model.lora.rank=16 (checkpoints then hold only the adapter)"
-        raise ValueError(f"train.out_dir={str(run_dir)!r} has {_size(free)} ({free:,} bytes) free, less than the "
-                         f"{_size(needed_bytes)} ({needed_bytes:,} bytes) one "
-                         f"checkpoint needs (float32 weights + AdamW states); {fix}")
-
-
-def _size(num_bytes: float) -> str:
-    return f"{num_bytes / (1 << 30):.2f} GiB" if num_bytes >= 1 << 30 else f"{num_bytes / (1 << 20):.1f} MiB"
-
-
 def find_resume_checkpoint(run_dir: Path, resume: str | None) -> Path | None:
     """The checkpoint ``train.resume`` names: None when not resuming or when ``auto`` finds no
     complete checkpoint; the newest complete ``step_N`` (its trainer state written) for ``auto``.
@@ -284,3 +245,32 @@ def load_optimizer_and_schedule(model: torch.nn.Module, optimizer: torch.optim.O
         raise ValueError(f"the optimizer state in {path / OPTIMIZER_FILE} does not fit this model ({type(err).__name__}: {err}); "
                          "resume with the model.* settings of the run that wrote it, or start a new run") from err
     restore_schedule(optimizer, scheduler, lr)
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a checkpoint's weights into ``model`` in place: its safetensors weights
+    (`weights_state_dict`; tied weights absent from the files keep
+    their tie), or for a LoRA model its adapter (`packrl.models.lora.load_adapter`; the base
+    weights are ``model.path``'s).
+
+    Raises:
+        ValueError: no safetensors weights under ``path`` (naming ``model.lora.rank`` when it holds
+            an adapter instead), a parameter of the model missing, or an adapter that does not fit.
+    """
+    from packrl.models.lora import is_lora, load_adapter
+
+    if is_lora(model):
+        load_adapter(model, path)
+        return
+    try:
+        state = weights_state_dict(path)
+    except ValueError:
+        raise
+    except Exception as err:  # safetensors raises its own error type for a truncated or corrupt file
+        raise ValueError(f"the weights in {path} cannot be read ({type(err).__name__}: {err}); resume from another "
+                         "checkpoint with train.resume=RUN_DIR/checkpoints/step_N") from err
+    missing, _ = model.load_state_dict(state, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=True)}
+    really_missing = [m for m in missing if m in tied]
+    if really_missing:
+        raise ValueError(f"{path} lacks weights for {really_missing[:5]}")

@@ -18,9 +18,9 @@ from transformers import PreTrainedTokenizerFast
 
 from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainConfig
 from packrl.data import PromptDataset, load_examples
-from packrl.seqlen.audit import audit_rows, audit_sources, length_percentiles
-from packrl.seqlen.audit_html import render_html
-from packrl.seqlen.images import image_tokens, smart_resize
+from packrl.inspect.audit import audit_rows, audit_sources, length_percentiles
+from packrl.inspect.audit_html import render_html
+from packrl.inspect.images import image_tokens, smart_resize
 from tests.conftest import SHARED
 
 CHARS = string.ascii_letters + string.digits + " " + string.punctuation[:30]
@@ -268,7 +268,7 @@ def test_json_has_the_documented_keys_and_round_trips(tok, tmp_path):
     report = audit([path], tok, config())
     data = json.loads(report.to_json())
     assert set(data) == DOCUMENTED_KEYS
-    import packrl.seqlen.audit as module
+    import packrl.inspect.audit as module
 
     assert all(f"    {key}" in module.__doc__ or f", {key}" in module.__doc__ for key in DOCUMENTED_KEYS)
     assert set(data["policies"]) == {"filter", "left", "right", "middle", "error"}
@@ -287,9 +287,9 @@ def test_text_report_shows_the_numbers(tok, ten_rows):
 def test_html_is_self_contained_with_the_histogram(tok, ten_rows, tmp_path):
     mm = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("x" * 80, IMAGE_224), "{bad"])
     page = render_html(audit([ten_rows, mm], tok, config()))
-    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "prompt tokens: histogram" in page
+    assert page.startswith("<!DOCTYPE html>") and "Plotly.newPlot" in page and "prompt tokens: histogram" in page
     assert "Multimodal rows: 1 (1 images)" in page and "Bad rows: 2" in page
-    assert "<script" not in page and 'src="http' not in page and 'href="http' not in page and "@import" not in page
+    assert "<script src=" not in page and "<link" not in page and "@import" not in page  # plotly.js inlined: nothing fetched
 
 
 def test_cache_hits_and_misses(tok, ten_rows, tmp_path):

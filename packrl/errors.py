@@ -1,4 +1,4 @@
-"""Config problems and the one error that lists them all."""
+"""Config problems and the one error that lists them all (the bottom layer: every package may import it)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""`BatchPlan`: every size and switch a run derives from its config, computed once.
+
+The config holds what the user wrote; values that follow from it (a ``None`` that means "the
+batch size", the loss constant that defaults to the response budget, whether a reference model
+exists, whether the old log-probs need their own forward) are derived here, once, and read from
+here by the controller and the workers. They are never written back into the config. The plan is
+written to ``RUN_DIR/budgets.txt`` with the token budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packrl.config.schema import RunConfig
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """Sizes per step.
+
+    Attributes:
+        num_prompts: prompts per step, B (``data.batch_size``).
+        group_size: responses per prompt, G (``rollout.n``).
+        mini_batch_prompts: prompts per optimizer step (``train.mini_batch_size``, or B).
+        num_epochs: passes over each step's batch (``train.ppo_epochs``).
+        num_ranks: data-parallel ranks (``trainer.num_workers``).
+        loss_scale_factor: the constant C of ``seq-mean-token-sum-norm`` in tokens
+            (``algorithm.loss_scale_factor``, or ``rollout.max_response_tokens``).
+        has_reference: a reference policy is loaded and scored (``algorithm.kl_coef > 0``).
+        needs_old_logprobs: the old log-probs get their own forward. Not when the update is
+            on-policy (one optimizer step per rollout: pi_old is the policy being updated, whose
+            detached log-probs the loss uses, as TRL does with ``num_iterations=1``) unless
+            in-reward KL or the rollout mismatch metrics (``rollout.return_logprobs``) read them.
+    """
+
+    num_prompts: int
+    group_size: int
+    mini_batch_prompts: int
+    num_epochs: int
+    num_ranks: int
+    loss_scale_factor: int
+    has_reference: bool
+    needs_old_logprobs: bool
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> BatchPlan:
+        mini = cfg.train.mini_batch_size or cfg.data.batch_size
+        on_policy = (cfg.train.ppo_epochs == 1 and mini == cfg.data.batch_size
+                     and not cfg.algorithm.kl_in_reward and not cfg.rollout.return_logprobs)
+        return cls(
+            num_prompts=cfg.data.batch_size,
+            group_size=cfg.rollout.n,
+            mini_batch_prompts=mini,
+            num_epochs=cfg.train.ppo_epochs,
+            num_ranks=cfg.trainer.num_workers,
+            loss_scale_factor=cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens,
+            has_reference=cfg.algorithm.kl_coef > 0,
+            needs_old_logprobs=not on_policy,
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences per step, N = B x G."""
+        return self.num_prompts * self.group_size
+
+    @property
+    def num_minibatches(self) -> int:
+        """Optimizer steps per epoch."""
+        return -(-self.num_prompts // self.mini_batch_prompts)
+
+    def summary(self) -> str:
+        """The plan as a readable table, one value a line."""
+        rows = [
+            ("sequences per step", f"{self.num_sequences} ({self.num_prompts} prompts x {self.group_size} responses)"),
+            ("optimizer steps per step", f"{self.num_epochs * self.num_minibatches} ({self.num_epochs} epoch(s) x "
+                                         f"{self.num_minibatches} mini-batch(es) of {self.mini_batch_prompts} prompts)"),
+            ("data-parallel ranks", str(self.num_ranks)),
+            ("loss scale factor", f"{self.loss_scale_factor:,} tokens (seq-mean-token-sum-norm)"),
+            ("reference policy", "yes" if self.has_reference else "no (algorithm.kl_coef=0)"),
+            ("old log-prob forward", "yes" if self.needs_old_logprobs else "no (on-policy: the update's own detached log-probs)"),
+        ]
+        return "\n".join(["batch plan"] + [f"  {name:<26}{value}" for name, value in rows])

@@ -1,0 +1,203 @@
+"""The worker group: the controller's side of the policy workers, one class for one process and for
+data-parallel ranks alike.
+
+The controller (the training loop's process) keeps the tokenizer and the data. It plans every
+pass, sends each worker its part through a transport (`packrl.distributed.local.InProcess`: a
+method call; `packrl.distributed.ray_group.RayActors`: Ray actors), and puts the results back in
+input order:
+
+    call               split                                           back in order by
+    generate           prompts: karmarkar_karp on prompt + response    prompt position
+                       budget (one rank: all); each prompt its seed
+    compute_logprobs   sequences: `plan_ranks` under the log-prob      `RankPlan.restore`
+                       budget (equal micro-batch counts)
+    update             `plan_update`: per mini-batch, each rank's      -- (metrics merged)
+                       micro-batches and the global denominators
+
+The loop calls these methods without knowing which transport runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from packrl.config.plan import BatchPlan
+from packrl.config.schema import RunConfig
+from packrl.diagnostics.trace import NullTracer
+from packrl.rollout.engine import SamplingParams
+from packrl.seqlen.balance import karmarkar_karp
+from packrl.seqlen.update_plan import UpdatePlan, plan_ranks, plan_update
+from packrl.types import PromptBatch, RolloutBatch, TrainBatch
+from packrl.worker.actor import update_metrics
+from packrl.worker.policy import Role, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    """How the controller reaches its workers."""
+
+    num_ranks: int
+    in_process: bool
+    """True when the worker runs in this process (the tracer is passed to it directly)."""
+
+    def call(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
+        """Call ``method`` on ranks ``0 .. len(args_per_rank) - 1``, rank r with ``args_per_rank[r]``;
+        wait for all and return their results in rank order. A worker's exception is raised as itself."""
+
+    def share(self, obj: Any) -> Any:
+        """``obj`` in the form every rank's call may take (a Ray object reference, or itself)."""
+
+    def trace_links(self) -> dict[str, str]:
+        """Companion files of the trace (``{"ray_timeline": "ray_timeline.json"}``), named in trace.json."""
+
+    def checkpoint_written(self) -> None:
+        """Called after each checkpoint (Ray writes its timeline)."""
+
+    def close(self, graceful: bool = True) -> None:
+        """Release the workers (processes, process group)."""
+
+
+@dataclass(frozen=True)
+class LogprobResult:
+    """Per-response log-probs (and entropy) with the plan that produced them.
+
+    Attributes:
+        logprobs: ``N`` tensors of Shape [R_i], float32, nats.
+        entropy: ``N`` tensors of Shape [R_i], float32, nats.
+        microbatches: the log-prob micro-batches that ran (sequence indices; every rank's).
+    """
+
+    logprobs: tuple[torch.Tensor, ...]
+    entropy: tuple[torch.Tensor, ...]
+    microbatches: tuple[tuple[int, ...], ...] = ()
+
+
+def draw_seeds(num_prompts: int) -> list[int]:
+    """One sampling seed per prompt from torch's global RNG (the loop seeds it every step)."""
+    return torch.randint(0, 1 << 62, (num_prompts,)).tolist()
+
+
+class WorkerGroup:
+    """The policy workers as the training loop sees them.
+
+    Args:
+        cfg: the run's config.
+        tokenizer: the policy's tokenizer (decodes responses for rewards and dumps).
+        transport: how the workers are reached.
+        info: what the workers reported at set-up (`WorkerInfo`).
+    """
+
+    def __init__(self, cfg: RunConfig, tokenizer: Any, transport: Transport, info: WorkerInfo):
+        self.cfg, self.tokenizer, self.transport = cfg, tokenizer, transport
+        self.plan = BatchPlan.from_config(cfg)
+        self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
+        self._linked = False
+
+    @property
+    def num_ranks(self) -> int:
+        return self.transport.num_ranks
+
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
+        """Sample ``params.n`` responses per prompt from exactly ``prompts.prompt_ids``. Every
+        prompt's seed is drawn here, so the responses do not depend on the rank that generates
+        them. A raising engine is retried once (`generate_with_retry`)."""
+        seeds = draw_seeds(len(prompts))
+        costs = [len(p) + params.max_response_tokens for p in prompts.prompt_ids]
+        parts = [sorted(p) for p in karmarkar_karp(costs, min(self.num_ranks, len(costs))) if p]
+
+        def run() -> list:
+            calls = [([prompts.prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts]
+            out: list = [None] * len(costs)
+            for part, groups in zip(parts, self.transport.call("generate", calls)):
+                for i, group in zip(part, groups):
+                    out[i] = group
+            return out
+
+        groups = generate_with_retry(run, prompts)
+        return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
+
+    def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
+        """Per-response log-probs under the actor or the reference, in sequence order; None when
+        that pass does not run (no reference; the actor's when the update is on-policy)."""
+        if (role == "ref" and not self.plan.has_reference) or (role == "actor" and not self.plan.needs_old_logprobs):
+            return None
+        key = "train.max_tokens_per_logprob_microbatch"
+        ranks = plan_ranks(rollout.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch,
+                           balance=self.cfg.train.balance_microbatches, budget_key=key)
+        shared = self.transport.share(rollout)
+        values = ranks.restore(self.transport.call("compute_logprobs", [(shared, role, p.microbatches) for p in ranks.ranks]))
+        return LogprobResult(tuple(lp for lp, _ in values), tuple(ent for _, ent in values),
+                             tuple(mb for p in ranks.ranks for mb in p.microbatches))
+
+    def plan_update(self, batch: TrainBatch) -> UpdatePlan:
+        """The step's `UpdatePlan`: mini-batches of ``train.mini_batch_size`` prompts, each split
+        over the ranks under ``train.max_tokens_per_microbatch``, with global denominators.
+
+        Raises:
+            ValueError: a sequence over the micro-batch budget (named by index).
+        """
+        return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
+                           group_size=batch.rollout.group_size, mini_batch_prompts=self.plan.mini_batch_prompts,
+                           num_epochs=self.plan.num_epochs, num_ranks=self.num_ranks,
+                           max_tokens=self.cfg.train.max_tokens_per_microbatch, balance=self.cfg.train.balance_microbatches,
+                           loss_scale_factor=self.plan.loss_scale_factor)
+
+    def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
+        """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,
+        ``seqlen/*``, ``bucket/*`` metrics (`update_metrics`), and with several ranks
+        ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches).
+        ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
+        plan = self.plan_update(batch)
+        shared = self.transport.share(batch)
+        own = tracer if self.transport.in_process else None
+        results = self.transport.call("update", [(shared, plan, own)] * self.num_ranks)
+        for rank, (_, spans) in enumerate(results):
+            if spans:
+                tracer.add_worker_spans(rank, spans)
+        if not self._linked:
+            for key, name in self.transport.trace_links().items():
+                tracer.link(key, name)
+            self._linked = True
+        metrics = update_metrics([stats for stats, _ in results], batch, self.cfg.rollout.max_response_tokens)
+        return metrics | ({"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {})
+
+    def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
+        """Write ``run_dir/checkpoints/step_N`` and return it."""
+        paths = self.transport.call("save_checkpoint", [(str(run_dir), step, trainer_state)] * self.num_ranks)
+        self.transport.checkpoint_written()
+        return Path(paths[0])
+
+    def load_checkpoint(self, path: Path) -> dict:
+        """Restore model and optimizer from ``path`` on every rank; return its trainer state.
+
+        Raises:
+            ValueError: a file of ``path`` is missing, unreadable or does not fit the model (named).
+        """
+        return self.transport.call("load_checkpoint", [(str(path),)] * self.num_ranks)[0]
+
+    def close(self, graceful: bool = True) -> None:
+        """Release the workers; ``graceful=False`` after a failure (a rank may be inside a collective)."""
+        self.transport.close(graceful)
+
+
+def generate_with_retry(generate: Callable[[], list], prompts: PromptBatch) -> list:
+    """``generate()``, retried once when it raises anything but a ValueError (a bad prompt is not
+    retried); a second failure is a RuntimeError naming the batch's data rows and the cause."""
+    try:
+        return generate()
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - engine failures (OOM, a driver hiccup) get one more try
+        logger.warning("generation raised %s: %s; retrying once", type(err).__name__, err)
+        try:
+            return generate()
+        except Exception as again:
+            raise RuntimeError(f"generation failed twice for data rows {list(prompts.rows)[:16]}: "
+                               f"{type(again).__name__}: {again}") from again

@@ -1,0 +1,178 @@
+"""Open registries: the parts a config names by string, and the one way to add a part.
+
+Four config keys take a registered name: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
+(`ADVANTAGE_ESTIMATORS`), ``algorithm.policy_loss`` (`POLICY_LOSSES`) and ``rollout.engine``
+(`ROLLOUT_ENGINES`). A user adds a part with one decorated function in a file of their own::
+
+    from packrl.registry import POLICY_LOSSES
+
+    @POLICY_LOSSES.register("my_loss")
+    def my_loss(inputs): ...
+
+and names the file in ``trainer.plugins`` (a ``.py`` path or an importable module), so every
+process of the run (the controller and each data-parallel worker) imports it before the config's
+names are checked; ``algorithm.policy_loss=my_loss`` then selects it. Code that calls
+`packrl.trainer.loop.train` directly may also just import the file first.
+
+The built-in parts are listed here by name with the module that registers them, and that module
+is imported on first lookup: checking a config's names imports no torch (``packrl config`` stays
+light), and a lookup never depends on what happened to be imported before. An unknown name fails
+at config load, naming the nearest registered one (`Registry.problem`).
+
+This module is the bottom layer: it imports nothing of packrl.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Mapping[str, Any]):
+    """Named parts of one kind, selected by the config key ``key``.
+
+    Args:
+        name: the registry's attribute name in this module (for messages), e.g. ``POLICY_LOSSES``.
+        key: the dotted config key that names a part (for messages), e.g. ``algorithm.policy_loss``.
+        kind: what a part is, for messages (``policy loss``).
+        builtins: name -> module that registers it when imported.
+    """
+
+    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str]):
+        self.name, self.key, self.kind = name, key, kind
+        self._builtins = dict(builtins)
+        self._parts: dict[str, Any] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: register the decorated object as ``name``.
+
+        Raises:
+            ValueError: ``name`` is empty, or already registered to another object.
+        """
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
+
+        def decorate(part: T) -> T:
+            if name in self._builtins and name not in self._parts:
+                importlib.import_module(self._builtins[name])  # a built-in's name is taken even before its module loads
+            held = self._parts.get(name)
+            if held is not None and held is not part and _origin(held) != _origin(part):
+                raise ValueError(f"{self.kind} {name!r} is already registered ({held!r}); pick another name for {part!r}")
+            self._parts[name] = part
+            return part
+
+        return decorate
+
+    def names(self) -> list[str]:
+        """Every name a config may use: the built-in ones and those registered so far, sorted."""
+        return sorted(set(self._builtins) | set(self._parts))
+
+    def problem(self, name: str) -> tuple[str, str] | None:
+        """None when ``name`` is known, else ``(what is wrong, the fix)``: the fix names the nearest
+        registered name, every registered one, and how to register another."""
+        if name in self._parts or name in self._builtins:
+            return None
+        names = self.names()
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
+        nearest = f"did you mean {self.key}={close[0]}? " if close else ""
+        return (f"is not a registered {self.kind}",
+                f"{nearest}registered: {', '.join(names)}; or register one with "
+                f"@packrl.registry.{self.name}.register in a file named in trainer.plugins")
+
+    def lookup(self, name: str) -> Any:
+        """The part registered as ``name``, importing its built-in module first when needed.
+
+        Raises:
+            ValueError: ``name`` is not registered; the message names ``key``, the nearest name
+                and every registered one.
+        """
+        problem = self.problem(name)
+        if problem is not None:
+            raise ValueError(f"{self.key}={name!r} {problem[0]}; {problem[1]}")
+        return self[name]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._parts and name in self._builtins:
+            importlib.import_module(self._builtins[name])
+            assert name in self._parts, f"{self._builtins[name]} does not register the built-in {self.kind} {name!r}"
+        return self._parts[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts or name in self._builtins
+
+    def __repr__(self) -> str:
+        return f"Registry({self.key}: {', '.join(self.names())})"
+
+
+def _origin(part: Any) -> tuple[str, str]:
+    """Where a part is defined: a module re-executed under another name (a plugin file imported
+    twice) registers an equal part, not a clash."""
+    return getattr(part, "__module__", "") or "", getattr(part, "__qualname__", "") or ""
+
+
+REWARDS = Registry("REWARDS", "reward.name", "reward", {"gsm8k": "packrl.reward.gsm8k", "math_verify": "packrl.reward.math_verify"})
+"""``fn(response_text, ground_truth, *, data_source, cfg: RewardConfig) -> float`` (`packrl.reward.registry.RewardFn`)."""
+
+ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator", "advantage estimator",
+                                {"grpo": "packrl.algos.advantages", "rloo": "packrl.algos.advantages"})
+"""``fn(inputs: AdvantageInputs) -> N tensors [R_i]`` (`packrl.algos.advantages.AdvantageFn`)."""
+
+POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss", {"ppo_clip": "packrl.algos.policy_losses"})
+"""``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
+
+ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine", {"hf": "packrl.rollout.hf_engine"})
+"""``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`)."""
+
+CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES)}
+"""Config key -> the registry its value is looked up in (checked by `packrl.config.load`)."""
+
+
+def import_plugins(plugins: list[str]) -> list[tuple[str, str]]:
+    """Import each of ``trainer.plugins``: a ``.py`` file path or a module name. Importing registers
+    the parts it defines. A file is imported once per process (keyed by its resolved path).
+
+    Returns:
+        ``(plugin, error)`` for each plugin that could not be imported (empty when all were).
+    """
+    failures = []
+    for plugin in plugins:
+        try:
+            _import_plugin(plugin)
+        except Exception as err:  # noqa: BLE001 - user code: any failure is reported with its type
+            failures.append((plugin, f"{type(err).__name__}: {err}"))
+    return failures
+
+
+def _import_plugin(plugin: str) -> None:
+    if not plugin.endswith(".py"):
+        importlib.import_module(plugin)
+        return
+    path = Path(plugin).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file {path}")
+    name = f"packrl_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise

@@ -1,0 +1,263 @@
+"""Parallelism strategies: how one policy worker holds the policy in its process.
+
+A `PolicyWorker` is the same code in one process and on every data-parallel rank; its strategy
+supplies what differs:
+
+==========================  ===========================  =====================================
+                            `SingleProcess`              `FSDP2` (``trainer.num_workers > 1``)
+==========================  ===========================  =====================================
+process group               none                         torch.distributed (gloo on CPU, NCCL)
+wrapping                    none                         ``fully_shard`` per decoder layer, root
+gradient sync, loss scale   none, 1                      once per mini-batch, x rank count
+after a no-grad pass        nothing                      reshard every FSDP unit
+rollout weights             the parameters (LoRA:        each parameter gathered whole
+                            merged ``W + (alpha/r) BA``)  (``full_tensor``), a collective
+checkpoint weights          ``save_pretrained``          gathered on every rank, written by rank 0
+engine may share weights    yes (fp32)                   no: the engine keeps an unsharded copy
+==========================  ===========================  =====================================
+
+`weight_layout` tells the memory estimate (`packrl.inspect.memory`) the same facts from the
+config alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from packrl.config.schema import RunConfig
+    from packrl.worker.actor import Parallel
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank that never joins a collective fails the run instead of hanging it
+
+
+@dataclass(frozen=True, slots=True)
+class WeightLayout:
+    """How one device holds the policy under a strategy, from the config alone.
+
+    Attributes:
+        num_shards: the parameters, gradients, optimizer states and reference weights are split
+            this many ways (1 = whole on every device).
+        engine_copy_always: the rollout engine keeps its own copy of the weights even in float32
+            (a sharded policy cannot generate).
+        gathers_layers: FSDP gathers whole units while it computes: the root unit (embeddings,
+            final norm, LM head) and up to two decoder layers (the current one and the prefetched next).
+    """
+
+    num_shards: int
+    engine_copy_always: bool
+    gathers_layers: bool
+
+
+def weight_layout(cfg: RunConfig) -> WeightLayout:
+    """The layout of ``cfg``'s strategy: `FSDP2` for ``trainer.num_workers > 1``, else `SingleProcess`."""
+    sharded = cfg.trainer.num_workers > 1
+    return WeightLayout(num_shards=cfg.trainer.num_workers, engine_copy_always=sharded, gathers_layers=sharded)
+
+
+def default_device() -> torch.device:
+    """CUDA when available (one GPU per process), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class SingleProcess:
+    """The whole policy in this process, on one device."""
+
+    rank = 0
+    world_size = 1
+    may_share_policy = True
+    is_writer = True
+
+    def __init__(self) -> None:
+        self.device = default_device()
+
+    def listen(self) -> tuple[str, int] | None:
+        """No rendezvous."""
+        return None
+
+    def join(self, address: tuple[str, int] | None) -> None:
+        """No process group."""
+
+    def wrap(self, model: torch.nn.Module) -> None:
+        """Nothing to wrap."""
+
+    def parallel(self, model: torch.nn.Module) -> Parallel:
+        from packrl.worker.actor import Parallel
+
+        return Parallel()
+
+    def after_no_grad(self, model: torch.nn.Module) -> None:
+        """Nothing is gathered."""
+
+    def rollout_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters by name; a LoRA model's merged weights (`packrl.models.lora.merged_weights`)."""
+        from packrl.models.lora import is_lora, merged_weights
+
+        return merged_weights(model) if is_lora(model) else iter(model.named_parameters())
+
+    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """None: the model saves its own weights (a LoRA model its adapter)."""
+        return None
+
+    def load_weights(self, model: torch.nn.Module, path: Path) -> None:
+        """A checkpoint's weights, or its adapter for a LoRA model (`packrl.worker.checkpoint.load_weights`)."""
+        from packrl.worker.checkpoint import load_weights
+
+        load_weights(model, path)
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "one process"
+
+
+class FSDP2:
+    """One data-parallel rank: a torch.distributed process holding an FSDP2 shard of the policy.
+
+    Sharding (`torch.distributed.fsdp.fully_shard`): every decoder layer, then the root. Each
+    rank's loss is its share of the globally normalised loss, so the gradient is the sum over
+    ranks: the loss is scaled by the rank count before the backward, which the reduce-scatter's
+    mean undoes (gloo has no pre-scaled sum), and gradients are reduced once per mini-batch
+    (``set_requires_gradient_sync`` off for all but its last micro-batch).
+
+    Args:
+        rank / world_size: this rank and ``trainer.num_workers``.
+        loopback: a local run: the rendezvous and collectives stay on the loopback interface.
+    """
+
+    may_share_policy = False
+
+    def __init__(self, rank: int, world_size: int, loopback: bool):
+        self.rank, self.world_size, self.loopback = rank, world_size, loopback
+        self.device = default_device()
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._listener: socket.socket | None = None
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def listen(self) -> tuple[str, int]:
+        """Open rank 0's rendezvous socket for torch.distributed's store and return its address: on
+        loopback for a local run, else on this machine's address as Ray sees it (never on all
+        interfaces, where the store would listen by default)."""
+        if self.loopback:
+            host = "127.0.0.1"
+        else:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen()
+        self._listener = sock
+        bound_host, port = sock.getsockname()[:2]
+        return bound_host, port
+
+    def join(self, address: tuple[str, int] | None) -> None:
+        """Join the process group whose rank 0 listens at ``address`` (blocks until every rank has)."""
+        import torch.distributed as dist
+
+        assert address is not None, "FSDP2 ranks rendezvous at rank 0's address"
+        listener = self._listener
+        store = dist.TCPStore(address[0], address[1], self.world_size, is_master=self.rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                              **({"master_listen_fd": listener.fileno()} if listener is not None else {}))
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
+
+    def wrap(self, model: torch.nn.Module) -> None:
+        """``fully_shard`` each decoder layer, then the whole model, and register
+        `packrl.models.logprobs.pack_logprobs` as a forward (`enable_fsdp_forward`)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from packrl.models.logprobs import enable_fsdp_forward
+
+        for layer in model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(model)
+        enable_fsdp_forward(model)
+
+    def parallel(self, model: torch.nn.Module) -> Parallel:
+        from packrl.worker.actor import Parallel
+
+        return Parallel(grad_sync=model.set_requires_gradient_sync, loss_scale=float(self.world_size))
+
+    def after_no_grad(self, model: torch.nn.Module) -> None:
+        """Free the gathered parameters every FSDP unit of ``model`` still holds. A no-grad forward
+        leaves the root unit's parameters gathered (FSDP keeps the root's for the backward that
+        never comes); a later training forward would then reuse them without the hooks that
+        reduce their gradients (the gradient norm was 0.29 instead of 1.14 until this was done)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def rollout_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter gathered whole (a collective on every rank, in the same order)."""
+        for name, param in model.named_parameters():
+            value = param.detach()
+            yield name, value.full_tensor() if hasattr(value, "full_tensor") else value
+
+    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights on the CPU, gathered on every rank (a collective), tied duplicates
+        dropped (written once, as one process writes them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        seen: set[int] = set()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                weights.pop(name, None)
+            seen.add(id(param))
+        return weights
+
+    def load_weights(self, model: torch.nn.Module, path: Path) -> None:
+        """Every rank reads the full checkpoint and keeps its shards.
+
+        Raises:
+            ValueError: no safetensors weights under ``path`` (`weights_state_dict`).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from packrl.worker.checkpoint import weights_state_dict
+
+        set_model_state_dict(model, weights_state_dict(path), options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def describe(self) -> str:
+        return f"data-parallel over {self.world_size} FSDP2 ranks ({self.backend})"
+
+
+Strategy = SingleProcess | FSDP2
+
