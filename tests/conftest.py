@@ -56,7 +56,8 @@ def score_of(model, rollout, cfg, context=None) -> tuple[list[torch.Tensor], lis
     plan = plan_ranks(rollout.sequence_lengths(), 1, cfg.train.max_tokens_per_logprob_microbatch, balance=True,
                       budget_key="train.max_tokens_per_logprob_microbatch")
     forward = PackForward.from_config(cfg)
-    values = plan.restore([compute_logprobs(model, rollout, forward, context or contextlib.nullcontext, plan.ranks[0].microbatches)])
+    values = plan.restore([compute_logprobs(model, rollout, plan.ranks[0].microbatches, forward=forward,
+                                           context=context or contextlib.nullcontext)])
     return [lp for lp, _ in values], [ent for _, ent in values]
 
 

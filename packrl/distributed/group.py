@@ -89,14 +89,14 @@ class WorkerGroup:
 
     Args:
         cfg: the run's config.
+        plan: its derived sizes (`BatchPlan`), the one the workers were built with.
         tokenizer: the policy's tokenizer (decodes responses for rewards and dumps).
         transport: how the workers are reached.
         info: what the workers reported at set-up (`WorkerInfo`).
     """
 
-    def __init__(self, cfg: RunConfig, tokenizer: Any, transport: Transport, info: WorkerInfo):
-        self.cfg, self.tokenizer, self.transport = cfg, tokenizer, transport
-        self.plan = BatchPlan.from_config(cfg)
+    def __init__(self, cfg: RunConfig, *, plan: BatchPlan, tokenizer: Any, transport: Transport, info: WorkerInfo):
+        self.cfg, self.plan, self.tokenizer, self.transport = cfg, plan, tokenizer, transport
         self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
         self._linked = False
 

@@ -49,6 +49,7 @@ def local_group(cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer:
     Raises:
         ValueError: any error of loading the policy or building the worker.
     """
-    worker = PolicyWorker(cfg, BatchPlan.from_config(cfg))
+    plan = BatchPlan.from_config(cfg)
+    worker = PolicyWorker(cfg, plan)
     info = worker.setup(model=model, tokenizer=tokenizer)
-    return WorkerGroup(cfg, worker.tokenizer, InProcess(worker), info)
+    return WorkerGroup(cfg, plan=plan, tokenizer=worker.tokenizer, transport=InProcess(worker), info=info)

@@ -208,7 +208,8 @@ def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
     actors: list = []
     try:
         remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(PolicyWorker)
-        actors = [remote.remote(cfg, plan, rank, cfg.trainer.num_workers, loopback) for rank in range(cfg.trainer.num_workers)]
+        actors = [remote.remote(cfg, plan, rank=rank, world_size=cfg.trainer.num_workers, loopback=loopback)
+                  for rank in range(cfg.trainer.num_workers)]
         address = _gather(actors[0].listen.remote())
         infos = _gather([a.setup.remote(address) for a in actors])
     except BaseException:  # a failed set-up or Ctrl-C leaves no actor and no Ray of ours behind
@@ -218,4 +219,4 @@ def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
             ray.shutdown()
         raise
     logger.info("%d data-parallel workers ready (rendezvous %s:%d)", len(actors), *address)
-    return WorkerGroup(cfg, tokenizer, RayActors(actors, run_dir, owns_ray), infos[0])
+    return WorkerGroup(cfg, plan=plan, tokenizer=tokenizer, transport=RayActors(actors, run_dir, owns_ray), info=infos[0])

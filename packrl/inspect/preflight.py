@@ -262,10 +262,12 @@ def _memory_problems(cfg: RunConfig, shape: ModelShape, memory: MemoryEstimate, 
 def _update_fix(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recommended: int, budgets: Budgets) -> str:
     if recommended >= budgets.max_sequence_tokens:
         return f"set train.max_tokens_per_microbatch={recommended} (the largest that fits)"
-    fixed = sum(memory.parts[k] for k in ("runtime", "parameters (float32)", "reference model", "rollout copy (bf16)"))
+    held = ("runtime", "parameters (float32)", "reference model", "rollout engine copy", "gathered parameters (FSDP2)")
+    fixed = sum(memory.parts[k] for k in held)
     if fixed > memory_bytes:
+        drop_copy = cfg.model.dtype == "bf16" and cfg.trainer.num_workers == 1
         return (f"the weights and runtime alone need {fixed / GIB:.2f} GiB: use a device with more memory"
-                + ("" if cfg.model.dtype == "fp32" else " (or model.dtype=fp32 to drop the bf16 rollout copy)"))
+                + (" (or model.dtype=fp32 to drop the bf16 rollout engine copy)" if drop_copy else ""))
     options = [o for o, on in (("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
                                ("model.lora.rank=16", cfg.model.lora.rank > 0)) if not on]
     return ("no micro-batch holding the longest sequence fits: " + ", ".join(

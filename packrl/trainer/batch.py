@@ -57,7 +57,8 @@ def build_train_batch(
         rewards = rewards - cfg.kl_coef * seq_kl
         metrics["critic/kl_in_reward/mean"] = seq_kl.mean().item()
     generated = tuple(r.generated_mask() for r in scored.rollout.responses)
-    inputs = AdvantageInputs(scored, rewards, generated, old_logprobs, ref_logprobs, cfg)
+    inputs = AdvantageInputs(scored=scored, rewards=rewards, response_masks=generated, old_logprobs=old_logprobs,
+                             ref_logprobs=ref_logprobs, cfg=cfg)
     advantages = check_advantages(ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator)(inputs), inputs)
     masks = loss_masks(scored, cfg.truncated)
     metrics["seqlen/masked_tokens/truncated"] = float(sum(int((g & ~m).sum()) for g, m in zip(generated, masks)))

@@ -109,8 +109,8 @@ def _idle_forward(model: torch.nn.Module) -> torch.Tensor:
     return model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False).logits
 
 
-def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, forward: PackForward, context: Context,
-                     microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]], *,
+                     forward: PackForward, context: Context) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """No-grad log-probs and entropy of every response token of the planned micro-batches. The
     model runs in eval mode (no dropout, e.g. ``model.lora.dropout``), restored afterwards.
 

@@ -138,7 +138,8 @@ class PolicyWorker:
                            "copies them; set model.activation_offload=false", strategy.device.type)
         self.reference = load_reference(model) if self.plan.has_reference else None
         factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
-        self.engine = factory(EngineContext(model, tokenizer, cfg, max_context, strategy.may_share_policy))
+        self.engine = factory(EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=max_context,
+                                           may_share_policy=strategy.may_share_policy))
         strategy.wrap(model)
         if self.reference is not None and self.reference is not model:
             strategy.wrap(self.reference)
@@ -146,7 +147,8 @@ class PolicyWorker:
                                            weight_decay=cfg.train.weight_decay)
         warmup = cfg.train.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.opt = Optimization(self.optimizer, scheduler, SkipCounter(cfg.train.max_consecutive_skips), cfg.train.grad_clip)
+        self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
+                                grad_clip=cfg.train.grad_clip)
         self.loss = MicrobatchLoss.from_config(cfg)
         return WorkerInfo(max_context, rope_factor, summary)
 
@@ -192,7 +194,7 @@ class PolicyWorker:
         in plan order (`packrl.worker.actor.compute_logprobs`)."""
         model, context = (self.model, self.autocast) if role == "actor" else (self.reference, self.reference_context)
         assert model is not None, "the controller asks for reference log-probs only when a reference exists"
-        result = compute_logprobs(model, rollout, self.loss.forward, context, microbatches)
+        result = compute_logprobs(model, rollout, microbatches, forward=self.loss.forward, context=context)
         self.strategy.after_no_grad(model)
         return result
 
@@ -225,10 +227,10 @@ class PolicyWorker:
         optimizer = full_optimizer_state(self.model, self.optimizer)
         path = None
         if self.strategy.is_writer:
-            path = save_checkpoint(Path(run_dir), step, self.model, self.tokenizer,
-                                   {"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
-                                   trainer_state | {"skips": self.opt.skips.state_dict()}, keep_last=self.cfg.train.keep_last,
-                                   state_dict=weights)
+            path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer,
+                                   optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
+                                   trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()},
+                                   keep_last=self.cfg.train.keep_last, state_dict=weights)
         self.strategy.barrier()
         return None if path is None else str(path)
 

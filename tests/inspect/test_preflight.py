@@ -79,6 +79,14 @@ def test_memory_that_does_not_fit_recommends_the_largest_micro_batch(model_dir):
     assert ok.ok, ok.to_text()
 
 
+@pytest.mark.parametrize("workers, hint", [(1, True), (2, False)])
+def test_a_device_smaller_than_the_weights_says_so(model_dir, workers, hint):
+    report = preflight("demo", [f"model.path={model_dir}", f"trainer.num_workers={workers}"], device_memory_gib=0.01)
+    problem = next(p for p in report.problems if p.key == "train.max_tokens_per_microbatch")
+    assert "the weights and runtime alone need" in problem.fix
+    assert ("model.dtype=fp32 to drop the bf16 rollout engine copy" in problem.fix) is hint  # FSDP2 keeps a copy either way
+
+
 def test_parameter_counts_match_the_real_model():
     config = _config(tie_word_embeddings=False)
     model = LlamaForCausalLM(config)

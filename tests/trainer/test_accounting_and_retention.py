@@ -157,6 +157,7 @@ def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(capl
 
 
 def test_generation_is_retried_once_then_names_the_rows():
+    from packrl.config.plan import BatchPlan
     from packrl.distributed.group import WorkerGroup
     from packrl.distributed.local import InProcess
     from packrl.rollout.engine import SamplingParams
@@ -178,7 +179,9 @@ def test_generation_is_retried_once_then_names_the_rows():
             return [[Response((3,), "eos")] * params.n for _ in prompt_ids]
 
     def group(failures: int) -> WorkerGroup:
-        return WorkerGroup(load_config("demo"), None, InProcess(Worker(failures)), WorkerInfo(512, 1.0, "test"))
+        cfg = load_config("demo")
+        return WorkerGroup(cfg, plan=BatchPlan.from_config(cfg), tokenizer=None, transport=InProcess(Worker(failures)),
+                           info=WorkerInfo(512, 1.0, "test"))
 
     out = group(failures=1).generate(prompts, SamplingParams(n=2, max_response_tokens=4))
     assert len(out) == 4 and len(attempts) == 2
