@@ -49,13 +49,19 @@ def test_activation_offload_on_cpu_warns_that_it_only_copies(caplog):
     assert "model.activation_offload=true on cpu" in caplog.text
 
 
-def test_lora_reference_is_the_policy_with_its_adapter_disabled():
-    cfg = load_config("demo", [*SIZES, "model.lora.rank=4", "algorithm.kl_coef=0.1"])
+def _adapted_policy() -> torch.nn.Module:
+    """The tiny policy with rank-4 adapters whose B is random (so the adapters change the outputs)."""
     model = apply_lora(tiny_llama(), LoraConfig(rank=4))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_()
+    return model
+
+
+def test_lora_reference_is_the_policy_with_its_adapter_disabled():
+    cfg = load_config("demo", [*SIZES, "model.lora.rank=4", "algorithm.kl_coef=0.1"])
+    model = _adapted_policy()
     workers = local_group(cfg, model, TOKENIZER)
     worker = workers.transport.worker
     assert worker.reference is model  # no second copy of the weights
@@ -88,11 +94,7 @@ def test_fp32_lora_generation_runs_on_the_adapted_policy():
     from packrl.rollout.engine import SamplingParams
 
     cfg = load_config("demo", [*SIZES, "model.lora.rank=4"])
-    model = apply_lora(tiny_llama(), LoraConfig(rank=4))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
+    model = _adapted_policy()
     workers = local_group(cfg, model, TOKENIZER)
     assert workers.transport.worker.engine.model is model  # float32: the peft model itself generates, adapters on
     prompts = _scored().rollout.prompts
