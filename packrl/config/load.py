@@ -128,6 +128,10 @@ def _convert(hint: Any, value: Any) -> Any:
         (item,) = typing.get_args(hint)
         values = value if isinstance(value, list) else [value]  # a single value is a 1-item list
         return [_convert(item, v) for v in values]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+            raise TypeError("must be a mapping of names to values (write section.key.name=value)")
+        return dict(value)
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -249,6 +253,8 @@ def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
         problem = None if key in bad else registry.problem(value)
         if problem is not None:
             problems.append(ConfigProblem(key, value, *problem))
+        elif key not in bad:
+            problems += registry.config_problems(value, cfg)
     return problems
 
 

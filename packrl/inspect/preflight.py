@@ -160,11 +160,31 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
                 problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err), "set model.lora.target_modules to names the model has"))
         else:
             memory = estimate_memory(cfg, shape, device=device)
+            notes += _engine_notes(cfg, shape, budgets, device)
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
                 problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
     unique = {str(p): p for p in problems}
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: str) -> list[str]:
+    """For ``rollout.engine=vllm``: the settings packrl derives for the engine from the budgets,
+    with the KV cache they need (`packrl.rollout.vllm_settings.engine_args`)."""
+    if cfg.rollout.engine != "vllm":
+        return []
+    from packrl.rollout.vllm_settings import engine_args
+
+    compute_bytes = 2 if cfg.model.dtype == "bf16" else 4
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * compute_bytes
+    context = budgets.max_context_tokens or budgets.max_sequence_tokens
+    args = engine_args(cfg, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda")
+    kv = args.get("kv_cache_memory_bytes")
+    sized = f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE"
+    batched = args.get("max_num_batched_tokens", "vLLM's default (chunked prefill)")
+    return [f"vllm engine: max_model_len={args['max_model_len']:,}, max_num_seqs={args['max_num_seqs']}, "
+            f"max_num_batched_tokens={batched}, dtype={args['dtype']}, {sized} for {args['max_num_seqs']} sequences of "
+            f"max_model_len tokens ({kv_per_token:,} bytes per token)"]
 
 
 def _without_rope(cfg: RunConfig) -> RunConfig:

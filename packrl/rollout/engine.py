@@ -146,6 +146,10 @@ class RolloutEngine(Protocol):
         """Reacquire what `sleep` released, before the next `generate`."""
         ...
 
+    def close(self) -> None:
+        """Release everything the engine holds (processes, files) when the worker closes."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineContext:

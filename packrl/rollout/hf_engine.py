@@ -160,7 +160,7 @@ class HFEngine:
         self.max_num_seqs = max_num_seqs
         self.autocast_dtype = autocast_dtype
         self.shares_policy = shares_policy
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = _pad_id(model, tokenizer, self.eos_ids)
 
     def generate(
@@ -218,6 +218,9 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """Nothing to reacquire (see `sleep`)."""
+
+    def close(self) -> None:
+        """Nothing to release: the model goes with the engine."""
 
     def _requests(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[_Request]:
         """Expand each prompt into `params.n` requests with their caps; reject prompts without room."""
@@ -463,7 +466,7 @@ def rollout_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.
     return twin.eval()
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     """Every id that ends a response: the model's ``generation_config.eos_token_id`` (int or
     list) and the tokenizer's EOS."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

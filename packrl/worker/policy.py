@@ -250,7 +250,10 @@ class PolicyWorker:
         return state
 
     def close(self) -> None:
-        """Leave the process group (FSDP2)."""
+        """Close the rollout engine and leave the process group (FSDP2)."""
+        engine = getattr(self, "engine", None)  # None when setup never ran
+        if engine is not None:
+            engine.close()
         self.strategy.close()
 
 

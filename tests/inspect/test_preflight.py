@@ -79,6 +79,18 @@ def test_memory_that_does_not_fit_recommends_the_largest_micro_batch(model_dir):
     assert ok.ok, ok.to_text()
 
 
+def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
+    from packrl.rollout.vllm_settings import kv_cache_bytes
+
+    report = preflight("demo", [f"model.path={model_dir}", "rollout.engine=vllm", "rollout.max_num_seqs=4"])
+    note = next(n for n in report.notes if n.startswith("vllm engine:"))
+    cfg = load_config("demo", [f"model.path={model_dir}", "rollout.max_num_seqs=4"])
+    shape = ModelShape.from_config(_config(), None)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    assert f"max_model_len={cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens:,}" in note and "max_num_seqs=4" in note
+    assert f"KV cache {kv_cache_bytes(cfg, per_token) / GIB:.2f} GiB" in note and f"({per_token:,} bytes per token)" in note
+
+
 @pytest.mark.parametrize("workers, hint", [(1, True), (2, False)])
 def test_a_device_smaller_than_the_weights_says_so(model_dir, workers, hint):
     report = preflight("demo", [f"model.path={model_dir}", f"trainer.num_workers={workers}"], device_memory_gib=0.01)

@@ -52,12 +52,17 @@ def _engine(model, tokenizer, *, context: int = 512, max_num_seqs: int = 64, **k
     return HFEngine(model, tokenizer, max_context_tokens=context, max_num_seqs=max_num_seqs, **kw)
 
 
+def _cache(kwargs: dict):
+    """The KV cache a forward receives (``cache`` in newer transformers 5 releases, ``past_key_values`` before)."""
+    return kwargs["cache"] if "cache" in kwargs else kwargs["past_key_values"]
+
+
 def _record_prefills(model) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     """Record (input_ids, attention_mask, model.training) of every prefill forward."""
     calls = []
 
     def hook(module, args, kwargs):
-        if kwargs["cache"].get_seq_length() == 0:  # the prefill: nothing cached yet
+        if _cache(kwargs).get_seq_length() == 0:  # the prefill: nothing cached yet
             ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
             if mask is None:  # transformers drops a mask without padding
                 mask = torch.ones_like(ids)
@@ -270,7 +275,7 @@ def _record_decode_rows(model) -> list[int]:
     rows = []
 
     def hook(module, args, kwargs):
-        if kwargs["cache"].get_seq_length() > 0:
+        if _cache(kwargs).get_seq_length() > 0:
             rows.append(kwargs["input_ids"].shape[0])
 
     model.register_forward_pre_hook(hook, with_kwargs=True)

