@@ -39,6 +39,7 @@ def aggregate_loss(
     denominators: LossDenominators,
     *,
     sequence_ids: torch.Tensor | None = None,
+    sequence_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss.
 
@@ -51,6 +52,9 @@ def aggregate_loss(
         denominators: the whole mini-batch's `LossDenominators`.
         sequence_ids: for [M] input, the sequence of each token. Shape [M], int64. A sequence
             must lie entirely inside one micro-batch.
+        sequence_counts: loss tokens of each sequence over the whole micro-batch, Shape [S],
+            for ``seq-mean-token-mean`` when ``loss_mask`` holds only part of them (a
+            sequence-parallel rank's tokens); default: counted from ``loss_mask``.
 
     Returns:
         A scalar tensor, differentiable w.r.t. ``token_loss``.
@@ -90,5 +94,7 @@ def aggregate_loss(
     num_seqs = int(seq.max()) + 1
     seq_sum = loss.new_zeros(num_seqs).index_add(0, seq, loss.reshape(-1))
     seq_count = loss.new_zeros(num_seqs).index_add(0, seq, mask.reshape(-1).to(loss.dtype))
+    if sequence_counts is not None:
+        seq_count = sequence_counts.to(loss)[:num_seqs]
     per_seq = torch.where(seq_count > 0, seq_sum / seq_count.clamp(min=1), torch.zeros_like(seq_sum))
     return per_seq.sum() / denominators.num_sequences

@@ -23,7 +23,8 @@ class BatchPlan:
         group_size: responses per prompt, G (``rollout.n``).
         mini_batch_prompts: prompts per optimizer step (``train.mini_batch_size``, or B).
         num_epochs: passes over each step's batch (``train.ppo_epochs``).
-        num_ranks: data-parallel ranks (``trainer.num_workers``).
+        num_ranks: ranks (``trainer.num_workers``).
+        sequence_parallel_size: ranks that split each pack (``trainer.sequence_parallel_size``).
         loss_scale_factor: the constant C of ``seq-mean-token-sum-norm`` in tokens
             (``algorithm.loss_scale_factor``, or ``rollout.max_response_tokens``).
         has_reference: a reference policy is loaded and scored (``algorithm.kl_coef > 0``).
@@ -38,6 +39,7 @@ class BatchPlan:
     mini_batch_prompts: int
     num_epochs: int
     num_ranks: int
+    sequence_parallel_size: int
     loss_scale_factor: int
     has_reference: bool
     needs_old_logprobs: bool
@@ -53,6 +55,7 @@ class BatchPlan:
             mini_batch_prompts=mini,
             num_epochs=cfg.train.ppo_epochs,
             num_ranks=cfg.trainer.num_workers,
+            sequence_parallel_size=cfg.trainer.sequence_parallel_size,
             loss_scale_factor=cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens,
             has_reference=cfg.algorithm.kl_coef > 0,
             needs_old_logprobs=not on_policy,
@@ -62,6 +65,11 @@ class BatchPlan:
     def num_sequences(self) -> int:
         """Sequences per step, N = B x G."""
         return self.num_prompts * self.group_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks: groups of `sequence_parallel_size` ranks that each take a share of a batch."""
+        return self.num_ranks // self.sequence_parallel_size
 
     @property
     def num_minibatches(self) -> int:
@@ -74,7 +82,9 @@ class BatchPlan:
             ("sequences per step", f"{self.num_sequences} ({self.num_prompts} prompts x {self.group_size} responses)"),
             ("optimizer steps per step", f"{self.num_epochs * self.num_minibatches} ({self.num_epochs} epoch(s) x "
                                          f"{self.num_minibatches} mini-batch(es) of {self.mini_batch_prompts} prompts)"),
-            ("data-parallel ranks", str(self.num_ranks)),
+            ("data-parallel ranks", str(self.data_parallel_size)),
+            ("sequence-parallel ranks", f"{self.sequence_parallel_size} per data-parallel rank (each pack split over them)"
+             if self.sequence_parallel_size > 1 else "1 (off)"),
             ("loss scale factor", f"{self.loss_scale_factor:,} tokens (seq-mean-token-sum-norm)"),
             ("reference policy", "yes" if self.has_reference else "no (algorithm.kl_coef=0)"),
             ("old log-prob forward", "yes" if self.needs_old_logprobs else "no (on-policy: the update's own detached log-probs)"),

@@ -480,6 +480,13 @@ class TrainerConfig:
     num_cpus_per_worker: int = 1
     """CPUs Ray reserves for each worker actor (torch intra-op threads follow it)."""
 
+    sequence_parallel_size: int = 1
+    """Ranks that split each pack between them (Ulysses sequence parallelism, `packrl.models.ulysses`):
+    consecutive groups of this many of the `num_workers` ranks run the same micro-batches, each on
+    its contiguous share of every pack, and the groups are the data-parallel ranks. A micro-batch
+    may then hold `train.max_tokens_per_microbatch` x this many tokens (each rank holds its share);
+    the model's attention heads must be a multiple of it. 1 = off."""
+
     plugins: list[str] = field(default_factory=list)
     """Python files (`path/to/file.py`) or module names imported before the config's registered
     names are checked, in this process and in every worker: register your own reward, advantage
@@ -488,6 +495,12 @@ class TrainerConfig:
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.num_workers", self.num_workers)
         out += check_positive(f"{prefix}.num_cpus_per_worker", self.num_cpus_per_worker)
+        out += check_positive(f"{prefix}.sequence_parallel_size", self.sequence_parallel_size)
+        size = self.sequence_parallel_size
+        if size > 1 and self.num_workers >= 1 and self.num_workers % size:
+            out.append(ConfigProblem(f"{prefix}.sequence_parallel_size", size, f"does not divide {prefix}.num_workers={self.num_workers}",
+                                     f"set {prefix}.num_workers to a multiple of {size} (data-parallel x sequence-parallel ranks)",
+                                     keys=(f"{prefix}.sequence_parallel_size", f"{prefix}.num_workers")))
         if self.ray_address is not None and not str(self.ray_address).strip():
             out.append(ConfigProblem(f"{prefix}.ray_address", self.ray_address, "is empty",
                                      f"set {prefix}.ray_address to a cluster address such as auto, or null for a local Ray"))
@@ -520,12 +533,20 @@ class RunConfig:
                 "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"),
             ))
         workers = self.trainer.num_workers
+        data_parallel = workers // max(1, self.trainer.sequence_parallel_size)
         per_step = (mini or self.data.batch_size) * self.rollout.n
-        if workers > 1 and per_step >= 1 and per_step < workers:
+        if data_parallel > 1 and per_step >= 1 and per_step < data_parallel:
             out.append(ConfigProblem(
-                "trainer.num_workers", workers, f"exceeds the {per_step} sequences of a mini-batch (train.mini_batch_size or "
-                "data.batch_size, times rollout.n); every rank needs at least one", "lower trainer.num_workers or raise the batch",
+                "trainer.num_workers", workers, f"makes {data_parallel} data-parallel ranks, more than the {per_step} sequences of "
+                "a mini-batch (train.mini_batch_size or data.batch_size, times rollout.n); every rank needs at least one",
+                "lower trainer.num_workers or raise the batch",
                 keys=("trainer.num_workers", "train.mini_batch_size", "data.batch_size", "rollout.n"),
+            ))
+        if self.trainer.sequence_parallel_size > 1 and self.model.packed_attention != "varlen":
+            out.append(ConfigProblem(
+                "trainer.sequence_parallel_size", self.trainer.sequence_parallel_size,
+                f"splits packs through the varlen attention path, not model.packed_attention={self.model.packed_attention}",
+                "set model.packed_attention=varlen", keys=("trainer.sequence_parallel_size", "model.packed_attention"),
             ))
         if workers > 1 and self.model.lora.rank > 0:
             out.append(ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={self.model.lora.rank}) yet",

@@ -9,7 +9,10 @@ span per stage (cat ``stage``: gen, reward, old_log_prob, ref, adv, update_actor
 All spans run on one thread (tid 1), so the viewers nest micro-batches inside update_actor. With
 data-parallel workers (``trainer.num_workers > 1``) the micro-batch spans are the workers': each
 rank's on its own thread (tid ``2 + rank``, named ``rank N`` by a metadata event, args add
-``rank``), and ``otherData.ray_timeline`` names Ray's own timeline file in RUN_DIR.
+``rank``), and ``otherData.ray_timeline`` names Ray's own timeline file in RUN_DIR. With sequence
+parallelism (``trainer.sequence_parallel_size > 1``) every micro-batch span holds an
+``all_to_all`` span (cat ``all_to_all``; args ``num_exchanges``): the micro-batch's forward
+all-to-alls, which interleave with its compute, summed and drawn from the micro-batch's start.
 
 The whole file is rewritten after every step (temporary file + `os.replace`), so it is valid
 JSON at any moment, also after ``kill -9``. Cost: one JSON dump of the events so far, about
@@ -41,6 +44,9 @@ class NullTracer:
     def end_step(self, step: int, spans: list[Span], *, num_sequences: int, num_tokens: int) -> None:
         pass
 
+    def all_to_all(self, seconds: float, num_exchanges: int) -> None:
+        """The last micro-batch's summed forward all-to-all time (sequence parallelism); nothing here."""
+
     def add_worker_spans(self, rank: int, spans: list[RemoteSpan]) -> None:
         """Micro-batch spans a data-parallel worker recorded (`SpanRecorder`); nothing here."""
 
@@ -49,7 +55,8 @@ class NullTracer:
 
 
 RemoteSpan = tuple[float, float, dict[str, Any]]
-"""A span recorded in another process: wall-clock start and end (``time.time()``, seconds) and args."""
+"""A span recorded in another process: wall-clock start and end (``time.time()``, seconds) and
+args (``args["name"]``: the span's name when it is not ``microbatch``)."""
 
 
 class SpanRecorder(NullTracer):
@@ -67,6 +74,10 @@ class SpanRecorder(NullTracer):
         finally:
             self.spans.append((start, time.time(), {"num_sequences": num_sequences, "num_tokens": num_tokens,
                                                     "num_positions": num_positions}))
+
+    def all_to_all(self, seconds: float, num_exchanges: int) -> None:
+        start = self.spans[-1][0]
+        self.spans.append((start, start + seconds, {"name": "all_to_all", "num_exchanges": num_exchanges}))
 
 
 class Tracer(NullTracer):
@@ -100,6 +111,13 @@ class Tracer(NullTracer):
             args = {"num_sequences": num_sequences, "num_tokens": num_tokens, "num_positions": num_positions}
             self._pending.append(self._event("microbatch", "microbatch", start, time.perf_counter(), args))
 
+    def all_to_all(self, seconds: float, num_exchanges: int) -> None:
+        """An ``all_to_all`` span inside the last micro-batch span: its summed forward all-to-alls."""
+        last = self._pending[-1]
+        start = self.origin + last["ts"] / 1e6
+        self._pending.append(self._event("all_to_all", "all_to_all", start, start + seconds, {"num_exchanges": num_exchanges})
+                             | {"tid": last["tid"]})
+
     def add_worker_spans(self, rank: int, spans: list[RemoteSpan]) -> None:
         """Add a worker's micro-batch spans to the step in progress, on thread ``2 + rank`` (named
         ``rank N``), placed by wall clock (machines' clocks are assumed in sync)."""
@@ -109,7 +127,9 @@ class Tracer(NullTracer):
             self.events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"rank {rank}"}})
         shift = self.origin - self.wall_origin
         for start, end, args in spans:
-            event = self._event("microbatch", "microbatch", start + shift, end + shift, {"rank": rank, **args})
+            name = args.get("name", "microbatch")
+            args = {key: value for key, value in args.items() if key != "name"}
+            event = self._event(name, name, start + shift, end + shift, {"rank": rank, **args})
             self._pending.append(event | {"tid": tid})
 
     def link(self, key: str, file_name: str) -> None:

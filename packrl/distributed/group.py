@@ -47,9 +47,10 @@ class Transport(Protocol):
     in_process: bool
     """True when the worker runs in this process (the tracer is passed to it directly)."""
 
-    def call(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
-        """Call ``method`` on ranks ``0 .. len(args_per_rank) - 1``, rank r with ``args_per_rank[r]``;
-        wait for all and return their results in rank order. A worker's exception is raised as itself."""
+    def call(self, method: str, args_per_rank: Sequence[tuple], ranks: Sequence[int] | None = None) -> list[Any]:
+        """Call ``method`` on ``ranks`` (default ``0 .. len(args_per_rank) - 1``), the i-th with
+        ``args_per_rank[i]``; wait for all and return their results in that order. A worker's
+        exception is raised as itself."""
 
     def share(self, obj: Any) -> Any:
         """``obj`` in the form every rank's call may take (a Ray object reference, or itself)."""
@@ -98,11 +99,17 @@ class WorkerGroup:
     def __init__(self, cfg: RunConfig, *, plan: BatchPlan, tokenizer: Any, transport: Transport, info: WorkerInfo):
         self.cfg, self.plan, self.tokenizer, self.transport = cfg, plan, tokenizer, transport
         self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
+        self.packing = info.packing
         self._linked = False
 
     @property
     def num_ranks(self) -> int:
-        return self.transport.num_ranks
+        """Data-parallel ranks: each takes a share of every batch (a group of ``sequence_parallel_size`` workers)."""
+        return self.transport.num_ranks // self.plan.sequence_parallel_size
+
+    def _spread(self, per_rank: Sequence[tuple]) -> list[tuple]:
+        """Every worker's arguments: each data-parallel rank's go to all the workers of its sequence-parallel group."""
+        return [args for args in per_rank for _ in range(self.plan.sequence_parallel_size)]
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> RolloutBatch:
         """Sample ``params.n`` responses per prompt from exactly ``prompts.prompt_ids``. Every
@@ -114,8 +121,9 @@ class WorkerGroup:
 
         def run() -> list:
             calls = [([prompts.prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts]
+            leaders = [r * self.plan.sequence_parallel_size for r in range(len(parts))]  # one worker per data-parallel rank
             out: list = [None] * len(costs)
-            for part, groups in zip(parts, self.transport.call("generate", calls)):
+            for part, groups in zip(parts, self.transport.call("generate", calls, leaders)):
                 for i, group in zip(part, groups):
                     out[i] = group
             return out
@@ -129,10 +137,12 @@ class WorkerGroup:
         if (role == "ref" and not self.plan.has_reference) or (role == "actor" and not self.plan.needs_old_logprobs):
             return None
         key = "train.max_tokens_per_logprob_microbatch"
-        ranks = plan_ranks(rollout.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch,
-                           balance=self.cfg.train.balance_microbatches, budget_key=key)
+        size = self.plan.sequence_parallel_size
+        ranks = plan_ranks(rollout.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch * size,
+                           balance=self.cfg.train.balance_microbatches, budget_key=key, packed=self.packing.packs)
         shared = self.transport.share(rollout)
-        values = ranks.restore(self.transport.call("compute_logprobs", [(shared, role, p.microbatches) for p in ranks.ranks]))
+        results = self.transport.call("compute_logprobs", self._spread([(shared, role, p.microbatches) for p in ranks.ranks]))
+        values = ranks.restore(results[::size])  # a sequence-parallel group's workers return the same values
         return LogprobResult(tuple(lp for lp, _ in values), tuple(ent for _, ent in values),
                              tuple(mb for p in ranks.ranks for mb in p.microbatches))
 
@@ -146,8 +156,9 @@ class WorkerGroup:
         return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
                            group_size=batch.rollout.group_size, mini_batch_prompts=self.plan.mini_batch_prompts,
                            num_epochs=self.plan.num_epochs, num_ranks=self.num_ranks,
-                           max_tokens=self.cfg.train.max_tokens_per_microbatch, balance=self.cfg.train.balance_microbatches,
-                           loss_scale_factor=self.plan.loss_scale_factor)
+                           max_tokens=self.cfg.train.max_tokens_per_microbatch * self.plan.sequence_parallel_size,
+                           balance=self.cfg.train.balance_microbatches,
+                           loss_scale_factor=self.plan.loss_scale_factor, packed=self.packing.packs)
 
     def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
         """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,
@@ -157,7 +168,7 @@ class WorkerGroup:
         plan = self.plan_update(batch)
         shared = self.transport.share(batch)
         own = tracer if self.transport.in_process else None
-        results = self.transport.call("update", [(shared, plan, own)] * self.num_ranks)
+        results = self.transport.call("update", [(shared, plan, own)] * self.transport.num_ranks)
         for rank, (_, spans) in enumerate(results):
             if spans:
                 tracer.add_worker_spans(rank, spans)
@@ -166,11 +177,13 @@ class WorkerGroup:
                 tracer.link(key, name)
             self._linked = True
         metrics = update_metrics([stats for stats, _ in results], batch, self.cfg.rollout.max_response_tokens)
-        return metrics | ({"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {})
+        metrics |= {"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {}
+        return metrics | ({"seqlen/sequence_parallel_size": float(self.plan.sequence_parallel_size)}
+                          if self.plan.sequence_parallel_size > 1 else {})
 
     def save_checkpoint(self, run_dir: Path, step: int, trainer_state: dict) -> Path:
         """Write ``run_dir/checkpoints/step_N`` and return it."""
-        paths = self.transport.call("save_checkpoint", [(str(run_dir), step, trainer_state)] * self.num_ranks)
+        paths = self.transport.call("save_checkpoint", [(str(run_dir), step, trainer_state)] * self.transport.num_ranks)
         self.transport.checkpoint_written()
         return Path(paths[0])
 
@@ -180,7 +193,7 @@ class WorkerGroup:
         Raises:
             ValueError: a file of ``path`` is missing, unreadable or does not fit the model (named).
         """
-        return self.transport.call("load_checkpoint", [(str(path),)] * self.num_ranks)[0]
+        return self.transport.call("load_checkpoint", [(str(path),)] * self.transport.num_ranks)[0]
 
     def close(self, graceful: bool = True) -> None:
         """Release the workers; ``graceful=False`` after a failure (a rank may be inside a collective)."""

@@ -22,8 +22,8 @@ class InProcess:
     def __init__(self, worker: PolicyWorker):
         self.worker = worker
 
-    def call(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
-        assert len(args_per_rank) <= 1, "one rank"
+    def call(self, method: str, args_per_rank: Sequence[tuple], ranks: Sequence[int] | None = None) -> list[Any]:
+        assert len(args_per_rank) <= 1 and ranks in (None, [0]), "one rank"
         return [getattr(self.worker, method)(*args) for args in args_per_rank]
 
     def share(self, obj: Any) -> Any:

@@ -147,8 +147,9 @@ class RayActors:
         self.actors, self.run_dir, self.owns_ray = actors, run_dir, owns_ray
         self.num_ranks = len(actors)
 
-    def call(self, method: str, args_per_rank: Sequence[tuple]) -> list[Any]:
-        return _gather([getattr(actor, method).remote(*args) for actor, args in zip(self.actors, args_per_rank)])
+    def call(self, method: str, args_per_rank: Sequence[tuple], ranks: Sequence[int] | None = None) -> list[Any]:
+        actors = self.actors if ranks is None else [self.actors[r] for r in ranks]
+        return _gather([getattr(actor, method).remote(*args) for actor, args in zip(actors, args_per_rank, strict=True)])
 
     def share(self, obj: Any) -> Any:
         import ray

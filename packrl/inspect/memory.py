@@ -18,6 +18,10 @@ strategy `packrl.worker.strategy.weight_layout` names for the config):
 - under FSDP2 (``trainer.num_workers = D > 1``): parameters, reference, gradients and moments
   are split D ways; while it computes a rank gathers whole units: the root (embeddings, final
   norm, LM head) and up to two decoder layers (the current one and the prefetched next).
+- with sequence parallelism (``trainer.sequence_parallel_size = S``) the estimate stays per rank:
+  ``T`` is the per-rank budget (a pack holds S x T tokens, each rank T of them), weights are
+  split over all D ranks, and the all-to-all's buffers (about the q, k, v and output of one layer
+  at a time) are not counted.
 - activations saved for the backward, per token, counted tensor by tensor for a Llama-style
   decoder layer (RMSNorm, GQA attention with RoPE, gated MLP) under autocast:
 

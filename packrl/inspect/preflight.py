@@ -24,6 +24,7 @@ from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.seqlen.budgets import Budgets, model_context_tokens
+from packrl.models.isolation import config_packing
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 
 
@@ -160,12 +161,33 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
                 problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err), "set model.lora.target_modules to names the model has"))
         else:
             memory = estimate_memory(cfg, shape, device=device)
+            packing = config_packing(model_config)
+            notes.append(packing.describe())
+            problems += _sequence_parallel_problems(cfg, model_config, packing)
             notes += _engine_notes(cfg, shape, budgets, device)
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
                 problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
     unique = {str(p): p for p in problems}
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any) -> list[ConfigProblem]:
+    """``trainer.sequence_parallel_size > 1`` needs attention heads it divides and layers that keep
+    a pack's sequences apart (it splits packs)."""
+    from packrl.models.ulysses import check_heads
+
+    size = cfg.trainer.sequence_parallel_size
+    if size <= 1:
+        return []
+    out = []
+    heads = check_heads(model_config, size)
+    if heads is not None:
+        out.append(ConfigProblem("trainer.sequence_parallel_size", size, heads, "set it to a divisor of the attention heads"))
+    if not packing.packs:
+        out.append(ConfigProblem("trainer.sequence_parallel_size", size, f"splits packs, but {packing.describe()}",
+                                 "set trainer.sequence_parallel_size=1 for this model"))
+    return out
 
 
 def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: str) -> list[str]:

@@ -121,15 +121,21 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
         pack: the `Pack` (on the model's device).
         attention: the isolation path; see the module docstring.
 
+    A pack of one sequence runs as an ordinary causal forward, without the packing arguments:
+    that is how models whose layers carry state along the sequence (see
+    `packrl.models.isolation`) are trained, one sequence per micro-batch.
+
     Returns:
         Hidden states after the final norm. Shape [K, H], model dtype.
 
     Raises:
         ValueError: the model's attention implementation cannot run the chosen path.
     """
-    impl = _check_impl(model, attention)
     kwargs: dict[str, Any] = {"position_ids": pack.position_ids, "use_cache": False}
-    if attention == "varlen":
+    impl = _check_impl(model, attention) if len(pack.indices) > 1 else None
+    if impl is None:
+        pass  # one sequence: an ordinary causal forward (what a model with stateful layers needs)
+    elif attention == "varlen":
         cu = pack.cu_seqlens.to(torch.int32)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pack.max_seqlen, max_length_k=pack.max_seqlen)
     elif attention == "block_mask":
@@ -138,3 +144,23 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
     decoder = model.get_decoder()
     out = decoder(input_ids=pack.input_ids, **kwargs)
     return out.last_hidden_state[0]
+
+
+def sharded_forward(model: torch.nn.Module, pack: Pack, sp: Any) -> torch.Tensor:
+    """Final hidden states of this rank's token shard of ``pack`` under Ulysses sequence
+    parallelism (`packrl.models.ulysses`): the model must use the ``packrl_ulysses`` attention,
+    which gathers each attention layer's heads over the whole pack.
+
+    Returns:
+        Shape [n, H], model dtype: the rank's ``n = Kp / S`` tokens of the padded pack.
+
+    Raises:
+        ValueError: the model's attention is not ``packrl_ulysses``.
+    """
+    from packrl.models.ulysses import PACKRL_ULYSSES, shard_pack_inputs
+
+    impl = model.config._attn_implementation
+    if impl != PACKRL_ULYSSES:
+        raise ValueError(f"trainer.sequence_parallel_size > 1 needs the {PACKRL_ULYSSES!r} attention, the model uses {impl!r}; "
+                         "the policy worker sets it up (packrl.worker.strategy.FSDP2)")
+    return model.get_decoder()(**shard_pack_inputs(pack, sp)).last_hidden_state[0]

@@ -64,9 +64,14 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tupl
         raise ValueError(_missing_weights_message(cfg.path, resolved.model_dir))
     tokenizer = load_tokenizer(resolved, cfg.path)
     config = apply_rope_scaling(AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs()), cfg.rope_scaling)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolved.model_dir, config=config, dtype=torch.float32, attn_implementation="sdpa", **resolved.load_kwargs()
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolved.model_dir, config=config, dtype=torch.float32, attn_implementation="sdpa", **resolved.load_kwargs()
+        )
+    except ValueError as err:  # an architecture without SDPA attention (e.g. Mamba): its own implementation
+        if "does not support an attention implementation" not in str(err):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(resolved.model_dir, config=config, dtype=torch.float32, **resolved.load_kwargs())
     num_embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > num_embeddings:
         raise ValueError(

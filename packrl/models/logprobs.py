@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from packrl.models.attention import PackedAttention, packed_forward
+from packrl.models import ulysses
+from packrl.models.attention import PackedAttention, packed_forward, sharded_forward
 from packrl.seqlen.chunked import chunked_logprobs
 from packrl.seqlen.packing import Pack
 
@@ -28,7 +29,9 @@ class PackLogprobs:
         token_logprobs: log p(x_k | x_<k). Shape [K], float32, nats; 0 at sequence starts.
         entropy: entropy of the distribution that produced x_k. Shape [K], float32, nats;
             0 at sequence starts. Carries grad only when asked for.
-        has_logprob: False at each sequence's first token. Shape [K], bool.
+        has_logprob: True where a log-prob was computed: every token but each sequence's first
+            (only the ``needed`` ones when asked; under sequence parallelism only those this
+            rank's hidden states predict). Shape [K], bool.
     """
 
     token_logprobs: torch.Tensor
@@ -103,18 +106,25 @@ def _pack_logprobs(model: torch.nn.Module, pack: Pack, *, attention: PackedAtten
     """`pack_logprobs` as plain tensors ``(token_logprobs, entropy, has_logprob)`` (what FSDP's
     forward hooks can follow)."""
     weight, bias = _lm_head(model)
-    hidden = packed_forward(model, pack, attention)  # [K, H]
     labels, has_label = pack.next_token_labels()  # position k predicts token k + 1 of its sequence
     if needed is not None:
         if needed.shape != labels.shape:
             raise ValueError(f"needed has shape {tuple(needed.shape)}; expected [{labels.shape[0]}], one flag per packed token")
         has_label = has_label & torch.cat([needed[1:], needed.new_zeros(1)])
-    rows = has_label.nonzero().squeeze(1)  # [M] positions whose next token is wanted
+    sp = ulysses.active()
+    if sp is None:
+        hidden, start = packed_forward(model, pack, attention), 0  # [K, H]
+    else:  # this rank's tokens of the padded pack; pad positions have no label
+        hidden, (start, end) = sharded_forward(model, pack, sp), sp.bounds(pack.num_tokens)  # [n, H]
+        has_label = torch.cat([has_label, has_label.new_zeros(max(0, end - has_label.shape[0]))])[start:end]
+    rows = has_label.nonzero().squeeze(1)  # [M] local positions whose next token is wanted
+    targets = rows + start + 1  # the tokens they predict, in pack positions
     logprobs, entropy = chunked_logprobs(
-        hidden[rows], weight, labels[rows], bias=bias, chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad
+        hidden[rows], weight, labels[targets - 1], bias=bias, chunk_tokens=chunk_tokens, temperature=temperature,
+        entropy_grad=entropy_grad,
     )
     # Shift right by one: the log-prob of token k sits at k.
-    token_logprobs = logprobs.new_zeros(labels.shape[0]).index_put((rows + 1,), logprobs)
-    token_entropy = entropy.new_zeros(labels.shape[0]).index_put((rows + 1,), entropy)
-    has_logprob = torch.cat([has_label.new_zeros(1), has_label[:-1]])
+    token_logprobs = logprobs.new_zeros(labels.shape[0]).index_put((targets,), logprobs)
+    token_entropy = entropy.new_zeros(labels.shape[0]).index_put((targets,), entropy)
+    has_logprob = torch.zeros_like(labels, dtype=torch.bool).index_fill_(0, targets, True)
     return token_logprobs, token_entropy, has_logprob

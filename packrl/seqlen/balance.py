@@ -202,6 +202,7 @@ def balance_ranks(
     linear_coef: float = DEFAULT_LINEAR_COEF,
     balance_microbatches: bool = True,
     budget_key: str = "train.max_tokens_per_microbatch",
+    packed: bool = True,
 ) -> RankPlan:
     """Assign sequences to ``num_ranks`` data-parallel ranks and plan each rank's micro-batches.
 
@@ -212,6 +213,7 @@ def balance_ranks(
         linear_coef: ``a`` of the cost model ``a*L + L^2``.
         balance_microbatches: also balance micro-batches within each rank by cost.
         budget_key: the config key named in errors.
+        packed: False gives every sequence a micro-batch of its own (`plan_microbatches`).
 
     Returns:
         A `RankPlan`; every rank has the same number of micro-batches.
@@ -233,12 +235,13 @@ def balance_ranks(
         cheapest = min(donor, key=costs.__getitem__)
         donor.remove(cheapest)
         empty.append(cheapest)
-    counts = [plan_microbatches([lengths[i] for i in p], max_tokens, balance=False, budget_key=budget_key).num_microbatches for p in parts]
+    counts = [plan_microbatches([lengths[i] for i in p], max_tokens, balance=False, budget_key=budget_key, packed=packed).num_microbatches
+              for p in parts]
     plans = []
     for part in parts:
         local = plan_microbatches(
             [lengths[i] for i in part], max_tokens, balance=balance_microbatches, linear_coef=linear_coef,
-            num_microbatches=max(counts), budget_key=budget_key,
+            num_microbatches=max(counts), budget_key=budget_key, packed=packed,
         )
         mbs = tuple(tuple(sorted(part[j] for j in mb)) for mb in local.microbatches)
         plans.append(MicrobatchPlan(mbs, tuple(lengths), max_tokens))

@@ -68,6 +68,8 @@ class Budgets:
         max_tokens_per_logprob_microbatch: log-prob micro-batch cap
             (``train.max_tokens_per_logprob_microbatch``).
         rope_factor: the RoPE scaling factor included in ``max_context_tokens`` (for the plan).
+        sequence_parallel_size: ranks that split one pack (``trainer.sequence_parallel_size``):
+            the micro-batch budgets are per rank, so a pack may hold this many times as many tokens.
     """
 
     max_prompt_tokens: int
@@ -76,6 +78,7 @@ class Budgets:
     max_tokens_per_microbatch: int
     max_tokens_per_logprob_microbatch: int
     rope_factor: float = 1.0
+    sequence_parallel_size: int = 1
 
     @classmethod
     def from_config(cls, cfg: RunConfig, max_context_tokens: int | None, rope_factor: float = 1.0) -> Budgets:
@@ -86,6 +89,7 @@ class Budgets:
             max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
             max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
             rope_factor=rope_factor,
+            sequence_parallel_size=cfg.trainer.sequence_parallel_size,
         )
 
     @classmethod
@@ -98,6 +102,16 @@ class Budgets:
     def max_sequence_tokens(self) -> int:
         """The longest possible sequence: prompt budget + response budget."""
         return self.max_prompt_tokens + self.max_response_tokens
+
+    @property
+    def pack_tokens(self) -> int:
+        """Tokens one update micro-batch (pack) may hold: the per-rank budget x the ranks that split it."""
+        return self.max_tokens_per_microbatch * max(1, self.sequence_parallel_size)
+
+    @property
+    def logprob_pack_tokens(self) -> int:
+        """The same for a log-prob micro-batch."""
+        return self.max_tokens_per_logprob_microbatch * max(1, self.sequence_parallel_size)
 
     def problems(self) -> list[ConfigProblem]:
         """Every broken budget or relation, each with its dotted key, value, limit and fix."""
@@ -118,14 +132,19 @@ class Budgets:
                 "or use a model with a longer context",
                 keys=("rollout.max_response_tokens", "data.max_prompt_tokens"),
             ))
+        size = max(1, self.sequence_parallel_size)
+        longest = f"the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}"
         for key, value in self._keyed_values()[2:]:
-            if value < seq:
-                out.append(ConfigProblem(
-                    key, value,
-                    f"smaller than the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}",
-                    f"raise {key} to >= {seq:,} or lower the prompt/response budgets",
-                    keys=(key, "data.max_prompt_tokens", "rollout.max_response_tokens"),
-                ))
+            if value * size >= seq:
+                continue
+            if size > 1:
+                message = f"x trainer.sequence_parallel_size={size} = {value * size:,} is smaller than {longest}"
+                fix = f"raise {key} to >= {-(-seq // size):,} or lower the prompt/response budgets"
+            else:
+                message = f"smaller than {longest}"
+                fix = (f"raise {key} to >= {seq:,} or lower the prompt/response budgets (or split each pack over ranks "
+                       "with trainer.sequence_parallel_size)")
+            out.append(ConfigProblem(key, value, message, fix, keys=(key, "data.max_prompt_tokens", "rollout.max_response_tokens")))
         return out
 
     def validate(self) -> Budgets:
@@ -146,16 +165,21 @@ class Budgets:
             ("response", "rollout.max_response_tokens", f"{self.max_response_tokens:>9,}"),
             ("sequence", "prompt + response", f"{seq:>9,}"),
             ("model context", "model config", context),
-            ("update micro-batch", "train.max_tokens_per_microbatch",
-             f"{self.max_tokens_per_microbatch:>9,}  (holds {self.max_tokens_per_microbatch // max(seq, 1)} x the longest sequence)"),
+            ("update micro-batch", "train.max_tokens_per_microbatch", self._pack_row(self.max_tokens_per_microbatch, self.pack_tokens)),
             ("log-prob micro-batch", "train.max_tokens_per_logprob_microbatch",
-             f"{self.max_tokens_per_logprob_microbatch:>9,}  (holds {self.max_tokens_per_logprob_microbatch // max(seq, 1)} x the longest sequence)"),
+             self._pack_row(self.max_tokens_per_logprob_microbatch, self.logprob_pack_tokens)),
         ]
         lines = ["token budgets"] + [f"  {name:<22}{key:<42}{value}" for name, key, value in rows]
         problems = self.problems()
         unchecked = " (prompt + response <= model context not checked)" if self.max_context_tokens is None else ""
         lines += [f"  PROBLEM: {p}" for p in problems] or [f"  all relations hold{unchecked}"]
         return "\n".join(lines)
+
+    def _pack_row(self, per_rank: int, per_pack: int) -> str:
+        holds = f"holds {per_pack // max(self.max_sequence_tokens, 1)} x the longest sequence"
+        if self.sequence_parallel_size <= 1:
+            return f"{per_rank:>9,}  ({holds})"
+        return f"{per_rank:>9,}  per rank; {per_pack:,} per pack over {self.sequence_parallel_size} sequence-parallel ranks ({holds})"
 
     def _keyed_values(self) -> list[tuple[str, int]]:
         return [

@@ -224,6 +224,7 @@ def plan_microbatches(
     linear_coef: float = DEFAULT_LINEAR_COEF,
     num_microbatches: int | None = None,
     budget_key: str = "train.max_tokens_per_microbatch",
+    packed: bool = True,
 ) -> MicrobatchPlan:
     """Split sequences into micro-batches of at most ``max_tokens`` real tokens each.
 
@@ -235,6 +236,8 @@ def plan_microbatches(
         num_microbatches: plan exactly this many (data-parallel ranks must match); it must be
             >= the fewest feasible. Micro-batches beyond N are empty.
         budget_key: the config key named in errors.
+        packed: False puts every sequence in a micro-batch of its own (models whose packs are
+            not exact, `packrl.models.isolation`); the cap still applies to each.
 
     Returns:
         A `MicrobatchPlan` with the fewest micro-batches found (never more than
@@ -248,6 +251,13 @@ def plan_microbatches(
     lengths, max_tokens = validate_lengths(lengths, max_tokens, budget_key)
     costs = sequence_costs(lengths, linear_coef)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if not packed:
+        count = len(lengths) if num_microbatches is None else num_microbatches
+        if count < len(lengths):
+            raise ValueError(f"cannot split {len(lengths)} sequences into {count} micro-batches of one sequence each "
+                             "(packing is off for this model)")
+        singles = tuple((i,) for i in order) + ((),) * (count - len(lengths))
+        return MicrobatchPlan(singles, tuple(lengths), max_tokens)
     ffd = _first_fit(order, lengths, max_tokens, max_bins=None)
     assert ffd is not None
     if num_microbatches is not None:

@@ -24,19 +24,21 @@ from packrl.seqlen.microbatch import MicrobatchPlan, plan_microbatches, validate
 UPDATE_BUDGET_KEY = "train.max_tokens_per_microbatch"
 
 
-def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str) -> RankPlan:
+def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
+               packed: bool = True) -> RankPlan:
     """Micro-batches of at most ``max_tokens`` real tokens for each of ``num_ranks`` ranks.
 
     One rank plans with `plan_microbatches` (the fewest micro-batches); several with
     `balance_ranks` (Karmarkar-Karp over ranks, equal micro-batch counts). Indices are indices of
-    ``lengths``; `RankPlan.restore` puts per-rank results back in that order.
+    ``lengths``; `RankPlan.restore` puts per-rank results back in that order. ``packed=False``
+    gives every sequence a micro-batch of its own (a model whose packs are not exact).
 
     Raises:
         ValueError: as `plan_microbatches` / `balance_ranks` (a sequence over the cap is named).
     """
     if num_ranks == 1:
-        return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key),))
-    return balance_ranks(lengths, num_ranks, max_tokens, balance_microbatches=balance, budget_key=budget_key)
+        return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key, packed=packed),))
+    return balance_ranks(lengths, num_ranks, max_tokens, balance_microbatches=balance, budget_key=budget_key, packed=packed)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ def plan_update(
     max_tokens: int,
     balance: bool,
     loss_scale_factor: int,
+    packed: bool = True,
 ) -> UpdatePlan:
     """Plan a step's update.
 
@@ -103,6 +106,7 @@ def plan_update(
         max_tokens: ``train.max_tokens_per_microbatch``.
         balance: ``train.balance_microbatches``.
         loss_scale_factor: C of ``seq-mean-token-sum-norm`` (tokens).
+        packed: False gives every sequence a micro-batch of its own.
 
     Raises:
         ValueError: a sequence over ``max_tokens`` (named by its index in the batch), or a
@@ -114,7 +118,8 @@ def plan_update(
     minibatches = []
     for start in range(0, num_prompts, mini_batch_prompts):
         indices = tuple(range(start * group_size, min(start + mini_batch_prompts, num_prompts) * group_size))
-        local = plan_ranks([lengths[i] for i in indices], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY)
+        local = plan_ranks([lengths[i] for i in indices], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY,
+                           packed=packed)
         ranks = RankPlan(tuple(MicrobatchPlan(tuple(tuple(indices[j] for j in mb) for mb in rank.microbatches), tuple(lengths),
                                               max_tokens) for rank in local.ranks), local.linear_coef)
         counts = [loss_tokens[i] for i in indices]

@@ -134,6 +134,6 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         with open_worker_group(cfg, run.dir, workers) as workers:
             run.note("model.txt", workers.model_summary)
             budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
-            run.note("budgets.txt", f"{budgets.plan()}\n{workers.plan.summary()}")
+            run.note("budgets.txt", f"{budgets.plan()}\n{workers.plan.summary()}\n  {workers.packing.describe()}")
             _train_steps(cfg, run, workers, train_set, val_set)
     return run.dir

@@ -28,6 +28,7 @@ from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLos
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
+from packrl.models import ulysses
 from packrl.models.logprobs import pack_logprobs
 from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.denominators import LossDenominators
@@ -135,6 +136,10 @@ def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, microbatches
                 continue
             pack = _pack(rollout, indices, device)
             result = forward(model, pack, _response_positions(pack, rollout))
+            sp = ulysses.active()
+            if sp is not None:  # each rank holds the log-probs its tokens predict: sum the shards
+                sp.all_reduce(result.token_logprobs)
+                sp.all_reduce(result.entropy)
             for lp, ent in zip(_response_parts(pack, result.token_logprobs, rollout), _response_parts(pack, result.entropy, rollout)):
                 out.append((lp.float().cpu(), ent.float().cpu()))
     model.train(was_training)
@@ -149,6 +154,7 @@ class StepTotals:
     metrics: dict[str, float] = field(default_factory=dict)
     num_microbatches: int = 0
     max_microbatch_tokens: int = 0
+    max_rank_tokens: int = 0
     num_positions: int = 0
     num_real_tokens: int = 0
 
@@ -220,17 +226,19 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     reward), minus ``entropy_coeff`` x the entropy. Adds the micro-batch's metrics to ``totals``."""
     algo, rollout = loss.algo, batch.rollout
     out = loss.forward(model, pack, _response_positions(pack, rollout), entropy_grad=algo.entropy_coeff > 0)
-    mask = _scatter_response(pack, rollout, batch.loss_masks, False)
+    full_mask = _scatter_response(pack, rollout, batch.loss_masks, False)
+    mask = full_mask & out.has_logprob  # under sequence parallelism: the tokens this rank's hidden states predict
+    seq_ids = pack.sequence_ids()
+    counts = torch.zeros(len(pack.indices), device=mask.device).index_add_(0, seq_ids, full_mask.float())
     logprobs = out.token_logprobs
     old = logprobs.detach() if batch.old_logprobs is None else _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
     ref = None if batch.ref_logprobs is None else _scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
-    seq_ids = pack.sequence_ids()
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=_scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
                               rollout_logprobs=_rollout_logprobs(pack, rollout))
     result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
-    pg = aggregate_loss(result.token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids)
-    ent = aggregate_loss(out.entropy, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids)
+    pg = aggregate_loss(result.token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
+    ent = aggregate_loss(out.entropy, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
     total = pg - algo.entropy_coeff * ent
     clipped = result.clipped if result.clipped is not None else torch.zeros_like(mask)
     token_kl = old - logprobs.detach()  # ppo_kl per token, the bucket KL without a reference
@@ -241,13 +249,15 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
         ref_kl = kl_penalty(logprobs, ref, algo.kl_estimator)
         token_kl = ref_kl.detach()
         if not algo.kl_in_reward:
-            kl = aggregate_loss(ref_kl, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids)
+            kl = aggregate_loss(ref_kl, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
             total = total + algo.kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
     sums.add(pack, mask, out.entropy, clipped, token_kl)
     totals.add(metrics | result.metrics)
     totals.num_microbatches += 1
     totals.max_microbatch_tokens = max(totals.max_microbatch_tokens, pack.num_tokens)
+    sp = ulysses.active()
+    totals.max_rank_tokens = max(totals.max_rank_tokens, pack.num_tokens if sp is None else sp.padded(pack.num_tokens) // sp.size)
     totals.num_positions += pack.input_ids.numel()
     totals.num_real_tokens += sum(pack.seq_lens)
     return total
@@ -312,10 +322,14 @@ def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Se
             idle.backward()
             continue
         pack = _pack(batch.rollout, indices, device)
+        sp = ulysses.active()
+        before = (sp.all_to_all_s, sp.num_exchanges) if sp is not None else None
         with tracer.microbatch(num_sequences=len(indices), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
             with context():
                 share = microbatch_loss(model, pack, batch, den=den, loss=loss, totals=totals, sums=sums)
             (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()  # outside autocast, as torch recommends
+        if sp is not None:
+            tracer.all_to_all(sp.all_to_all_s - before[0], sp.num_exchanges - before[1])
     return totals
 
 
@@ -366,6 +380,7 @@ class UpdateStats:
     sums: ResponseSums
     skipped_steps: int
     offloaded_bytes: int = 0
+    all_to_all_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -425,6 +440,8 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         ``actor/grad_norm``, ``actor/lr``, ``train/skipped_steps``, ``seqlen/num_microbatches``,
         ``seqlen/microbatch_tokens_max``, ``seqlen/pad_fraction``, ``perf/offloaded_activation_gib``
         (with ``model.activation_offload``: saved activations moved to host memory, largest rank),
+        ``perf/all_to_all_s`` and ``seqlen/microbatch_tokens_per_rank_max`` (with sequence
+        parallelism: forward all-to-all seconds of the update and tokens of the largest shard),
         and ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means over loss tokens and
         every pass, averaged per response-length bucket; kl is the token KL estimate to the
         reference, else ``old_logprobs - logprobs``).
@@ -447,4 +464,7 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
     }
     if any(r.offloaded_bytes for r in ranks):
         out["perf/offloaded_activation_gib"] = max(r.offloaded_bytes for r in ranks) / 2**30
+    if any(r.all_to_all_s for r in ranks):
+        out["perf/all_to_all_s"] = max(r.all_to_all_s for r in ranks)
+        out["seqlen/microbatch_tokens_per_rank_max"] = float(max(t.max_rank_tokens for t in totals))
     return out

@@ -32,6 +32,7 @@ import torch
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer, RemoteSpan, SpanRecorder
+from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.lora import base_policy, is_lora, parameter_counts
 from packrl.registry import ROLLOUT_ENGINES, import_plugins
@@ -55,12 +56,14 @@ class WorkerInfo:
     Attributes:
         max_context_tokens: the policy's context in tokens, RoPE scaling included.
         rope_factor: the RoPE scaling factor included in it (1.0 = none).
-        model_summary: one line on the policy: parameters, memory features, strategy.
+        model_summary: one line on the policy: parameters, memory features, strategy, packing.
+        packing: whether a micro-batch may pack several sequences (`packrl.models.isolation`).
     """
 
     max_context_tokens: int
     rope_factor: float
     model_summary: str
+    packing: PackingCheck = PackingCheck(packs=True)
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -104,7 +107,7 @@ class PolicyWorker:
         if failures:
             raise ValueError(f"trainer.plugins: cannot import {failures[0][0]!r} ({failures[0][1]}); fix it or remove it")
         self.cfg, self.plan = cfg, plan
-        self.strategy = SingleProcess() if world_size == 1 else FSDP2(rank, world_size, loopback)
+        self.strategy = SingleProcess() if world_size == 1 else FSDP2(rank, world_size, loopback, plan.sequence_parallel_size)
         if world_size > 1:
             torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
         self._dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
@@ -131,7 +134,12 @@ class PolicyWorker:
                              "packrl.models.loading.load_policy (which applies model.lora), or set model.lora.rank=0")
         self.model, self.tokenizer = model, tokenizer
         max_context, rope_factor = model_context_tokens(model.config)
-        summary = f"{describe_policy(model, cfg, max_context)}; {strategy.describe()}"
+        packing = check_packing(model, cfg.model.packed_attention)
+        size = self.plan.sequence_parallel_size
+        if size > 1 and not packing.packs:
+            raise ValueError(f"trainer.sequence_parallel_size={size} splits packs across ranks, but "
+                             f"{packing.describe()}; set trainer.sequence_parallel_size=1 for this model")
+        summary = f"{describe_policy(model, cfg, max_context)}; {strategy.describe()}; {packing.describe()}"
         logger.info("%s", summary)
         if cfg.model.activation_offload and strategy.device.type != "cuda":
             logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
@@ -154,7 +162,7 @@ class PolicyWorker:
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
                                 grad_clip=cfg.train.grad_clip)
         self.loss = MicrobatchLoss.from_config(cfg)
-        return WorkerInfo(max_context, rope_factor, summary)
+        return WorkerInfo(max_context, rope_factor, summary, packing)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast to ``model.dtype`` (nothing for ``fp32``)."""
@@ -198,7 +206,8 @@ class PolicyWorker:
         in plan order (`packrl.worker.actor.compute_logprobs`)."""
         model, context = (self.model, self.autocast) if role == "actor" else (self.reference, self.reference_context)
         assert model is not None, "the controller asks for reference log-probs only when a reference exists"
-        result = compute_logprobs(model, rollout, microbatches, forward=self.loss.forward, context=context)
+        with self.strategy.sequence_parallel():
+            result = compute_logprobs(model, rollout, microbatches, forward=self.loss.forward, context=context)
         self.strategy.after_no_grad(model)
         return result
 
@@ -218,9 +227,14 @@ class PolicyWorker:
         """
         recorder = tracer if tracer is not None else SpanRecorder()
         self.offloaded_bytes = 0
-        stats = run_update(self.model, batch, plan, rank=self.strategy.rank, loss=self.loss, opt=self.opt,
-                           context=self.update_context, tracer=recorder, parallel=self.strategy.parallel(self.model))
+        sp = self.strategy.sp
+        if sp is not None:
+            sp.all_to_all_s = 0.0
+        with self.strategy.sequence_parallel():
+            stats = run_update(self.model, batch, plan, rank=self.strategy.dp_rank, loss=self.loss, opt=self.opt,
+                               context=self.update_context, tracer=recorder, parallel=self.strategy.parallel(self.model))
         stats.offloaded_bytes = self.offloaded_bytes
+        stats.all_to_all_s = 0.0 if sp is None else sp.all_to_all_s
         self.engine.load_weights(self.strategy.rollout_weights(self.model))
         return stats, ([] if tracer is not None else recorder.spans)
 

@@ -22,6 +22,7 @@ config alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -78,11 +79,17 @@ class SingleProcess:
 
     rank = 0
     world_size = 1
+    dp_rank = 0
+    sp = None
     may_share_policy = True
     is_writer = True
 
     def __init__(self) -> None:
         self.device = default_device()
+
+    def sequence_parallel(self) -> contextlib.AbstractContextManager:
+        """No sequence parallelism in one process."""
+        return contextlib.nullcontext()
 
     def listen(self) -> tuple[str, int] | None:
         """No rendezvous."""
@@ -137,15 +144,23 @@ class FSDP2:
     mean undoes (gloo has no pre-scaled sum), and gradients are reduced once per mini-batch
     (``set_requires_gradient_sync`` off for all but its last micro-batch).
 
+    With ``trainer.sequence_parallel_size = S > 1`` consecutive ranks form sequence-parallel
+    groups (ranks ``0..S-1``, ``S..2S-1``, ...): every rank of a group runs the same micro-batches
+    on its shard of each pack (`packrl.models.ulysses`), the groups are the data-parallel ranks, and
+    FSDP still shards the weights over all ranks.
+
     Args:
         rank / world_size: this rank and ``trainer.num_workers``.
         loopback: a local run: the rendezvous and collectives stay on the loopback interface.
+        sp_size: ``trainer.sequence_parallel_size``.
     """
 
     may_share_policy = False
 
-    def __init__(self, rank: int, world_size: int, loopback: bool):
-        self.rank, self.world_size, self.loopback = rank, world_size, loopback
+    def __init__(self, rank: int, world_size: int, loopback: bool, sp_size: int = 1):
+        self.rank, self.world_size, self.loopback, self.sp_size = rank, world_size, loopback, sp_size
+        self.dp_rank = rank // sp_size
+        self.sp: Any = None  # the SequenceParallel group, made in `join`
         self.device = default_device()
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._listener: socket.socket | None = None
@@ -183,6 +198,18 @@ class FSDP2:
         store = dist.TCPStore(address[0], address[1], self.world_size, is_master=self.rank == 0, timeout=COLLECTIVE_TIMEOUT,
                               **({"master_listen_fd": listener.fileno()} if listener is not None else {}))
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
+        if self.sp_size > 1:
+            from packrl.models.ulysses import SequenceParallel
+
+            size = self.sp_size
+            groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(self.world_size // size)]  # all ranks make all
+            self.sp = SequenceParallel(groups[self.dp_rank], size, self.rank % size, inner="packrl_sdpa")
+
+    def sequence_parallel(self) -> contextlib.AbstractContextManager:
+        """The forwards inside split each pack over this rank's sequence-parallel group (a no-op without one)."""
+        from packrl.models.ulysses import sequence_parallel
+
+        return sequence_parallel(self.sp)
 
     def wrap(self, model: torch.nn.Module) -> None:
         """``fully_shard`` each decoder layer, then the whole model, and register
@@ -191,6 +218,15 @@ class FSDP2:
 
         from packrl.models.logprobs import enable_fsdp_forward
 
+        if self.sp is not None:  # attention gathers its heads over the group (packrl.models.ulysses)
+            from packrl.models.ulysses import PACKRL_ULYSSES, check_heads
+
+            problem = check_heads(model.config, self.sp_size)
+            if problem is not None:
+                raise ValueError(f"{problem}; set trainer.sequence_parallel_size to a divisor of it")
+            if model.config._attn_implementation != PACKRL_ULYSSES:
+                self.sp.inner = model.config._attn_implementation
+                model.set_attn_implementation(PACKRL_ULYSSES)
         for layer in model.get_decoder().layers:
             fully_shard(layer)
         fully_shard(model)
@@ -256,6 +292,9 @@ class FSDP2:
             dist.destroy_process_group()
 
     def describe(self) -> str:
+        if self.sp_size > 1:
+            return (f"{self.world_size} FSDP2 ranks ({self.backend}): {self.world_size // self.sp_size} data-parallel x "
+                    f"{self.sp_size} sequence-parallel (Ulysses)")
         return f"data-parallel over {self.world_size} FSDP2 ranks ({self.backend})"
 
 
