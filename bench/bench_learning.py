@@ -3,11 +3,13 @@
 Prints one JSON object: mean training reward (``critic/score/mean``, sampled at temperature 1)
 over steps 1-5 and over the last 5 steps, their difference, greedy validation accuracy before
 training (step 0) and after, and the wall time. An RL trainer that does not raise the reward on
-this easy task has a bug.
+this easy task has a bug. With ``--preset arithmetic_tool`` (multi-turn, calculator tool) it also
+prints the tool-use rate (``multi_turn/tool_use_rate``) over the first and last 5 steps and in
+greedy validation before and after.
 
-Command (about 10 minutes on 2 CPU cores)::
+Command (about 10 minutes on 2 CPU cores for demo)::
 
-    python bench/bench_learning.py [--steps 30] [key=value ...]
+    python bench/bench_learning.py [--preset demo] [--steps 30] [key=value ...]
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from packrl.data.dataset import PromptDataset
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the demo preset")
+    parser.add_argument("--preset", default="demo")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the preset")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
-    cfg = load_config("demo", [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}", *args.overrides])
+    cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}", *args.overrides])
     start = time.perf_counter()
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
@@ -41,8 +44,16 @@ def main() -> None:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scores = [line["critic/score/mean"] for line in lines]
     first, last = statistics.mean(scores[:5]), statistics.mean(scores[-5:])
+    tools = {}
+    if "multi_turn/tool_use_rate" in lines[0]:
+        rates = [line["multi_turn/tool_use_rate"] for line in lines]
+        tools = {"tool_use_rate_steps_1_5": statistics.mean(rates[:5]), "tool_use_rate_last_5": statistics.mean(rates[-5:]),
+                 "val_tool_use_rate_before": before.get("val/multi_turn/tool_use_rate"),
+                 "val_tool_use_rate_after": lines[-1].get("val/multi_turn/tool_use_rate"),
+                 "malformed_calls_first_5": statistics.mean(line["multi_turn/malformed_calls"] for line in lines[:5]),
+                 "malformed_calls_last_5": statistics.mean(line["multi_turn/malformed_calls"] for line in lines[-5:])}
     print(json.dumps({
-        "command": "python bench/bench_learning.py " + " ".join(f"--steps {args.steps}".split() + args.overrides),
+        "command": "python bench/bench_learning.py " + " ".join(f"--preset {args.preset} --steps {args.steps}".split() + args.overrides),
         "steps": args.steps,
         "reward_mean_steps_1_5": first,
         "reward_mean_last_5": last,
@@ -51,6 +62,7 @@ def main() -> None:
         "val_accuracy_after": lines[-1].get("val/accuracy"),
         "response_length_mean_first_5": statistics.mean(line["response_length/mean"] for line in lines[:5]),
         "response_length_mean_last_5": statistics.mean(line["response_length/mean"] for line in lines[-5:]),
+        **tools,
         "reward_per_step": [round(s, 4) for s in scores],
         "wall_s": round(time.perf_counter() - start, 1),
         "run_dir": str(run_dir),

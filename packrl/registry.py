@@ -163,8 +163,11 @@ ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine"
                            checks={"vllm": "packrl.rollout.vllm_settings:config_problems"})
 """``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`)."""
 
-CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES)}
-"""Config key -> the registry its value is looked up in (checked by `packrl.config.load`)."""
+TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"})
+"""``fn(arguments: dict) -> str`` (`packrl.rollout.tools.Tool`); raises `packrl.rollout.tools.ToolError` for a bad call."""
+
+CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS)}
+"""Config key -> the registry its value (or each value of a list) is looked up in (checked by `packrl.config.load`)."""
 
 
 def import_plugins(plugins: list[str]) -> list[tuple[str, str]]:

@@ -43,6 +43,38 @@ class PromptBatch:
 
 
 @dataclass(frozen=True)
+class Trajectory:
+    """How a multi-turn response was built (`packrl.rollout.multi_turn`).
+
+    Attributes:
+        segments: ``(role, num_tokens)`` in order, covering the response: ``assistant`` (an
+            assistant turn, the policy's tokens), ``tool`` (tool messages and the next assistant
+            header, rendered by the chat template) or ``template`` (a turn-closing token the
+            policy did not write).
+        num_tool_calls: tool calls the policy wrote, malformed ones included.
+        num_malformed_calls: calls that did not parse or named no allowed tool.
+        num_tool_errors: well-formed calls whose tool reported an error.
+        ended_by: what ended it: ``answer`` (a turn without a tool call), ``max_turns``,
+            ``turn_tokens``, ``response_tokens``, ``trajectory_tokens``, ``context`` or ``abort``.
+    """
+
+    segments: tuple[tuple[str, int], ...]
+    num_tool_calls: int = 0
+    num_malformed_calls: int = 0
+    num_tool_errors: int = 0
+    ended_by: str = "answer"
+
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns."""
+        return sum(role == "assistant" for role, _ in self.segments)
+
+    def tokens_of(self, role: str) -> int:
+        """Tokens of the segments with ``role``."""
+        return sum(n for r, n in self.segments if r == role)
+
+
+@dataclass(frozen=True)
 class Response:
     """One generated response.
 
@@ -54,6 +86,7 @@ class Response:
         response_mask: True = a token the policy generated, ``[R_i]``; False marks tokens it did
             not write (a tool's answer inside a multi-turn trajectory), which never count in the
             loss. None = every token was generated (a single-turn response).
+        trajectory: the turns of a multi-turn response (None for a single turn).
 
     Raises:
         ValueError: ``rollout_logprobs`` or ``response_mask`` does not have one entry per token.
@@ -63,6 +96,7 @@ class Response:
     finish_reason: FinishReason
     rollout_logprobs: tuple[float, ...] | None = None
     response_mask: tuple[bool, ...] | None = None
+    trajectory: Trajectory | None = None
 
     def __post_init__(self) -> None:
         for name in ("rollout_logprobs", "response_mask"):
@@ -70,10 +104,25 @@ class Response:
             if values is not None and len(values) != len(self.response_ids):
                 raise ValueError(f"Response.{name} has {len(values)} entries for {len(self.response_ids)} response tokens; "
                                  "give one per token")
+        if self.trajectory is not None and sum(n for _, n in self.trajectory.segments) != len(self.response_ids):
+            raise ValueError(f"Response.trajectory's segments cover {sum(n for _, n in self.trajectory.segments)} tokens "
+                             f"of a {len(self.response_ids)}-token response; they must cover it exactly")
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason in TRUNCATED_REASONS
+
+    def policy_segments(self) -> list[tuple[int, ...]]:
+        """The ids of each stretch the policy wrote (its turns), in order; the whole response
+        for a single turn."""
+        if self.trajectory is None:
+            return [self.response_ids]
+        out, start = [], 0
+        for role, n in self.trajectory.segments:
+            if role == "assistant":
+                out.append(self.response_ids[start:start + n])
+            start += n
+        return out
 
     def generated_mask(self) -> torch.Tensor:
         """`response_mask` as a tensor (all True when it is None). Shape [R_i], bool."""

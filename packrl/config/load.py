@@ -248,13 +248,16 @@ def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
                               "fix the plugin or remove it from trainer.plugins")
                 for plugin, error in import_plugins(cfg.trainer.plugins)]
     for key, registry in CONFIG_REGISTRIES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        problem = None if key in bad else registry.problem(value)
-        if problem is not None:
-            problems.append(ConfigProblem(key, value, *problem))
-        elif key not in bad:
-            problems += registry.config_problems(value, cfg)
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        for name in (value if isinstance(value, list) else [value]):
+            problem = None if key in bad else registry.problem(name)
+            if problem is not None:
+                problems.append(ConfigProblem(key, value, f"holds {name!r}, which {problem[0]}" if isinstance(value, list) else problem[0],
+                                              problem[1]))
+            elif key not in bad:
+                problems += registry.config_problems(name, cfg)
     return problems
 
 

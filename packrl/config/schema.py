@@ -9,6 +9,7 @@ never written back here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,6 +24,8 @@ KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
 RopeType = Literal["none", "linear", "dynamic", "yarn"]
+ContextPolicy = Literal["error", "end"]
+TruncationSide = Literal["left", "right", "middle"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 
@@ -195,6 +198,57 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (`packrl.rollout.multi_turn`); off while `tools` is empty."""
+
+    tools: list[str] = field(default_factory=list)
+    """Tools the policy may call, names in `packrl.registry.TOOLS` (built in: `calculator`);
+    empty = single-turn rollouts."""
+
+    max_turns: int = 4
+    """Assistant turns per trajectory; a trajectory whose last turn still calls a tool ends with
+    finish reason `length` (cut by this budget)."""
+
+    max_tokens_per_turn: int | None = None
+    """Tokens one assistant turn may generate; null = `rollout.max_response_tokens`."""
+
+    max_trajectory_tokens: int | None = None
+    """Prompt + every turn + every tool answer, in tokens; null = `data.max_prompt_tokens +
+    rollout.max_response_tokens` (`rollout.max_response_tokens` caps everything after the prompt)."""
+
+    max_tool_response_tokens: int = 256
+    """Tokens of one tool answer's content; a longer answer is cut (with a marker inside the budget)."""
+
+    tool_response_truncation_side: TruncationSide = "middle"
+    """Which part of a long tool answer is cut: `right` keeps the start, `left` keeps the end,
+    `middle` keeps both ends (as `data.overlong_prompt`)."""
+
+    tool_role: str = "tool"
+    """The chat-template role of tool messages (`user` for templates without a tool role)."""
+
+    context_policy: ContextPolicy = "error"
+    """When a trajectory could outgrow the model context: `error` refuses such budgets before the
+    run (prompt + response and the trajectory budget must fit the context); `end` lets them
+    through and ends a trajectory that reaches the context with finish reason `context`."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools)
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = check_positive(f"{prefix}.max_turns", self.max_turns)
+        out += check_positive(f"{prefix}.max_tool_response_tokens", self.max_tool_response_tokens)
+        for key in ("max_tokens_per_turn", "max_trajectory_tokens"):
+            if getattr(self, key) is not None:
+                out += check_positive(f"{prefix}.{key}", getattr(self, key))
+        if len(set(self.tools)) != len(self.tools):
+            out.append(ConfigProblem(f"{prefix}.tools", self.tools, "names a tool twice", f"list each tool once in {prefix}.tools"))
+        if not self.tool_role.strip():
+            out.append(ConfigProblem(f"{prefix}.tool_role", self.tool_role, "is empty", f"set {prefix}.tool_role=tool"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     n: int = 8
     """Responses sampled per prompt (the group size G)."""
@@ -237,8 +291,12 @@ class RolloutConfig:
     packrl derives from the budgets (`max_model_len`, `max_num_seqs`, `dtype`, ...) may only be
     repeated with the derived value; a key the engine does not know is a config error."""
 
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools (off unless `rollout.multi_turn.tools` names one)."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)
+        out += self.multi_turn.problems(f"{prefix}.multi_turn")
         out += check_positive(f"{prefix}.max_num_seqs", self.max_num_seqs)
         if not self.temperature > 0:
             out.append(ConfigProblem(f"{prefix}.temperature", self.temperature, "must be > 0", "set rollout.temperature=1.0"))
@@ -264,6 +322,12 @@ class RewardConfig:
 
     format_score: float = 0.0
     """Score of a well-formatted but wrong answer (verl's `format_score`)."""
+
+    score_truncated: bool | None = None
+    """Whether responses a token budget cut (finish reason `length` or `context`) are scored:
+    null = the reward's own rule (`gsm8k` and `math_verify`: no, they score 0, so an answer the
+    budget cut short is never credited as if it had ended on its own); true = scored like any
+    other (what verl and TRL do); false = score 0."""
 
     overlong_buffer_tokens: int = 0
     """DAPO soft overlong punishment: the last this-many tokens before
@@ -517,6 +581,28 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    def _multi_turn_problems(self) -> list[ConfigProblem]:
+        """Multi-turn budgets that contradict the others or would have no effect."""
+        mt, key = self.rollout.multi_turn, "rollout.multi_turn"
+        if not mt.enabled:
+            changed = [f.name for f in dataclasses.fields(mt) if f.name != "tools" and getattr(mt, f.name) != f.default]
+            return [ConfigProblem(f"{key}.{name}", getattr(mt, name), f"has no effect: multi-turn is off ({key}.tools is empty)",
+                                  f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
+        out = []
+        response = self.rollout.max_response_tokens
+        if mt.max_tokens_per_turn is not None and mt.max_tokens_per_turn > response:
+            out.append(ConfigProblem(f"{key}.max_tokens_per_turn", mt.max_tokens_per_turn,
+                                     f"exceeds rollout.max_response_tokens={response}, which caps every turn anyway",
+                                     f"set {key}.max_tokens_per_turn <= {response} or raise rollout.max_response_tokens",
+                                     keys=(f"{key}.max_tokens_per_turn", "rollout.max_response_tokens")))
+        total = self.data.max_prompt_tokens + response
+        if mt.max_trajectory_tokens is not None and mt.max_trajectory_tokens > total:
+            out.append(ConfigProblem(f"{key}.max_trajectory_tokens", mt.max_trajectory_tokens,
+                                     f"exceeds data.max_prompt_tokens + rollout.max_response_tokens = {total}, which caps a trajectory anyway",
+                                     f"set {key}.max_trajectory_tokens <= {total} or raise rollout.max_response_tokens",
+                                     keys=(f"{key}.max_trajectory_tokens", "rollout.max_response_tokens", "data.max_prompt_tokens")))
+        return out
+
     def problems(self) -> list[ConfigProblem]:
         """Field checks of every section, then the relations among budgets (without the model
         context, which needs the model config: see `packrl.seqlen.Budgets`) and batch sizes."""
@@ -526,6 +612,7 @@ class RunConfig:
         for name in ("model", "data", "rollout", "reward", "train", "algorithm", "trainer"):
             out += getattr(self, name).problems(name)
         out += Budgets.from_config(self, max_context_tokens=None).problems()
+        out += self._multi_turn_problems()
         mini = self.train.mini_batch_size
         if mini is not None and mini >= 1 and self.data.batch_size >= 1 and self.data.batch_size % mini:
             out.append(ConfigProblem(

@@ -35,6 +35,37 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     out |= _stats("prompt_length", [len(p) for p in rollout.prompts.prompt_ids])
     for reason in FINISH_REASONS:
         out[f"response/finish_reason/{reason}"] = sum(r.finish_reason == reason for r in responses) / max(1, len(responses))
+    return out | multi_turn_metrics(rollout)
+
+
+TRAJECTORY_ENDINGS = ("answer", "max_turns", "turn_tokens", "response_tokens", "trajectory_tokens", "context", "abort")
+
+
+def multi_turn_metrics(rollout: RolloutBatch) -> dict[str, float]:
+    """Turn and tool metrics of a multi-turn rollout (empty for single-turn responses).
+
+    Returns:
+        ``num_turns/mean|max|min`` (assistant turns per trajectory, verl's name);
+        ``multi_turn/tool_calls``, ``multi_turn/malformed_calls``, ``multi_turn/tool_errors``
+        (per trajectory, mean); ``multi_turn/tool_use_rate`` (fraction of trajectories with a
+        call); ``multi_turn/tokens_per_turn/mean`` (policy tokens per assistant turn);
+        ``multi_turn/tool_response_tokens/mean`` (tool-message tokens per trajectory, template
+        included); ``multi_turn/ended/<why>`` (fraction of trajectories each budget or event ended,
+        `packrl.types.Trajectory.ended_by`).
+    """
+    trajectories = [r.trajectory for r in rollout.responses if r.trajectory is not None]
+    if not trajectories:
+        return {}
+    n = len(trajectories)
+    out = _stats("num_turns", [t.num_turns for t in trajectories])
+    out["multi_turn/tool_calls"] = sum(t.num_tool_calls for t in trajectories) / n
+    out["multi_turn/malformed_calls"] = sum(t.num_malformed_calls for t in trajectories) / n
+    out["multi_turn/tool_errors"] = sum(t.num_tool_errors for t in trajectories) / n
+    out["multi_turn/tool_use_rate"] = sum(t.num_tool_calls > 0 for t in trajectories) / n
+    out["multi_turn/tokens_per_turn/mean"] = sum(t.tokens_of("assistant") for t in trajectories) / max(1, sum(t.num_turns for t in trajectories))
+    out["multi_turn/tool_response_tokens/mean"] = sum(t.tokens_of("tool") for t in trajectories) / n
+    for why in TRAJECTORY_ENDINGS:
+        out[f"multi_turn/ended/{why}"] = sum(t.ended_by == why for t in trajectories) / n
     return out
 
 
@@ -76,8 +107,9 @@ def bucket_metrics(batch: TrainBatch, max_response_tokens: int) -> dict[str, flo
 
 
 def rollout_mismatch_metrics(rollout: RolloutBatch, logprobs: Sequence[torch.Tensor] | None, max_response_tokens: int) -> dict[str, float]:
-    """Train/rollout probability mismatch over every response token (verl's
-    ``training/rollout_probs_diff_*``): d = |exp(logprobs) - exp(rollout_logprobs)|.
+    """Train/rollout probability mismatch over every token the policy generated (verl's
+    ``training/rollout_probs_diff_*``; tool messages of a multi-turn response left out):
+    d = |exp(logprobs) - exp(rollout_logprobs)|.
 
     Args:
         rollout: responses with the engine's ``rollout_logprobs`` (``rollout.return_logprobs``).
@@ -94,7 +126,11 @@ def rollout_mismatch_metrics(rollout: RolloutBatch, logprobs: Sequence[torch.Ten
     responses = rollout.responses
     if logprobs is None or any(r.rollout_logprobs is None for r in responses):
         return {}
-    diffs = [(lp.float().exp() - torch.tensor(r.rollout_logprobs, dtype=torch.float32).exp()).abs() for r, lp in zip(responses, logprobs)]
+    diffs, positions = [], []
+    for r, lp in zip(responses, logprobs):
+        generated = r.generated_mask()
+        diffs.append((lp.float().exp() - torch.tensor(r.rollout_logprobs, dtype=torch.float32).exp()).abs()[generated])
+        positions.append(torch.arange(len(generated))[generated])
     flat = torch.cat(diffs) if diffs else torch.zeros(0)
     if flat.numel() == 0:
         return {}
@@ -103,7 +139,7 @@ def rollout_mismatch_metrics(rollout: RolloutBatch, logprobs: Sequence[torch.Ten
         "training/rollout_probs_diff_max": flat.max().item(),
         "training/rollout_probs_diff_std": flat.std().item() if flat.numel() > 1 else 0.0,
     }
-    positions = torch.cat([torch.arange(len(d)) for d in diffs])
+    positions = torch.cat(positions)
     for lo, hi in length_buckets(max_response_tokens):
         here = flat[(positions >= lo) & (positions < hi)]
         if here.numel():

@@ -162,6 +162,10 @@ def build_sections(run: RunData) -> list[Section]:
                        "Share of responses per finish reason (response/finish_reason/*, stacked) and the clip ratio "
                        "(response_length/clip_ratio: cut at a budget, finish reason length or context).",
                        figs.finish_reasons(run.metrics), "no response/finish_reason/* or clip-ratio metrics in metrics.jsonl"),
+        _plain_section("turns", "Turns and tool calls",
+                       "Multi-turn rollouts: assistant turns per trajectory (num_turns/mean, /max), tool calls, malformed "
+                       "calls and tool errors per trajectory (multi_turn/*), and the share of trajectories that called a tool.",
+                       figs.turns(run.metrics), "no num_turns/* metrics in metrics.jsonl (a single-turn run)"),
         _plain_section("padding", "Pad fraction and micro-batch fill",
                        f"Pad positions / all positions of the update passes (seqlen/pad_fraction, 0 with packing); {fill}.",
                        figs.padding(run.metrics, mbt), "no seqlen/pad_fraction or seqlen/microbatch_tokens_max in metrics.jsonl"),

@@ -133,6 +133,25 @@ def finish_reasons(metrics: Metrics) -> go.Figure | None:
     return _layout(fig, y_title="fraction of responses", barmode="stack", yaxis={"range": [0, 1.05]})
 
 
+TURN_SERIES = (("num_turns/mean", "turns (mean)"), ("num_turns/max", "turns (max)"),
+                ("multi_turn/tool_calls", "tool calls"), ("multi_turn/malformed_calls", "malformed calls"),
+                ("multi_turn/tool_errors", "tool errors"), ("multi_turn/tool_use_rate", "tool-use rate (fraction)"))
+
+
+def turns(metrics: Metrics) -> go.Figure | None:
+    """Multi-turn rollouts per step: turns per trajectory (mean, max), tool calls, malformed calls
+    and tool errors per trajectory, and the share of trajectories that called a tool; None for a
+    single-turn run."""
+    fig = go.Figure()
+    for key, name in TURN_SERIES:
+        steps, values = series(metrics, key)
+        if steps:
+            fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode="lines+markers"))
+    if not fig.data:
+        return None
+    return _layout(fig, y_title="per trajectory")
+
+
 def padding(metrics: Metrics, max_tokens_per_microbatch: int | None) -> go.Figure | None:
     """Pad fraction of the update passes (``seqlen/pad_fraction``) and micro-batch fill, the
     largest micro-batch's real tokens (``seqlen/microbatch_tokens_max``) over

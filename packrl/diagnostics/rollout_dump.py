@@ -5,7 +5,10 @@ Keys (in order): ``step``, ``index`` (position in the step's batch), ``prompt_in
 ``response`` (text), ``prompt_tokens``, ``response_tokens`` (ints), ``finish_reason``,
 ``truncated`` (finish reason ``length``/``context``), ``score``, ``reward`` (after shaping),
 ``advantage`` (mean over the response's loss tokens, 0.0 if none), ``ground_truth``,
-``prompt_truncated`` (the prompt policy shortened it).
+``prompt_truncated`` (the prompt policy shortened it). A multi-turn response adds ``turns``: its
+segments in order, each ``{"role", "text", "tokens", "in_loss"}`` (role ``assistant`` for the
+policy's turns, the only ones in the loss, ``tool`` for tool messages, ``template`` for a closing
+token the policy did not write), and ``ended_by`` (`packrl.types.Trajectory.ended_by`).
 
 Text is decoded with ``skip_special_tokens=False``: the prompt shows its chat-template markers
 and a response its EOS, exactly the tokens trained on. Cost: one batched decode and one file
@@ -41,8 +44,21 @@ def rollout_rows(step: int, batch: TrainBatch, tokenizer: Any) -> list[dict[str,
             "score": float(batch.scored.scores[i]), "reward": float(batch.scored.rewards[i]),
             "advantage": float(adv[mask].mean()) if bool(mask.any()) else 0.0,
             "ground_truth": str(prompts.ground_truths[b]), "prompt_truncated": bool(prompts.prompt_truncated[b]),
-        })
+        } | _turns(response, tokenizer))
     return rows
+
+
+def _turns(response: Any, tokenizer: Any) -> dict[str, Any]:
+    """``turns`` and ``ended_by`` of a multi-turn response; nothing for a single turn."""
+    if response.trajectory is None:
+        return {}
+    turns, start = [], 0
+    for role, n in response.trajectory.segments:
+        ids = list(response.response_ids[start:start + n])
+        turns.append({"role": role, "text": tokenizer.decode(ids, skip_special_tokens=False), "tokens": n,
+                      "in_loss": role == "assistant"})
+        start += n
+    return {"turns": turns, "ended_by": response.trajectory.ended_by}
 
 
 class RolloutDump(Protocol):

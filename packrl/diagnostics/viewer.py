@@ -75,6 +75,8 @@ class Sample:
         prompt_truncated: whether the prompt was cut to fit ``data.max_prompt_tokens``.
         ground_truth: the reference answer ("" when the dump has none).
         data_source: the row's data source ("" when the dump has none).
+        turns: a multi-turn response's segments ``(role, text, tokens, in_loss)``; empty otherwise.
+        ended_by: what ended a multi-turn trajectory ("" for a single turn).
     """
 
     index: int
@@ -88,6 +90,8 @@ class Sample:
     prompt_truncated: bool
     ground_truth: str = ""
     data_source: str = ""
+    turns: tuple[tuple[str, str, int, bool], ...] = ()
+    ended_by: str = ""
 
     @property
     def truncated(self) -> bool:
@@ -200,7 +204,19 @@ def parse_sample(row: Any) -> Sample:
         finish_reason=row["finish_reason"], reward=float(row["reward"]), advantage=float(row["advantage"]),
         prompt_truncated=row["prompt_truncated"],
         ground_truth=str(row.get("ground_truth", "")), data_source=str(row.get("data_source", "")),
+        turns=_parse_turns(row.get("turns", [])), ended_by=str(row.get("ended_by", "")),
     )
+
+
+def _parse_turns(turns: Any) -> tuple[tuple[str, str, int, bool], ...]:
+    """The ``turns`` of a dump row as tuples.
+
+    Raises:
+        ValueError: ``turns`` is not a list of objects with role, text, tokens and in_loss.
+    """
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and {"role", "text", "tokens", "in_loss"} <= t.keys() for t in turns):
+        raise ValueError("turns should be a list of {role, text, tokens, in_loss} objects")
+    return tuple((str(t["role"]), str(t["text"]), int(t["tokens"]), bool(t["in_loss"])) for t in turns)
 
 
 def read_step(path: str | Path, step: int) -> StepDump:
@@ -286,8 +302,15 @@ def describe_sample(step: int, sample: Sample) -> Text:
     text.append(f"PROMPT · {sample.prompt_tokens} tokens{cut}\n", style="bold cyan")
     text.append(sample.prompt + "\n\n")
     cut = f" (cut: {sample.finish_reason})" if sample.truncated else ""
-    text.append(f"RESPONSE · {sample.response_tokens} tokens{cut}\n", style="bold green")
-    text.append(sample.response)
+    ended = f" · ended by {sample.ended_by}" if sample.ended_by else ""
+    text.append(f"RESPONSE · {sample.response_tokens} tokens{cut}{ended}\n", style="bold green")
+    if not sample.turns:
+        text.append(sample.response)
+        return text
+    for role, body, tokens, in_loss in sample.turns:
+        loss = "in the loss" if in_loss else "not in the loss"
+        text.append(f"[{role} · {tokens} tokens · {loss}]\n", style="bold green" if in_loss else "bold magenta")
+        text.append(body + "\n")
     return text
 
 

@@ -30,13 +30,30 @@ class RewardFn(Protocol):
         ...
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, scores_truncated: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Register the decorated function as reward ``name`` (`packrl.registry.Registry.register`).
+
+    Args:
+        scores_truncated: the reward's rule for responses a token budget cut (finish reason
+            ``length`` or ``context``): False (the default, and the rule of a function registered
+            without it) scores them 0 without calling the function, since an answer cut short must
+            not be credited as if it had ended on its own; True scores them like any other (a
+            reward that does not read an answer). ``reward.score_truncated`` overrides it per run.
 
     Raises:
         ValueError: ``name`` is already registered to another function.
     """
-    return REWARDS.register(name)
+    def decorate(fn: RewardFn) -> RewardFn:
+        fn.scores_truncated = scores_truncated  # type: ignore[attr-defined]
+        return REWARDS.register(name)(fn)
+
+    return decorate
+
+
+def scores_truncated(fn: RewardFn, cfg: RewardConfig) -> bool:
+    """Whether responses a budget cut are scored by ``fn``: ``reward.score_truncated`` when set,
+    else the reward's own rule (`register_reward`), else False."""
+    return cfg.score_truncated if cfg.score_truncated is not None else bool(getattr(fn, "scores_truncated", False))
 
 
 def get_reward(name: str) -> RewardFn:

@@ -13,8 +13,8 @@ import torch
 
 from packrl.config.schema import RewardConfig
 from packrl.reward.overlong import soft_overlong_penalty
-from packrl.reward.registry import get_reward
-from packrl.types import RolloutBatch, ScoredBatch
+from packrl.reward.registry import get_reward, scores_truncated
+from packrl.types import Response, RolloutBatch, ScoredBatch
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,11 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         cfg: the ``reward`` section (``name``, extraction, ``format_score``, overlong shaping).
         max_response_tokens: ``rollout.max_response_tokens``, where the overlong ramp ends.
 
+    A response a budget cut (finish reason ``length`` or ``context``) scores 0 without calling
+    the reward function unless the reward's rule or ``reward.score_truncated`` says otherwise
+    (`packrl.reward.registry.scores_truncated`); a multi-turn response is scored
+    on its policy turns only (`policy_texts`).
+
     Returns:
         `ScoredBatch` with ``scores`` (the reward function's value, Shape [N], float32) and
         ``rewards`` (scores plus the overlong penalty, Shape [N], float32).
@@ -37,12 +42,16 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
             names the response index, data source, ground truth and the cause.
     """
     reward_fn = get_reward(cfg.name)
-    texts = tokenizer.batch_decode([list(r.response_ids) for r in rollout.responses], skip_special_tokens=True)
+    texts = policy_texts(rollout.responses, tokenizer)
+    score_cut = scores_truncated(reward_fn, cfg)
     prompts, group = rollout.prompts, rollout.group_size
     scores, rewards = [], []
     for i, (text, response) in enumerate(zip(texts, rollout.responses)):
         truth, source = prompts.ground_truths[i // group], prompts.data_sources[i // group]
-        score = _score_with_retry(reward_fn, text, truth, source, cfg, i)
+        if response.truncated and not score_cut:
+            score = 0.0
+        else:
+            score = _score_with_retry(reward_fn, text, truth, source, cfg, i)
         penalty = soft_overlong_penalty(
             len(response.response_ids), max_response_tokens, cfg.overlong_buffer_tokens, cfg.overlong_penalty_factor
         )
@@ -53,6 +62,19 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         scores=torch.tensor(scores, dtype=torch.float32),
         rewards=torch.tensor(rewards, dtype=torch.float32),
     )
+
+
+def policy_texts(responses: tuple[Response, ...], tokenizer: Any) -> list[str]:
+    """The text a reward scores, per response: decoded with special tokens skipped; for a
+    multi-turn response only the policy's turns, joined by newlines (tool answers are not the
+    policy's and never count as its answer). One batched decode."""
+    pieces = [r.policy_segments() for r in responses]
+    flat = tokenizer.batch_decode([list(s) for segments in pieces for s in segments], skip_special_tokens=True)
+    out, k = [], 0
+    for segments in pieces:
+        out.append("\n".join(flat[k:k + len(segments)]))
+        k += len(segments)
+    return out
 
 
 def check_reward(cfg: RewardConfig) -> None:

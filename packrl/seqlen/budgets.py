@@ -70,6 +70,9 @@ class Budgets:
         rope_factor: the RoPE scaling factor included in ``max_context_tokens`` (for the plan).
         sequence_parallel_size: ranks that split one pack (``trainer.sequence_parallel_size``):
             the micro-batch budgets are per rank, so a pack may hold this many times as many tokens.
+        ends_at_context: multi-turn trajectories that reach the model context end there
+            (``rollout.multi_turn.context_policy=end``): prompt + response may exceed the context,
+            and the longest sequence is the context.
     """
 
     max_prompt_tokens: int
@@ -79,6 +82,10 @@ class Budgets:
     max_tokens_per_logprob_microbatch: int
     rope_factor: float = 1.0
     sequence_parallel_size: int = 1
+    ends_at_context: bool = False
+    multi_turn: tuple[int, int, int, int] | None = None
+    """Multi-turn budgets, for the plan: ``(max_turns, max_tokens_per_turn, max_trajectory_tokens,
+    max_tool_response_tokens)`` as resolved from ``rollout.multi_turn``; None when it is off."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, max_context_tokens: int | None, rope_factor: float = 1.0) -> Budgets:
@@ -90,6 +97,8 @@ class Budgets:
             max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
             rope_factor=rope_factor,
             sequence_parallel_size=cfg.trainer.sequence_parallel_size,
+            ends_at_context=cfg.rollout.multi_turn.enabled and cfg.rollout.multi_turn.context_policy == "end",
+            multi_turn=_multi_turn(cfg),
         )
 
     @classmethod
@@ -100,8 +109,10 @@ class Budgets:
 
     @property
     def max_sequence_tokens(self) -> int:
-        """The longest possible sequence: prompt budget + response budget."""
-        return self.max_prompt_tokens + self.max_response_tokens
+        """The longest possible sequence: prompt budget + response budget (at most the model
+        context when trajectories end there)."""
+        total = self.max_prompt_tokens + self.max_response_tokens
+        return min(total, self.max_context_tokens) if self.ends_at_context and self.max_context_tokens else total
 
     @property
     def pack_tokens(self) -> int:
@@ -124,7 +135,7 @@ class Budgets:
         if out:
             return out
         seq = self.max_sequence_tokens
-        if self.max_context_tokens is not None and seq > self.max_context_tokens:
+        if self.max_context_tokens is not None and seq > self.max_context_tokens and not self.ends_at_context:
             out.append(ConfigProblem(
                 "rollout.max_response_tokens", self.max_response_tokens,
                 f"data.max_prompt_tokens + rollout.max_response_tokens = {seq:,} > model context {self.max_context_tokens:,}",
@@ -134,6 +145,8 @@ class Budgets:
             ))
         size = max(1, self.sequence_parallel_size)
         longest = f"the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}"
+        if seq < self.max_prompt_tokens + self.max_response_tokens:
+            longest = f"the longest possible sequence, the model context (rollout.multi_turn.context_policy=end) = {seq:,}"
         for key, value in self._keyed_values()[2:]:
             if value * size >= seq:
                 continue
@@ -163,12 +176,18 @@ class Budgets:
         rows = [
             ("prompt", "data.max_prompt_tokens", f"{self.max_prompt_tokens:>9,}"),
             ("response", "rollout.max_response_tokens", f"{self.max_response_tokens:>9,}"),
-            ("sequence", "prompt + response", f"{seq:>9,}"),
+            ("sequence", "prompt + response" + (", at most the context" if self.ends_at_context else ""), f"{seq:>9,}"),
             ("model context", "model config", context),
             ("update micro-batch", "train.max_tokens_per_microbatch", self._pack_row(self.max_tokens_per_microbatch, self.pack_tokens)),
             ("log-prob micro-batch", "train.max_tokens_per_logprob_microbatch",
              self._pack_row(self.max_tokens_per_logprob_microbatch, self.logprob_pack_tokens)),
         ]
+        if self.multi_turn is not None:
+            turns, per_turn, trajectory, tool = self.multi_turn
+            rows += [("turns", "rollout.multi_turn.max_turns", f"{turns:>9,}"),
+                     ("assistant turn", "rollout.multi_turn.max_tokens_per_turn", f"{per_turn:>9,}"),
+                     ("trajectory", "rollout.multi_turn.max_trajectory_tokens", f"{trajectory:>9,}  (prompt + turns + tool answers)"),
+                     ("tool answer", "rollout.multi_turn.max_tool_response_tokens", f"{tool:>9,}")]
         lines = ["token budgets"] + [f"  {name:<22}{key:<42}{value}" for name, key, value in rows]
         problems = self.problems()
         unchecked = " (prompt + response <= model context not checked)" if self.max_context_tokens is None else ""
@@ -191,3 +210,13 @@ class Budgets:
 
     def __str__(self) -> str:
         return self.plan()
+
+
+def _multi_turn(cfg: RunConfig) -> tuple[int, int, int, int] | None:
+    mt = cfg.rollout.multi_turn
+    if not mt.enabled:
+        return None
+    response = cfg.rollout.max_response_tokens
+    return (mt.max_turns, mt.max_tokens_per_turn or response, mt.max_trajectory_tokens or cfg.data.max_prompt_tokens + response,
+            mt.max_tool_response_tokens)
+

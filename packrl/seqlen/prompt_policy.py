@@ -179,7 +179,7 @@ class _Renderer:
         return self.ids(self.texts([chat]))[0]
 
 
-def _cut_text(ids: list[int], keep: int, side: str, decode) -> str:
+def cut_text(ids: list[int], keep: int, side: str, decode) -> str:
     """Decode the ``keep`` tokens ``side`` truncation leaves. A cut inside a multi-byte
     character decodes to U+FFFD at the cut edge; those replacement characters are dropped, so
     the prompt never gains text the row did not have."""
@@ -213,7 +213,7 @@ def _truncate(renderer: _Renderer, messages: Sequence[dict], budget: int, side: 
     decode = renderer.tokenizer.decode
 
     def attempt(keep: int) -> list[int]:
-        text = _cut_text(content_ids, keep, side, decode)
+        text = cut_text(content_ids, keep, side, decode)
         return renderer.render(_with_content(messages, target, text))
 
     keep = min(budget - overhead, len(content_ids))

@@ -12,21 +12,24 @@ from packrl.rollout.engine import SamplingParams
 
 def validate(workers: WorkerGroup, dataset: Any, cfg: RunConfig) -> dict[str, float]:
     """``val/accuracy`` (fraction of responses scoring >= 1, i.e. correct), ``val/score/mean``,
-    ``val/response_length/mean`` (tokens) and ``val/response_length/clip_ratio``."""
+    ``val/response_length/mean`` (tokens) and ``val/response_length/clip_ratio``; with
+    multi-turn rollouts also ``val/multi_turn/tool_use_rate`` (fraction of responses that called a tool)."""
     params = SamplingParams.from_config(cfg.rollout, validation=True)
     scores: list[float] = []
     lengths: list[int] = []
     truncated = 0
+    tool_users: list[bool] = []
     for prompts in dataset.iter_batches(cfg.rollout.max_num_seqs):
         rollout = workers.generate(prompts, params)
         scored = score_rollout(rollout, workers.tokenizer, cfg.reward, cfg.rollout.max_response_tokens)
         scores += scored.scores.tolist()
         lengths += [len(r.response_ids) for r in rollout.responses]
         truncated += sum(r.truncated for r in rollout.responses)
+        tool_users += [r.trajectory.num_tool_calls > 0 for r in rollout.responses if r.trajectory is not None]
     count = max(1, len(scores))
     return {
         "val/accuracy": sum(s >= 1.0 for s in scores) / count,
         "val/score/mean": sum(scores) / count,
         "val/response_length/mean": sum(lengths) / count,
         "val/response_length/clip_ratio": truncated / count,
-    }
+    } | ({"val/multi_turn/tool_use_rate": sum(tool_users) / len(tool_users)} if tool_users else {})

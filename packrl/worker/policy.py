@@ -37,6 +37,7 @@ from packrl.models.loading import load_policy, load_reference
 from packrl.models.lora import base_policy, is_lora, parameter_counts
 from packrl.registry import ROLLOUT_ENGINES, import_plugins
 from packrl.rollout.engine import EngineContext, RolloutEngine, SamplingParams
+from packrl.rollout.multi_turn import multi_turn_engine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
@@ -152,6 +153,8 @@ class PolicyWorker:
             missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(self.engine, m, None))]
             raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(self.engine).__name__} without "
                              f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
+        if cfg.rollout.multi_turn.enabled:
+            self.engine = multi_turn_engine(self.engine, tokenizer, cfg, max_context)
         strategy.wrap(model)
         if self.reference is not None and self.reference is not model:
             strategy.wrap(self.reference)

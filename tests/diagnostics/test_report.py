@@ -223,3 +223,13 @@ def test_out_that_is_a_directory_is_refused_and_leaves_nothing(tmp_path):
     assert not list(tmp_path.glob(".*.tmp")) and list(target.iterdir()) == []
     nested = write_report(run_dir, tmp_path / "new" / "deeper" / "r.html")  # parent folders are created
     assert nested.is_file() and not list(nested.parent.glob(".*.tmp"))
+
+
+def test_a_multi_turn_run_gets_a_turns_plot(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"step": s, "num_turns/mean": 1.5, "num_turns/max": 3, "multi_turn/tool_calls": 0.5 * s,
+              "multi_turn/malformed_calls": 0.1, "multi_turn/tool_errors": 0.0, "multi_turn/tool_use_rate": 0.25} for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    text = write_report(run_dir).read_text()
+    assert 'id="plot-turns"' in text and "tool-use rate" in text

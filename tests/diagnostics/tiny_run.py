@@ -22,7 +22,7 @@ from tests.conftest import SMOLLM_DIR
 
 if "test_letter_e" not in REWARDS:
 
-    @register_reward("test_letter_e")
+    @register_reward("test_letter_e", scores_truncated=True)  # a length reward: it reads no answer
     def _letter_e(response_text: str, ground_truth: str, *, data_source: str, cfg) -> float:
         """A dense reward a random model can move: the share of 'e' among the response's characters."""
         return response_text.count("e") / max(1, len(response_text))

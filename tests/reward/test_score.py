@@ -40,10 +40,19 @@ def test_overlong_penalty_is_added_to_rewards_not_scores(smollm_tokenizer):
     rollout = _rollout(tok, ["#### 4", "word " * 40 + "#### 4"], ("4",), eos=False)
     lengths = [len(r.response_ids) for r in rollout.responses]
     max_tokens = lengths[1]
-    cfg = RewardConfig(overlong_buffer_tokens=max_tokens - lengths[0], overlong_penalty_factor=0.5)
+    cfg = RewardConfig(overlong_buffer_tokens=max_tokens - lengths[0], overlong_penalty_factor=0.5, score_truncated=True)
     scored = score_rollout(rollout, tok, cfg, max_response_tokens=max_tokens)
     assert scored.scores.tolist() == [1.0, 1.0]
     assert scored.rewards.tolist() == pytest.approx([1.0, 0.5])  # at the ramp start: 0; at the budget: -0.5
+
+
+def test_a_response_a_budget_cut_gets_no_answer_credit_unless_configured(smollm_tokenizer):
+    tok = smollm_tokenizer
+    cut = _rollout(tok, ["#### 4"], ("4",), eos=False)  # finish reason length: the budget ended it
+    assert score_rollout(cut, tok, RewardConfig(format_score=0.1), max_response_tokens=512).scores.tolist() == [0.0]
+    assert score_rollout(cut, tok, RewardConfig(score_truncated=True), max_response_tokens=512).scores.tolist() == [1.0]
+    ended = _rollout(tok, ["#### 4"], ("4",))
+    assert score_rollout(ended, tok, RewardConfig(), max_response_tokens=512).scores.tolist() == [1.0]
 
 
 def test_special_tokens_are_skipped(smollm_tokenizer):

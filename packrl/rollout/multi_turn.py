@@ -1,0 +1,286 @@
+"""Multi-turn rollouts with tools, on top of any engine of the engine contract.
+
+Shapes: ``B`` prompts · ``G`` trajectories per prompt · ``P_b`` prompt tokens · ``R_i`` tokens after
+the prompt (every assistant turn, tool answer and template token of trajectory i).
+
+A trajectory starts from the prompt ids. Each turn, the engine continues it (one request per
+trajectory, ``n = 1``, seed derived from the prompt's seed, the sample and the turn); the turn's
+tokens are the policy's (response mask True). A turn that calls tools (`packrl.rollout.tools`)
+gets their answers appended as tool messages, rendered by the model's chat template together with
+the next assistant header (`ToolRenderer`); those tokens, and a turn-closing token the policy did
+not write, have response mask False and never count in the loss. The trajectory ends when a turn
+calls no tool, a turn is cut by a budget, the engine aborts, or ``max_turns`` turns are done.
+
+Every request asks for ``min(max_tokens_per_turn, context left, trajectory left, response left)``
+tokens (`TurnLimits.request`); below 1 the trajectory ends with finish reason ``context`` and the
+engine is not called. A tool answer that does not fit the same limits is not appended and the
+trajectory ends with ``context``. The trajectory's finish reason is its last turn's, except that a
+turn cut where the model context bound is ``context``, and a trajectory whose last turn still
+calls a tool at ``max_turns`` is ``length``: cut by a budget, so truncated (invariant 7).
+
+Token-exact (invariant 5, turn by turn): every request is the trajectory's ids so far, and the
+trainer scores the prompt followed by exactly the ids appended here, so the policy tokens' log-probs
+in training are taken in the contexts the engine generated them in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from packrl.rollout.engine import RolloutEngine, SamplingParams
+from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
+from packrl.seqlen.prompt_policy import cut_text
+from packrl.types import Response, Trajectory
+
+TRUNCATION_MARKER = " ...(truncated)"
+_PROBE_USER, _PROBE_ASSISTANT = "packrl probe question", "packrl probe answer"
+
+
+class ToolRenderer:
+    """Token ids the chat template puts around tool messages, rendered without re-tokenising the
+    trajectory: ``close`` (what ends an assistant turn, e.g. ``<|im_end|>``) and, per tool step,
+    the ids from after that close to the next assistant header (the tool messages and the
+    generation prompt).
+
+    Args:
+        tokenizer: the policy's tokenizer, with a chat template.
+        role: the role tool messages take (``rollout.multi_turn.tool_role``).
+        chat_template_kwargs: passed to ``apply_chat_template`` (``data.chat_template_kwargs``).
+
+    Raises:
+        ValueError: the template does not render a conversation that ends in tool messages as
+            an extension of the same conversation before them (the rendering would not be token-exact).
+    """
+
+    def __init__(self, tokenizer: Any, role: str, chat_template_kwargs: dict[str, Any] | None = None):
+        self.tokenizer, self.role, self.kwargs = tokenizer, role, dict(chat_template_kwargs or {})
+        base = self._text([{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}], False)
+        end = base.rfind(_PROBE_ASSISTANT)
+        if end < 0:
+            raise ValueError("the chat template drops the assistant's message; it cannot render multi-turn trajectories "
+                             "(rollout.multi_turn.tools needs a chat model's template)")
+        self._base = base
+        after = base[end + len(_PROBE_ASSISTANT):]
+        after_ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+        special = set(getattr(tokenizer, "all_special_ids", []))
+        closing = [i for i, t in enumerate(after_ids) if t in special]
+        if not closing:
+            raise ValueError("the chat template ends an assistant turn with no special token, so a turn cannot be closed "
+                             "token-exactly; rollout.multi_turn.tools needs a chat model's template")
+        self.close: tuple[int, ...] = tuple(after_ids[: closing[0] + 1])
+        self._close_text = tokenizer.decode(list(self.close), skip_special_tokens=False)
+        probe = tokenizer.decode(self.after_close(["packrl probe tool answer"]), skip_special_tokens=False)
+        if "packrl probe tool answer" not in probe:  # checked now, not mid-run
+            raise ValueError(f"the chat template drops {role!r} messages; set rollout.multi_turn.tool_role to a role it renders (e.g. user)")
+
+    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs)
+
+    def after_close(self, contents: Sequence[str]) -> list[int]:
+        """Ids of the tool messages ``contents`` and the next assistant header, as the template
+        renders them after an assistant turn's closing ids."""
+        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
+        full = self._text(messages + [{"role": self.role, "content": c} for c in contents], True)
+        prefix = self._base[: self._base.rfind(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT)] + self._close_text
+        if not full.startswith(prefix):
+            raise ValueError(f"the chat template does not render {self.role!r} messages after an assistant turn as an "
+                             "extension of the conversation; set rollout.multi_turn.tool_role to a role it accepts (e.g. user)")
+        return self.tokenizer(full[len(prefix):], add_special_tokens=False)["input_ids"]
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """The token limits every turn is held to.
+
+    Attributes:
+        max_tokens_per_turn: tokens one assistant turn may generate (``rollout.multi_turn.max_tokens_per_turn``).
+        max_response_tokens: tokens after the prompt: turns, tool answers, template (``rollout.max_response_tokens``).
+        max_trajectory_tokens: prompt + everything after it (``rollout.multi_turn.max_trajectory_tokens``).
+        max_context_tokens: the model context.
+    """
+
+    max_tokens_per_turn: int
+    max_response_tokens: int
+    max_trajectory_tokens: int
+    max_context_tokens: int
+
+    def room(self, num_tokens: int, num_prompt_tokens: int) -> tuple[int, str]:
+        """Tokens a trajectory of ``num_tokens`` may still grow by, and which limit binds
+        (``response``, ``trajectory`` or ``context``)."""
+        left = {"response": self.max_response_tokens - (num_tokens - num_prompt_tokens),
+                "trajectory": self.max_trajectory_tokens - num_tokens, "context": self.max_context_tokens - num_tokens}
+        binding = min(left, key=lambda k: left[k])
+        return left[binding], binding
+
+    def request(self, num_tokens: int, num_prompt_tokens: int) -> tuple[int, str]:
+        """The next turn's token budget and its binding limit (``turn`` when the per-turn cap binds)."""
+        room, binding = self.room(num_tokens, num_prompt_tokens)
+        return (self.max_tokens_per_turn, "turn") if self.max_tokens_per_turn <= room else (room, binding)
+
+
+_ENDED_BY_LIMIT = {"turn": "turn_tokens", "response": "response_tokens", "trajectory": "trajectory_tokens", "context": "context"}
+
+
+@dataclass
+class _State:
+    """One trajectory being built."""
+
+    seed: int
+    num_prompt_tokens: int
+    ids: list[int]
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    segments: list[tuple[str, int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    ended_by: str = ""
+    binding: str = "turn"
+    num_tool_calls: int = 0
+    num_malformed_calls: int = 0
+    num_tool_errors: int = 0
+
+    def add(self, role: str, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+        if not ids:
+            return
+        self.ids += ids
+        self.mask += [role == "assistant"] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.segments.append((role, len(ids)))
+
+    def end(self, finish_reason: str, ended_by: str) -> None:
+        self.finish_reason, self.ended_by = finish_reason, ended_by
+
+    def response(self, with_logprobs: bool) -> Response:
+        trajectory = Trajectory(segments=tuple(self.segments), num_tool_calls=self.num_tool_calls,
+                                num_malformed_calls=self.num_malformed_calls, num_tool_errors=self.num_tool_errors,
+                                ended_by=self.ended_by)
+        n = self.num_prompt_tokens
+        assert self.finish_reason is not None, "every trajectory ends before it is returned"
+        return Response(tuple(self.ids[n:]), self.finish_reason,
+                        tuple(self.logprobs) if with_logprobs else None, tuple(self.mask), trajectory=trajectory)
+
+
+def turn_seed(seed: int, sample: int, turn: int) -> int:
+    """The seed of one request: a function of the prompt's seed, the sample index and the turn
+    alone, so a trajectory does not depend on its batch or worker."""
+    digest = hashlib.blake2b(f"{seed}/{sample}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
+
+
+class MultiTurnEngine:
+    """An engine of the contract whose responses are whole tool-using trajectories.
+
+    Args:
+        engine: any `RolloutEngine`; it serves every turn.
+        tokenizer: the policy's tokenizer (decodes turns; renders tool messages).
+        tools: the tool names this run allows (``rollout.multi_turn.tools``).
+        max_turns: assistant turns per trajectory (``rollout.multi_turn.max_turns``).
+        limits: the token limits (`TurnLimits`).
+        max_tool_response_tokens: a tool answer's content is cut to this many tokens.
+        truncation_side: which side of a long tool answer is cut (``left`` drops the start,
+            ``right`` the end, ``middle`` the middle), as for prompts.
+        renderer: the chat template's rendering of tool messages (`ToolRenderer`).
+    """
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, *, tools: Sequence[str], max_turns: int, limits: TurnLimits,
+                 max_tool_response_tokens: int, truncation_side: str, renderer: ToolRenderer):
+        self.engine, self.tokenizer, self.tools = engine, tokenizer, frozenset(tools)
+        self.max_turns, self.limits, self.renderer = max_turns, limits, renderer
+        self.max_tool_response_tokens, self.truncation_side = max_tool_response_tokens, truncation_side
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
+        """``[B][G]`` trajectories (see the module docstring); the contract of `RolloutEngine.generate`."""
+        states = [_State(seed=turn_seed(seed, g, 0), num_prompt_tokens=len(p), ids=list(p))
+                  for p, seed in zip(prompt_ids, seeds) for g in range(params.n)]
+        for turn in range(1, self.max_turns + 1):
+            requests: dict[int, list[_State]] = {}
+            for state in (s for s in states if s.finish_reason is None):
+                budget, state.binding = self.limits.request(len(state.ids), state.num_prompt_tokens)
+                if budget < 1:
+                    state.end("context", _ENDED_BY_LIMIT[state.binding])
+                else:
+                    requests.setdefault(budget, []).append(state)
+            if not requests:
+                break
+            for budget, group in sorted(requests.items()):
+                turn_params = replace(params, n=1, max_response_tokens=budget)
+                out = self.engine.generate([s.ids for s in group], turn_params, [turn_seed(s.seed, 0, turn) for s in group])
+                for state, responses in zip(group, out):
+                    self._after_turn(state, responses[0], turn)
+        return [[s.response(params.return_logprobs) for s in states[b * params.n:(b + 1) * params.n]] for b in range(len(prompt_ids))]
+
+    def _after_turn(self, state: _State, turn: Response, index: int) -> None:
+        state.add("assistant", turn.response_ids, turn.rollout_logprobs)
+        if turn.finish_reason in ("length", "context"):
+            reason = "context" if state.binding == "context" else turn.finish_reason
+            state.end(reason, _ENDED_BY_LIMIT[state.binding] if turn.finish_reason == "length" else "context")
+            return
+        if turn.finish_reason == "abort":
+            state.end("abort", "abort")
+            return
+        calls = parse_tool_calls(self.tokenizer.decode(list(turn.response_ids), skip_special_tokens=True), self.tools)
+        if not calls:
+            state.end(turn.finish_reason, "answer")
+            return
+        if index == self.max_turns:
+            state.end("length", "max_turns")
+            return
+        self._answer(state, turn, calls)
+
+    def _answer(self, state: _State, turn: Response, calls: list[ToolCall]) -> None:
+        close = self.renderer.close
+        if tuple(turn.response_ids[-len(close):]) != close:  # ended on a stop string: close the turn for the template
+            state.add("template", close)
+        contents = []
+        for call in calls:
+            answer, failed = run_tool(call)
+            state.num_tool_calls += 1
+            state.num_malformed_calls += call.error is not None
+            state.num_tool_errors += failed and call.error is None
+            contents.append(self._cut(answer))
+        ids = self.renderer.after_close(contents)
+        room, binding = self.limits.room(len(state.ids), state.num_prompt_tokens)
+        if len(ids) >= room:  # the answer, and at least one token of the next turn, must fit
+            state.end("context", _ENDED_BY_LIMIT[binding])
+            return
+        state.add("tool", ids)
+
+    def _cut(self, answer: str) -> str:
+        """``answer`` within ``max_tool_response_tokens`` tokens: a longer one is cut on its
+        truncation side and ends with a marker, the marker's tokens inside the budget."""
+        ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.max_tool_response_tokens:
+            return answer
+        keep = max(0, self.max_tool_response_tokens - len(self.tokenizer(TRUNCATION_MARKER, add_special_tokens=False)["input_ids"]))
+        return cut_text(ids, keep, self.truncation_side, self.tokenizer.decode) + TRUNCATION_MARKER
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        self.engine.load_weights(weights)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, cfg: Any, max_context_tokens: int) -> MultiTurnEngine:
+    """``engine`` serving the multi-turn rollouts ``cfg.rollout.multi_turn`` describes (a `RunConfig`).
+
+    Raises:
+        ValueError: the chat template cannot render tool messages token-exactly (`ToolRenderer`).
+    """
+    mt = cfg.rollout.multi_turn
+    response = cfg.rollout.max_response_tokens
+    limits = TurnLimits(max_tokens_per_turn=mt.max_tokens_per_turn or response, max_response_tokens=response,
+                        max_trajectory_tokens=mt.max_trajectory_tokens or cfg.data.max_prompt_tokens + response,
+                        max_context_tokens=max_context_tokens)
+    renderer = ToolRenderer(tokenizer, mt.tool_role)
+    return MultiTurnEngine(engine, tokenizer, tools=mt.tools, max_turns=mt.max_turns, limits=limits,
+                           max_tool_response_tokens=mt.max_tool_response_tokens,
+                           truncation_side=mt.tool_response_truncation_side, renderer=renderer)
