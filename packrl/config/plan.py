@@ -85,7 +85,7 @@ class BatchPlan:
             ("data-parallel ranks", str(self.data_parallel_size)),
             ("sequence-parallel ranks", f"{self.sequence_parallel_size} per data-parallel rank (each pack split over them)"
              if self.sequence_parallel_size > 1 else "1 (off)"),
-            ("loss scale factor", f"{self.loss_scale_factor:,} tokens (seq-mean-token-sum-norm)"),
+            ("loss scale factor", f"{self.loss_scale_factor:,} tokens (used by loss_agg_mode=seq-mean-token-sum-norm)"),
             ("reference policy", "yes" if self.has_reference else "no (algorithm.kl_coef=0)"),
             ("old log-prob forward", "yes" if self.needs_old_logprobs else "no (on-policy: the update's own detached log-probs)"),
         ]

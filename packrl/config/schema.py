@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -243,8 +244,10 @@ class MultiTurnConfig:
                 out += check_positive(f"{prefix}.{key}", getattr(self, key))
         if len(set(self.tools)) != len(self.tools):
             out.append(ConfigProblem(f"{prefix}.tools", self.tools, "names a tool twice", f"list each tool once in {prefix}.tools"))
-        if not self.tool_role.strip():
-            out.append(ConfigProblem(f"{prefix}.tool_role", self.tool_role, "is empty", f"set {prefix}.tool_role=tool"))
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", self.tool_role) or self.tool_role == "assistant":
+            out.append(ConfigProblem(f"{prefix}.tool_role", self.tool_role,
+                                     "must be a plain role name other than assistant (tool answers must not look like the policy's turns)",
+                                     f"set {prefix}.tool_role=tool (or user for templates without a tool role)"))
         return out
 
 
@@ -582,26 +585,13 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def _multi_turn_problems(self) -> list[ConfigProblem]:
-        """Multi-turn budgets that contradict the others or would have no effect."""
+        """Multi-turn settings while multi-turn is off (they would have no effect)."""
         mt, key = self.rollout.multi_turn, "rollout.multi_turn"
         if not mt.enabled:
             changed = [f.name for f in dataclasses.fields(mt) if f.name != "tools" and getattr(mt, f.name) != f.default]
             return [ConfigProblem(f"{key}.{name}", getattr(mt, name), f"has no effect: multi-turn is off ({key}.tools is empty)",
                                   f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
-        out = []
-        response = self.rollout.max_response_tokens
-        if mt.max_tokens_per_turn is not None and mt.max_tokens_per_turn > response:
-            out.append(ConfigProblem(f"{key}.max_tokens_per_turn", mt.max_tokens_per_turn,
-                                     f"exceeds rollout.max_response_tokens={response}, which caps every turn anyway",
-                                     f"set {key}.max_tokens_per_turn <= {response} or raise rollout.max_response_tokens",
-                                     keys=(f"{key}.max_tokens_per_turn", "rollout.max_response_tokens")))
-        total = self.data.max_prompt_tokens + response
-        if mt.max_trajectory_tokens is not None and mt.max_trajectory_tokens > total:
-            out.append(ConfigProblem(f"{key}.max_trajectory_tokens", mt.max_trajectory_tokens,
-                                     f"exceeds data.max_prompt_tokens + rollout.max_response_tokens = {total}, which caps a trajectory anyway",
-                                     f"set {key}.max_trajectory_tokens <= {total} or raise rollout.max_response_tokens",
-                                     keys=(f"{key}.max_trajectory_tokens", "rollout.max_response_tokens", "data.max_prompt_tokens")))
-        return out
+        return []  # the relations to the other budgets: `packrl.seqlen.Budgets`
 
     def problems(self) -> list[ConfigProblem]:
         """Field checks of every section, then the relations among budgets (without the model

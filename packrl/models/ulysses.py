@@ -149,7 +149,9 @@ def check_heads(config: Any, size: int) -> str | None:
     """None when a model's attention can be split ``size`` ways, else why not (heads must divide)."""
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads % size:
-        return f"the model's {heads} attention heads are not a multiple of trainer.sequence_parallel_size={size}"
+        valid = [d for d in range(2, heads + 1) if heads % d == 0] if isinstance(heads, int) and heads > 0 else []
+        return (f"the model's {heads} attention heads are not a multiple of trainer.sequence_parallel_size={size}"
+                + (f" (sizes that divide them: {', '.join(map(str, valid))})" if valid else ""))
     return None
 
 

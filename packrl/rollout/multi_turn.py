@@ -26,6 +26,7 @@ in training are taken in the contexts the engine generated them in.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -35,8 +36,11 @@ from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
 from packrl.types import Response, Trajectory
 
-TRUNCATION_MARKER = " ...(truncated)"
+TRUNCATION_MARKER = "...(truncated)..."
+"""Stands where a long tool answer was cut (its tokens count in ``max_tool_response_tokens``)."""
 _PROBE_USER, _PROBE_ASSISTANT = "packrl probe question", "packrl probe answer"
+_SLOT, _SLOT_PATTERN = "PACKRLTOOLANSWER{}END", r"PACKRLTOOLANSWER(\d+)END"
+_MAX_CHARS_PER_TOKEN = 64  # a tool answer is cut to this many characters per budget token before it is tokenised
 
 
 class ToolRenderer:
@@ -81,14 +85,23 @@ class ToolRenderer:
 
     def after_close(self, contents: Sequence[str]) -> list[int]:
         """Ids of the tool messages ``contents`` and the next assistant header, as the template
-        renders them after an assistant turn's closing ids."""
+        renders them after an assistant turn's closing ids. The template's own text is tokenised
+        with its special tokens; each content is tokenised as plain text (``split_special_tokens``),
+        so a tool answer that contains ``<|im_end|>`` cannot forge the conversation's structure."""
         messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        full = self._text(messages + [{"role": self.role, "content": c} for c in contents], True)
+        slots = [_SLOT.format(i) for i in range(len(contents))]
+        full = self._text(messages + [{"role": self.role, "content": slot} for slot in slots], True)
         prefix = self._base[: self._base.rfind(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT)] + self._close_text
-        if not full.startswith(prefix):
+        if not full.startswith(prefix) or any(full.count(slot) != 1 for slot in slots):
             raise ValueError(f"the chat template does not render {self.role!r} messages after an assistant turn as an "
                              "extension of the conversation; set rollout.multi_turn.tool_role to a role it accepts (e.g. user)")
-        return self.tokenizer(full[len(prefix):], add_special_tokens=False)["input_ids"]
+        ids: list[int] = []
+        for k, piece in enumerate(re.split(_SLOT_PATTERN, full[len(prefix):])):
+            if k % 2:  # a slot: the content it stands for, as plain text
+                ids += self.tokenizer(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
 
 
 @dataclass(frozen=True)
@@ -248,13 +261,26 @@ class MultiTurnEngine:
         state.add("tool", ids)
 
     def _cut(self, answer: str) -> str:
-        """``answer`` within ``max_tool_response_tokens`` tokens: a longer one is cut on its
-        truncation side and ends with a marker, the marker's tokens inside the budget."""
-        ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        if len(ids) <= self.max_tool_response_tokens:
+        """``answer`` within ``max_tool_response_tokens`` tokens: a longer one loses its start
+        (``left``), end (``right``) or middle, and `TRUNCATION_MARKER` stands where text was
+        removed, its tokens inside the budget. A very long answer is first cut by characters, so
+        its cost does not grow with its size."""
+        budget = self.max_tool_response_tokens
+        span = budget * _MAX_CHARS_PER_TOKEN
+        long = len(answer) > 2 * span
+        if long:
+            answer = {"left": answer[-2 * span:], "right": answer[:2 * span]}.get(self.truncation_side, answer[:span] + answer[-span:])
+        ids = self.tokenizer(answer, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if len(ids) <= budget and not long:
             return answer
-        keep = max(0, self.max_tool_response_tokens - len(self.tokenizer(TRUNCATION_MARKER, add_special_tokens=False)["input_ids"]))
-        return cut_text(ids, keep, self.truncation_side, self.tokenizer.decode) + TRUNCATION_MARKER
+        keep = max(0, budget - len(self.tokenizer(TRUNCATION_MARKER, add_special_tokens=False)["input_ids"]))
+        decode = self.tokenizer.decode
+        if self.truncation_side == "left":
+            return TRUNCATION_MARKER + cut_text(ids, keep, "left", decode)
+        if self.truncation_side == "right":
+            return cut_text(ids, keep, "right", decode) + TRUNCATION_MARKER
+        head, tail = keep - keep // 2, keep // 2
+        return cut_text(ids, head, "right", decode) + TRUNCATION_MARKER + cut_text(ids, tail, "left", decode)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         self.engine.load_weights(weights)

@@ -97,13 +97,15 @@ def _parse_call(body: str, closed: bool, known: frozenset[str] | set[str]) -> To
         call = json.loads(body)
     except json.JSONDecodeError as err:
         return ToolCall("", {}, f"the call is not valid JSON ({err.msg} at character {err.pos})")
+    except RecursionError:
+        return ToolCall("", {}, "the call's JSON is nested too deeply")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolCall("", {}, 'the call must be a JSON object with a string "name"')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], {}, '"arguments" must be a JSON object')
@@ -115,35 +117,49 @@ def _parse_call(body: str, closed: bool, known: frozenset[str] | set[str]) -> To
 def run_tool(call: ToolCall) -> tuple[str, bool]:
     """The answer to one parsed call and whether it is an error (malformed call or `ToolError`).
 
-    A tool that raises anything other than `ToolError` is a bug in the tool, not the policy's
-    mistake: it propagates, naming the tool.
+    A tool that raises anything other than `ToolError`, or returns something other than a
+    string, is a bug in the tool, not the policy's mistake: a RuntimeError names the tool.
     """
     if call.error is not None:
         return f"Error: {call.error}", True
     try:
-        return str(TOOLS.lookup(call.name)(call.arguments)), False
+        answer = TOOLS.lookup(call.name)(call.arguments)
     except ToolError as err:
         return f"Error: {err}", True
     except Exception as err:
         raise RuntimeError(f"tool {call.name!r} raised {type(err).__name__}: {err} on arguments {call.arguments!r}; "
                            "a tool reports a bad call by raising packrl.rollout.tools.ToolError") from err
+    if not isinstance(answer, str):
+        raise RuntimeError(f"tool {call.name!r} returned a {type(answer).__name__}, not a str, on arguments "
+                           f"{call.arguments!r}; a tool returns its answer as text")
+    return answer, False
 
 
 # ---------------------------------------------------------------------------------------------
 # calculator
 
-_MAX_DIGITS = 1000  # an answer longer than this is refused (e.g. 9**9**9)
+_MAX_BITS = 3400  # about 1,000 decimal digits, for a numerator or a denominator
+_MAX_EXPONENT_DIGITS = 1000  # a literal's exponent (1e1000 is the largest literal)
 _MAX_EXPRESSION_CHARS = 500
+_TOO_LARGE = "the number is too large (more than about 1000 digits)"
+_DECIMAL = re.compile(r"(?P<mantissa>[0-9_]*\.?[0-9_]*)(?:[eE](?P<exponent>[+-]?[0-9_]+))?")
+
+
+def _check_size(value: Fraction) -> Fraction:
+    if max(abs(value.numerator).bit_length(), value.denominator.bit_length()) > _MAX_BITS:
+        raise ToolError(_TOO_LARGE)
+    return value
 
 
 def _pow(base: Fraction, exponent: Fraction) -> Fraction:
     if exponent.denominator != 1:
         raise ToolError("only integer powers are exact; rewrite the expression without fractional exponents")
-    if abs(exponent) * max(1, abs(base.numerator).bit_length(), abs(base.denominator).bit_length()) > _MAX_DIGITS * 4:
-        raise ToolError(f"the power is too large (more than {_MAX_DIGITS} digits)")
     if base == 0 and exponent < 0:
         raise ToolError("division by zero")
-    return base ** int(exponent)
+    smallest_bits = max(abs(base.numerator).bit_length(), base.denominator.bit_length()) - 1  # log2 of the larger part, rounded down
+    if abs(exponent) * smallest_bits > _MAX_BITS:  # the result has at least this many bits: refuse before computing it
+        raise ToolError(_TOO_LARGE)
+    return _check_size(base ** int(exponent))
 
 
 def _divide(a: Fraction, b: Fraction) -> Fraction:
@@ -169,17 +185,30 @@ _BINARY = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: l
 _UNARY = {ast.UAdd: lambda a: a, ast.USub: lambda a: -a}
 
 
-def _value(node: ast.AST) -> Fraction:
+def _literal(source: str) -> Fraction:
+    """The exact value of a number as written (``12.5``, ``1e-400``, ``0x1f``), never through a float."""
+    text = source.replace("_", "")
+    if text[:2].lower() in ("0x", "0o", "0b"):
+        return Fraction(int(text, 0))
+    match = _DECIMAL.fullmatch(text)
+    if match is None:
+        raise ToolError(f"unsupported number {source!r}")
+    exponent = match.group("exponent")
+    if exponent is not None and len(exponent.lstrip("+-").lstrip("0")) > len(str(_MAX_EXPONENT_DIGITS)):
+        raise ToolError(_TOO_LARGE)
+    if exponent is not None and abs(int(exponent)) > _MAX_EXPONENT_DIGITS:
+        raise ToolError(_TOO_LARGE)
+    return _check_size(Fraction(text))
+
+
+def _value(node: ast.AST, text: str) -> Fraction:
     """The exact value of an expression tree of numbers, + - * / // % ** and parentheses."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return Fraction(str(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+        return _literal(ast.get_source_segment(text, node) or str(node.value))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        result = _BINARY[type(node.op)](_value(node.left), _value(node.right))
-        if max(abs(result.numerator).bit_length(), result.denominator.bit_length()) > _MAX_DIGITS * 4:
-            raise ToolError(f"the result is too large (more than {_MAX_DIGITS} digits)")
-        return result
+        return _check_size(_BINARY[type(node.op)](_value(node.left, text), _value(node.right, text)))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_value(node.operand))
+        return _UNARY[type(node.op)](_value(node.operand, text))
     raise ToolError(f"unsupported element {ast.unparse(node)!r}: use numbers, + - * / // % ** and parentheses")
 
 
@@ -205,22 +234,25 @@ def format_number(value: Fraction) -> str:
 
 def evaluate(expression: str) -> Fraction:
     """The exact value of an arithmetic expression, parsed with `ast` (never evaluated as code):
-    numbers, ``+ - * / // % **`` and parentheses; ``x`` and ``×`` multiply, ``÷`` divides, and
-    ``,`` between digits (thousands) is dropped.
+    numbers as written (decimals and exponents exact, never through a float), ``+ - * / // % **``
+    and parentheses; ``×`` and a spaced ``x`` (``12 x 34``) multiply, ``÷`` divides, ``^`` is a
+    power, and ``,`` between digits (thousands) is dropped.
 
     Raises:
-        ToolError: the expression does not parse, uses anything else, divides by zero, or its
-            value would exceed 1000 digits.
+        ToolError: the expression does not parse, uses anything else, nests too deeply, divides
+            by zero, or a number in it would exceed about 1000 digits.
     """
     if len(expression) > _MAX_EXPRESSION_CHARS:
         raise ToolError(f"the expression is longer than {_MAX_EXPRESSION_CHARS} characters")
     text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", expression).replace("×", "*").replace("÷", "/").replace("^", "**")
-    text = re.sub(r"(?<=[\d)\s])x(?=[\d(\s])", "*", text)
+    text = re.sub(r"(?<=[\d)])\s+[xX]\s+(?=[\d(])", " * ", text).strip()
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = ast.parse(text, mode="eval")
+        return _value(tree.body, text)
     except SyntaxError as err:
         raise ToolError(f"cannot parse {expression!r}: {err.msg}") from None
-    return _value(tree.body)
+    except (RecursionError, MemoryError):
+        raise ToolError("the expression is nested too deeply") from None
 
 
 @TOOLS.register("calculator")
@@ -230,7 +262,7 @@ def calculator(arguments: dict[str, Any]) -> str:
     Raises:
         ToolError: no ``expression`` string, or `evaluate` refuses it.
     """
-    expression = arguments.get("expression")
+    expression = arguments.get("expression") if isinstance(arguments, dict) else None
     if not isinstance(expression, str):
         raise ToolError('the calculator takes {"expression": "<arithmetic expression>"}')
     return format_number(evaluate(expression))

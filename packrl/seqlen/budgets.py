@@ -83,9 +83,10 @@ class Budgets:
     rope_factor: float = 1.0
     sequence_parallel_size: int = 1
     ends_at_context: bool = False
-    multi_turn: tuple[int, int, int, int] | None = None
-    """Multi-turn budgets, for the plan: ``(max_turns, max_tokens_per_turn, max_trajectory_tokens,
-    max_tool_response_tokens)`` as resolved from ``rollout.multi_turn``; None when it is off."""
+    multi_turn: tuple[int, int | None, int | None, int] | None = None
+    """Multi-turn budgets ``(max_turns, max_tokens_per_turn, max_trajectory_tokens,
+    max_tool_response_tokens)`` as set in ``rollout.multi_turn`` (None = the default: the
+    response budget, prompt + response); None when multi-turn is off."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, max_context_tokens: int | None, rope_factor: float = 1.0) -> Budgets:
@@ -140,9 +141,11 @@ class Budgets:
                 "rollout.max_response_tokens", self.max_response_tokens,
                 f"data.max_prompt_tokens + rollout.max_response_tokens = {seq:,} > model context {self.max_context_tokens:,}",
                 f"lower data.max_prompt_tokens or rollout.max_response_tokens so their sum is <= {self.max_context_tokens:,}, "
-                "or use a model with a longer context",
+                "or use a model with a longer context" + (" (or let trajectories end at the context: "
+                                                           "rollout.multi_turn.context_policy=end)" if self.multi_turn else ""),
                 keys=("rollout.max_response_tokens", "data.max_prompt_tokens"),
             ))
+        out += self._multi_turn_problems()
         size = max(1, self.sequence_parallel_size)
         longest = f"the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}"
         if seq < self.max_prompt_tokens + self.max_response_tokens:
@@ -158,6 +161,25 @@ class Budgets:
                 fix = (f"raise {key} to >= {seq:,} or lower the prompt/response budgets (or split each pack over ranks "
                        "with trainer.sequence_parallel_size)")
             out.append(ConfigProblem(key, value, message, fix, keys=(key, "data.max_prompt_tokens", "rollout.max_response_tokens")))
+        return out
+
+    def _multi_turn_problems(self) -> list[ConfigProblem]:
+        """Multi-turn budgets that another budget makes pointless."""
+        if self.multi_turn is None:
+            return []
+        _, per_turn, trajectory, _ = self.multi_turn
+        key, response, total = "rollout.multi_turn", self.max_response_tokens, self.max_prompt_tokens + self.max_response_tokens
+        out = []
+        if per_turn is not None and per_turn > response:
+            out.append(ConfigProblem(f"{key}.max_tokens_per_turn", per_turn,
+                                     f"exceeds rollout.max_response_tokens={response:,}, which caps every turn anyway",
+                                     f"set {key}.max_tokens_per_turn <= {response:,} or raise rollout.max_response_tokens",
+                                     keys=(f"{key}.max_tokens_per_turn", "rollout.max_response_tokens")))
+        if trajectory is not None and trajectory > total:
+            out.append(ConfigProblem(f"{key}.max_trajectory_tokens", trajectory,
+                                     f"exceeds data.max_prompt_tokens + rollout.max_response_tokens = {total:,}, which caps a trajectory anyway",
+                                     f"set {key}.max_trajectory_tokens <= {total:,} or raise rollout.max_response_tokens",
+                                     keys=(f"{key}.max_trajectory_tokens", "rollout.max_response_tokens", "data.max_prompt_tokens")))
         return out
 
     def validate(self) -> Budgets:
@@ -184,8 +206,9 @@ class Budgets:
         ]
         if self.multi_turn is not None:
             turns, per_turn, trajectory, tool = self.multi_turn
+            trajectory = min(trajectory or self.max_prompt_tokens + self.max_response_tokens, seq)
             rows += [("turns", "rollout.multi_turn.max_turns", f"{turns:>9,}"),
-                     ("assistant turn", "rollout.multi_turn.max_tokens_per_turn", f"{per_turn:>9,}"),
+                     ("assistant turn", "rollout.multi_turn.max_tokens_per_turn", f"{per_turn or self.max_response_tokens:>9,}"),
                      ("trajectory", "rollout.multi_turn.max_trajectory_tokens", f"{trajectory:>9,}  (prompt + turns + tool answers)"),
                      ("tool answer", "rollout.multi_turn.max_tool_response_tokens", f"{tool:>9,}")]
         lines = ["token budgets"] + [f"  {name:<22}{key:<42}{value}" for name, key, value in rows]
@@ -212,11 +235,8 @@ class Budgets:
         return self.plan()
 
 
-def _multi_turn(cfg: RunConfig) -> tuple[int, int, int, int] | None:
+def _multi_turn(cfg: RunConfig) -> tuple[int, int | None, int | None, int] | None:
     mt = cfg.rollout.multi_turn
     if not mt.enabled:
         return None
-    response = cfg.rollout.max_response_tokens
-    return (mt.max_turns, mt.max_tokens_per_turn or response, mt.max_trajectory_tokens or cfg.data.max_prompt_tokens + response,
-            mt.max_tool_response_tokens)
-
+    return (mt.max_turns, mt.max_tokens_per_turn, mt.max_trajectory_tokens, mt.max_tool_response_tokens)

@@ -237,7 +237,7 @@ def test_demo_preset_trains_two_steps_with_vllm(tmp_path):
 
 @pytest.mark.slow
 @needs_vllm
-def test_data_parallel_ranks_each_run_their_own_engine(tokenizer, tmp_path):
+def test_data_parallel_ranks_each_run_their_own_engine_with_multi_turn_rollouts(tokenizer, tmp_path):
     pytest.importorskip("ray")
     from packrl.trainer.loop import train
 
@@ -246,10 +246,13 @@ def test_data_parallel_ranks_each_run_their_own_engine(tokenizer, tmp_path):
     tokenizer.save_pretrained(model_dir)
     cfg = load_config("demo", [f"model.path={model_dir}", "rollout.engine=vllm", "trainer.num_workers=2", "train.total_steps=2",
                                "data.batch_size=4", "rollout.n=2", "model.dtype=fp32", f"train.out_dir={tmp_path / 'run'}",
-                               "data.val_files=[]", "rollout.max_response_tokens=16"])
+                               "data.val_files=[]", "rollout.max_response_tokens=16",
+                               "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.max_tokens_per_turn=8"])
     run_dir = train(cfg)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2] and all(line["seqlen/rank_imbalance"] >= 1.0 for line in lines)
+    # multi-turn over vLLM on each rank: turns of at most 8 tokens, trajectories back through Ray
+    assert all(line["num_turns/mean"] >= 1 and line["multi_turn/tokens_per_turn/mean"] <= 8 for line in lines)
     assert "data-parallel over 2 FSDP2 ranks" in (run_dir / "model.txt").read_text()
 
 
