@@ -244,8 +244,7 @@ class MultiTurnEngine:
 
     def _answer(self, state: _State, turn: Response, calls: list[ToolCall]) -> None:
         close = self.renderer.close
-        if tuple(turn.response_ids[-len(close):]) != close:  # ended on a stop string: close the turn for the template
-            state.add("template", close)
+        closing = () if tuple(turn.response_ids[-len(close):]) == close else close  # ended on a stop string: close it
         contents = []
         for call in calls:
             answer, failed = run_tool(call)
@@ -255,9 +254,10 @@ class MultiTurnEngine:
             contents.append(self._cut(answer))
         ids = self.renderer.after_close(contents)
         room, binding = self.limits.room(len(state.ids), state.num_prompt_tokens)
-        if len(ids) >= room:  # the answer, and at least one token of the next turn, must fit
+        if len(closing) + len(ids) >= room:  # the close, the answer and at least one token of the next turn must fit
             state.end("context", _ENDED_BY_LIMIT[binding])
             return
+        state.add("template", closing)
         state.add("tool", ids)
 
     def _cut(self, answer: str) -> str:

@@ -327,3 +327,13 @@ def test_hostile_calls_are_the_policys_mistake_never_a_crash():
     with pytest.raises(ToolError):
         calculator("1 + 1")
 
+
+
+def test_a_turn_that_fills_the_response_budget_gets_no_closing_token_beyond_it(smollm_tokenizer):
+    tok = smollm_tokenizer
+    turn = "a " * 10 + CALL % "1 + 1"  # ends on the stop string: the template's close would follow
+    size = len(tok(turn, add_special_tokens=False)["input_ids"])
+    engine, _ = _engine(tok, [turn], response=size, per_turn=size)
+    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=size), [0])
+    assert len(response.response_ids) == size and response.finish_reason == "context"
+    assert response.trajectory.segments == (("assistant", size),) and response.trajectory.ended_by == "response_tokens"
