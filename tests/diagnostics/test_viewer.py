@@ -262,3 +262,18 @@ def test_cli_unknown_step_and_stray_argument_exit_2(run_dir: Path, capsys: pytes
 def test_cli_without_a_terminal_refuses_instead_of_spinning(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["view", str(run_dir)]) == 2  # pytest captures stdin/stdout: not a terminal
     assert "needs an interactive terminal" in capsys.readouterr().err
+
+
+def test_a_multi_turn_sample_shows_each_turn_with_its_role_and_loss_membership() -> None:
+    from packrl.diagnostics.viewer import describe_sample
+
+    turns = [{"role": "assistant", "text": "<tool_call>{...}</tool_call>", "tokens": 9, "in_loss": True},
+             {"role": "tool", "text": "<|im_start|>tool\n408<|im_end|>", "tokens": 6, "in_loss": False},
+             {"role": "assistant", "text": "#### 408", "tokens": 4, "in_loss": True}]
+    sample = parse_sample({**_row(1, 0, 19, "eos", 1.0), "turns": turns, "ended_by": "answer"})
+    assert sample.turns[1] == ("tool", "<|im_start|>tool\n408<|im_end|>", 6, False) and sample.ended_by == "answer"
+    text = describe_sample(1, sample).plain
+    assert "ended by answer" in text and "[tool · 6 tokens · not in the loss]" in text
+    assert text.index("[assistant · 9 tokens · in the loss]") < text.index("[tool") < text.index("#### 408")
+    with pytest.raises(ValueError, match="turns should be a list"):
+        parse_sample({**_row(1, 0, 19, "eos", 1.0), "turns": [{"role": "tool"}]})
