@@ -165,11 +165,23 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             notes.append(packing.describe())
             problems += _sequence_parallel_problems(cfg, model_config, packing)
             notes += _engine_notes(cfg, shape, budgets, device)
+            notes += _multi_turn_notes(cfg)
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
                 problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
     unique = {str(p): p for p in problems}
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _multi_turn_notes(cfg: RunConfig) -> list[str]:
+    """With tools but without ``</tool_call>`` in ``rollout.stop``, a turn runs on after its call."""
+    from packrl.rollout.tools import CALL_CLOSE
+
+    if not cfg.rollout.multi_turn.enabled or CALL_CLOSE in cfg.rollout.stop:
+        return []
+    return [f"rollout.multi_turn.tools is set but rollout.stop does not hold {CALL_CLOSE!r}: a turn goes on after its tool "
+            f"call until EOS or its budget, and its calls run only then; add rollout.stop=['{CALL_CLOSE}'] to answer each "
+            "call as soon as it is written"]
 
 
 def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any) -> list[ConfigProblem]:

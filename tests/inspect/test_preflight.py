@@ -91,6 +91,13 @@ def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
     assert f"KV cache {kv_cache_bytes(cfg, per_token) / GIB:.2f} GiB" in note and f"({per_token:,} bytes per token)" in note
 
 
+def test_multi_turn_without_the_call_stop_string_is_noted(model_dir):
+    plain = preflight("demo", [f"model.path={model_dir}", "rollout.multi_turn.tools=[calculator]"])
+    assert any("does not hold '</tool_call>'" in n for n in plain.notes) and not plain.problems
+    stopped = preflight("demo", [f"model.path={model_dir}", "rollout.multi_turn.tools=[calculator]", "rollout.stop=[</tool_call>]"])
+    assert not any("</tool_call>" in n for n in stopped.notes)
+
+
 @pytest.mark.parametrize("workers, hint", [(1, True), (2, False)])
 def test_a_device_smaller_than_the_weights_says_so(model_dir, workers, hint):
     report = preflight("demo", [f"model.path={model_dir}", f"trainer.num_workers={workers}"], device_memory_gib=0.01)
