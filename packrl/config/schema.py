@@ -224,6 +224,10 @@ class MultiTurnConfig:
     """Which part of a long tool answer is cut: `right` keeps the start, `left` keeps the end,
     `middle` keeps both ends (as `data.overlong_prompt`)."""
 
+    tool_timeout_s: float = 30.0
+    """Seconds a tool may take; a call without an answer by then is answered with an error and
+    counted as a tool error (the tool's thread is left to finish on its own)."""
+
     tool_role: str = "tool"
     """The chat-template role of tool messages (`user` for templates without a tool role)."""
 
@@ -242,6 +246,9 @@ class MultiTurnConfig:
         for key in ("max_tokens_per_turn", "max_trajectory_tokens"):
             if getattr(self, key) is not None:
                 out += check_positive(f"{prefix}.{key}", getattr(self, key))
+        if not 0 < self.tool_timeout_s < math.inf:
+            out.append(ConfigProblem(f"{prefix}.tool_timeout_s", self.tool_timeout_s, "must be a finite number of seconds > 0",
+                                     f"set {prefix}.tool_timeout_s=30"))
         if len(set(self.tools)) != len(self.tools):
             out.append(ConfigProblem(f"{prefix}.tools", self.tools, "names a tool twice", f"list each tool once in {prefix}.tools"))
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", self.tool_role) or self.tool_role == "assistant":

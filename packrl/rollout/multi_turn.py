@@ -195,11 +195,12 @@ class MultiTurnEngine:
         truncation_side: which side of a long tool answer is cut (``left`` drops the start,
             ``right`` the end, ``middle`` the middle), as for prompts.
         renderer: the chat template's rendering of tool messages (`ToolRenderer`).
+        tool_timeout_s: seconds a tool may take before its call is answered with an error (None: no limit).
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, *, tools: Sequence[str], max_turns: int, limits: TurnLimits,
-                 max_tool_response_tokens: int, truncation_side: str, renderer: ToolRenderer):
-        self.engine, self.tokenizer, self.tools = engine, tokenizer, frozenset(tools)
+                 max_tool_response_tokens: int, truncation_side: str, renderer: ToolRenderer, tool_timeout_s: float | None = None):
+        self.engine, self.tokenizer, self.tools, self.tool_timeout_s = engine, tokenizer, frozenset(tools), tool_timeout_s
         self.max_turns, self.limits, self.renderer = max_turns, limits, renderer
         self.max_tool_response_tokens, self.truncation_side = max_tool_response_tokens, truncation_side
 
@@ -247,7 +248,7 @@ class MultiTurnEngine:
         closing = () if tuple(turn.response_ids[-len(close):]) == close else close  # ended on a stop string: close it
         contents = []
         for call in calls:
-            answer, failed = run_tool(call)
+            answer, failed = run_tool(call, self.tool_timeout_s)
             state.num_tool_calls += 1
             state.num_malformed_calls += call.error is not None
             state.num_tool_errors += failed and call.error is None
@@ -309,4 +310,4 @@ def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, cfg: Any, max_conte
     renderer = ToolRenderer(tokenizer, mt.tool_role)
     return MultiTurnEngine(engine, tokenizer, tools=mt.tools, max_turns=mt.max_turns, limits=limits,
                            max_tool_response_tokens=mt.max_tool_response_tokens,
-                           truncation_side=mt.tool_response_truncation_side, renderer=renderer)
+                           truncation_side=mt.tool_response_truncation_side, renderer=renderer, tool_timeout_s=mt.tool_timeout_s)

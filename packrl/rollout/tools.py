@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import re
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
 
 from packrl.registry import TOOLS
+
+logger = logging.getLogger(__name__)
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)(" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
@@ -114,25 +118,43 @@ def _parse_call(body: str, closed: bool, known: frozenset[str] | set[str]) -> To
     return ToolCall(call["name"], arguments)
 
 
-def run_tool(call: ToolCall) -> tuple[str, bool]:
-    """The answer to one parsed call and whether it is an error (malformed call or `ToolError`).
+def run_tool(call: ToolCall, timeout_s: float | None = None) -> tuple[str, bool]:
+    """The answer to one parsed call and whether it is an error (malformed call, `ToolError`, or
+    no answer within ``timeout_s`` seconds).
 
     A tool that raises anything other than `ToolError`, or returns something other than a
-    string, is a bug in the tool, not the policy's mistake: a RuntimeError names the tool.
+    string, is a bug in the tool, not the policy's mistake: a RuntimeError names the tool. A tool
+    that runs past ``timeout_s`` is answered with an error and left running in a daemon thread
+    (Python cannot stop a thread); None waits for it.
     """
     if call.error is not None:
         return f"Error: {call.error}", True
-    try:
-        answer = TOOLS.lookup(call.name)(call.arguments)
-    except ToolError as err:
+    outcome: list[Any] = []
+    worker = threading.Thread(target=_call_tool, args=(call, outcome), daemon=True, name=f"packrl-tool-{call.name}")
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        logger.warning("tool %r gave no answer within %s s on arguments %r; answered with an error "
+                       "(rollout.multi_turn.tool_timeout_s)", call.name, timeout_s, call.arguments)
+        return f"Error: the tool gave no answer within {timeout_s:g} s", True
+    answer, err = outcome[0]
+    if isinstance(err, ToolError):
         return f"Error: {err}", True
-    except Exception as err:
+    if err is not None:
         raise RuntimeError(f"tool {call.name!r} raised {type(err).__name__}: {err} on arguments {call.arguments!r}; "
                            "a tool reports a bad call by raising packrl.rollout.tools.ToolError") from err
     if not isinstance(answer, str):
         raise RuntimeError(f"tool {call.name!r} returned a {type(answer).__name__}, not a str, on arguments "
                            f"{call.arguments!r}; a tool returns its answer as text")
     return answer, False
+
+
+def _call_tool(call: ToolCall, outcome: list[Any]) -> None:
+    """Run the tool in the calling thread; ``outcome`` receives ``(answer, None)`` or ``(None, exception)``."""
+    try:
+        outcome.append((TOOLS.lookup(call.name)(call.arguments), None))
+    except Exception as err:  # noqa: BLE001 - sorted out by run_tool: ToolError is an answer, anything else a bug
+        outcome.append((None, err))
 
 
 # ---------------------------------------------------------------------------------------------
