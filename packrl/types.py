@@ -112,17 +112,21 @@ class Response:
     def truncated(self) -> bool:
         return self.finish_reason in TRUNCATED_REASONS
 
+    def segments(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(role, ids)`` of each segment in order (`Trajectory.segments`); one ``assistant``
+        segment, the whole response, for a single turn."""
+        if self.trajectory is None:
+            return [("assistant", self.response_ids)]
+        out, start = [], 0
+        for role, n in self.trajectory.segments:
+            out.append((role, self.response_ids[start:start + n]))
+            start += n
+        return out
+
     def policy_segments(self) -> list[tuple[int, ...]]:
         """The ids of each stretch the policy wrote (its turns), in order; the whole response
         for a single turn."""
-        if self.trajectory is None:
-            return [self.response_ids]
-        out, start = [], 0
-        for role, n in self.trajectory.segments:
-            if role == "assistant":
-                out.append(self.response_ids[start:start + n])
-            start += n
-        return out
+        return [ids for role, ids in self.segments() if role == "assistant"]
 
     def generated_mask(self) -> torch.Tensor:
         """`response_mask` as a tensor (all True when it is None). Shape [R_i], bool."""

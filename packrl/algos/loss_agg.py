@@ -93,8 +93,9 @@ def aggregate_loss(
     seq = sequence_ids.reshape(-1)
     num_seqs = int(seq.max()) + 1
     seq_sum = loss.new_zeros(num_seqs).index_add(0, seq, loss.reshape(-1))
-    seq_count = loss.new_zeros(num_seqs).index_add(0, seq, mask.reshape(-1).to(loss.dtype))
-    if sequence_counts is not None:
+    if sequence_counts is None:
+        seq_count = loss.new_zeros(num_seqs).index_add(0, seq, mask.reshape(-1).to(loss.dtype))
+    else:
         seq_count = sequence_counts.to(loss)[:num_seqs]
     per_seq = torch.where(seq_count > 0, seq_sum / seq_count.clamp(min=1), torch.zeros_like(seq_sum))
     return per_seq.sum() / denominators.num_sequences

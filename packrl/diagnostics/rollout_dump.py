@@ -52,12 +52,8 @@ def _turns(response: Any, tokenizer: Any) -> dict[str, Any]:
     """``turns`` and ``ended_by`` of a multi-turn response; nothing for a single turn."""
     if response.trajectory is None:
         return {}
-    turns, start = [], 0
-    for role, n in response.trajectory.segments:
-        ids = list(response.response_ids[start:start + n])
-        turns.append({"role": role, "text": tokenizer.decode(ids, skip_special_tokens=False), "tokens": n,
-                      "in_loss": role == "assistant"})
-        start += n
+    turns = [{"role": role, "text": tokenizer.decode(list(ids), skip_special_tokens=False), "tokens": len(ids),
+              "in_loss": role == "assistant"} for role, ids in response.segments()]
     return {"turns": turns, "ended_by": response.trajectory.ended_by}
 
 

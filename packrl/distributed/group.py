@@ -105,7 +105,7 @@ class WorkerGroup:
     @property
     def num_ranks(self) -> int:
         """Data-parallel ranks: each takes a share of every batch (a group of ``sequence_parallel_size`` workers)."""
-        return self.transport.num_ranks // self.plan.sequence_parallel_size
+        return self.plan.data_parallel_size
 
     def _spread(self, per_rank: Sequence[tuple]) -> list[tuple]:
         """Every worker's arguments: each data-parallel rank's go to all the workers of its sequence-parallel group."""

@@ -148,6 +148,10 @@ class ModelShape:
             vocab_size=_attr(model_config, "vocab_size"),
         )
 
+    def kv_bytes_per_token(self, compute_bytes: int) -> int:
+        """Bytes one token's keys and values take over all layers: ``2 L g d c``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * compute_bytes
+
 
 def _attr(config: Any, key: str) -> int:
     value = getattr(config, key, None)
@@ -277,7 +281,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
 
 def _kv_cache_bytes(cfg: RunConfig, shape: ModelShape, compute_bytes: int) -> int:
     tokens = cfg.rollout.max_num_seqs * (cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * compute_bytes * tokens
+    return shape.kv_bytes_per_token(compute_bytes) * tokens
 
 
 def max_fitting_tokens(cfg: RunConfig, shape: ModelShape, device_memory_bytes: int, *, device: str = "cpu", step: int = 256) -> int:

@@ -209,8 +209,7 @@ def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: s
         return []
     from packrl.rollout.vllm_settings import engine_args
 
-    compute_bytes = 2 if cfg.model.dtype == "bf16" else 4
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * compute_bytes
+    kv_per_token = shape.kv_bytes_per_token(2 if cfg.model.dtype == "bf16" else 4)
     context = budgets.max_context_tokens or budgets.max_sequence_tokens
     args = engine_args(cfg, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda")
     kv = args.get("kv_cache_memory_bytes")
