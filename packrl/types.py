@@ -56,6 +56,10 @@ class Trajectory:
         num_tool_errors: well-formed calls whose tool reported an error.
         ended_by: what ended it: ``answer`` (a turn without a tool call), ``max_turns``,
             ``turn_tokens``, ``response_tokens``, ``trajectory_tokens``, ``context`` or ``abort``.
+        context_starts: per assistant turn, the response offset (tokens) where its context
+            resumed after the prompt: the turn was generated from ``prompt + response[start:turn
+            start]`` (``rollout.multi_turn.context_policy=rolling`` drops the oldest complete
+            turns). Empty = every turn saw everything before it.
     """
 
     segments: tuple[tuple[str, int], ...]
@@ -63,6 +67,7 @@ class Trajectory:
     num_malformed_calls: int = 0
     num_tool_errors: int = 0
     ended_by: str = "answer"
+    context_starts: tuple[int, ...] = ()
 
     @property
     def num_turns(self) -> int:
@@ -72,6 +77,24 @@ class Trajectory:
     def tokens_of(self, role: str) -> int:
         """Tokens of the segments with ``role``."""
         return sum(n for r, n in self.segments if r == role)
+
+    def turn_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` response offsets of each assistant turn, in order."""
+        spans, start = [], 0
+        for role, n in self.segments:
+            if role == "assistant":
+                spans.append((start, start + n))
+            start += n
+        return spans
+
+    @property
+    def num_dropped_turns(self) -> int:
+        """Assistant turns (each with its tool answer) the rolling window dropped from the context
+        of the last turn: they lie wholly before its context start."""
+        if not self.context_starts:
+            return 0
+        last = self.context_starts[-1]
+        return sum(end <= last for _, end in self.turn_spans())
 
 
 @dataclass(frozen=True)
@@ -107,6 +130,11 @@ class Response:
         if self.trajectory is not None and sum(n for _, n in self.trajectory.segments) != len(self.response_ids):
             raise ValueError(f"Response.trajectory's segments cover {sum(n for _, n in self.trajectory.segments)} tokens "
                              f"of a {len(self.response_ids)}-token response; they must cover it exactly")
+        if self.trajectory is not None and self.trajectory.context_starts:
+            starts, spans = self.trajectory.context_starts, self.trajectory.turn_spans()
+            if len(starts) != len(spans) or any(not 0 <= c <= s for c, (s, _) in zip(starts, spans)) or list(starts) != sorted(starts):
+                raise ValueError(f"Response.trajectory.context_starts={starts} do not fit its turns at {spans}: give one "
+                                 "non-decreasing offset per assistant turn, at most the turn's start")
 
     @property
     def truncated(self) -> bool:
@@ -183,6 +211,10 @@ class TrainBatch:
             nats; None when the update is on-policy (one optimizer step per rollout), where
             pi_old is the policy being updated and its detached log-probs are used.
         ref_logprobs: log pi_ref of each response token, or None without a reference model.
+        trajectory_loss_tokens: for step-wise samples (`packrl.seqlen.stepwise`), the loss tokens
+            of the trajectory each sequence is a part of: the seq-mean loss modes divide a
+            sequence's tokens by it, so a trajectory split into samples is still one sequence.
+            None = every sequence is a whole response.
     """
 
     scored: ScoredBatch
@@ -190,6 +222,7 @@ class TrainBatch:
     loss_masks: tuple[torch.Tensor, ...]
     old_logprobs: tuple[torch.Tensor, ...] | None
     ref_logprobs: tuple[torch.Tensor, ...] | None
+    trajectory_loss_tokens: tuple[int, ...] | None = None
 
     @property
     def rollout(self) -> RolloutBatch:

@@ -66,7 +66,7 @@ def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
     return score_of(model, rollout, cfg, context)[0]
 
 
-def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1) -> float:
+def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
     (`packrl.worker.actor.run_microbatches`) as planned for ``num_ranks`` simulated ranks (each
     rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
@@ -74,14 +74,15 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1) -> floa
     import contextlib
 
     from packrl.config.plan import BatchPlan
-    from packrl.seqlen.update_plan import plan_update
+    from packrl.seqlen.update_plan import groups_of, plan_update
     from packrl.worker.actor import MicrobatchLoss, ResponseSums, run_microbatches
 
     plan = BatchPlan.from_config(cfg)
+    groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
     update = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
-                         group_size=batch.rollout.group_size, mini_batch_prompts=plan.mini_batch_prompts, num_epochs=1,
+                         groups=groups, mini_batch_prompts=plan.mini_batch_prompts, num_epochs=1,
                          num_ranks=num_ranks, max_tokens=cfg.train.max_tokens_per_microbatch,
-                         balance=cfg.train.balance_microbatches, loss_scale_factor=plan.loss_scale_factor)
+                         balance=cfg.train.balance_microbatches, loss_scale_factor=plan.loss_scale_factor, units=units)
     loss = MicrobatchLoss.from_config(cfg)
     minibatch = update.minibatches[0]
     sums = ResponseSums.zeros(len(batch.rollout))

@@ -25,7 +25,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
 RopeType = Literal["none", "linear", "dynamic", "yarn"]
-ContextPolicy = Literal["error", "end"]
+ContextPolicy = Literal["error", "end", "rolling"]
 TruncationSide = Literal["left", "right", "middle"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
@@ -234,7 +234,10 @@ class MultiTurnConfig:
     context_policy: ContextPolicy = "error"
     """When a trajectory could outgrow the model context: `error` refuses such budgets before the
     run (prompt + response and the trajectory budget must fit the context); `end` lets them
-    through and ends a trajectory that reaches the context with finish reason `context`."""
+    through and ends a trajectory that reaches the context with finish reason `context`;
+    `rolling` keeps the prompt (system + first user message) and drops the oldest complete turns
+    (an assistant turn with its tool answer) until the next request fits, and trains each turn
+    with exactly the context it was generated from (`packrl.seqlen.stepwise`)."""
 
     @property
     def enabled(self) -> bool:

@@ -51,7 +51,8 @@ def multi_turn_metrics(rollout: RolloutBatch) -> dict[str, float]:
         call); ``multi_turn/tokens_per_turn/mean`` (policy tokens per assistant turn);
         ``multi_turn/tool_response_tokens/mean`` (tool-message tokens per trajectory, template
         included); ``multi_turn/ended/<why>`` (fraction of trajectories each budget or event ended,
-        `packrl.types.Trajectory.ended_by`).
+        `packrl.types.Trajectory.ended_by`); ``multi_turn/dropped_turns`` (turns the rolling
+        window dropped from the last turn's context, per trajectory, mean).
     """
     trajectories = [r.trajectory for r in rollout.responses if r.trajectory is not None]
     if not trajectories:
@@ -64,6 +65,7 @@ def multi_turn_metrics(rollout: RolloutBatch) -> dict[str, float]:
     out["multi_turn/tool_use_rate"] = sum(t.num_tool_calls > 0 for t in trajectories) / n
     out["multi_turn/tokens_per_turn/mean"] = sum(t.tokens_of("assistant") for t in trajectories) / max(1, sum(t.num_turns for t in trajectories))
     out["multi_turn/tool_response_tokens/mean"] = sum(t.tokens_of("tool") for t in trajectories) / n
+    out["multi_turn/dropped_turns"] = sum(t.num_dropped_turns for t in trajectories) / n
     for why in TRAJECTORY_ENDINGS:
         out[f"multi_turn/ended/{why}"] = sum(t.ended_by == why for t in trajectories) / n
     return out

@@ -164,7 +164,8 @@ def build_sections(run: RunData) -> list[Section]:
                        figs.finish_reasons(run.metrics), "no response/finish_reason/* or clip-ratio metrics in metrics.jsonl"),
         _plain_section("turns", "Turns and tool calls",
                        "Multi-turn rollouts: assistant turns per trajectory (num_turns/mean, /max), tool calls, malformed "
-                       "calls and tool errors per trajectory (multi_turn/*), and the share of trajectories that called a tool.",
+                       "calls and tool errors per trajectory (multi_turn/*), the share of trajectories that called a tool, and "
+                       "the turns the rolling window dropped per trajectory (multi_turn/dropped_turns).",
                        figs.turns(run.metrics), "no num_turns/* metrics in metrics.jsonl (a single-turn run)"),
         _plain_section("padding", "Pad fraction and micro-batch fill",
                        f"Pad positions / all positions of the update passes (seqlen/pad_fraction, 0 with packing); {fill}.",

@@ -135,13 +135,14 @@ def finish_reasons(metrics: Metrics) -> go.Figure | None:
 
 TURN_SERIES = (("num_turns/mean", "turns (mean)"), ("num_turns/max", "turns (max)"),
                 ("multi_turn/tool_calls", "tool calls"), ("multi_turn/malformed_calls", "malformed calls"),
-                ("multi_turn/tool_errors", "tool errors"), ("multi_turn/tool_use_rate", "tool-use rate (fraction)"))
+                ("multi_turn/tool_errors", "tool errors"), ("multi_turn/tool_use_rate", "tool-use rate (fraction)"),
+               ("multi_turn/dropped_turns", "turns dropped by the rolling window"))
 
 
 def turns(metrics: Metrics) -> go.Figure | None:
     """Multi-turn rollouts per step: turns per trajectory (mean, max), tool calls, malformed calls
-    and tool errors per trajectory, and the share of trajectories that called a tool; None for a
-    single-turn run."""
+    and tool errors per trajectory, the share of trajectories that called a tool, and the turns the
+    rolling window dropped per trajectory; None for a single-turn run."""
     fig = go.Figure()
     for key, name in TURN_SERIES:
         steps, values = series(metrics, key)

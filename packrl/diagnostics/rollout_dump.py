@@ -8,7 +8,8 @@ Keys (in order): ``step``, ``index`` (position in the step's batch), ``prompt_in
 ``prompt_truncated`` (the prompt policy shortened it). A multi-turn response adds ``turns``: its
 segments in order, each ``{"role", "text", "tokens", "in_loss"}`` (role ``assistant`` for the
 policy's turns, the only ones in the loss, ``tool`` for tool messages, ``template`` for a closing
-token the policy did not write), and ``ended_by`` (`packrl.types.Trajectory.ended_by`).
+token the policy did not write), ``ended_by`` (`packrl.types.Trajectory.ended_by`) and
+``dropped_turns`` (turns the rolling window dropped from the last turn's context).
 
 Text is decoded with ``skip_special_tokens=False``: the prompt shows its chat-template markers
 and a response its EOS, exactly the tokens trained on. Cost: one batched decode and one file
@@ -54,7 +55,7 @@ def _turns(response: Any, tokenizer: Any) -> dict[str, Any]:
         return {}
     turns = [{"role": role, "text": tokenizer.decode(list(ids), skip_special_tokens=False), "tokens": len(ids),
               "in_loss": role == "assistant"} for role, ids in response.segments()]
-    return {"turns": turns, "ended_by": response.trajectory.ended_by}
+    return {"turns": turns, "ended_by": response.trajectory.ended_by, "dropped_turns": response.trajectory.num_dropped_turns}
 
 
 class RolloutDump(Protocol):

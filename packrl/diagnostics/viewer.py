@@ -77,6 +77,7 @@ class Sample:
         data_source: the row's data source ("" when the dump has none).
         turns: a multi-turn response's segments ``(role, text, tokens, in_loss)``; empty otherwise.
         ended_by: what ended a multi-turn trajectory ("" for a single turn).
+        dropped_turns: turns the rolling window dropped from the last turn's context.
     """
 
     index: int
@@ -92,6 +93,7 @@ class Sample:
     data_source: str = ""
     turns: tuple[tuple[str, str, int, bool], ...] = ()
     ended_by: str = ""
+    dropped_turns: int = 0
 
     @property
     def truncated(self) -> bool:
@@ -205,7 +207,15 @@ def parse_sample(row: Any) -> Sample:
         prompt_truncated=row["prompt_truncated"],
         ground_truth=str(row.get("ground_truth", "")), data_source=str(row.get("data_source", "")),
         turns=_parse_turns(row.get("turns", [])), ended_by=str(row.get("ended_by", "")),
+        dropped_turns=_count(row.get("dropped_turns", 0), "dropped_turns"),
     )
+
+
+def _count(value: Any, key: str) -> int:
+    """A non-negative integer field of a dump row, or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} should be a non-negative integer, got {value!r}")
+    return value
 
 
 def _parse_turns(turns: Any) -> tuple[tuple[str, str, int, bool], ...]:
@@ -303,6 +313,7 @@ def describe_sample(step: int, sample: Sample) -> Text:
     text.append(sample.prompt + "\n\n")
     cut = f" (cut: {sample.finish_reason})" if sample.truncated else ""
     ended = f" · ended by {sample.ended_by}" if sample.ended_by else ""
+    ended += f" · {sample.dropped_turns} turns dropped by the rolling window" if sample.dropped_turns else ""
     text.append(f"RESPONSE · {sample.response_tokens} tokens{cut}{ended}\n", style="bold green")
     if not sample.turns:
         text.append(sample.response)

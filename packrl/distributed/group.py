@@ -14,14 +14,17 @@ input order:
     update             `plan_update`: per mini-batch, each rank's      -- (metrics merged)
                        micro-batches and the global denominators
 
-The loop calls these methods without knowing which transport runs them.
+A rollout whose multi-turn trajectories dropped turns from their context (the rolling window) is
+scored and trained as step-wise samples (`packrl.seqlen.stepwise`): the log-prob passes run on the
+samples and stitch the values back per trajectory, the update runs on the samples' batch. The loop
+sees trajectories only, and calls these methods without knowing which transport runs them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,9 +35,10 @@ from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
-from packrl.seqlen.update_plan import UpdatePlan, plan_ranks, plan_update
+from packrl.seqlen.stepwise import step_samples
+from packrl.seqlen.update_plan import UpdatePlan, groups_of, plan_ranks, plan_update
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
-from packrl.worker.actor import update_metrics
+from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
 from packrl.worker.policy import Role, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -72,7 +76,8 @@ class LogprobResult:
     Attributes:
         logprobs: ``N`` tensors of Shape [R_i], float32, nats.
         entropy: ``N`` tensors of Shape [R_i], float32, nats.
-        microbatches: the log-prob micro-batches that ran (sequence indices; every rank's).
+        microbatches: the log-prob micro-batches that ran (sequence indices, or step-wise sample
+            indices when the rollout was scored as samples; every rank's).
     """
 
     logprobs: tuple[torch.Tensor, ...]
@@ -138,23 +143,31 @@ class WorkerGroup:
             return None
         key = "train.max_tokens_per_logprob_microbatch"
         size = self.plan.sequence_parallel_size
-        ranks = plan_ranks(rollout.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch * size,
+        steps = step_samples(rollout)
+        scored = rollout if steps is None else steps.rollout
+        ranks = plan_ranks(scored.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch * size,
                            balance=self.cfg.train.balance_microbatches, budget_key=key, packed=self.packing.packs)
-        shared = self.transport.share(rollout)
+        shared = self.transport.share(scored)
         results = self.transport.call("compute_logprobs", self._spread([(shared, role, p.microbatches) for p in ranks.ranks]))
         values = ranks.restore(results[::size])  # a sequence-parallel group's workers return the same values
-        return LogprobResult(tuple(lp for lp, _ in values), tuple(ent for _, ent in values),
-                             tuple(mb for p in ranks.ranks for mb in p.microbatches))
+        logprobs, entropy = tuple(lp for lp, _ in values), tuple(ent for _, ent in values)
+        if steps is not None:
+            lengths = [len(r.response_ids) for r in rollout.responses]
+            logprobs, entropy = steps.stitch(logprobs, lengths), steps.stitch(entropy, lengths)
+        return LogprobResult(logprobs, entropy, tuple(mb for p in ranks.ranks for mb in p.microbatches))
 
-    def plan_update(self, batch: TrainBatch) -> UpdatePlan:
+    def plan_update(self, batch: TrainBatch, groups: list[int] | None = None, units: list[int] | None = None) -> UpdatePlan:
         """The step's `UpdatePlan`: mini-batches of ``train.mini_batch_size`` prompts, each split
         over the ranks under ``train.max_tokens_per_microbatch``, with global denominators.
+        ``groups`` / ``units``: the prompt and the trajectory of each sequence of a step-wise
+        samples' batch (`packrl.seqlen.update_plan.plan_update`); default: whole responses.
 
         Raises:
             ValueError: a sequence over the micro-batch budget (named by index).
         """
-        return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
-                           group_size=batch.rollout.group_size, mini_batch_prompts=self.plan.mini_batch_prompts,
+        groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
+        return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], units=units,
+                           groups=groups, mini_batch_prompts=self.plan.mini_batch_prompts,
                            num_epochs=self.plan.num_epochs, num_ranks=self.num_ranks,
                            max_tokens=self.cfg.train.max_tokens_per_microbatch * self.plan.sequence_parallel_size,
                            balance=self.cfg.train.balance_microbatches,
@@ -162,13 +175,21 @@ class WorkerGroup:
 
     def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
         """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,
-        ``seqlen/*``, ``bucket/*`` metrics (`update_metrics`), and with several ranks
-        ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches).
+        ``seqlen/*``, ``bucket/*`` metrics (`update_metrics`), with several ranks
+        ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches), and
+        for a rollout trained as step-wise samples ``seqlen/num_step_samples`` (sequences trained).
         ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
-        plan = self.plan_update(batch)
-        shared = self.transport.share(batch)
+        steps = step_samples(batch.rollout)
+        if steps is None:
+            trained, plan = batch, self.plan_update(batch)
+        else:
+            trained = steps.train_batch(batch)
+            plan = self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of))
+        shared = self.transport.share(trained)
         own = tracer if self.transport.in_process else None
         results = self.transport.call("update", [(shared, plan, own)] * self.transport.num_ranks)
+        if steps is not None:  # per-sample sums -> per trajectory, for the length-bucket metrics
+            results = [(_folded(stats, steps.fold), spans) for stats, spans in results]
         for rank, (_, spans) in enumerate(results):
             if spans:
                 tracer.add_worker_spans(rank, spans)
@@ -178,6 +199,7 @@ class WorkerGroup:
             self._linked = True
         metrics = update_metrics([stats for stats, _ in results], batch, self.cfg.rollout.max_response_tokens)
         metrics |= {"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {}
+        metrics |= {"seqlen/num_step_samples": float(len(trained.rollout))} if steps is not None else {}
         return metrics | ({"seqlen/sequence_parallel_size": float(self.plan.sequence_parallel_size)}
                           if self.plan.sequence_parallel_size > 1 else {})
 
@@ -198,6 +220,12 @@ class WorkerGroup:
     def close(self, graceful: bool = True) -> None:
         """Release the workers; ``graceful=False`` after a failure (a rank may be inside a collective)."""
         self.transport.close(graceful)
+
+
+def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:
+    """``stats`` with its per-sample `ResponseSums` added up per trajectory (``fold``)."""
+    sums = stats.sums
+    return replace(stats, sums=ResponseSums(fold(sums.entropy), fold(sums.clipped), fold(sums.kl), fold(sums.num_tokens)))
 
 
 def generate_with_retry(generate: Callable[[], list], prompts: PromptBatch) -> list:

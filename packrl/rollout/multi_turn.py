@@ -21,6 +21,15 @@ calls a tool at ``max_turns`` is ``length``: cut by a budget, so truncated (inva
 Token-exact (invariant 5, turn by turn): every request is the trajectory's ids so far, and the
 trainer scores the prompt followed by exactly the ids appended here, so the policy tokens' log-probs
 in training are taken in the contexts the engine generated them in.
+
+The rolling window (``rollout.multi_turn.context_policy=rolling``): when the next request would
+get less than its budget because of the model context, the oldest complete turns (an assistant
+turn, its closing token and the tool answer with the next assistant header) leave the request,
+oldest first, until it fits; the prompt (system and first user message, ending with the assistant
+header) and the latest turn with its answer always stay, and nothing is cut inside a message. The
+request is then ``prompt + response[start:]``; each turn records its ``start``
+(`Trajectory.context_starts`) and the trainer scores it in exactly that context
+(`packrl.seqlen.stepwise`).
 """
 
 from __future__ import annotations
@@ -120,18 +129,25 @@ class TurnLimits:
     max_trajectory_tokens: int
     max_context_tokens: int
 
-    def room(self, num_tokens: int, num_prompt_tokens: int) -> tuple[int, str]:
+    def room(self, num_tokens: int, num_prompt_tokens: int, num_window_tokens: int | None = None) -> tuple[int, str]:
         """Tokens a trajectory of ``num_tokens`` may still grow by, and which limit binds
-        (``response``, ``trajectory`` or ``context``)."""
+        (``response``, ``trajectory`` or ``context``). ``num_window_tokens``: the tokens the model
+        sees (prompt + the turns still in the context under the rolling window); default all."""
+        window = num_tokens if num_window_tokens is None else num_window_tokens
         left = {"response": self.max_response_tokens - (num_tokens - num_prompt_tokens),
-                "trajectory": self.max_trajectory_tokens - num_tokens, "context": self.max_context_tokens - num_tokens}
+                "trajectory": self.max_trajectory_tokens - num_tokens, "context": self.max_context_tokens - window}
         binding = min(left, key=lambda k: left[k])
         return left[binding], binding
 
-    def request(self, num_tokens: int, num_prompt_tokens: int) -> tuple[int, str]:
+    def request(self, num_tokens: int, num_prompt_tokens: int, num_window_tokens: int | None = None) -> tuple[int, str]:
         """The next turn's token budget and its binding limit (``turn`` when the per-turn cap binds)."""
-        room, binding = self.room(num_tokens, num_prompt_tokens)
+        room, binding = self.room(num_tokens, num_prompt_tokens, num_window_tokens)
         return (self.max_tokens_per_turn, "turn") if self.max_tokens_per_turn <= room else (room, binding)
+
+    def wanted(self, num_tokens: int, num_prompt_tokens: int) -> int:
+        """The next turn's budget were the context unlimited (what the rolling window makes room for)."""
+        return min(self.max_tokens_per_turn, self.max_response_tokens - (num_tokens - num_prompt_tokens),
+                   self.max_trajectory_tokens - num_tokens)
 
 
 _ENDED_BY_LIMIT = {"turn": "turn_tokens", "response": "response_tokens", "trajectory": "trajectory_tokens", "context": "context"}
@@ -153,6 +169,23 @@ class _State:
     num_tool_calls: int = 0
     num_malformed_calls: int = 0
     num_tool_errors: int = 0
+    context_start: int = 0
+    """Response offset where the context resumes after the prompt (the rolling window's start)."""
+    turn_starts: list[int] = field(default_factory=list)
+    context_starts: list[int] = field(default_factory=list)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.ids) - self.num_prompt_tokens
+
+    @property
+    def num_window_tokens(self) -> int:
+        """Tokens of the context the model sees: the prompt and the response from `context_start`."""
+        return len(self.ids) - self.context_start
+
+    def window(self) -> list[int]:
+        """The next request: the prompt and the response from `context_start`."""
+        return self.ids[: self.num_prompt_tokens] + self.ids[self.num_prompt_tokens + self.context_start:]
 
     def add(self, role: str, ids: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
         if not ids:
@@ -168,7 +201,7 @@ class _State:
     def response(self, with_logprobs: bool) -> Response:
         trajectory = Trajectory(segments=tuple(self.segments), num_tool_calls=self.num_tool_calls,
                                 num_malformed_calls=self.num_malformed_calls, num_tool_errors=self.num_tool_errors,
-                                ended_by=self.ended_by)
+                                ended_by=self.ended_by, context_starts=tuple(self.context_starts) if any(self.context_starts) else ())
         n = self.num_prompt_tokens
         assert self.finish_reason is not None, "every trajectory ends before it is returned"
         return Response(tuple(self.ids[n:]), self.finish_reason,
@@ -196,11 +229,15 @@ class MultiTurnEngine:
             ``right`` the end, ``middle`` the middle), as for prompts.
         renderer: the chat template's rendering of tool messages (`ToolRenderer`).
         tool_timeout_s: seconds a tool may take before its call is answered with an error (None: no limit).
+        rolling: drop the oldest complete turns from the context when the next request would not
+            get its budget (``rollout.multi_turn.context_policy=rolling``; `Trajectory.context_starts`).
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, *, tools: Sequence[str], max_turns: int, limits: TurnLimits,
-                 max_tool_response_tokens: int, truncation_side: str, renderer: ToolRenderer, tool_timeout_s: float | None = None):
+                 max_tool_response_tokens: int, truncation_side: str, renderer: ToolRenderer, tool_timeout_s: float | None = None,
+                 rolling: bool = False):
         self.engine, self.tokenizer, self.tools, self.tool_timeout_s = engine, tokenizer, frozenset(tools), tool_timeout_s
+        self.rolling = rolling
         self.max_turns, self.limits, self.renderer = max_turns, limits, renderer
         self.max_tool_response_tokens, self.truncation_side = max_tool_response_tokens, truncation_side
 
@@ -211,7 +248,9 @@ class MultiTurnEngine:
         for turn in range(1, self.max_turns + 1):
             requests: dict[int, list[_State]] = {}
             for state in (s for s in states if s.finish_reason is None):
-                budget, state.binding = self.limits.request(len(state.ids), state.num_prompt_tokens)
+                if self.rolling:
+                    self._slide(state)
+                budget, state.binding = self.limits.request(len(state.ids), state.num_prompt_tokens, state.num_window_tokens)
                 if budget < 1:
                     state.end("context", _ENDED_BY_LIMIT[state.binding])
                 else:
@@ -220,12 +259,25 @@ class MultiTurnEngine:
                 break
             for budget, group in sorted(requests.items()):
                 turn_params = replace(params, n=1, max_response_tokens=budget)
-                out = self.engine.generate([s.ids for s in group], turn_params, [turn_seed(s.seed, 0, turn) for s in group])
+                out = self.engine.generate([s.window() for s in group], turn_params, [turn_seed(s.seed, 0, turn) for s in group])
                 for state, responses in zip(group, out):
                     self._after_turn(state, responses[0], turn)
         return [[s.response(params.return_logprobs) for s in states[b * params.n:(b + 1) * params.n]] for b in range(len(prompt_ids))]
 
+    def _slide(self, state: _State) -> None:
+        """The rolling window: drop the oldest complete turns (an assistant turn with the tool
+        answer after it) until the next request gets the budget an unlimited context would give
+        it. The prompt and the latest turn with its answer always stay; a turn is never cut."""
+        wanted = self.limits.wanted(len(state.ids), state.num_prompt_tokens)
+        for start in state.turn_starts[1:]:  # where each earlier turn's round ends: the next turn starts there
+            if self.limits.max_context_tokens - state.num_window_tokens >= wanted:
+                return
+            state.context_start = max(state.context_start, start)
+
     def _after_turn(self, state: _State, turn: Response, index: int) -> None:
+        if turn.response_ids:
+            state.turn_starts.append(state.num_response_tokens)
+            state.context_starts.append(state.context_start)
         state.add("assistant", turn.response_ids, turn.rollout_logprobs)
         if turn.finish_reason in ("length", "context"):
             reason = "context" if state.binding == "context" else turn.finish_reason
@@ -254,7 +306,9 @@ class MultiTurnEngine:
             state.num_tool_errors += failed and call.error is None
             contents.append(self._cut(answer))
         ids = self.renderer.after_close(contents)
-        room, binding = self.limits.room(len(state.ids), state.num_prompt_tokens)
+        # under the rolling window the next request must hold the prompt and this turn's round at least
+        window = state.num_prompt_tokens + state.num_response_tokens - state.turn_starts[-1] if self.rolling else None
+        room, binding = self.limits.room(len(state.ids), state.num_prompt_tokens, window)
         if len(closing) + len(ids) >= room:  # the close, the answer and at least one token of the next turn must fit
             state.end("context", _ENDED_BY_LIMIT[binding])
             return
@@ -310,4 +364,5 @@ def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, cfg: Any, max_conte
     renderer = ToolRenderer(tokenizer, mt.tool_role)
     return MultiTurnEngine(engine, tokenizer, tools=mt.tools, max_turns=mt.max_turns, limits=limits,
                            max_tool_response_tokens=mt.max_tool_response_tokens,
-                           truncation_side=mt.tool_response_truncation_side, renderer=renderer, tool_timeout_s=mt.tool_timeout_s)
+                           truncation_side=mt.tool_response_truncation_side, renderer=renderer, tool_timeout_s=mt.tool_timeout_s,
+                           rolling=mt.context_policy == "rolling")

@@ -70,9 +70,11 @@ class Budgets:
         rope_factor: the RoPE scaling factor included in ``max_context_tokens`` (for the plan).
         sequence_parallel_size: ranks that split one pack (``trainer.sequence_parallel_size``):
             the micro-batch budgets are per rank, so a pack may hold this many times as many tokens.
-        ends_at_context: multi-turn trajectories that reach the model context end there
-            (``rollout.multi_turn.context_policy=end``): prompt + response may exceed the context,
-            and the longest sequence is the context.
+        context_policy: ``rollout.multi_turn.context_policy`` of a multi-turn run (``error``
+            otherwise). Under ``end`` (trajectories that reach the model context end there) and
+            ``rolling`` (the oldest turns leave the context; each turn is trained with its own
+            context) prompt + response may exceed the context, and the longest sequence the
+            model ever sees is the context.
     """
 
     max_prompt_tokens: int
@@ -82,7 +84,7 @@ class Budgets:
     max_tokens_per_logprob_microbatch: int
     rope_factor: float = 1.0
     sequence_parallel_size: int = 1
-    ends_at_context: bool = False
+    context_policy: str = "error"
     multi_turn: tuple[int, int | None, int | None, int] | None = None
     """Multi-turn budgets ``(max_turns, max_tokens_per_turn, max_trajectory_tokens,
     max_tool_response_tokens)`` as set in ``rollout.multi_turn`` (None = the default: the
@@ -98,7 +100,7 @@ class Budgets:
             max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
             rope_factor=rope_factor,
             sequence_parallel_size=cfg.trainer.sequence_parallel_size,
-            ends_at_context=cfg.rollout.multi_turn.enabled and cfg.rollout.multi_turn.context_policy == "end",
+            context_policy=cfg.rollout.multi_turn.context_policy if cfg.rollout.multi_turn.enabled else "error",
             multi_turn=_multi_turn(cfg),
         )
 
@@ -109,11 +111,16 @@ class Budgets:
         return cls.from_config(cfg, context, factor)
 
     @property
+    def context_bounded(self) -> bool:
+        """True when prompt + response may exceed the model context (``context_policy`` ``end`` or ``rolling``)."""
+        return self.context_policy in ("end", "rolling")
+
+    @property
     def max_sequence_tokens(self) -> int:
         """The longest possible sequence: prompt budget + response budget (at most the model
-        context when trajectories end there)."""
+        context when `context_bounded`)."""
         total = self.max_prompt_tokens + self.max_response_tokens
-        return min(total, self.max_context_tokens) if self.ends_at_context and self.max_context_tokens else total
+        return min(total, self.max_context_tokens) if self.context_bounded and self.max_context_tokens else total
 
     @property
     def pack_tokens(self) -> int:
@@ -136,23 +143,23 @@ class Budgets:
         if out:
             return out
         seq = self.max_sequence_tokens
-        if self.max_context_tokens is not None and seq > self.max_context_tokens and not self.ends_at_context:
+        if self.max_context_tokens is not None and seq > self.max_context_tokens and not self.context_bounded:
             out.append(ConfigProblem(
                 "rollout.max_response_tokens", self.max_response_tokens,
                 f"data.max_prompt_tokens + rollout.max_response_tokens = {seq:,} > model context {self.max_context_tokens:,}",
                 f"lower data.max_prompt_tokens or rollout.max_response_tokens so their sum is <= {self.max_context_tokens:,}, "
-                "or use a model with a longer context" + (" (or let trajectories end at the context: "
-                                                           "rollout.multi_turn.context_policy=end)" if self.multi_turn else ""),
+                "or use a model with a longer context" + (" (or let trajectories end at the context or drop "
+                                                           "their oldest turns: rollout.multi_turn.context_policy=end|rolling)" if self.multi_turn else ""),
                 keys=("rollout.max_response_tokens", "data.max_prompt_tokens"),
             ))
         out += self._multi_turn_problems()
         size = max(1, self.sequence_parallel_size)
         longest = f"the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}"
         if seq < self.max_prompt_tokens + self.max_response_tokens:
-            longest = f"the longest possible sequence, the model context (rollout.multi_turn.context_policy=end) = {seq:,}"
+            longest = f"the longest possible sequence, the model context (rollout.multi_turn.context_policy={self.context_policy}) = {seq:,}"
         for key, value in self._keyed_values()[2:]:
-            if value * size >= seq:
-                continue
+            if value * size >= seq or (self.context_bounded and self.max_context_tokens is None):
+                continue  # bounded by a context not read yet: checked when the model's config is (before step 1)
             if size > 1:
                 message = f"x trainer.sequence_parallel_size={size} = {value * size:,} is smaller than {longest}"
                 fix = f"raise {key} to >= {-(-seq // size):,} or lower the prompt/response budgets"
@@ -198,7 +205,7 @@ class Budgets:
         rows = [
             ("prompt", "data.max_prompt_tokens", f"{self.max_prompt_tokens:>9,}"),
             ("response", "rollout.max_response_tokens", f"{self.max_response_tokens:>9,}"),
-            ("sequence", "prompt + response" + (", at most the context" if self.ends_at_context else ""), f"{seq:>9,}"),
+            ("sequence", "prompt + response" + (", at most the context" if self.context_bounded else ""), f"{seq:>9,}"),
             ("model context", "model config", context),
             ("update micro-batch", "train.max_tokens_per_microbatch", self._pack_row(self.max_tokens_per_microbatch, self.pack_tokens)),
             ("log-prob micro-batch", "train.max_tokens_per_logprob_microbatch",

@@ -38,7 +38,7 @@ def build_train_batch(
     `packrl.registry.ADVANTAGE_ESTIMATORS`) and the batch the update consumes.
 
     With ``algorithm.kl_in_reward`` and a reference model, each response's reward is lowered by
-    ``kl_coef x sum_t KL_t`` (verl's in-reward KL) before the advantage is estimated.
+    ``kl_coef x sum_t KL_t`` over the tokens the policy generated (verl's in-reward KL) before the advantage is estimated.
     ``old_logprobs`` is None when the update is on-policy (`packrl.config.plan.BatchPlan`). The
     batch's ``scored.rewards`` are the rewards the advantages were computed from (KL-shaped if asked).
 
@@ -51,12 +51,13 @@ def build_train_batch(
     """
     rewards = scored.rewards.clone()
     metrics: dict[str, float] = {}
+    generated = tuple(r.generated_mask() for r in scored.rollout.responses)
     if cfg.kl_in_reward and ref_logprobs is not None:
         assert old_logprobs is not None, "in-reward KL needs the old log-probs"
-        seq_kl = torch.stack([kl_penalty(old, ref, cfg.kl_estimator).sum() for old, ref in zip(old_logprobs, ref_logprobs)])
+        seq_kl = torch.stack([kl_penalty(old, ref, cfg.kl_estimator)[g].sum()  # the policy's tokens only, not tool answers
+                              for old, ref, g in zip(old_logprobs, ref_logprobs, generated)])
         rewards = rewards - cfg.kl_coef * seq_kl
         metrics["critic/kl_in_reward/mean"] = seq_kl.mean().item()
-    generated = tuple(r.generated_mask() for r in scored.rollout.responses)
     inputs = AdvantageInputs(scored=scored, rewards=rewards, response_masks=generated, old_logprobs=old_logprobs,
                              ref_logprobs=ref_logprobs, cfg=cfg)
     advantages = check_advantages(ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator)(inputs), inputs)

@@ -229,7 +229,10 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     full_mask = _scatter_response(pack, rollout, batch.loss_masks, False)
     mask = full_mask & out.has_logprob  # under sequence parallelism: the tokens this rank's hidden states predict
     seq_ids = pack.sequence_ids()
-    counts = torch.zeros(len(pack.indices), device=mask.device).index_add_(0, seq_ids, full_mask.float())
+    if batch.trajectory_loss_tokens is None:
+        counts = torch.zeros(len(pack.indices), device=mask.device).index_add_(0, seq_ids, full_mask.float())
+    else:  # step-wise samples: each one's trajectory is the sequence the seq-mean modes average over
+        counts = torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=mask.device)
     logprobs = out.token_logprobs
     old = logprobs.detach() if batch.old_logprobs is None else _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
     ref = None if batch.ref_logprobs is None else _scatter_response(pack, rollout, batch.ref_logprobs, 0.0)

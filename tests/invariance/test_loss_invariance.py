@@ -77,7 +77,7 @@ def test_the_splits_really_differ():
     counts = {}
     for budget in (WHOLE, *BUDGETS):
         for num_ranks in (1, 2):
-            plan = plan_update(lengths, RESPONSE_LENS, group_size=2, mini_batch_prompts=4, num_epochs=1, num_ranks=num_ranks,
+            plan = plan_update(lengths, RESPONSE_LENS, groups=[i // 2 for i in range(len(lengths))], mini_batch_prompts=4, num_epochs=1, num_ranks=num_ranks,
                                max_tokens=budget, balance=True, loss_scale_factor=24)
             counts[budget, num_ranks] = [len([mb for mb in plan.minibatches[0].microbatches(r) if mb]) for r in range(num_ranks)]
     assert counts[WHOLE, 1] == [1] and sum(counts[BUDGETS[0], 1]) >= 3 and all(c >= 1 for c in counts[BUDGETS[0], 2])

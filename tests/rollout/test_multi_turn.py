@@ -55,8 +55,7 @@ class ScriptedEngine:
         for ids, seed in zip(prompt_ids, seeds):
             ids = tuple(ids)
             self.requests.append((ids, params.max_response_tokens, seed))
-            k = self.tokenizer.decode(list(ids)).count("<|im_start|>assistant") - 1  # turns so far: one header each
-            text = self.turns[min(k, len(self.turns) - 1)]
+            text = self.turns[min(self.turn_of(ids), len(self.turns) - 1)]
             tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             reason = "stop" if text.endswith(self.stop) else "eos"
             if reason == "eos":
@@ -65,6 +64,10 @@ class ScriptedEngine:
                 tokens, reason = tokens[: params.max_response_tokens], "length"
             out.append([Response(tuple(tokens), reason, tuple(-0.5 for _ in tokens) if params.return_logprobs else None)])
         return out
+
+    def turn_of(self, ids) -> int:
+        """The turn a request asks for: the assistant turns so far, one header each."""
+        return self.tokenizer.decode(list(ids)).count("<|im_start|>assistant") - 1
 
     def load_weights(self, weights):
         pass
