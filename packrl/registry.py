@@ -152,10 +152,13 @@ REWARDS = Registry("REWARDS", "reward.name", "reward", {"gsm8k": "packrl.reward.
 """``fn(response_text, ground_truth, *, data_source, cfg: RewardConfig) -> float`` (`packrl.reward.registry.RewardFn`)."""
 
 ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator", "advantage estimator",
-                                {"grpo": "packrl.algos.advantages", "rloo": "packrl.algos.advantages"})
+                                {"grpo": "packrl.algos.advantages", "rloo": "packrl.algos.advantages", "gae": "packrl.algos.gae"})
 """``fn(inputs: AdvantageInputs) -> N tensors [R_i]`` (`packrl.algos.advantages.AdvantageFn`)."""
 
-POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss", {"ppo_clip": "packrl.algos.policy_losses"})
+POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss",
+                         {"ppo_clip": "packrl.algos.policy_losses", "gspo": "packrl.algos.policy_losses",
+                          "clip_cov": "packrl.algos.cov_losses", "kl_cov": "packrl.algos.cov_losses"},
+                         checks={"gspo": "packrl.config.algorithm_variants:gspo_problems"})
 """``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
 
 ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",

@@ -10,7 +10,7 @@ Sequences keep their own lengths (no padding anywhere): per-sequence fields are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -200,6 +200,19 @@ class ScoredBatch:
 
 
 @dataclass(frozen=True)
+class ValueEstimates:
+    """The critic's values of a rollout (PPO with a critic).
+
+    Attributes:
+        values: V of the state before each response token. ``N`` tensors of Shape [R_i], float32.
+        bootstrap: V of the state after each response's last token. Shape [N], float32.
+    """
+
+    values: tuple[torch.Tensor, ...]
+    bootstrap: torch.Tensor
+
+
+@dataclass(frozen=True)
 class TrainBatch:
     """Everything the update needs, per sequence.
 
@@ -215,6 +228,15 @@ class TrainBatch:
             of the trajectory each sequence is a part of: the seq-mean loss modes divide a
             sequence's tokens by it, so a trajectory split into samples is still one sequence.
             None = every sequence is a whole response.
+        values: the critic's value of the state before each response token at rollout time
+            (PPO with a critic). ``N`` tensors of Shape [R_i], float32; None without a critic.
+        returns: the critic's regression targets (GAE returns). ``N`` tensors of Shape [R_i],
+            float32; None without a critic.
+        extras: further per-token values the controller computed for the policy loss, name ->
+            ``N`` tensors of Shape [R_i] (any dtype); the worker lays each over its packs into
+            ``PolicyLossInputs.extras`` (`packrl.algos.policy_losses`). Built in:
+            ``rollout_is_weights`` (float32, `packrl.algos.rollout_correction`) and
+            ``cov_selected`` (bool, `packrl.algos.cov_losses`).
     """
 
     scored: ScoredBatch
@@ -223,6 +245,9 @@ class TrainBatch:
     old_logprobs: tuple[torch.Tensor, ...] | None
     ref_logprobs: tuple[torch.Tensor, ...] | None
     trajectory_loss_tokens: tuple[int, ...] | None = None
+    values: tuple[torch.Tensor, ...] | None = None
+    returns: tuple[torch.Tensor, ...] | None = None
+    extras: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     @property
     def rollout(self) -> RolloutBatch:

@@ -45,6 +45,10 @@ class AdvantageInputs:
         old_logprobs / ref_logprobs: ``N`` tensors of Shape [R_i], float32 nats, or None when
             that pass did not run.
         cfg: the ``algorithm`` section.
+        values: the critic's value of the state before each response token, ``N`` tensors of
+            Shape [R_i], float32; None without a critic.
+        bootstrap_values: the critic's value of the state after each response's last token,
+            Shape [N], float32; None without a critic.
     """
 
     scored: ScoredBatch
@@ -53,6 +57,8 @@ class AdvantageInputs:
     old_logprobs: tuple[torch.Tensor, ...] | None
     ref_logprobs: tuple[torch.Tensor, ...] | None
     cfg: AlgorithmConfig
+    values: tuple[torch.Tensor, ...] | None = None
+    bootstrap_values: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:

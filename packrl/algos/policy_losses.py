@@ -11,11 +11,16 @@ The worker turns the token loss into the micro-batch's share of the mini-batch l
 ``algorithm.loss_agg_mode`` (`packrl.algos.loss_agg.aggregate_loss`, exact under micro-batching
 and ranks), adds the KL and entropy terms, and sums the metrics over micro-batches and ranks.
 Register one with ``@packrl.registry.POLICY_LOSSES.register("name")`` (see `packrl.registry`).
+
+A loss whose token choice needs the whole mini-batch (Clip-Cov, KL-Cov: `packrl.algos.cov_losses`)
+sets a ``prepare`` attribute on its function: a `PrepareFn` the controller runs once per update on
+the batch and its mini-batches (`prepare_update`), returning per-token ``extras`` that reach every
+micro-batch, so what it chose does not depend on the micro-batch split or the rank count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +29,9 @@ from packrl.algos.losses import ppo_clip_loss
 from packrl.config.schema import AlgorithmConfig
 from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.denominators import LossDenominators
+from packrl.types import TrainBatch
+
+_GSPO_LOG_RATIO_MAX = 10.0  # verl clamps GSPO's sequence log-ratio at 10 before exp()
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,8 @@ class PolicyLossInputs:
         ref_logprobs: log pi_ref, Shape [K], float32 nats; None without a reference policy.
         rollout_logprobs: the engine's log-probs of the sampled tokens, Shape [K], float32 nats;
             None unless the engine returned them (``rollout.return_logprobs``).
+        extras: the controller's per-token values (`packrl.types.TrainBatch.extras`) laid over
+            the pack, name -> Shape [K] (prompt positions hold 0 / False).
     """
 
     logprobs: torch.Tensor
@@ -53,6 +63,7 @@ class PolicyLossInputs:
     cfg: AlgorithmConfig
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,21 @@ class PolicyLossOutput:
 
 
 PolicyLossFn = Callable[[PolicyLossInputs], PolicyLossOutput]
+PrepareFn = Callable[[TrainBatch, Sequence[Sequence[int]], AlgorithmConfig, int], tuple[TrainBatch, dict[str, float]]]
+"""``prepare(batch, minibatches, cfg, seed) -> (batch with extras, metrics)``: ``minibatches`` are
+the sequence indices of each mini-batch of the update; ``seed`` the step's seed."""
+
+
+def prepare_update(batch: TrainBatch, minibatches: Sequence[Sequence[int]], cfg: AlgorithmConfig,
+                   seed: int) -> tuple[TrainBatch, dict[str, float]]:
+    """Run the ``prepare`` of ``algorithm.policy_loss`` (a `PrepareFn`) on the controller, once per
+    update; ``(batch, {})`` for a loss without one.
+
+    Raises:
+        ValueError: ``algorithm.policy_loss`` is not registered.
+    """
+    prepare = getattr(POLICY_LOSSES.lookup(cfg.policy_loss), "prepare", None)
+    return (batch, {}) if prepare is None else prepare(batch, minibatches, cfg, seed)
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -83,3 +109,38 @@ def ppo_clip(inputs: PolicyLossInputs) -> PolicyLossOutput:
     loss, clipped = ppo_clip_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages,
                                   clip_ratio_low=inputs.cfg.clip_ratio_low, clip_ratio_high=inputs.cfg.clip_ratio_high)
     return PolicyLossOutput(loss, clipped)
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(inputs: PolicyLossInputs) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; verl
+    ``loss_mode=gspo``): the PPO clip applied to a length-normalised sequence ratio.
+
+    s_i = exp(mean_{t in loss tokens of i} (logprobs_t - old_logprobs_t)), and per token
+    s_i,t = sg(s_i) * exp(logprobs_t - sg(logprobs_t)) (same value, gradient s_i * grad logprobs_t);
+    loss_t = max(-A_t s_i,t, -A_t clip(s_i,t, 1 - clip_ratio_low, 1 + clip_ratio_high)).
+    The paper clips at about 3e-4 / 4e-4 (``algorithm.clip_ratio_low|high``), far tighter than
+    token-level PPO; its objective averages each sequence's tokens (``loss_agg_mode=
+    seq-mean-token-mean``, which verl forces; here the configured mode is used). The log-ratio is
+    clamped at 10 before exp() as verl does.
+
+    A sequence's mean needs all of its loss tokens in this micro-batch, which holds unless
+    sequence parallelism splits it or the rolling window cuts a trajectory into samples (both
+    refused at config load, `packrl.config.algorithm_variants.gspo_problems`).
+
+    Returns:
+        token loss Shape [K]; ``clipped`` where the sequence's clip is active; the metric
+        ``actor/gspo_seq_ratio_mean`` (token mean of s_i over the mini-batch's loss tokens).
+    """
+    mask, seq = inputs.loss_mask, inputs.sequence_ids
+    num_seqs = int(seq.max()) + 1 if seq.numel() else 0
+    log_ratio = torch.where(mask, inputs.logprobs.detach() - inputs.old_logprobs, 0.0)
+    sums = log_ratio.new_zeros(num_seqs).index_add(0, seq, log_ratio)
+    counts = log_ratio.new_zeros(num_seqs).index_add(0, seq, mask.to(log_ratio.dtype))
+    seq_log_ratio = sums / counts.clamp(min=1)  # [S], detached
+    log_s = (inputs.logprobs - inputs.logprobs.detach() + seq_log_ratio[seq]).clamp(max=_GSPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_s)
+    unclipped = -inputs.advantages * ratio
+    clipped = -inputs.advantages * ratio.clamp(1.0 - inputs.cfg.clip_ratio_low, 1.0 + inputs.cfg.clip_ratio_high)
+    metrics = {"actor/gspo_seq_ratio_mean": inputs.denominators.token_share(ratio.detach(), mask)}
+    return PolicyLossOutput(torch.maximum(unclipped, clipped), clipped > unclipped, metrics)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packrl.config.algorithm_variants import COV_LOSSES
 from packrl.config.schema import RunConfig
 
 
@@ -26,12 +27,18 @@ class BatchPlan:
         num_ranks: ranks (``trainer.num_workers``).
         sequence_parallel_size: ranks that split each pack (``trainer.sequence_parallel_size``).
         loss_scale_factor: the constant C of ``seq-mean-token-sum-norm`` in tokens
-            (``algorithm.loss_scale_factor``, or ``rollout.max_response_tokens``).
+            (``algorithm.loss_scale_factor``, or ``rollout.max_response_tokens``: under a length
+            curriculum the largest stage, so C stays one constant for the whole run).
         has_reference: a reference policy is loaded and scored (``algorithm.kl_coef > 0``).
         needs_old_logprobs: the old log-probs get their own forward. Not when the update is
             on-policy (one optimizer step per rollout: pi_old is the policy being updated, whose
             detached log-probs the loss uses, as TRL does with ``num_iterations=1``) unless
-            in-reward KL or the rollout mismatch metrics (``rollout.return_logprobs``) read them.
+            in-reward KL, the rollout mismatch metrics (``rollout.return_logprobs``), rollout
+            correction, the entropy filter (its entropy) or a Clip-Cov / KL-Cov loss (its token
+            selection, `packrl.config.algorithm_variants.COV_LOSSES`) read them.
+        has_critic: a value model is trained (``critic.enable``, by default with ``adv_estimator=gae``).
+        return_logprobs: the engine returns its log-probs of the sampled tokens
+            (``rollout.return_logprobs``, or ``algorithm.rollout_correction``, which reads them).
     """
 
     num_prompts: int
@@ -43,12 +50,17 @@ class BatchPlan:
     loss_scale_factor: int
     has_reference: bool
     needs_old_logprobs: bool
+    has_critic: bool = False
+    return_logprobs: bool = False
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> BatchPlan:
         mini = cfg.train.mini_batch_size or cfg.data.batch_size
+        algo = cfg.algorithm
+        return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled
+        reads_old = algo.entropy_filter.enabled or algo.policy_loss in COV_LOSSES
         on_policy = (cfg.train.ppo_epochs == 1 and mini == cfg.data.batch_size
-                     and not cfg.algorithm.kl_in_reward and not cfg.rollout.return_logprobs)
+                     and not algo.kl_in_reward and not return_logprobs and not reads_old)
         return cls(
             num_prompts=cfg.data.batch_size,
             group_size=cfg.rollout.n,
@@ -59,6 +71,8 @@ class BatchPlan:
             loss_scale_factor=cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens,
             has_reference=cfg.algorithm.kl_coef > 0,
             needs_old_logprobs=not on_policy,
+            has_critic=cfg.critic.enabled(cfg.algorithm.adv_estimator),
+            return_logprobs=return_logprobs,
         )
 
     @property
@@ -88,5 +102,6 @@ class BatchPlan:
             ("loss scale factor", f"{self.loss_scale_factor:,} tokens (used by loss_agg_mode=seq-mean-token-sum-norm)"),
             ("reference policy", "yes" if self.has_reference else "no (algorithm.kl_coef=0)"),
             ("old log-prob forward", "yes" if self.needs_old_logprobs else "no (on-policy: the update's own detached log-probs)"),
+            ("critic", "yes (value model, GAE)" if self.has_critic else "no"),
         ]
         return "\n".join(["batch plan"] + [f"  {name:<26}{value}" for name, value in rows])

@@ -15,7 +15,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from packrl.config.critic import CriticConfig, critic_problems
+from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig, algorithm_variant_problems
 from packrl.errors import ConfigProblem, check_positive
+from packrl.seqlen.curriculum import overlong_buffer_problems, schedule_problems
 
 OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -28,6 +31,7 @@ RopeType = Literal["none", "linear", "dynamic", "yarn"]
 ContextPolicy = Literal["error", "end", "rolling"]
 TruncationSide = Literal["left", "right", "middle"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+FilterMetric = Literal["score", "reward"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,7 +272,16 @@ class RolloutConfig:
 
     max_response_tokens: int = 512
     """Response budget in tokens per response. A response that reaches it ends with finish
-    reason `length`; one that reaches the model context first ends with `context`."""
+    reason `length`; one that reaches the model context first ends with `context`. Under a
+    length curriculum (`rollout.max_response_tokens_schedule`) it is the largest stage's budget,
+    the one the model context, micro-batch budgets, vLLM and the memory estimate are sized for."""
+
+    max_response_tokens_schedule: list[list[int]] | None = None
+    """A length curriculum (`packrl.seqlen.curriculum`, docs/algorithms/length_curriculum.md):
+    stages `[first_step, max_response_tokens]`, e.g. `[[1,256],[101,512]]` = 256 tokens for steps
+    1-100, then 512. First steps strictly increase from 1; the largest budget must equal
+    `rollout.max_response_tokens`; every stage must fit the model context and micro-batch budgets.
+    The budget depends on the step alone, so a resumed run uses its step's stage. null = off."""
 
     temperature: float = 1.0
     """Sampling temperature; the trainer scores log-probs at the same temperature."""
@@ -309,6 +322,7 @@ class RolloutConfig:
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)
+        out += schedule_problems(self.max_response_tokens_schedule, self.max_response_tokens, f"{prefix}.max_response_tokens_schedule")
         out += self.multi_turn.problems(f"{prefix}.multi_turn")
         out += check_positive(f"{prefix}.max_num_seqs", self.max_num_seqs)
         if not self.temperature > 0:
@@ -345,7 +359,8 @@ class RewardConfig:
     overlong_buffer_tokens: int = 0
     """DAPO soft overlong punishment: the last this-many tokens before
     `rollout.max_response_tokens` ramp the penalty from 0 to -`overlong_penalty_factor`
-    (DAPO, arXiv 2503.14476, Eq. 13). 0 = off."""
+    (DAPO, arXiv 2503.14476, Eq. 13); under a length curriculum, before the current stage's
+    budget (it must fit the smallest stage). 0 = off."""
 
     overlong_penalty_factor: float = 1.0
     """Largest overlong penalty, reached at `rollout.max_response_tokens`."""
@@ -481,6 +496,42 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class FilterGroupsConfig:
+    """Dynamic sampling (DAPO, arXiv 2503.14476; verl's `algorithm.filter_groups`): drop prompt
+    groups whose responses all got the same value and refill the batch from further generation
+    rounds (`packrl.trainer.sampling`, docs/algorithms/dynamic_sampling.md)."""
+
+    enable: bool = False
+    """Drop zero-variance groups and generate further rounds of `data.batch_size` prompts until
+    `data.batch_size` groups with variance are kept (or `max_num_gen_batches` rounds ran)."""
+
+    metric: FilterMetric = "score"
+    """The per-response value whose spread decides: `score` = the task score (verl's `score`),
+    `reward` = the score plus shaping (overlong penalty; in-reward KL is added later and not
+    seen). A group is kept when its largest value exceeds its smallest."""
+
+    max_num_gen_batches: int = 10
+    """Generation rounds per step at most (DAPO's recipe uses 10). At the cap the step trains on
+    the groups kept so far with a warning (verl raises instead; 0 there = unlimited, not here)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        return check_positive(f"{prefix}.max_num_gen_batches", self.max_num_gen_batches)
+
+    def relation_problems(self, prefix: str, group_size: int) -> list[ConfigProblem]:
+        """Settings that cannot act: the filter with one response per group (every group would
+        be dropped: one value has no spread), or its settings while it is off."""
+        if self.enable and group_size == 1:
+            return [ConfigProblem(f"{prefix}.enable", True, "with rollout.n=1 every group is one response, whose value has no "
+                                  "variance: every group would be dropped", f"set rollout.n >= 2 or {prefix}.enable=false",
+                                  keys=(f"{prefix}.enable", "rollout.n"))]
+        if not self.enable:
+            changed = [f.name for f in dataclasses.fields(self) if f.name != "enable" and getattr(self, f.name) != f.default]
+            return [ConfigProblem(f"{prefix}.{name}", getattr(self, name), f"has no effect: {prefix}.enable=false",
+                                  f"set {prefix}.enable=true or remove {prefix}.{name}") for name in changed]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, a name in `packrl.registry.ADVANTAGE_ESTIMATORS`: `grpo`
@@ -489,8 +540,10 @@ class AlgorithmConfig:
 
     policy_loss: str = "ppo_clip"
     """Policy loss, a name in `packrl.registry.POLICY_LOSSES`: `ppo_clip` (the PPO clipped
-    surrogate with `clip_ratio_low|high`), or one registered through `trainer.plugins`. The loss is
-    per token; `loss_agg_mode` makes it one number, and the KL and entropy terms are added to it."""
+    surrogate with `clip_ratio_low|high`), `gspo` (sequence-level ratio, arXiv 2507.18071),
+    `clip_cov` / `kl_cov` (covariance-selected tokens, arXiv 2505.22617), or one registered through
+    `trainer.plugins`. The loss is per token; `loss_agg_mode` makes it one number, and the KL and
+    entropy terms are added to it."""
 
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std. False is Dr. GRPO (arXiv 2503.20783)."""
@@ -526,13 +579,46 @@ class AlgorithmConfig:
     `seq-mean-token-sum-norm` = sum / (sequences x `algorithm.loss_scale_factor`) (Dr. GRPO).
     Denominators are global over the mini-batch, so micro-batching and ranks never change it."""
 
+    gamma: float = 1.0
+    """GAE discount per policy token (`adv_estimator=gae`; verl's `algorithm.gamma`, default 1.0)."""
+
+    lam: float = 1.0
+    """GAE lambda (`adv_estimator=gae`; verl's `algorithm.lam`, default 1.0)."""
+
     loss_scale_factor: int | None = None
     """Constant token normaliser of `seq-mean-token-sum-norm`. None uses
-    `rollout.max_response_tokens`, a constant; verl's default (the padded response width)
-    changes with batching."""
+    `rollout.max_response_tokens`, a constant (under a length curriculum the largest stage, not
+    the current one); verl's default (the padded response width) changes with batching."""
+
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling: drop groups without reward variance and refill the batch (off by default)."""
+
+    clip_cov_ratio: float = 0.0002
+    """Clip-Cov (`policy_loss=clip_cov`, `packrl.algos.cov_losses`): share of a mini-batch's loss
+    tokens whose gradient is cut, drawn among those with `clip_cov_lb` < cov < `clip_cov_ub`."""
+
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of a candidate's token covariance (A - mean A)(logp - mean logp)."""
+
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of a candidate's token covariance."""
+
+    kl_cov_ratio: float = 0.0002
+    """KL-Cov (`policy_loss=kl_cov`): share of a mini-batch's loss tokens, those of largest cov,
+    penalised by `ppo_kl_coef` x |logp - old_logp|. These five keys: verl's names and defaults."""
+
+    ppo_kl_coef: float = 0.1
+    """KL-Cov: weight of the |logp - old_logp| penalty on the selected tokens."""
+
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Truncated importance weights, rejection by the engine/trainer ratio (off by default)."""
+
+    entropy_filter: EntropyFilterConfig = field(default_factory=EntropyFilterConfig)
+    """Train only on responses of high mean token entropy (off by default)."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
-        out: list[ConfigProblem] = []
+        out: list[ConfigProblem] = self.filter_groups.problems(f"{prefix}.filter_groups")
+        out += algorithm_variant_problems(self, prefix)
         if self.loss_scale_factor is not None:
             out += check_positive(f"{prefix}.loss_scale_factor", self.loss_scale_factor)
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coeff"):
@@ -540,6 +626,9 @@ class AlgorithmConfig:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name} to a non-negative number"))
         if self.clip_ratio_low >= 1:
             out.append(ConfigProblem(f"{prefix}.clip_ratio_low", self.clip_ratio_low, "must be < 1", "set algorithm.clip_ratio_low=0.2"))
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be in [0, 1]", f"set {prefix}.{name}=1.0"))
         return out
 
 
@@ -592,6 +681,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def _multi_turn_problems(self) -> list[ConfigProblem]:
@@ -609,8 +699,9 @@ class RunConfig:
         from packrl.seqlen.budgets import Budgets
 
         out: list[ConfigProblem] = []
-        for name in ("model", "data", "rollout", "reward", "train", "algorithm", "trainer"):
+        for name in ("model", "data", "rollout", "reward", "train", "algorithm", "critic", "trainer"):
             out += getattr(self, name).problems(name)
+        out += critic_problems(self)
         out += Budgets.from_config(self, max_context_tokens=None).problems()
         out += self._multi_turn_problems()
         mini = self.train.mini_batch_size
@@ -641,6 +732,7 @@ class RunConfig:
         if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "rloo"):
             out.append(ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {self.algorithm.adv_estimator} (one response per group)",
                                      "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
+        out += self.algorithm.filter_groups.relation_problems("algorithm.filter_groups", self.rollout.n)
         if self.algorithm.kl_in_reward and self.algorithm.kl_coef == 0:
             out.append(ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
                                      "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false", keys=("algorithm.kl_in_reward", "algorithm.kl_coef")))
@@ -651,4 +743,5 @@ class RunConfig:
                 "set reward.overlong_buffer_tokens below the response budget",
                 keys=("reward.overlong_buffer_tokens", "rollout.max_response_tokens"),
             ))
+        out += overlong_buffer_problems(self.rollout.max_response_tokens_schedule, self.rollout.max_response_tokens, buffer)
         return out

@@ -2,7 +2,8 @@
 
 The buckets are 4 equal-width ranges of ``rollout.max_response_tokens`` = M, with integer edges
 ``k * M // 4``; the last includes the cap: M = 64 gives 0-16, 16-32, 32-48, 48-65. A value
-lands in ``[lo, hi)``. Keys name the bounds: ``bucket/score/16-32``.
+lands in ``[lo, hi)``. Keys name the bounds: ``bucket/score/16-32``. Under a length curriculum
+M is the largest stage (``rollout.max_response_tokens``), so the keys do not change between stages.
 """
 
 from __future__ import annotations

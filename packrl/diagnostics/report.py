@@ -137,13 +137,14 @@ def _length_section(run: RunData) -> Section:
     per_step = {s: [n for r in rows if (n := figs.as_number(r.get("response_tokens"))) is not None]
                 for s, rows in run.rollouts.items()}
     title = "Response length over steps"
-    figure = figs.length_from_rollouts(per_step, budget)
+    figure = figs.add_step_budget(figs.length_from_rollouts(per_step, budget), run.metrics)
     if figure is not None:
         return Section("length", title, "Response tokens per step from rollouts/step_N.jsonl: p10-p90 band, "
-                       "median (p50) and longest; the dashed line is rollout.max_response_tokens.", figure)
+                       "median (p50) and longest; the dashed line is rollout.max_response_tokens (under a length "
+                       "curriculum the largest stage; the stepped line is each step's budget).", figure)
     caption = ("Response tokens per step from metrics.jsonl (response_length/min|mean|max); set "
                "train.dump_rollouts=true for percentile bands.")
-    figure = figs.length_from_metrics(run.metrics, budget)
+    figure = figs.add_step_budget(figs.length_from_metrics(run.metrics, budget), run.metrics)
     return _plain_section("length", title, caption, figure, "no response_length/* metrics in metrics.jsonl")
 
 
@@ -288,7 +289,8 @@ def _section_html(section: Section) -> str:
 def _header_html(run: RunData) -> str:
     steps = [int(m["step"]) for m in run.metrics]
     facts = [f"{len(steps)} step(s), {min(steps)}-{max(steps)}"]
-    for key in ("model.path", "rollout.max_response_tokens", "train.max_tokens_per_microbatch", "algorithm.adv_estimator"):
+    for key in ("model.path", "rollout.max_response_tokens", "rollout.max_response_tokens_schedule", "train.max_tokens_per_microbatch",
+                "algorithm.adv_estimator"):
         value = run.config_value(key)
         if value is not None:
             facts.append(f"{key}={value}")

@@ -23,7 +23,7 @@ Metrics = Sequence[dict[str, Any]]
 FINISH_REASONS: tuple[str, ...] = ("eos", "stop", "length", "context", "abort")
 """Finish reasons in the order they stack (see DESIGN.md, glossary)."""
 
-_STAGE_ORDER: tuple[str, ...] = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
+_STAGE_ORDER: tuple[str, ...] = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 _BUCKET = re.compile(r"^bucket/(?P<metric>[^/]+)/(?P<lo>\d+)-(?P<hi>\d+)$")
 _HEIGHT_PX = 380
 
@@ -109,6 +109,16 @@ def length_from_metrics(metrics: Metrics, budget: int | None) -> go.Figure | Non
         return None
     _add_budget(fig, budget, "rollout.max_response_tokens")
     return _layout(fig, y_title="response tokens")
+
+
+def add_step_budget(fig: go.Figure | None, metrics: Metrics) -> go.Figure | None:
+    """``fig`` with each step's response budget (``rollout/max_response_tokens``, tokens) as a
+    stepped line when it changes over the run (a length curriculum); ``fig`` as it is otherwise."""
+    steps, values = series(metrics, "rollout/max_response_tokens")
+    if fig is not None and len(set(values)) > 1:
+        fig.add_trace(go.Scatter(x=steps, y=values, name="budget of the step (length curriculum)", mode="lines",
+                                 line={"color": "#555", "width": 1, "shape": "hv"}))
+    return fig
 
 
 def _add_budget(fig: go.Figure, budget: int | float | None, key: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from packrl.algos.policy_losses import prepare_update
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer
@@ -37,8 +38,9 @@ from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.seqlen.stepwise import step_samples
 from packrl.seqlen.update_plan import UpdatePlan, groups_of, plan_ranks, plan_update
-from packrl.types import PromptBatch, RolloutBatch, TrainBatch
+from packrl.types import PromptBatch, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
+from packrl.worker.critic import critic_metrics
 from packrl.worker.policy import Role, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -156,11 +158,49 @@ class WorkerGroup:
             logprobs, entropy = steps.stitch(logprobs, lengths), steps.stitch(entropy, lengths)
         return LogprobResult(logprobs, entropy, tuple(mb for p in ranks.ranks for mb in p.microbatches))
 
-    def plan_update(self, batch: TrainBatch, groups: list[int] | None = None, units: list[int] | None = None) -> UpdatePlan:
+    def compute_values(self, rollout: RolloutBatch) -> ValueEstimates | None:
+        """The critic's values of every response (`packrl.worker.critic.compute_values`), planned
+        like the log-prob passes (``train.max_tokens_per_logprob_microbatch``); None without a critic."""
+        if not self.plan.has_critic:
+            return None
+        steps = step_samples(rollout)
+        scored = rollout if steps is None else steps.rollout
+        ranks = plan_ranks(scored.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch,
+                           balance=self.cfg.train.balance_microbatches, budget_key="train.max_tokens_per_logprob_microbatch",
+                           packed=self.packing.packs)
+        shared = self.transport.share(scored)
+        values = ranks.restore(self.transport.call("compute_values", [(shared, p.microbatches) for p in ranks.ranks]))
+        per_token, bootstrap = tuple(v for v, _ in values), [b for _, b in values]
+        if steps is None:
+            return ValueEstimates(per_token, torch.tensor(bootstrap, dtype=torch.float32))
+        return ValueEstimates(steps.stitch(per_token, [len(r.response_ids) for r in rollout.responses]), steps.last_of(bootstrap))
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        """One critic update on every rank, planned like the actor's under ``critic.max_tokens_per_microbatch``;
+        returns ``critic/*`` metrics (`packrl.worker.critic.critic_metrics`), none without a critic."""
+        if not self.plan.has_critic:
+            return {}
+        budget = self.cfg.critic.max_tokens_per_microbatch or self.cfg.train.max_tokens_per_microbatch
+        trained, plan = self._planned(batch, budget)
+        results = self.transport.call("update_critic", [(self.transport.share(trained), plan)] * self.transport.num_ranks)
+        return critic_metrics(results)
+
+    def _planned(self, batch: TrainBatch, max_tokens: int) -> tuple[TrainBatch, UpdatePlan]:
+        """The batch an update trains (the step-wise samples' batch when turns were dropped,
+        `packrl.seqlen.stepwise`) and its plan under ``max_tokens`` per micro-batch."""
+        steps = step_samples(batch.rollout)
+        if steps is None:
+            return batch, self.plan_update(batch, max_tokens=max_tokens)
+        trained = steps.train_batch(batch)
+        return trained, self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of), max_tokens=max_tokens)
+
+    def plan_update(self, batch: TrainBatch, groups: list[int] | None = None, units: list[int] | None = None,
+                    max_tokens: int | None = None) -> UpdatePlan:
         """The step's `UpdatePlan`: mini-batches of ``train.mini_batch_size`` prompts, each split
         over the ranks under ``train.max_tokens_per_microbatch``, with global denominators.
         ``groups`` / ``units``: the prompt and the trajectory of each sequence of a step-wise
         samples' batch (`packrl.seqlen.update_plan.plan_update`); default: whole responses.
+        ``max_tokens``: the per-rank micro-batch budget (default ``train.max_tokens_per_microbatch``).
 
         Raises:
             ValueError: a sequence over the micro-batch budget (named by index).
@@ -169,22 +209,25 @@ class WorkerGroup:
         return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], units=units,
                            groups=groups, mini_batch_prompts=self.plan.mini_batch_prompts,
                            num_epochs=self.plan.num_epochs, num_ranks=self.num_ranks,
-                           max_tokens=self.cfg.train.max_tokens_per_microbatch * self.plan.sequence_parallel_size,
+                           max_tokens=(max_tokens or self.cfg.train.max_tokens_per_microbatch) * self.plan.sequence_parallel_size,
                            balance=self.cfg.train.balance_microbatches,
                            loss_scale_factor=self.plan.loss_scale_factor, packed=self.packing.packs)
 
-    def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer()) -> dict[str, float]:
+    def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer(), step: int = 1) -> dict[str, float]:
         """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,
         ``seqlen/*``, ``bucket/*`` metrics (`update_metrics`), with several ranks
         ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches), and
-        for a rollout trained as step-wise samples ``seqlen/num_step_samples`` (sequences trained).
+        for a rollout trained as step-wise samples ``seqlen/num_step_samples`` (sequences trained),
+        and the metrics of the policy loss's ``prepare`` (`packrl.algos.policy_losses.prepare_update`).
+        At a ``step`` within ``critic.warmup_steps`` the actor does not train: ``{"critic/warmup": 1.0}``.
         ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
+        if step <= self.cfg.critic.warmup_steps and self.plan.has_critic:
+            return {"critic/warmup": 1.0}  # only the critic trains yet (critic.warmup_steps)
         steps = step_samples(batch.rollout)
-        if steps is None:
-            trained, plan = batch, self.plan_update(batch)
-        else:
-            trained = steps.train_batch(batch)
-            plan = self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of))
+        trained, plan = self._planned(batch, self.cfg.train.max_tokens_per_microbatch)
+        # a loss that chooses tokens over whole mini-batches (Clip-Cov, KL-Cov) does it here, once,
+        # seeded by the step's seed (the loop reseeds torch every step)
+        trained, prepared = prepare_update(trained, [mb.sequences for mb in plan.minibatches], self.cfg.algorithm, torch.initial_seed())
         shared = self.transport.share(trained)
         own = tracer if self.transport.in_process else None
         results = self.transport.call("update", [(shared, plan, own)] * self.transport.num_ranks)
@@ -197,7 +240,7 @@ class WorkerGroup:
             for key, name in self.transport.trace_links().items():
                 tracer.link(key, name)
             self._linked = True
-        metrics = update_metrics([stats for stats, _ in results], batch, self.cfg.rollout.max_response_tokens)
+        metrics = update_metrics([stats for stats, _ in results], batch, self.cfg.rollout.max_response_tokens) | prepared
         metrics |= {"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {}
         metrics |= {"seqlen/num_step_samples": float(len(trained.rollout))} if steps is not None else {}
         return metrics | ({"seqlen/sequence_parallel_size": float(self.plan.sequence_parallel_size)}

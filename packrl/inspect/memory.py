@@ -15,6 +15,11 @@ strategy `packrl.worker.strategy.weight_layout` names for the config):
   (``rollout.engine=vllm``), none otherwise.
 - trainable parameters (all, or the LoRA adapters): gradients 4 bytes and AdamW's two moments
   8 bytes each (Loshchilov & Hutter 2019), allocated at the first optimizer step.
+- the critic of PPO (``critic.enable``, by default with ``adv_estimator=gae``): the policy's
+  architecture (its shape is used even when ``critic.model.path`` names another checkpoint),
+  float32 weights and AdamW's moments held throughout, 12 bytes per parameter (split D ways
+  under FSDP2); its update and value passes run when the actor's do not, and need less than the
+  actor's (no LM head), so they add no phase of their own.
 - under FSDP2 (``trainer.num_workers = D > 1``): parameters, reference, gradients and moments
   are split D ways; while it computes a rank gathers whole units: the root (embeddings, final
   norm, LM head) and up to two decoder layers (the current one and the prefetched next).
@@ -250,6 +255,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,
         "parameters (float32)": 4 * shape.num_params // shards,
         "reference model": 4 * shape.num_params // shards if cfg.algorithm.kl_coef > 0 and not lora else 0,
+        "critic (float32 weights + AdamW states)": 12 * shape.num_params // shards if cfg.critic.enabled(cfg.algorithm.adv_estimator) else 0,
         "rollout engine copy": engine_copy * shape.num_params,
         "gathered parameters (FSDP2)": 4 * (shape.num_params - shape.num_matmul_params + 2 * layer_params) if layout.gathers_layers else 0,
         "gradients": 4 * trainable // shards,
@@ -260,6 +266,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
     }
     held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout engine copy"]
+    held += parts["critic (float32 weights + AdamW states)"]
     held += parts["gathered parameters (FSDP2)"]
     # Gradients fill in while the backward frees activations: at its peak (its start) only the LM
     # head's gradient exists; all gradients together are counted in the optimizer step.

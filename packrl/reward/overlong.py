@@ -22,7 +22,8 @@ def soft_overlong_penalty(response_tokens: int, max_response_tokens: int, buffer
 
     Args:
         response_tokens: tokens in the response (an EOS that ended it included).
-        max_response_tokens: ``rollout.max_response_tokens``.
+        max_response_tokens: the budget the response was sampled with (``rollout.max_response_tokens``,
+            or the current stage's under ``rollout.max_response_tokens_schedule``).
         buffer_tokens: ``reward.overlong_buffer_tokens``; 0 = off.
         penalty_factor: ``reward.overlong_penalty_factor``, the penalty at and beyond the budget.
 

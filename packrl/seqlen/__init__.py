@@ -11,6 +11,7 @@ from packrl._lazy import lazy_exports
 _EXPORTS = {
     "Budgets": "budgets",
     "model_context_tokens": "budgets",
+    "ResponseBudgetSchedule": "curriculum",
     "PolicyResult": "prompt_policy",
     "Prompt": "prompt_policy",
     "PromptAccounting": "prompt_policy",

@@ -8,10 +8,12 @@ sequence the rollout may produce.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from packrl.errors import ConfigError, ConfigProblem, check_positive
+from packrl.seqlen.curriculum import KEY as SCHEDULE_KEY
+from packrl.seqlen.curriculum import ResponseBudgetSchedule, schedule_problems
 
 if TYPE_CHECKING:
     from packrl.config.schema import RunConfig
@@ -89,6 +91,11 @@ class Budgets:
     """Multi-turn budgets ``(max_turns, max_tokens_per_turn, max_trajectory_tokens,
     max_tool_response_tokens)`` as set in ``rollout.multi_turn`` (None = the default: the
     response budget, prompt + response); None when multi-turn is off."""
+    response_stages: tuple[tuple[int, int], ...] = ()
+    """A length curriculum's stages ``((first_step, max_response_tokens), ...)``
+    (``rollout.max_response_tokens_schedule``; `packrl.seqlen.curriculum`); () = none. The
+    context and micro-batch relations are checked for every stage, each problem naming its stage;
+    ``max_response_tokens`` is the largest stage."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, max_context_tokens: int | None, rope_factor: float = 1.0) -> Budgets:
@@ -102,6 +109,7 @@ class Budgets:
             sequence_parallel_size=cfg.trainer.sequence_parallel_size,
             context_policy=cfg.rollout.multi_turn.context_policy if cfg.rollout.multi_turn.enabled else "error",
             multi_turn=_multi_turn(cfg),
+            response_stages=_response_stages(cfg),
         )
 
     @classmethod
@@ -142,6 +150,27 @@ class Budgets:
                                      "fix max_position_embeddings in the model's config.json"))
         if out:
             return out
+        return self._stage_problems() + self._multi_turn_problems()
+
+    def _stage_problems(self) -> list[ConfigProblem]:
+        """The context and micro-batch relations for the response budget, or for every stage of a
+        length curriculum, each problem then naming its stage and ``rollout.max_response_tokens_schedule``."""
+        if not self.response_stages:
+            return self._relation_problems()
+        schedule = ResponseBudgetSchedule(self.response_stages)
+        out = []
+        for i, (start, budget) in enumerate(self.response_stages):
+            for p in replace(self, max_response_tokens=budget, response_stages=())._relation_problems():
+                key, value = (SCHEDULE_KEY, [start, budget]) if p.key == "rollout.max_response_tokens" else (p.key, p.value)
+                out.append(ConfigProblem(
+                    key, value, f"in {schedule.label(i)}, whose budget stands for rollout.max_response_tokens: {p.message}",
+                    f"{p.fix} (stage {i + 1}'s budget is {SCHEDULE_KEY}[{i}][1]; the largest stage is rollout.max_response_tokens)",
+                    keys=tuple(dict.fromkeys((key, SCHEDULE_KEY, *p.involved_keys)))))
+        return out
+
+    def _relation_problems(self) -> list[ConfigProblem]:
+        """Prompt + response against the model context, and the micro-batch budgets against the longest sequence."""
+        out: list[ConfigProblem] = []
         seq = self.max_sequence_tokens
         if self.max_context_tokens is not None and seq > self.max_context_tokens and not self.context_bounded:
             out.append(ConfigProblem(
@@ -152,7 +181,6 @@ class Budgets:
                                                            "their oldest turns: rollout.multi_turn.context_policy=end|rolling)" if self.multi_turn else ""),
                 keys=("rollout.max_response_tokens", "data.max_prompt_tokens"),
             ))
-        out += self._multi_turn_problems()
         size = max(1, self.sequence_parallel_size)
         longest = f"the longest possible sequence data.max_prompt_tokens + rollout.max_response_tokens = {seq:,}"
         if seq < self.max_prompt_tokens + self.max_response_tokens:
@@ -204,13 +232,15 @@ class Budgets:
             context = f"{self.max_context_tokens:>9,}  (RoPE factor {self.rope_factor:g})"
         rows = [
             ("prompt", "data.max_prompt_tokens", f"{self.max_prompt_tokens:>9,}"),
-            ("response", "rollout.max_response_tokens", f"{self.max_response_tokens:>9,}"),
+            ("response", "rollout.max_response_tokens", f"{self.max_response_tokens:>9,}" + ("  (the largest stage)" if self.response_stages else "")),
             ("sequence", "prompt + response" + (", at most the context" if self.context_bounded else ""), f"{seq:>9,}"),
             ("model context", "model config", context),
             ("update micro-batch", "train.max_tokens_per_microbatch", self._pack_row(self.max_tokens_per_microbatch, self.pack_tokens)),
             ("log-prob micro-batch", "train.max_tokens_per_logprob_microbatch",
              self._pack_row(self.max_tokens_per_logprob_microbatch, self.logprob_pack_tokens)),
         ]
+        if self.response_stages:
+            rows.insert(2, ("response by step", SCHEDULE_KEY, f"{'':>9}  {ResponseBudgetSchedule(self.response_stages).describe()}"))
         if self.multi_turn is not None:
             turns, per_turn, trajectory, tool = self.multi_turn
             trajectory = min(trajectory or self.max_prompt_tokens + self.max_response_tokens, seq)
@@ -240,6 +270,14 @@ class Budgets:
 
     def __str__(self) -> str:
         return self.plan()
+
+
+def _response_stages(cfg: RunConfig) -> tuple[tuple[int, int], ...]:
+    """The curriculum's stages; () without one, or while it is malformed (its own problems say how)."""
+    raw = cfg.rollout.max_response_tokens_schedule
+    if raw is None or schedule_problems(raw, cfg.rollout.max_response_tokens):
+        return ()
+    return tuple((start, budget) for start, budget in raw)
 
 
 def _multi_turn(cfg: RunConfig) -> tuple[int, int | None, int | None, int] | None:

@@ -64,6 +64,14 @@ class StepSamples:
             out[t][start:start + len(v)] = v
         return tuple(out)
 
+    def last_of(self, per_sample: Sequence[float]) -> torch.Tensor:
+        """Per trajectory, the value of its last sample (e.g. the value after its last token).
+        Shape [N], float32."""
+        out = torch.zeros(self.num_trajectories)
+        for value, t in zip(per_sample, self.trajectory_of):
+            out[t] = float(value)  # samples are in order: the last one of t writes last
+        return out
+
     def fold(self, per_sample: torch.Tensor) -> torch.Tensor:
         """Per-sample sums (Shape [S]) added up per trajectory: Shape [N], same dtype."""
         index = torch.tensor(self.trajectory_of, dtype=torch.long)
@@ -71,7 +79,8 @@ class StepSamples:
 
     def train_batch(self, batch: TrainBatch) -> TrainBatch:
         """``batch`` (per trajectory) as the samples' batch: rewards, scores, advantages, loss
-        masks and log-probs sliced to each sample's stretch; ``trajectory_loss_tokens`` set."""
+        masks, log-probs, values, returns and extras sliced to each sample's stretch;
+        ``trajectory_loss_tokens`` set."""
         def sliced(values: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
             if values is None:
                 return None
@@ -82,7 +91,9 @@ class StepSamples:
         scored = ScoredBatch(self.rollout, batch.scored.scores[index], batch.scored.rewards[index])
         counts = [int(m.sum()) for m in batch.loss_masks]
         return TrainBatch(scored, sliced(batch.advantages), sliced(batch.loss_masks), sliced(batch.old_logprobs),
-                          sliced(batch.ref_logprobs), trajectory_loss_tokens=tuple(counts[t] for t in self.trajectory_of))
+                          sliced(batch.ref_logprobs), trajectory_loss_tokens=tuple(counts[t] for t in self.trajectory_of),
+                          values=sliced(batch.values), returns=sliced(batch.returns),
+                          extras={name: sliced(values) for name, values in batch.extras.items()})
 
 
 def _runs(response: Response) -> list[tuple[int, int, int]]:

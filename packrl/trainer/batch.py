@@ -10,10 +10,13 @@ from dataclasses import replace
 import torch
 
 from packrl.algos.advantages import AdvantageInputs, check_advantages
+from packrl.algos.gae import gae_of
+from packrl.algos.entropy_filter import apply_entropy_filter
 from packrl.algos.losses import kl_penalty
+from packrl.algos.rollout_correction import apply_rollout_correction
 from packrl.config.schema import AlgorithmConfig
 from packrl.registry import ADVANTAGE_ESTIMATORS
-from packrl.types import ScoredBatch, TrainBatch
+from packrl.types import ScoredBatch, TrainBatch, ValueEstimates
 
 
 def loss_masks(scored: ScoredBatch, truncated: str) -> tuple[torch.Tensor, ...]:
@@ -33,6 +36,9 @@ def build_train_batch(
     old_logprobs: tuple[torch.Tensor, ...] | None,
     ref_logprobs: tuple[torch.Tensor, ...] | None,
     cfg: AlgorithmConfig,
+    values: ValueEstimates | None = None,
+    *,
+    old_entropy: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """Advantages for every response token (``algorithm.adv_estimator``, looked up in
     `packrl.registry.ADVANTAGE_ESTIMATORS`) and the batch the update consumes.
@@ -42,9 +48,17 @@ def build_train_batch(
     ``old_logprobs`` is None when the update is on-policy (`packrl.config.plan.BatchPlan`). The
     batch's ``scored.rewards`` are the rewards the advantages were computed from (KL-shaped if asked).
 
+    With the critic's ``values`` (PPO with a critic) the estimator may read them, and the batch
+    carries them with the critic's targets, the GAE returns (`packrl.algos.gae`).
+
+    After the truncation policy, `response_filters` may take whole responses out of the loss
+    (rollout-correction rejection, the entropy filter; ``old_entropy``: the old-log-prob pass's
+    entropy, ``N`` x Shape [R_i] float32 nats) and add per-token extras for the loss.
+
     Returns:
         ``(batch, metrics)``; metrics hold ``seqlen/masked_tokens/truncated`` (loss tokens removed
-        by ``algorithm.truncated=mask``) and, with in-reward KL, ``critic/kl_in_reward/mean``.
+        by ``algorithm.truncated=mask``), with in-reward KL ``critic/kl_in_reward/mean``,
+        with values `value_metrics`, and those of `response_filters`.
 
     Raises:
         ValueError: an unknown estimator, or one that does not return one value per response token.
@@ -59,9 +73,46 @@ def build_train_batch(
         rewards = rewards - cfg.kl_coef * seq_kl
         metrics["critic/kl_in_reward/mean"] = seq_kl.mean().item()
     inputs = AdvantageInputs(scored=scored, rewards=rewards, response_masks=generated, old_logprobs=old_logprobs,
-                             ref_logprobs=ref_logprobs, cfg=cfg)
+                             ref_logprobs=ref_logprobs, cfg=cfg, values=values and values.values, bootstrap_values=values and values.bootstrap)
     advantages = check_advantages(ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator)(inputs), inputs)
+    returns = None if values is None else gae_of(inputs)[1]
+    metrics |= {} if values is None else value_metrics(values.values, returns, generated)
     masks = loss_masks(scored, cfg.truncated)
     metrics["seqlen/masked_tokens/truncated"] = float(sum(int((g & ~m).sum()) for g, m in zip(generated, masks)))
-    batch = TrainBatch(replace(scored, rewards=rewards), advantages, masks, old_logprobs, ref_logprobs)
-    return batch, metrics
+    masks, extras, filter_metrics = response_filters(scored, old_logprobs, old_entropy, masks, cfg)
+    batch = TrainBatch(replace(scored, rewards=rewards), advantages, masks, old_logprobs, ref_logprobs,
+                       values=values and values.values, returns=returns, extras=extras)
+    return batch, metrics | filter_metrics
+
+
+def response_filters(scored: ScoredBatch, old_logprobs: tuple[torch.Tensor, ...] | None, old_entropy: tuple[torch.Tensor, ...] | None,
+                     masks: tuple[torch.Tensor, ...], cfg: AlgorithmConfig) -> tuple[tuple[torch.Tensor, ...], dict, dict[str, float]]:
+    """Loss masks after ``algorithm.rollout_correction`` (rejection; token weights as extras,
+    `packrl.algos.rollout_correction`) and then ``algorithm.entropy_filter``
+    (`packrl.algos.entropy_filter`), on the controller before the update plan counts the
+    denominators; each is a no-op when off. Returns ``(masks, extras, metrics)``.
+
+    Raises:
+        ValueError: a filter is on but its inputs (engine log-probs, old log-probs, entropy) are missing.
+    """
+    responses = scored.rollout.responses
+    masks, extras, metrics = apply_rollout_correction(responses, old_logprobs, masks, cfg.rollout_correction)
+    masks, entropy_metrics = apply_entropy_filter(old_entropy, [r.generated_mask() for r in responses], masks, cfg.entropy_filter)
+    return masks, extras, metrics | entropy_metrics
+
+
+def value_metrics(values: tuple[torch.Tensor, ...], returns: tuple[torch.Tensor, ...],
+                  masks: tuple[torch.Tensor, ...]) -> dict[str, float]:
+    """``critic/values/mean|max|min``, ``critic/returns/mean|max|min`` and
+    ``critic/vf_explained_var`` = 1 - Var(returns - values) / Var(returns) over the policy's
+    tokens (verl's names and formula, ``metric_utils.compute_data_metrics``)."""
+    v = torch.cat([x[m] for x, m in zip(values, masks)]) if values else torch.zeros(0)
+    r = torch.cat([x[m] for x, m in zip(returns, masks)]) if returns else torch.zeros(0)
+    if v.numel() == 0:
+        return {}
+    out = {}
+    for name, x in (("values", v), ("returns", r)):
+        out |= {f"critic/{name}/mean": float(x.mean()), f"critic/{name}/max": float(x.max()), f"critic/{name}/min": float(x.min())}
+    if r.numel() > 1:
+        out["critic/vf_explained_var"] = 1.0 - float((r - v).var()) / (float(r.var()) + 1e-5)
+    return out

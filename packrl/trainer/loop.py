@@ -1,6 +1,6 @@
 """The single-controller training loop. It reads top to bottom as one RL step:
 
-    prompts -> gen -> reward -> old_log_prob -> ref -> adv -> update_actor -> metrics
+    prompts -> gen -> reward -> old_log_prob -> ref -> values -> adv -> update_critic -> update_actor -> metrics
 
 and leaves its record in RUN_DIR: metrics.jsonl, rollouts/step_N.jsonl (``train.dump_rollouts``)
 and trace.json (``train.trace``; stage spans from the stage timers, micro-batch spans from the update).
@@ -24,12 +24,14 @@ from packrl.diagnostics.trace import build_tracer
 from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer
-from packrl.reward.score import check_reward, score_rollout
+from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import Budgets
+from packrl.seqlen.curriculum import ResponseBudgetSchedule
 from packrl.trainer.batch import build_train_batch
 from packrl.worker.checkpoint import resume_candidates
 from packrl.trainer.run import Run, due, seed_everything
+from packrl.trainer.sampling import sampling_stage
 from packrl.trainer.validate import validate
 
 logger = logging.getLogger(__name__)
@@ -82,31 +84,35 @@ def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampl
 def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
     """Steps after the last completed one up to ``train.total_steps``, each logged (and checkpointed when due)."""
     sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-    sampling = SamplingParams.from_config(cfg.rollout)
+    schedule = ResponseBudgetSchedule.from_config(cfg.rollout)  # the response budget of each step (length curriculum)
     tracer = build_tracer(cfg.train.trace, run.dir)
     dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
+    sample = sampling_stage(cfg, sampler, workers)  # one round, or rounds until the batch is full (filter_groups)
     total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
     for step in range(_resume(cfg, run, workers, sampler) + 1, total + 1):
         seed_everything(cfg.train.seed * 1_000_003 + step)
+        sampling = SamplingParams.from_config(cfg.rollout, max_response_tokens=schedule.at(step),
+                                              return_logprobs=workers.plan.return_logprobs)
         timing: dict[str, float] = {}
         spans: list[Span] = []
         with stage_timer(timing, "step", spans):
-            prompts = sampler.next_batch()
-            with stage_timer(timing, "gen", spans):
-                rollout = workers.generate(prompts, sampling)
-            with stage_timer(timing, "reward", spans):
-                scored = score_rollout(rollout, workers.tokenizer, cfg.reward, max_response)
+            rollout, scored, sample_metrics = sample(sampling, timing, spans)  # prompts -> gen -> reward
             with stage_timer(timing, "old_log_prob", spans):
                 old = workers.compute_logprobs(rollout, "actor")
             with stage_timer(timing, "ref", spans):
                 ref = workers.compute_logprobs(rollout, "ref")
+            with stage_timer(timing, "values", spans):
+                values = workers.compute_values(rollout)  # None without a critic
             with stage_timer(timing, "adv", spans):
-                batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm)
+                batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm, values,
+                                                       old_entropy=old and old.entropy)
+            with stage_timer(timing, "update_critic", spans):
+                critic_metrics = workers.update_critic(batch)  # {} without a critic
             with stage_timer(timing, "update_actor", spans):
-                update_metrics = workers.update(batch, tracer)
-        metrics = rollout_metrics(rollout) | score_metrics(batch) | adv_metrics | update_metrics
+                update_metrics = workers.update(batch, tracer, step)
+        metrics = schedule.metrics(step) | rollout_metrics(rollout) | score_metrics(batch) | adv_metrics | critic_metrics | update_metrics
         metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old and old.logprobs, max_response)
-        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics()
+        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics() | sample_metrics
         if val_set is not None and due(step, cfg.train.val_every, total):
             metrics |= validate(workers, val_set, cfg)
         dump_rollouts(step, batch)

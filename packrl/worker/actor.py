@@ -25,6 +25,7 @@ import torch
 from packrl.algos.loss_agg import aggregate_loss
 from packrl.algos.losses import kl_penalty
 from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLossOutput
+from packrl.algos.rollout_correction import weighted_token_loss
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
@@ -221,7 +222,9 @@ class MicrobatchLoss:
 
 def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, den: LossDenominators, loss: MicrobatchLoss,
                     totals: StepTotals, sums: ResponseSums) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss: the policy loss aggregated by
+    """This micro-batch's share of the mini-batch loss: the policy loss (times the truncated
+    importance weights of ``algorithm.rollout_correction`` when the batch carries them; the
+    batch's ``extras`` reach the loss laid over the pack) aggregated by
     ``algorithm.loss_agg_mode``, plus ``kl_coef`` x the KL to the reference (unless it is in the
     reward), minus ``entropy_coeff`` x the entropy. Adds the micro-batch's metrics to ``totals``."""
     algo, rollout = loss.algo, batch.rollout
@@ -236,11 +239,13 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     logprobs = out.token_logprobs
     old = logprobs.detach() if batch.old_logprobs is None else _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
     ref = None if batch.ref_logprobs is None else _scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
+    extras = {name: _scatter_response(pack, rollout, values, 0) for name, values in batch.extras.items()}
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=_scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
-                              rollout_logprobs=_rollout_logprobs(pack, rollout))
+                              rollout_logprobs=_rollout_logprobs(pack, rollout), extras=extras)
     result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
-    pg = aggregate_loss(result.token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
+    token_loss = weighted_token_loss(result.token_loss, extras)  # x the truncated importance weights, when set
+    pg = aggregate_loss(token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
     ent = aggregate_loss(out.entropy, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
     total = pg - algo.entropy_coeff * ent
     clipped = result.clipped if result.clipped is not None else torch.zeros_like(mask)

@@ -30,7 +30,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimizer_state: dict, trainer_state: dict,
-                    keep_last: int | None = None, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                    keep_last: int | None = None, state_dict: dict[str, torch.Tensor] | None = None,
+                    extra_files: dict[str, Any] | None = None) -> Path:
     """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path; then, with
     ``keep_last`` (``train.keep_last``), delete the oldest complete checkpoints beyond that many.
 
@@ -44,6 +45,8 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
         state_dict: the weights to write instead of ``model``'s own (the gathered full state
             dict of an FSDP-sharded model; ``model`` is then an unsharded twin with the same
             architecture).
+        extra_files: ``file name -> object`` written with ``torch.save`` into the same folder
+            (the critic's state), inside the same atomic write.
     """
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -54,6 +57,8 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
         model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, tmp / name)
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         fsync_tree(tmp)
     except BaseException as err:  # an interrupted or failed write leaves nothing behind

@@ -2,7 +2,7 @@
 and on every data-parallel rank.
 
 A worker holds the actor, the frozen reference policy (when `BatchPlan.has_reference`), the
-rollout engine (``rollout.engine``), the optimizer, LR schedule and skip counter, the contexts
+critic (when `BatchPlan.has_critic`: `packrl.worker.critic`), the rollout engine (``rollout.engine``), the optimizer, LR schedule and skip counter, the contexts
 its forwards run in, and the checkpoint I/O. Its parallelism strategy
 (`packrl.worker.strategy`: `SingleProcess` for one worker, `FSDP2` for each of several) supplies
 wrapping, gradient sync, loss scaling, the rollout-weights gather and the state-dict I/O, so
@@ -43,6 +43,8 @@ from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
 from packrl.worker.actor import MicrobatchLoss, Optimization, SkipCounter, UpdateStats, compute_logprobs, run_update
 from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint
+from packrl.worker.critic import (CRITIC_FILE, CriticStats, compute_values, critic_optimization, load_critic, load_critic_weights,
+                                  run_critic_update)
 from packrl.worker.strategy import FSDP2, SingleProcess
 
 logger = logging.getLogger(__name__)
@@ -165,6 +167,11 @@ class PolicyWorker:
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
                                 grad_clip=cfg.train.grad_clip)
         self.loss = MicrobatchLoss.from_config(cfg)
+        self.critic = None
+        if self.plan.has_critic:
+            self.critic = load_critic(cfg, strategy.device)
+            strategy.wrap(self.critic)
+            self.critic_opt = critic_optimization(self.critic, cfg)
         return WorkerInfo(max_context, rope_factor, summary, packing)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -241,17 +248,60 @@ class PolicyWorker:
         self.engine.load_weights(self.strategy.rollout_weights(self.model))
         return stats, ([] if tracer is not None else recorder.spans)
 
+    def compute_values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, float]]:
+        """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.compute_values`)."""
+        assert self.critic is not None, "the controller asks for values only when the run has a critic"
+        result = compute_values(self.critic, rollout, microbatches, context=self.autocast)
+        self.strategy.after_no_grad(self.critic)
+        return result
+
+    def update_critic(self, batch: TrainBatch, plan: UpdatePlan) -> CriticStats:
+        """This rank's part of ``plan`` for the critic (`packrl.worker.critic.run_critic_update`)."""
+        assert self.critic is not None, "the controller updates the critic only when the run has one"
+        return run_critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
+                                 context=self.autocast, cliprange=self.cfg.critic.cliprange_value,
+                                 mode=self.cfg.algorithm.loss_agg_mode, parallel=self.strategy.parallel(self.critic))
+
+    def _critic_state(self) -> dict | None:
+        """The critic's full weights, optimizer, schedule and skip counter (a collective under FSDP2)."""
+        if self.critic is None:
+            return None
+        weights = self.strategy.full_weights(self.critic)
+        return {"weights": self.critic.state_dict() if weights is None else weights,
+                "optimizer": full_optimizer_state(self.critic, self.critic_opt.optimizer),
+                "scheduler": self.critic_opt.scheduler.state_dict(), "skips": self.critic_opt.skips.state_dict()}
+
+    def _load_critic(self, path: Path) -> None:
+        """Restore the critic from ``path``'s `CRITIC_FILE`.
+
+        Raises:
+            ValueError: the checkpoint has no critic (a run without one wrote it) or one that does not fit.
+        """
+        if self.critic is None:
+            return
+        file = path / CRITIC_FILE
+        if not file.is_file():
+            raise ValueError(f"{path} holds no critic ({CRITIC_FILE}): it was written by a run without one; resume it "
+                             "with its own algorithm.adv_estimator / critic.enable, or start a new run")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        load_critic_weights(self.critic, state["weights"])
+        load_optimizer_and_schedule(self.critic, self.critic_opt.optimizer, self.critic_opt.scheduler,
+                                    {"optimizer": state["optimizer"], "scheduler": state["scheduler"]}, self.cfg.critic.lr, file)
+        self.critic_opt.skips.load_state_dict(state.get("skips", {}))
+
     def save_checkpoint(self, run_dir: str | Path, step: int, trainer_state: dict) -> str | None:
         """Write ``run_dir/checkpoints/step_N`` (full weights and full optimizer state, gathered on
         every rank under FSDP2; written by rank 0). Returns its path on the writer, else None."""
         weights = self.strategy.full_weights(self.model)
         optimizer = full_optimizer_state(self.model, self.optimizer)
+        critic = self._critic_state()
         path = None
         if self.strategy.is_writer:
             path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer,
                                    optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
                                    trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()},
-                                   keep_last=self.cfg.train.keep_last, state_dict=weights)
+                                   keep_last=self.cfg.train.keep_last, state_dict=weights,
+                                   extra_files={CRITIC_FILE: critic} if critic is not None else None)
         self.strategy.barrier()
         return None if path is None else str(path)
 
@@ -267,6 +317,7 @@ class PolicyWorker:
         self.strategy.load_weights(self.model, path)
         load_optimizer_and_schedule(self.model, self.optimizer, self.opt.scheduler, optimizer_state, self.cfg.train.lr, path)
         self.opt.skips.load_state_dict(state.get("skips", {}))
+        self._load_critic(path)
         self.engine.load_weights(self.strategy.rollout_weights(self.model))
         return state
 

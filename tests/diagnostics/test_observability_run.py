@@ -16,7 +16,7 @@ import pytest
 from packrl.diagnostics.buckets import length_buckets
 from tests.diagnostics.tiny_run import tiny_run
 
-STAGES = {"gen", "reward", "old_log_prob", "ref", "adv", "update_actor"}
+STAGES = {"gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"}
 DUMP_KEYS = {
     "step": int, "index": int, "prompt_index": int, "sample_index": int, "row": int, "data_source": str, "prompt": str,
     "response": str, "prompt_tokens": int, "response_tokens": int, "finish_reason": str, "truncated": bool,

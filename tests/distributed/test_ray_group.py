@@ -169,3 +169,19 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, model_dir):
     outside = [(name, addr) for name, addr in listening if addr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
     assert not outside, f"sockets listening beyond loopback: {outside}"
     assert (tmp_path / "ray").exists(), "Ray's temp dir (or a link to it) lives in the run dir"
+
+
+def test_ppo_with_a_critic_trains_on_two_workers_as_in_one_process(tmp_path, model_dir):
+    """The critic is data-parallel like the actor: its weights, values and losses on 2 FSDP2 ranks
+    equal one process's."""
+    critic = ["algorithm.adv_estimator=gae", "critic.lr=1e-3", "train.total_steps=2"]
+    one = _run(tmp_path / "one", model_dir, 1, *critic)
+    two = _run(tmp_path / "two", model_dir, 2, *critic)
+    a, b = _lines(one), _lines(two)
+    for x, y in zip(a, b):
+        for key in ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "actor/pg_loss"):
+            assert y[key] == pytest.approx(x[key], abs=1e-5), key
+        assert y["critic/grad_norm"] == pytest.approx(x["critic/grad_norm"], rel=1e-4)
+    first, second = (torch.load(run / "checkpoints" / "step_2" / "critic.pt", weights_only=False)["weights"] for run in (one, two))
+    _assert_same_weights(first, second)
+    assert (first["value_head.bias"] != 0).any(), "the critic must actually train"

@@ -218,3 +218,54 @@ def test_the_worker_group_scores_and_trains_each_turn_in_its_context(smollm_toke
     sample = parse_sample(json.loads(json.dumps(rows[0])))
     assert sample.dropped_turns >= 1 and "dropped by the rolling window" in describe_sample(1, sample).plain
     workers.close()
+
+
+def test_the_critic_scores_and_trains_the_same_step_wise_samples(tmp_path, smollm_tokenizer):
+    """PPO with a critic under the rolling window: values come back per trajectory token (each
+    turn valued in its own context, equal to a plain forward of that context), and the critic
+    trains on the samples."""
+    from dataclasses import replace
+
+    import torch
+
+    from packrl.config import load_config
+    from packrl.distributed.local import local_group
+    from packrl.registry import ROLLOUT_ENGINES
+    from packrl.reward.score import score_rollout
+    from packrl.seqlen.stepwise import step_samples
+    from packrl.trainer.batch import build_train_batch
+    from tests.diagnostics.tiny_run import tiny_policy
+
+    if "test_rolling_script" not in ROLLOUT_ENGINES:
+        ROLLOUT_ENGINES.register("test_rolling_script")(lambda context: _ScoringCountingEngine(context.tokenizer, context.policy))
+    tok = smollm_tokenizer
+    tiny_policy(tok).save_pretrained(tmp_path / "critic")
+    tok.save_pretrained(tmp_path / "critic")
+    cfg = load_config("demo", ["model.dtype=fp32", "data.batch_size=1", "rollout.n=2", "rollout.engine=test_rolling_script",
+                               "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.context_policy=rolling",
+                               "rollout.multi_turn.max_turns=8", "rollout.multi_turn.max_tokens_per_turn=128",
+                               "rollout.multi_turn.max_tool_response_tokens=16", "rollout.max_response_tokens=900",
+                               "rollout.stop=[</tool_call>]", "train.max_tokens_per_microbatch=512", "algorithm.adv_estimator=gae",
+                               f"critic.model.path={tmp_path / 'critic'}", "data.val_files=[]", "train.loggers=[]"])
+    workers = local_group(cfg, tiny_policy(tok).float(), tok)
+    prompt = _prompt_ids(tok)
+    rollout = workers.generate(PromptBatch((prompt,), ("5",), ("openai/gsm8k",), (0,), (False,)),
+                               SamplingParams.from_config(cfg.rollout))
+    steps = step_samples(rollout)
+    assert steps is not None
+    values = workers.compute_values(rollout)
+    critic = workers.transport.worker.critic
+    last = max(s for s, t in enumerate(steps.trajectory_of) if t == 0)  # trajectory 0's last sample, valued in its own context
+    context, stretch = steps.rollout.prompts.prompt_ids[last], steps.rollout.responses[last].response_ids
+    with torch.no_grad():
+        alone = critic.value_head(critic.model(input_ids=torch.tensor([context + stretch])).last_hidden_state[0]).squeeze(-1)
+    offset = steps.offsets[last]
+    torch.testing.assert_close(values.values[0][offset:], alone[len(context) - 1:-1], atol=1e-5, rtol=0)
+    assert float(values.bootstrap[0]) == pytest.approx(float(alone[-1]), abs=1e-5)
+    scored = score_rollout(rollout, tok, cfg.reward, cfg.rollout.max_response_tokens)
+    scored = replace(scored, rewards=torch.tensor([1.0, 0.0]))
+    batch, metrics = build_train_batch(scored, None, None, cfg.algorithm, values)
+    assert "critic/vf_explained_var" in metrics
+    out = workers.update_critic(batch)
+    assert out["critic/grad_norm"] > 0 and out["critic/vf_loss"] > 0
+    workers.close()

@@ -1,0 +1,145 @@
+"""Rollout correction: the engine that sampled a response is not exactly the policy being trained
+(bf16 generation, other kernels), so the samples are slightly off-policy for the update
+(``algorithm.rollout_correction``; verl's ``rollout_corr_helper``, after Liu, Li et al. 2025, "When
+Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch", and Yao et
+al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" for TIS).
+
+Shapes: ``N`` responses · ``R_i`` response tokens of response i.
+
+Two parts, both on the controller from the old-log-prob pass and the engine's log-probs, before the
+update is planned:
+
+- truncated importance sampling (``rollout_is=token``): w_t = min(exp(old_t - rollout_t), C)
+  multiplies token t's policy loss (`weighted_token_loss`, applied by the worker to any loss);
+- rejection (``rollout_rs=geometric``): a response whose geometric-mean ratio
+  rho_i = exp(mean_t (old_t - rollout_t)) over its policy tokens lies outside [lower, upper]
+  loses its loss tokens, so it leaves the loss and the denominators. The mean makes rho
+  length-unbiased: with the same per-token ratios a long and a short response get the same
+  decision, whereas a product of ratios (verl's ``sequence`` level) drifts away from 1 with length
+  and rejects long responses more.
+
+Log-ratios are clamped to +-20 before exp(), as verl bounds its weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from packrl.config.algorithm_variants import RolloutCorrectionConfig
+from packrl.types import Response
+
+_LOG_RATIO_CLAMP = 20.0
+IS_WEIGHTS = "rollout_is_weights"
+"""The `packrl.types.TrainBatch.extras` key of the token weights (verl's name)."""
+
+
+def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Truncated token importance weights w_t = min(exp(old_t - rollout_t), threshold).
+
+    Args:
+        old_logprobs: log pi_old per token. Shape [R], float32, nats.
+        rollout_logprobs: the engine's log-prob per token. Shape [R], float32, nats.
+        threshold: the truncation C (``rollout_is_threshold``).
+
+    Returns:
+        Shape [R], float32, in [exp(-20), threshold].
+    """
+    log_ratio = (old_logprobs.float() - rollout_logprobs.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return torch.exp(log_ratio).clamp(max=threshold)
+
+
+def geometric_mean_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, policy_mask: torch.Tensor) -> float | None:
+    """rho = exp(mean over the policy tokens of (old_t - rollout_t)): the geometric mean of the
+    token ratios, the statistic of ``rollout_rs=geometric``.
+
+    Args:
+        old_logprobs, rollout_logprobs: Shape [R], float32, nats.
+        policy_mask: True = a token the policy generated. Shape [R], bool.
+
+    Returns:
+        rho, or None for a response without policy tokens.
+    """
+    if not bool(policy_mask.any()):
+        return None
+    diff = (old_logprobs.double() - rollout_logprobs.double())[policy_mask].mean()
+    return float(torch.exp(diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)))
+
+
+def _engine_logprobs(responses: Sequence[Response]) -> tuple[torch.Tensor, ...]:
+    missing = [i for i, r in enumerate(responses) if r.rollout_logprobs is None]
+    if missing:
+        raise ValueError(f"algorithm.rollout_correction needs the engine's log-probs, but responses {missing[:8]} have none "
+                         "(Response.rollout_logprobs); use an engine that honours SamplingParams.return_logprobs "
+                         "(rollout.engine=hf or vllm), or set algorithm.rollout_correction.rollout_is and rollout_rs to null")
+    return tuple(torch.tensor(r.rollout_logprobs, dtype=torch.float32) for r in responses)
+
+
+def apply_rollout_correction(
+    responses: Sequence[Response],
+    old_logprobs: Sequence[torch.Tensor] | None,
+    loss_masks: Sequence[torch.Tensor],
+    cfg: RolloutCorrectionConfig,
+) -> tuple[tuple[torch.Tensor, ...], dict[str, tuple[torch.Tensor, ...]], dict[str, float]]:
+    """Rejection masks and truncated weights for one step's responses (nothing when off).
+
+    Args:
+        responses: the step's responses, with ``rollout_logprobs`` (``N``).
+        old_logprobs: log pi_old per response, ``N`` x Shape [R_i], float32 nats (the old-log-prob
+            pass, which runs whenever rollout correction is on).
+        loss_masks: the loss masks so far, ``N`` x Shape [R_i], bool.
+        cfg: ``algorithm.rollout_correction``.
+
+    Returns:
+        ``(loss_masks, extras, metrics)``: the masks with rejected responses all False; extras
+        ``{"rollout_is_weights": N x Shape [R_i] float32}`` with ``rollout_is=token``; metrics
+        ``rollout_corr/rollout_is_mean|max|min`` (over loss tokens after rejection),
+        ``rollout_corr/rollout_rs_masked_fraction`` (rejected / responses with policy tokens),
+        ``rollout_corr/rollout_rs_mean`` (mean rho), ``rollout_corr/geo_log_ratio_mean`` (mean log
+        rho = mean over responses of mean_t(old - rollout), nats), ``seqlen/masked_tokens/rollout_rs`` and
+        ``seqlen/masked_sequences/rollout_rs``.
+
+    Raises:
+        ValueError: a response without engine log-probs, or no old log-probs.
+    """
+    masks = tuple(loss_masks)
+    if not cfg.enabled:
+        return masks, {}, {}
+    if old_logprobs is None:
+        raise ValueError("algorithm.rollout_correction needs the old log-probs (the old-log-prob pass); "
+                         "BatchPlan.needs_old_logprobs turns it on with rollout correction")
+    engine = _engine_logprobs(responses)
+    policy = [r.generated_mask() for r in responses]
+    rhos = [geometric_mean_ratio(old, eng, p) for old, eng, p in zip(old_logprobs, engine, policy)]
+    measured = [rho for rho in rhos if rho is not None]
+    metrics: dict[str, float] = {}
+    if measured:
+        metrics["rollout_corr/rollout_rs_mean"] = sum(measured) / len(measured)
+        metrics["rollout_corr/geo_log_ratio_mean"] = sum(math.log(rho) for rho in measured) / len(measured)
+    if cfg.rollout_rs is not None:
+        lower, upper = cfg.rs_bounds
+        rejected = [rho is not None and not lower <= rho <= upper for rho in rhos]
+        removed = sum(int(m.sum()) for m, r in zip(masks, rejected) if r)
+        masks = tuple(m & ~torch.tensor(r) for m, r in zip(masks, rejected))
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = sum(rejected) / max(1, len(measured))
+        metrics["seqlen/masked_tokens/rollout_rs"] = float(removed)
+        metrics["seqlen/masked_sequences/rollout_rs"] = float(sum(rejected))
+    extras: dict[str, tuple[torch.Tensor, ...]] = {}
+    if cfg.rollout_is is not None:
+        weights = tuple(rollout_is_weights(old, eng, cfg.rollout_is_threshold) for old, eng in zip(old_logprobs, engine))
+        extras[IS_WEIGHTS] = weights
+        kept = torch.cat([w[m] for w, m in zip(weights, masks)]) if weights else torch.zeros(0)
+        if kept.numel():
+            metrics |= {"rollout_corr/rollout_is_mean": float(kept.mean()), "rollout_corr/rollout_is_max": float(kept.max()),
+                        "rollout_corr/rollout_is_min": float(kept.min())}
+    return masks, extras, metrics
+
+
+def weighted_token_loss(token_loss: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The policy's token loss times the truncated importance weights when the controller set
+    them (``extras["rollout_is_weights"]``, Shape [K]); else unchanged. The weights are constants
+    (no gradient), as in verl's decoupled mode. Shape [K]."""
+    weights = extras.get(IS_WEIGHTS)
+    return token_loss if weights is None else token_loss * weights.to(token_loss.dtype)

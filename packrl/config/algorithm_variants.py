@@ -1,0 +1,182 @@
+"""Config of the policy-loss variants and the controller-side token filters: rollout correction
+(``algorithm.rollout_correction``), the entropy filter (``algorithm.entropy_filter``), and the
+checks that tie ``algorithm.policy_loss`` to the keys only some losses read (Clip-Cov, KL-Cov,
+GSPO).
+
+Every check returns `packrl.errors.ConfigProblem`s naming the key, the value, the limit and the
+fix. A key that would have no effect in the chosen mode is refused rather than ignored. The
+module imports no torch: ``packrl config`` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from packrl.errors import ConfigProblem
+
+if TYPE_CHECKING:
+    from packrl.config.schema import AlgorithmConfig, RunConfig
+
+RolloutIsLevel = Literal["token"]
+RolloutRsLevel = Literal["geometric"]
+
+COV_LOSSES: tuple[str, ...] = ("clip_cov", "kl_cov")
+"""Policy losses whose token selection is computed on the controller from the old log-probs
+(so the old-log-prob pass runs for them, `packrl.config.plan.BatchPlan.needs_old_logprobs`)."""
+
+_COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
+_COV_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Correction for the gap between the engine that sampled and the policy being trained
+    (`packrl.algos.rollout_correction`; names as verl's ``algorithm.rollout_correction``). Both
+    parts need the engine's log-probs, which the engine then returns whatever
+    ``rollout.return_logprobs`` says, and the old-log-prob pass."""
+
+    rollout_is: RolloutIsLevel | None = None
+    """Truncated importance sampling (TIS): `token` multiplies every token's policy loss by
+    w_t = min(exp(old_logprob_t - rollout_logprob_t), `rollout_is_threshold`); null = off."""
+
+    rollout_is_threshold: float = 2.0
+    """Upper bound C of the token weight (verl's default 2.0; > 1)."""
+
+    rollout_rs: RolloutRsLevel | None = None
+    """Rejection sampling: `geometric` rejects a response whose geometric-mean token ratio
+    exp(mean_t(old_logprob_t - rollout_logprob_t)) lies outside [`rollout_rs_threshold_lower`,
+    `rollout_rs_threshold`]; its tokens leave the loss and the denominators. null = off. (verl's
+    `sequence` level, a product of ratios, is not offered: it rejects long responses more often
+    for the same per-token mismatch.)"""
+
+    rollout_rs_threshold: float | None = None
+    """Upper bound of the geometric-mean ratio (> 1; typical 1.0002-1.001). Required with
+    `rollout_rs`."""
+
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound of the geometric-mean ratio (in (0, 1)); null = 1 / `rollout_rs_threshold`."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """``(lower, upper)`` of the rejection statistic (call only with `rollout_rs` set)."""
+        assert self.rollout_rs_threshold is not None, "rollout_rs needs rollout_rs_threshold (checked at load)"
+        upper = self.rollout_rs_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return lower, upper
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out: list[ConfigProblem] = []
+        if not 1.0 < self.rollout_is_threshold < math.inf:
+            out.append(ConfigProblem(f"{prefix}.rollout_is_threshold", self.rollout_is_threshold, "must be a finite number > 1",
+                                     f"set {prefix}.rollout_is_threshold=2.0"))
+        elif self.rollout_is is None and self.rollout_is_threshold != 2.0:
+            out.append(_no_effect(f"{prefix}.rollout_is_threshold", self.rollout_is_threshold, f"{prefix}.rollout_is is null",
+                                  f"set {prefix}.rollout_is=token or remove {prefix}.rollout_is_threshold"))
+        upper, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
+        if self.rollout_rs is None:
+            for key, value in (("rollout_rs_threshold", upper), ("rollout_rs_threshold_lower", lower)):
+                if value is not None:
+                    out.append(_no_effect(f"{prefix}.{key}", value, f"{prefix}.rollout_rs is null",
+                                          f"set {prefix}.rollout_rs=geometric or remove {prefix}.{key}"))
+            return out
+        if upper is None:
+            out.append(ConfigProblem(f"{prefix}.rollout_rs", self.rollout_rs, f"needs {prefix}.rollout_rs_threshold (the upper bound)",
+                                     f"set {prefix}.rollout_rs_threshold=1.001", keys=(f"{prefix}.rollout_rs", f"{prefix}.rollout_rs_threshold")))
+        elif not 1.0 < upper < math.inf:
+            out.append(ConfigProblem(f"{prefix}.rollout_rs_threshold", upper, "must be a finite number > 1 (a geometric-mean ratio)",
+                                     f"set {prefix}.rollout_rs_threshold=1.001"))
+        if lower is not None and not 0.0 < lower < 1.0:
+            out.append(ConfigProblem(f"{prefix}.rollout_rs_threshold_lower", lower, "must be in (0, 1)",
+                                     f"set {prefix}.rollout_rs_threshold_lower=0.999 or null (= 1 / rollout_rs_threshold)"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EntropyFilterConfig:
+    """Keep only responses whose mean token entropy is high (`packrl.algos.entropy_filter`): the
+    others lose their loss tokens, so low-information responses stop costing update tokens. The
+    entropy is the old-log-prob pass's (which then runs), averaged over each response's policy
+    tokens. Set at most one of the two; both null = off."""
+
+    threshold: float | None = None
+    """Keep responses whose mean token entropy is >= this, in nats (>= 0)."""
+
+    quantile: float | None = None
+    """Keep the ceil(quantile x n) responses with the highest mean token entropy among the n
+    that still have loss tokens (in (0, 1]; ties go to the earlier response)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold is not None or self.quantile is not None
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out: list[ConfigProblem] = []
+        if self.threshold is not None and self.quantile is not None:
+            out.append(ConfigProblem(f"{prefix}.quantile", self.quantile, f"is set together with {prefix}.threshold={self.threshold}",
+                                     f"set one of {prefix}.threshold or {prefix}.quantile to null",
+                                     keys=(f"{prefix}.quantile", f"{prefix}.threshold")))
+        if self.threshold is not None and not 0.0 <= self.threshold < math.inf:
+            out.append(ConfigProblem(f"{prefix}.threshold", self.threshold, "must be a finite number of nats >= 0",
+                                     f"set {prefix}.threshold=0.3 or null (off)"))
+        if self.quantile is not None and not 0.0 < self.quantile <= 1.0:
+            out.append(ConfigProblem(f"{prefix}.quantile", self.quantile, "must be in (0, 1] (the share of responses kept)",
+                                     f"set {prefix}.quantile=0.8 or null (off)"))
+        return out
+
+
+def _no_effect(key: str, value: Any, why: str, fix: str) -> ConfigProblem:
+    return ConfigProblem(key, value, f"has no effect: {why}", fix)
+
+
+def algorithm_variant_problems(algo: AlgorithmConfig, prefix: str = "algorithm") -> list[ConfigProblem]:
+    """Ranges of the Clip-Cov / KL-Cov keys, keys the chosen ``policy_loss`` does not read (set
+    away from their defaults), and the nested rollout-correction and entropy-filter sections."""
+    out = algo.rollout_correction.problems(f"{prefix}.rollout_correction") + algo.entropy_filter.problems(f"{prefix}.entropy_filter")
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        value = getattr(algo, name)
+        if not 0.0 < value <= 1.0:
+            out.append(ConfigProblem(f"{prefix}.{name}", value, "must be in (0, 1] (a share of the mini-batch's loss tokens)",
+                                     f"set {prefix}.{name}=0.0002"))
+    if not -math.inf < algo.clip_cov_lb < algo.clip_cov_ub < math.inf:
+        out.append(ConfigProblem(f"{prefix}.clip_cov_lb", algo.clip_cov_lb, f"must be finite and < {prefix}.clip_cov_ub={algo.clip_cov_ub}",
+                                 f"set {prefix}.clip_cov_lb=1.0 and {prefix}.clip_cov_ub=5.0",
+                                 keys=(f"{prefix}.clip_cov_lb", f"{prefix}.clip_cov_ub")))
+    if not 0.0 <= algo.ppo_kl_coef < math.inf:
+        out.append(ConfigProblem(f"{prefix}.ppo_kl_coef", algo.ppo_kl_coef, "must be a finite number >= 0", f"set {prefix}.ppo_kl_coef=0.1"))
+    for loss, keys in _COV_KEYS.items():
+        if algo.policy_loss == loss:
+            continue
+        for key in keys:
+            if getattr(algo, key) != _COV_DEFAULTS[key]:
+                out.append(ConfigProblem(f"{prefix}.{key}", getattr(algo, key),
+                                         f"has no effect: only algorithm.policy_loss={loss} reads it (it is {algo.policy_loss})",
+                                         f"set {prefix}.policy_loss={loss} or remove {prefix}.{key}",
+                                         keys=(f"{prefix}.{key}", f"{prefix}.policy_loss")))
+    return out
+
+
+def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """Settings under which GSPO's per-sequence mean log-ratio would not be local to one
+    micro-batch on one rank (`packrl.algos.policy_losses.gspo`): sequence parallelism splits a
+    sequence over ranks, and the rolling window trains one trajectory as several sequences.
+    Registered as the config check of ``algorithm.policy_loss=gspo``."""
+    out = []
+    size = cfg.trainer.sequence_parallel_size
+    if size > 1:
+        out.append(ConfigProblem("algorithm.policy_loss", "gspo", f"needs each sequence on one rank; trainer.sequence_parallel_size={size} "
+                                 "splits sequences over ranks, so the sequence's mean log-ratio is not local",
+                                 "set trainer.sequence_parallel_size=1 or algorithm.policy_loss=ppo_clip",
+                                 keys=("algorithm.policy_loss", "trainer.sequence_parallel_size")))
+    mt = cfg.rollout.multi_turn
+    if mt.enabled and mt.context_policy == "rolling":
+        out.append(ConfigProblem("algorithm.policy_loss", "gspo", "needs one sequence per response; rollout.multi_turn.context_policy="
+                                 "rolling trains a trajectory as several step-wise samples, so its mean log-ratio is not local",
+                                 "set rollout.multi_turn.context_policy=end (or error), or algorithm.policy_loss=ppo_clip",
+                                 keys=("algorithm.policy_loss", "rollout.multi_turn.context_policy")))
+    return out

@@ -1,0 +1,222 @@
+"""Where a step's scored rollout comes from: one generation round, or dynamic sampling.
+
+The loop calls one stage, ``sample(sampling, timing, spans) -> (rollout, scored, metrics)``, and
+`sampling_stage` picks it from ``algorithm.filter_groups.enable``:
+
+- off: `one_round` draws ``data.batch_size`` prompts, generates and scores them (no metrics);
+- on: `dynamic_sampling` (DAPO, Yu et al. 2025, arXiv 2503.14476, "dynamic sampling"; verl's
+  ``algorithm.filter_groups``) repeats rounds, keeps the groups whose values
+  (``algorithm.filter_groups.metric``) are not all equal and stops when ``data.batch_size`` are
+  kept or after ``max_num_gen_batches`` rounds.
+
+A group whose responses all score the same gets advantage 0 under GRPO (and RLOO): it adds no
+policy gradient but still costs its tokens in every update pass, and it shrinks the batch's
+effective size as training solves more prompts. Every round draws from the run's
+`PromptSampler`, so the checkpointed sampler position already covers extra rounds and a resumed
+run draws what the uninterrupted run drew. Dropped groups are not data rows lost (their rows
+stay in the dataset and come back next epoch); they are counted in ``train/*`` metrics.
+
+Shapes: ``B`` prompts · ``G`` responses per prompt · ``N = B*G``; response i answers prompt ``i // G``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+
+from packrl.config.schema import FilterGroupsConfig, RunConfig
+from packrl.data.dataset import PromptSampler
+from packrl.diagnostics.timers import Span, stage_timer
+from packrl.reward.score import score_rollout
+from packrl.rollout.engine import SamplingParams
+from packrl.types import PromptBatch, RolloutBatch, ScoredBatch
+
+logger = logging.getLogger(__name__)
+
+Sampled = tuple[RolloutBatch, ScoredBatch, dict[str, float]]
+"""(rollout, scored rollout, ``train/*`` sampling metrics) of one step; ``scored.rollout is rollout``."""
+
+
+class SamplingStage(Protocol):
+    def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span]) -> Sampled:
+        """One step's scored rollout; generation and scoring time add to ``timing["gen"]`` and ``timing["reward"]``."""
+
+
+def sampling_stage(cfg: RunConfig, sampler: PromptSampler, workers: Any) -> SamplingStage:
+    """The step's sampling stage, chosen by ``algorithm.filter_groups.enable``.
+
+    Args:
+        cfg: the run's config.
+        sampler: the run's prompt sampler (every round draws from it).
+        workers: the worker group (``generate``, ``tokenizer``, ``plan``: a `BatchPlan`).
+    """
+    if cfg.algorithm.filter_groups.enable:
+        return partial(dynamic_sampling, cfg=cfg, sampler=sampler, workers=workers)
+    return partial(one_round, cfg=cfg, sampler=sampler, workers=workers)
+
+
+def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], *,
+              cfg: RunConfig, sampler: PromptSampler, workers: Any) -> Sampled:
+    """``data.batch_size`` prompts from ``sampler``, generated and scored; the overlong ramp ends at
+    the step's response budget (``sampling.max_response_tokens``). No metrics."""
+    prompts = sampler.next_batch()
+    with stage_timer(timing, "gen", spans):
+        rollout = workers.generate(prompts, sampling)
+    with stage_timer(timing, "reward", spans):
+        scored = score_rollout(rollout, workers.tokenizer, cfg.reward, sampling.max_response_tokens)  # the step's budget
+    return rollout, scored, {}
+
+
+@dataclass(frozen=True)
+class FillCounts:
+    """What dynamic sampling did in one step, in prompts (groups) unless named otherwise.
+
+    ``num_gen_prompts = zero_variance + kept`` and ``kept = update + surplus + too_few_for_ranks``.
+    """
+
+    num_gen_batches: int
+    num_gen_prompts: int
+    num_zero_variance: int
+    num_kept: int
+    num_surplus: int
+    num_too_few_for_ranks: int
+    num_update: int
+    gen_score_mean: float
+
+    def metrics(self) -> dict[str, float]:
+        """The ``train/*`` metrics (docs/metrics.md)."""
+        return {
+            "train/num_gen_batches": float(self.num_gen_batches),
+            "train/num_gen_prompts": float(self.num_gen_prompts),
+            "train/num_kept_prompts": float(self.num_kept),
+            "train/num_dropped_prompts/zero_variance": float(self.num_zero_variance),
+            "train/num_dropped_prompts/surplus": float(self.num_surplus),
+            "train/num_dropped_prompts/too_few_for_ranks": float(self.num_too_few_for_ranks),
+            "train/update_batch_prompts": float(self.num_update),
+            "train/gen_score/mean": self.gen_score_mean,
+        }
+
+
+def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], *,
+                     cfg: RunConfig, sampler: PromptSampler, workers: Any) -> Sampled:
+    """Rounds of `one_round` until ``data.batch_size`` groups with variance are kept, at most
+    ``algorithm.filter_groups.max_num_gen_batches`` rounds (DAPO's dynamic sampling, arXiv 2503.14476).
+
+    Kept groups keep their round's order; groups kept beyond ``data.batch_size`` are dropped
+    (``surplus``), so a full step trains exactly ``data.batch_size`` prompts. At the cap the step
+    trains the groups kept so far (a warning says how many), less a last mini-batch that would
+    give some data-parallel rank no sequence (`fit_to_ranks`).
+
+    Returns:
+        The kept groups' rollout and scores, and `FillCounts.metrics`.
+
+    Raises:
+        RuntimeError: no group is left to train after the last round (every group's values were
+            equal); the message names the counts and the keys to change.
+    """
+    fg, want, plan = cfg.algorithm.filter_groups, cfg.data.batch_size, workers.plan
+    kept: list[ScoredBatch] = []
+    num_kept = num_rounds = num_generated = 0
+    scores: list[torch.Tensor] = []
+    while num_kept < want and num_rounds < fg.max_num_gen_batches:
+        _, scored, _ = one_round(sampling, timing, spans, cfg=cfg, sampler=sampler, workers=workers)
+        keep = groups_with_variance(filter_values(scored, fg), scored.rollout.group_size)
+        kept.append(select_groups(scored, keep))
+        num_rounds, num_kept = num_rounds + 1, num_kept + len(keep)
+        num_generated += len(scored.rollout.prompts)
+        scores.append(scored.scores)
+    num_update = fit_to_ranks(min(num_kept, want), plan.mini_batch_prompts, plan.group_size, plan.data_parallel_size)
+    counts = FillCounts(num_rounds, num_generated, num_generated - num_kept, num_kept, max(0, num_kept - want),
+                        min(num_kept, want) - num_update, num_update, float(torch.cat(scores).mean()))
+    if num_update == 0:
+        raise RuntimeError(_nothing_left(counts, cfg, plan.data_parallel_size))
+    if num_update < want:
+        logger.warning(
+            "dynamic sampling: %d of data.batch_size=%d prompt groups kept after algorithm.filter_groups.max_num_gen_batches=%d "
+            "rounds (%d prompts generated, %d with equal %ss); this step trains %d; raise algorithm.filter_groups."
+            "max_num_gen_batches to fill the batch", num_kept, want, num_rounds, num_generated, counts.num_zero_variance,
+            fg.metric, num_update,
+        )
+    scored = select_groups(concat_scored(kept), range(num_update))
+    return scored.rollout, scored, counts.metrics()
+
+
+def _nothing_left(counts: FillCounts, cfg: RunConfig, num_ranks: int) -> str:
+    fg = cfg.algorithm.filter_groups
+    why = (f"{counts.num_kept} group(s) with variance make a mini-batch of fewer sequences than the {num_ranks} "
+           "data-parallel ranks (each needs one)" if counts.num_kept else
+           f"all {counts.num_gen_prompts} prompt groups had equal {fg.metric}s (mean score {counts.gen_score_mean:.3g})")
+    return (f"dynamic sampling left no prompt group to train after algorithm.filter_groups.max_num_gen_batches="
+            f"{counts.num_gen_batches} rounds of data.batch_size={cfg.data.batch_size} prompts: {why}; raise "
+            "algorithm.filter_groups.max_num_gen_batches, check that reward.name tells responses apart on this data, "
+            "or set algorithm.filter_groups.enable=false")
+
+
+def filter_values(scored: ScoredBatch, cfg: FilterGroupsConfig) -> torch.Tensor:
+    """The values the filter compares (``algorithm.filter_groups.metric``). Shape [N], float32."""
+    return scored.scores if cfg.metric == "score" else scored.rewards
+
+
+def groups_with_variance(values: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose values are not all equal (std > 0, tested exactly as max > min,
+    so float rounding in a mean cannot keep a constant group).
+
+    Args:
+        values: one value per response, groups contiguous. Shape [N], float.
+        group_size: G.
+
+    ========================  ==  =======
+    values                    G   result
+    ========================  ==  =======
+    [1, 1, 0, 1, 1, 0, 0, 0]  2   [1, 2]
+    [1, 1, 1]                 3   []
+    ========================  ==  =======
+    """
+    per_group = values.reshape(-1, group_size)  # [B, G]
+    return torch.nonzero(per_group.amax(dim=1) > per_group.amin(dim=1)).flatten().tolist()
+
+
+def fit_to_ranks(num_prompts: int, mini_batch_prompts: int, group_size: int, num_ranks: int) -> int:
+    """The prompts of ``num_prompts`` the update can take: all, unless the last (shorter)
+    mini-batch would hold fewer sequences than data-parallel ranks (each rank needs one;
+    `packrl.seqlen.update_plan.plan_update` refuses less), which is then left out.
+
+    ======  ====  ==  =====  ======
+    prompts mini  G   ranks  result
+    ======  ====  ==  =====  ======
+    5       2     4   8      4
+    5       2     8   8      5
+    ======  ====  ==  =====  ======
+    """
+    last = num_prompts % mini_batch_prompts
+    return num_prompts - last if last and last * group_size < num_ranks else num_prompts
+
+
+def select_groups(scored: ScoredBatch, groups: Sequence[int]) -> ScoredBatch:
+    """The groups ``groups`` of ``scored`` (prompt indices, in the given order), with their prompts,
+    responses, scores and rewards."""
+    rollout, size = scored.rollout, scored.rollout.group_size
+    responses = [i * size + j for i in groups for j in range(size)]
+    prompts = PromptBatch(**{f.name: tuple(getattr(rollout.prompts, f.name)[i] for i in groups)
+                             for f in dataclasses.fields(PromptBatch)})
+    sub = dataclasses.replace(rollout, prompts=prompts, responses=tuple(rollout.responses[i] for i in responses))
+    index = torch.tensor(responses, dtype=torch.long)
+    return dataclasses.replace(scored, rollout=sub, scores=scored.scores[index], rewards=scored.rewards[index])
+
+
+def concat_scored(parts: Sequence[ScoredBatch]) -> ScoredBatch:
+    """``parts`` one after the other (same group size), groups in order."""
+    first = parts[0]
+    prompts = PromptBatch(**{f.name: tuple(v for part in parts for v in getattr(part.rollout.prompts, f.name))
+                             for f in dataclasses.fields(PromptBatch)})
+    responses = tuple(r for part in parts for r in part.rollout.responses)
+    rollout = dataclasses.replace(first.rollout, prompts=prompts, responses=responses)
+    return dataclasses.replace(first, rollout=rollout, scores=torch.cat([p.scores for p in parts]),
+                               rewards=torch.cat([p.rewards for p in parts]))
+

@@ -1,0 +1,272 @@
+"""The critic of PPO with a value model: its model, its value pass and its update, on packed,
+token-budgeted micro-batches exactly like the actor's (`packrl.worker.actor`).
+
+Shapes: ``N`` sequences · ``R_i`` response tokens of sequence i · ``K`` tokens in a pack.
+
+The value model is the policy's architecture with its LM head replaced by a scalar head
+(`ValueModel`; verl builds ``AutoModelForTokenClassification`` with one label the same way), loaded
+from ``critic.model.path`` or the policy's checkpoint. ``values[k]`` of a pack is V of the state
+after token k, so the value of the state before response token k (the one GAE pairs with it) is
+``values[k - 1]``, the same alignment as the log-probs, and a sequence's last position gives the
+value after its last token (the bootstrap of a truncated response, `packrl.algos.gae`).
+
+The value loss is PPO's clipped value loss (verl ``core_algos.compute_value_loss``):
+
+    V_clip = V_old + clip(V - V_old, -c, c)        loss_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+with ``c = critic.cliprange_value`` and R the GAE returns, aggregated by ``algorithm.loss_agg_mode``
+over the mini-batch's global denominators, so it does not depend on the micro-batch split or the
+rank count (invariant 4), as the actor's loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from packrl.algos.loss_agg import aggregate_loss
+from packrl.config.schema import RunConfig
+from packrl.models.attention import PackedAttention, packed_forward
+from packrl.seqlen.denominators import LossDenominators
+from packrl.seqlen.packing import Pack, pack_sequences
+from packrl.seqlen.update_plan import UpdatePlan
+from packrl.types import RolloutBatch, TrainBatch
+from packrl.worker.actor import Optimization, Parallel, SkipCounter, optimizer_step, sequence_ids
+
+Context = Callable[[], AbstractContextManager]
+
+CRITIC_FILE = "critic.pt"
+"""The critic's weights, optimizer, schedule and skip counter inside a checkpoint folder."""
+
+
+class ValueModel(torch.nn.Module):
+    """A decoder with a scalar value head.
+
+    Args:
+        decoder: a transformers decoder (``causal_lm.get_decoder()``), its attention set up for
+            packs (`packrl.models.attention.use_packed_attention`).
+        config: the causal LM's config (``hidden_size``, the attention implementation).
+        attention: ``model.packed_attention``.
+        seed: seeds the value head's initial weights (normal, std ``initializer_range``; bias 0),
+            so every data-parallel rank starts from the same head (``train.seed``).
+    """
+
+    def __init__(self, decoder: torch.nn.Module, config: Any, attention: PackedAttention = "varlen", seed: int = 0):
+        super().__init__()
+        self.model, self.config, self.attention = decoder, config, attention
+        self.value_head = torch.nn.Linear(config.hidden_size, 1)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            std = getattr(config, "initializer_range", 0.02)
+            self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=generator) * std)
+            self.value_head.bias.zero_()
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self.model
+
+    def forward(self, pack: Pack) -> torch.Tensor:
+        """V of the state after each token of ``pack``, each sequence seeing only itself.
+        Shape [K], float32."""
+        hidden = packed_forward(self, pack, self.attention)  # [K, H]
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def load_critic(cfg: RunConfig, device: torch.device) -> ValueModel:
+    """The value model: ``critic.model.path`` (or ``model.path``) loaded as the policy is
+    (`packrl.models.loading.load_policy`: float32 master weights, packed attention, gradient
+    checkpointing as ``model.gradient_checkpointing``; never LoRA), its LM head dropped.
+
+    Raises:
+        ValueError: any error of `load_policy` for that path.
+    """
+    from packrl.models.loading import load_policy
+
+    model_cfg = replace(cfg.model, path=cfg.critic.model.path or cfg.model.path, lora=replace(cfg.model.lora, rank=0))
+    causal_lm, _ = load_policy(model_cfg, device=device)
+    critic = ValueModel(causal_lm.get_decoder(), causal_lm.config, cfg.model.packed_attention, seed=cfg.train.seed).to(device)
+    return critic.train()
+
+
+def load_critic_weights(critic: ValueModel, weights: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict into ``critic`` (sharding it when FSDP2 wrapped the critic).
+
+    Raises:
+        ValueError: the weights do not fit the critic (another model's checkpoint).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        if isinstance(critic, FSDPModule):
+            set_model_state_dict(critic, weights, options=StateDictOptions(full_state_dict=True))
+        else:
+            critic.load_state_dict(weights)
+    except (RuntimeError, KeyError) as err:
+        raise ValueError(f"the checkpoint's critic weights do not fit this critic ({err}); resume with the "
+                         "critic.model.path / model.path of the run that wrote it") from err
+
+
+def _pack(rollout: RolloutBatch, indices: Sequence[int], device: torch.device) -> Pack:
+    return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices).to(device)
+
+
+def _value_before(values: torch.Tensor) -> torch.Tensor:
+    """``values`` shifted right by one: at k, V of the state before token k. Shape [K]."""
+    return torch.cat([values.new_zeros(1), values[:-1]])
+
+
+def _scatter(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor], fill: float | bool) -> torch.Tensor:
+    """Per-response values ([R_i], indexed like the rollout) laid over the pack; prompt tokens get ``fill``. Shape [K]."""
+    parts = []
+    for i in pack.indices:
+        values = per_seq[i].to(pack.input_ids.device)
+        parts.append(torch.cat([values.new_full((len(rollout.prompt_ids_of(i)),), fill), values]))
+    return torch.cat(parts)
+
+
+def _idle_forward(critic: ValueModel) -> torch.Tensor:
+    """A one-token forward, for a rank with no sequence left (every rank runs the same forwards)."""
+    device = next(critic.parameters()).device
+    return critic(pack_sequences([torch.zeros(1, dtype=torch.long)]).to(device))
+
+
+def compute_values(critic: ValueModel, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]], *,
+                   context: Context) -> list[tuple[torch.Tensor, float]]:
+    """No-grad values of every planned sequence, in plan order.
+
+    Returns:
+        ``(values, bootstrap)`` per sequence: V before each response token, Shape [R_i], float32,
+        on the CPU; and V after the sequence's last token, a float.
+    """
+    device = next(critic.parameters()).device
+    out: list[tuple[torch.Tensor, float]] = []
+    was_training = critic.training
+    critic.eval()
+    with torch.no_grad(), context():
+        for indices in microbatches:
+            if not indices:
+                _idle_forward(critic)
+                continue
+            pack = _pack(rollout, indices, device)
+            values = critic(pack)
+            for i, part, before in zip(pack.indices, pack.unpack(values), pack.unpack(_value_before(values))):
+                r = len(rollout.responses[i].response_ids)
+                out.append((before[len(before) - r:].float().cpu(), float(part[-1])))
+    critic.train(was_training)
+    return out
+
+
+@dataclass
+class CriticTotals:
+    """One optimizer step's metrics on one rank, summed over its micro-batches (each a share of the mini-batch value)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for name, value in metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
+
+
+def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token (module docstring; verl ``compute_value_loss``).
+
+    Args:
+        vpred: the critic's current values. Shape [K], float32, differentiable.
+        old_values: the values at rollout time. Shape [K], float32.
+        returns: the regression targets. Shape [K], float32.
+        cliprange: ``critic.cliprange_value``.
+
+    Returns:
+        ``(token_loss, clip_active)``: ``0.5 * max((V - R)^2, (V_clip - R)^2)``, Shape [K] float32,
+        and True where the clipped term is the larger (``critic/vf_clipfrac``), Shape [K] bool.
+    """
+    clipped = old_values + (vpred - old_values).clamp(-cliprange, cliprange)
+    unclipped_loss, clipped_loss = (vpred - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
+
+
+def critic_microbatch_loss(critic: ValueModel, pack: Pack, batch: TrainBatch, *, den: LossDenominators, cliprange: float,
+                           mode: str, totals: CriticTotals) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch value loss (module docstring), with its metrics
+    (``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``) added to ``totals``."""
+    assert batch.values is not None and batch.returns is not None, "the critic trains on a batch with values and returns"
+    rollout = batch.rollout
+    vpred = _value_before(critic(pack))
+    mask = _scatter(pack, rollout, batch.loss_masks, False)
+    old = _scatter(pack, rollout, batch.values, 0.0)
+    returns = _scatter(pack, rollout, batch.returns, 0.0)
+    token_loss, clip_active = value_loss(vpred, old, returns, cliprange)
+    seq = pack.sequence_ids()
+    if batch.trajectory_loss_tokens is None:
+        counts = torch.zeros(len(pack.indices), device=mask.device).index_add_(0, seq, mask.float())
+    else:
+        counts = torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=mask.device)
+    loss = aggregate_loss(token_loss, mask, mode, den, sequence_ids=seq, sequence_counts=counts)
+    totals.add({"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": den.token_share(clip_active.float(), mask),
+                "critic/vpred_mean": den.token_share(vpred.detach(), mask)})
+    return loss
+
+
+@dataclass
+class CriticStats:
+    """What one rank's critic update leaves: per optimizer step its totals, gradient norm and learning rate."""
+
+    steps: list[tuple[CriticTotals, float, float]]
+
+
+def run_critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *, rank: int, opt: Optimization, context: Context,
+                      cliprange: float, mode: str, parallel: Parallel = Parallel()) -> CriticStats:
+    """Rank ``rank``'s part of ``plan`` for the critic: every mini-batch's micro-batches forward
+    and backward, one optimizer step each (`packrl.worker.actor.optimizer_step`)."""
+    steps = []
+    critic.train()
+    for _ in range(plan.num_epochs):
+        for minibatch in plan.minibatches:
+            totals = critic_microbatches(critic, batch, minibatch.microbatches(rank), den=minibatch.denominators, context=context,
+                                         cliprange=cliprange, mode=mode, parallel=parallel)
+            steps.append((totals, *optimizer_step(critic, opt)))
+    return CriticStats(steps)
+
+
+def critic_microbatches(critic: ValueModel, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
+                        context: Context, cliprange: float, mode: str, parallel: Parallel = Parallel()) -> CriticTotals:
+    """Forward and backward each micro-batch of one mini-batch (gradients accumulate in
+    ``critic``); an empty one (a rank with fewer sequences) runs a one-token forward and a zero backward."""
+    device = next(critic.parameters()).device
+    totals = CriticTotals()
+    for k, indices in enumerate(microbatches):
+        if parallel.grad_sync is not None:
+            parallel.grad_sync(k == len(microbatches) - 1)
+        with context():
+            share = (critic_microbatch_loss(critic, _pack(batch.rollout, indices, device), batch, den=den, cliprange=cliprange,
+                                            mode=mode, totals=totals)
+                     if indices else _idle_forward(critic).sum() * 0.0)
+        (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()
+    return totals
+
+
+def critic_metrics(ranks: Sequence[CriticStats]) -> dict[str, float]:
+    """``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean`` (mini-batch values summed
+    over micro-batches and ranks, averaged over optimizer steps), ``critic/grad_norm`` and
+    ``critic/lr`` (verl's names)."""
+    first = ranks[0]
+    count = len(first.steps)
+    totals = [t for r in ranks for t, _, _ in r.steps]
+    names = sorted({name for t in totals for name in t.metrics})
+    out = {name: sum(t.metrics.get(name, 0.0) for t in totals) / count for name in names}
+    return out | {"critic/grad_norm": sum(g for _, g, _ in first.steps) / count, "critic/lr": first.steps[-1][2]}
+
+
+def critic_optimization(critic: ValueModel, cfg: RunConfig) -> Optimization:
+    """AdamW at ``critic.lr`` (``train.weight_decay``), the actor's warm-up schedule shape, the
+    actor's skip rule, and ``critic.grad_clip``."""
+    optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr,
+                                  weight_decay=cfg.train.weight_decay)
+    warmup = cfg.train.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    return Optimization(optimizer=optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
+                        grad_clip=cfg.critic.grad_clip)
