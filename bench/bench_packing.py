@@ -32,6 +32,17 @@ took ~12 minutes on 2 shared CPU cores, mostly in the two K^2-mask paths (``bloc
 Command (defaults: 24 sequences, bf16, 30 layers, 2 repeats; ~5 minutes on 2 idle CPU cores)::
 
     python bench/bench_packing.py
+
+Shared prompts (``--group-size G``): ``num_sequences / G`` prompts with G responses each (GSM8K
+prompt and response lengths, or ``--prompt-tokens`` / ``--response-tokens`` fixed), packed under
+the same token cap two ways with the ``varlen`` path: every sequence whole (``unshared``) and each
+group's prompt once (``shared``, `packrl.seqlen.packing.pack_shared`, planned with
+`PromptSharing`). Throughput counts the same sequence tokens for both (what the trainer needs
+scored), so the ratio is the speed-up (target at G = 4 on GSM8K lengths: >= 1.25)::
+
+    python bench/bench_packing.py --group-size 4 --num-sequences 32
+    python bench/bench_packing.py --group-size 16 --num-sequences 32
+    python bench/bench_packing.py --group-size 4 --num-sequences 16 --prompt-tokens 1024 --response-tokens 128 --max-tokens 8192
 """
 
 from __future__ import annotations
@@ -50,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import sample_lengths, smollm_model  # noqa: E402
 from packrl.models.logprobs import pack_logprobs  # noqa: E402
 from packrl.seqlen.microbatch import plan_microbatches  # noqa: E402
-from packrl.seqlen.packing import pack_sequences  # noqa: E402
+from packrl.seqlen.packing import pack_sequences, pack_shared  # noqa: E402
+from packrl.seqlen.update_plan import PromptSharing, plan_ranks  # noqa: E402
 
 PACKED_PATHS = ("varlen", "block_mask", "position_ids")
 Step = Callable[[], tuple[float, int, int]]  # -> (summed log-prob, positions processed, pad positions)
@@ -102,6 +114,86 @@ def packed_step(model: torch.nn.Module, seqs: list[torch.Tensor], max_tokens: in
     return step, len(packs)
 
 
+def shared_step(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], max_tokens: int, share: bool,
+                chunk_tokens: int) -> tuple[Step, int]:
+    """Forward+backward of ``prompts[i] + responses[i]`` over token-capped packs, each group's
+    prompt written once when ``share`` (planned with `PromptSharing`)."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    sharing = PromptSharing.of(prompts) if share else None
+    plan = plan_ranks(lengths, 1, max_tokens, balance=True, budget_key="--max-tokens", sharing=sharing).ranks[0]
+    packs = [pack_shared([prompts[i] for i in mb], [responses[i] for i in mb], mb) if share
+             else pack_sequences([prompts[i] + responses[i] for i in mb], indices=mb) for mb in plan.microbatches if mb]
+
+    def step() -> tuple[float, int, int]:
+        total, positions = 0.0, 0
+        for pack in packs:
+            out = pack_logprobs(model, pack, chunk_tokens=chunk_tokens, needed=_response_positions(pack, responses))
+            loss = -out.token_logprobs.sum()
+            loss.backward()
+            total -= loss.item()
+            positions += pack.input_ids.numel()
+        return total, positions, 0
+
+    return step, len(packs)
+
+
+def _response_positions(pack, responses: list[list[int]]) -> torch.Tensor:
+    """True at every response token of ``pack`` (the last R_i tokens of each sequence's own segment). Shape [K], bool."""
+    flags = torch.zeros(pack.num_tokens, dtype=torch.bool)
+    positions = pack.unpack(torch.arange(pack.num_tokens))
+    for i, own in zip(pack.indices, positions):
+        flags[own[len(own) - len(responses[i]):]] = True
+    return flags
+
+
+def shared_report(args: argparse.Namespace) -> dict:
+    """The ``--group-size`` comparison (module docstring)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    model = smollm_model(args.dtype, args.num_layers)
+    model.train()
+    pairs = sample_lengths(args.num_sequences, args.seed)
+    vocab = model.config.vocab_size
+    prompts, responses = [], []
+    for g in range(args.num_sequences // args.group_size):
+        p_len = args.prompt_tokens or pairs[g * args.group_size][0]
+        prompt = torch.randint(0, vocab, (p_len,), generator=gen).tolist()
+        for j in range(args.group_size):
+            r_len = args.response_tokens or pairs[g * args.group_size + j][1]
+            prompts.append(prompt)
+            responses.append(torch.randint(0, vocab, (r_len,), generator=gen).tolist())
+    steps, counts = {}, {}
+    for name, share in (("unshared", False), ("shared", True)):
+        steps[name], counts[name] = shared_step(model, prompts, responses, args.max_tokens, share, args.chunk_tokens)
+    for step in steps.values():  # warm-up
+        timed(model, step)
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    results = {}
+    for r in range(args.repeats):
+        for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
+            seconds, _, results[name] = timed(model, steps[name])
+            wall[name].append(seconds)
+            print(f"repeat {r} {name}: {seconds:.1f} s wall", file=sys.stderr, flush=True)
+    sequence_tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    median = {name: statistics.median(t) for name, t in wall.items()}
+    ratio = median["unshared"] / median["shared"]
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": f"SmolLM2-135M shapes, random init, {args.num_layers} layers, {args.dtype}",
+        "group_size": args.group_size, "num_sequences": len(prompts), "sequence_tokens": sequence_tokens,
+        "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
+        "response_tokens_mean": statistics.mean(len(r) for r in responses),
+        "max_tokens": args.max_tokens,
+        "variants": {name: {"sequence_tokens_per_s": round(sequence_tokens / median[name], 1), "median_s": round(median[name], 2),
+                            "wall_s": [round(t, 2) for t in wall[name]], "num_microbatches": counts[name],
+                            "positions_processed": results[name][1], "sum_logprobs": round(results[name][0], 2)}
+                     for name in steps},
+        "throughput_ratio_shared_vs_unshared": round(ratio, 3),
+        "target": "shared/unshared >= 1.25 at group size 4 on GSM8K lengths",
+    }
+    print(json.dumps(report, indent=2))
+    return report
+
+
 def timed(model: torch.nn.Module, step: Step) -> tuple[float, float, tuple[float, int, int]]:
     """(wall s, process CPU s, step result) of one forward+backward over the batch, grads zeroed first."""
     model.zero_grad(set_to_none=True)
@@ -129,7 +221,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=4096, help="token cap per packed micro-batch")
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per LM-head chunk (packed)")
     parser.add_argument("--paths", default=",".join(PACKED_PATHS), help="packed attention paths to run, comma-separated")
+    parser.add_argument("--group-size", type=int, default=0, help="compare shared-prompt packs with G responses per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="with --group-size: fixed prompt length (0 = GSM8K's)")
+    parser.add_argument("--response-tokens", type=int, default=0, help="with --group-size: fixed response length (0 = GSM8K's)")
     args = parser.parse_args(argv)
+    if args.group_size:
+        return shared_report(args)
 
     lengths = [p + r for p, r in sample_lengths(args.num_sequences, args.seed)]
     model = smollm_model(args.dtype, args.num_layers)

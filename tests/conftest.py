@@ -45,17 +45,18 @@ def smollm_tokenizer():
 
 
 
-def score_of(model, rollout, cfg, context=None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def score_of(model, rollout, cfg, context=None, share_prompts: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Log-probs and entropy of every response of ``rollout`` under ``model``, planned and restored
     to rollout order as the worker group does for one rank (`packrl.seqlen.update_plan.plan_ranks`)."""
     import contextlib
 
-    from packrl.seqlen.update_plan import plan_ranks
+    from packrl.seqlen.update_plan import PromptSharing, plan_ranks
     from packrl.worker.actor import PackForward, compute_logprobs
 
+    sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if share_prompts else None
     plan = plan_ranks(rollout.sequence_lengths(), 1, cfg.train.max_tokens_per_logprob_microbatch, balance=True,
-                      budget_key="train.max_tokens_per_logprob_microbatch")
-    forward = PackForward.from_config(cfg)
+                      budget_key="train.max_tokens_per_logprob_microbatch", sharing=sharing)
+    forward = PackForward.from_config(cfg, share_prompts)
     values = plan.restore([compute_logprobs(model, rollout, plan.ranks[0].microbatches, forward=forward,
                                            context=context or contextlib.nullcontext)])
     return [lp for lp, _ in values], [ent for _, ent in values]
@@ -66,7 +67,7 @@ def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
     return score_of(model, rollout, cfg, context)[0]
 
 
-def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None) -> float:
+def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
     (`packrl.worker.actor.run_microbatches`) as planned for ``num_ranks`` simulated ranks (each
     rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
@@ -74,16 +75,19 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
     import contextlib
 
     from packrl.config.plan import BatchPlan
-    from packrl.seqlen.update_plan import groups_of, plan_update
+    from packrl.seqlen.update_plan import PromptSharing, groups_of, plan_update
     from packrl.worker.actor import MicrobatchLoss, ResponseSums, run_microbatches
 
     plan = BatchPlan.from_config(cfg)
-    groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
-    update = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
+    rollout = batch.rollout
+    groups = groups_of(len(rollout), rollout.group_size) if groups is None else groups
+    sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if share_prompts else None
+    update = plan_update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
                          groups=groups, mini_batch_prompts=plan.mini_batch_prompts, num_epochs=1,
                          num_ranks=num_ranks, max_tokens=cfg.train.max_tokens_per_microbatch,
-                         balance=cfg.train.balance_microbatches, loss_scale_factor=plan.loss_scale_factor, units=units)
-    loss = MicrobatchLoss.from_config(cfg)
+                         balance=cfg.train.balance_microbatches, loss_scale_factor=plan.loss_scale_factor, units=units,
+                         sharing=sharing)
+    loss = MicrobatchLoss.from_config(cfg, share_prompts)
     minibatch = update.minibatches[0]
     sums = ResponseSums.zeros(len(batch.rollout))
     total = 0.0

@@ -52,16 +52,20 @@ def aggregate_loss(
         denominators: the whole mini-batch's `LossDenominators`.
         sequence_ids: for [M] input, the sequence of each token. Shape [M], int64. A sequence
             must lie entirely inside one micro-batch.
-        sequence_counts: loss tokens of each sequence over the whole micro-batch, Shape [S],
-            for ``seq-mean-token-mean`` when ``loss_mask`` holds only part of them (a
-            sequence-parallel rank's tokens); default: counted from ``loss_mask``.
+        sequence_counts: loss tokens of each sequence over the whole micro-batch, Shape [S]
+            (S = the number of sequences ``sequence_ids`` numbers), for ``seq-mean-token-mean``
+            when ``loss_mask`` holds only part of them (a sequence-parallel rank's tokens, a
+            trajectory's samples); default: counted from ``loss_mask``. Given, the function reads
+            nothing back to the host (no device synchronisation).
 
     Returns:
         A scalar tensor, differentiable w.r.t. ``token_loss``.
 
     Raises:
-        ValueError: unknown mode, mismatched shapes, a non-bool mask, [M] input without
-            ``sequence_ids``, or denominators that count fewer loss tokens than this micro-batch has.
+        ValueError: unknown mode, mismatched shapes, a non-bool mask, or [M] input without
+            ``sequence_ids``. (Denominators must count the whole mini-batch, every micro-batch and
+            rank: `LossDenominators.from_masks`; that is not re-checked here, which would cost a
+            device synchronisation per call.)
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"algorithm.loss_agg_mode={mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
@@ -75,15 +79,9 @@ def aggregate_loss(
         raise ValueError(f"loss_mask must be bool (True = counts in the loss), got {loss_mask.dtype}")
     mask = loss_mask
     loss = torch.where(mask, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
-    total = loss.sum()
-    local_tokens = int(mask.sum())
-    if local_tokens == 0:
+    total = loss.sum()  # exactly 0 for a fully masked micro-batch; nothing is read back to the host here
+    if denominators.num_tokens == 0:
         return total * 0.0
-    if local_tokens > denominators.num_tokens:
-        raise ValueError(
-            f"this micro-batch has {local_tokens} loss tokens but the mini-batch denominators count {denominators.num_tokens}; "
-            "count them with LossDenominators.from_masks over the whole mini-batch"
-        )
     if mode == "token-mean":
         return total / denominators.num_tokens
     if mode == "seq-mean-token-sum":
@@ -91,11 +89,11 @@ def aggregate_loss(
     if mode == "seq-mean-token-sum-norm":
         return total / (denominators.num_sequences * denominators.loss_scale_factor)
     seq = sequence_ids.reshape(-1)
-    num_seqs = int(seq.max()) + 1
+    num_seqs = sequence_counts.shape[0] if sequence_counts is not None else int(seq.max()) + 1
     seq_sum = loss.new_zeros(num_seqs).index_add(0, seq, loss.reshape(-1))
     if sequence_counts is None:
         seq_count = loss.new_zeros(num_seqs).index_add(0, seq, mask.reshape(-1).to(loss.dtype))
     else:
-        seq_count = sequence_counts.to(loss)[:num_seqs]
+        seq_count = sequence_counts.to(loss)
     per_seq = torch.where(seq_count > 0, seq_sum / seq_count.clamp(min=1), torch.zeros_like(seq_sum))
     return per_seq.sum() / denominators.num_sequences

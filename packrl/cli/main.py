@@ -1,4 +1,4 @@
-"""The `packrl` command: `packrl config`, `packrl train`, `packrl preflight`, `packrl audit`."""
+"""The `packrl` command: `packrl config`, `train`, `preflight`, `audit`, `report`, `view`, `verl` (run verl command lines) and `data` (write verl-schema data)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     preflight.add_parser(sub)
     view.add_parser(sub)
+    from packrl.cli import verl
+
+    verl.add_parser(sub)
+    from packrl.cli import data
+
+    data.add_parser(sub)
     return parser
 
 

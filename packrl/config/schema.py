@@ -113,6 +113,14 @@ class ModelConfig:
     """Keep the tensors saved for the backward in host memory (`torch.autograd.graph.save_on_cpu`,
     pinned on CUDA): frees device memory for longer micro-batches. No effect on CPU runs."""
 
+    param_offload: bool = False
+    """Keep the policy's, the reference's and the critic's parameter shards, their gradients and
+    the optimizer states in host memory (FSDP2's `CPUOffloadPolicy`; verl's
+    `fsdp_config.param_offload`/`offload_policy`): each layer is copied to the GPU while it
+    computes and the optimizer steps on the CPU. Frees device memory for longer micro-batches
+    and larger models at the cost of host-device copies. Needs FSDP2 on CUDA
+    (`trainer.num_workers > 1`, GPUs)."""
+
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off by default)."""
 
@@ -406,6 +414,12 @@ class TrainConfig:
     logits_chunk_tokens: int = 1024
     """Tokens per chunk when computing log-probs and entropy from hidden states: logits never
     exceed `logits_chunk_tokens x vocab` floats, forward or backward."""
+
+    share_prompts: bool = False
+    """Write a group's prompt once per pack in the log-prob and update passes: each response
+    attends to it and to itself (`packrl.seqlen.packing.pack_shared`; exact). Needs
+    `model.packed_attention=varlen` on packrl's SDPA path or `block_mask`, and no sequence
+    parallelism; elsewhere it is off with a warning. Micro-batch budgets count the prompt once."""
 
     balance_microbatches: bool = True
     """Balance micro-batches by the cost model `a*L + L^2` (same micro-batch count, flatter
@@ -726,6 +740,10 @@ class RunConfig:
                 f"splits packs through the varlen attention path, not model.packed_attention={self.model.packed_attention}",
                 "set model.packed_attention=varlen", keys=("trainer.sequence_parallel_size", "model.packed_attention"),
             ))
+        if self.model.param_offload and workers == 1:
+            out.append(ConfigProblem("model.param_offload", True, "offloads FSDP2 shards, but trainer.num_workers=1 runs one "
+                                     "process without FSDP2", "set trainer.num_workers >= 2 (one per GPU), or model.param_offload=false",
+                                     keys=("model.param_offload", "trainer.num_workers")))
         if workers > 1 and self.model.lora.rank > 0:
             out.append(ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={self.model.lora.rank}) yet",
                                      "set trainer.num_workers=1 for LoRA runs", keys=("trainer.num_workers", "model.lora.rank")))

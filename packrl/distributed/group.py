@@ -37,7 +37,7 @@ from packrl.diagnostics.trace import NullTracer
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.seqlen.stepwise import step_samples
-from packrl.seqlen.update_plan import UpdatePlan, groups_of, plan_ranks, plan_update
+from packrl.seqlen.update_plan import PromptSharing, UpdatePlan, groups_of, plan_ranks, plan_update
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
 from packrl.worker.critic import critic_metrics
@@ -107,6 +107,7 @@ class WorkerGroup:
         self.cfg, self.plan, self.tokenizer, self.transport = cfg, plan, tokenizer, transport
         self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
         self.packing = info.packing
+        self.share_prompts = info.share_prompts
         self._linked = False
 
     @property
@@ -148,7 +149,8 @@ class WorkerGroup:
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
         ranks = plan_ranks(scored.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch * size,
-                           balance=self.cfg.train.balance_microbatches, budget_key=key, packed=self.packing.packs)
+                           balance=self.cfg.train.balance_microbatches, budget_key=key, packed=self.packing.packs,
+                           sharing=self._sharing(scored))
         shared = self.transport.share(scored)
         results = self.transport.call("compute_logprobs", self._spread([(shared, role, p.microbatches) for p in ranks.ranks]))
         values = ranks.restore(results[::size])  # a sequence-parallel group's workers return the same values
@@ -157,6 +159,10 @@ class WorkerGroup:
             lengths = [len(r.response_ids) for r in rollout.responses]
             logprobs, entropy = steps.stitch(logprobs, lengths), steps.stitch(entropy, lengths)
         return LogprobResult(logprobs, entropy, tuple(mb for p in ranks.ranks for mb in p.microbatches))
+
+    def _sharing(self, rollout: RolloutBatch) -> PromptSharing | None:
+        """Which sequences share a prompt, when packs write it once (``train.share_prompts``)."""
+        return PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if self.share_prompts else None
 
     def compute_values(self, rollout: RolloutBatch) -> ValueEstimates | None:
         """The critic's values of every response (`packrl.worker.critic.compute_values`), planned
@@ -167,7 +173,7 @@ class WorkerGroup:
         scored = rollout if steps is None else steps.rollout
         ranks = plan_ranks(scored.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch,
                            balance=self.cfg.train.balance_microbatches, budget_key="train.max_tokens_per_logprob_microbatch",
-                           packed=self.packing.packs)
+                           packed=self.packing.packs, sharing=self._sharing(scored))
         shared = self.transport.share(scored)
         values = ranks.restore(self.transport.call("compute_values", [(shared, p.microbatches) for p in ranks.ranks]))
         per_token, bootstrap = tuple(v for v, _ in values), [b for _, b in values]
@@ -207,6 +213,7 @@ class WorkerGroup:
         """
         groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
         return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], units=units,
+                           sharing=self._sharing(batch.rollout),
                            groups=groups, mini_batch_prompts=self.plan.mini_batch_prompts,
                            num_epochs=self.plan.num_epochs, num_ranks=self.num_ranks,
                            max_tokens=(max_tokens or self.cfg.train.max_tokens_per_microbatch) * self.plan.sequence_parallel_size,

@@ -48,6 +48,10 @@ strategy `packrl.worker.strategy.weight_layout` names for the config):
 - the chunked LM head (`packrl.seqlen.chunked`): about ``2 x logits_chunk_tokens x V`` float32.
 - the rollout KV cache: ``2 L g d c`` per token for ``rollout.max_num_seqs`` sequences of
   prompt + response budget.
+- with ``model.param_offload`` (FSDP2 on CUDA): the shards of the parameters, reference and
+  critic, the gradients and the optimizer states live in host memory (`MemoryEstimate.host`, per
+  rank) and count 0 on the device; the gathered units, the engine's copy, activations and the
+  gradient of the unit in its backward stay there, and the optimizer steps on the CPU.
 - a runtime floor: on CPU the interpreter, torch, transformers, the tokenizer and the data
   (measured 0.55 GiB); on CUDA the context and allocator slack (0.75 GiB, an assumption).
 
@@ -75,6 +79,8 @@ GIB = 1 << 30
 CPU_RUNTIME_BYTES = int(0.55 * GIB)
 CUDA_RUNTIME_BYTES = int(0.75 * GIB)
 _RESIDUAL_BYTES = 4
+_OFFLOADED = ("parameters (float32)", "reference model", "critic (float32 weights + AdamW states)", "gradients",
+              "optimizer states (AdamW, float32)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +203,15 @@ class MemoryEstimate:
         tokens_per_microbatch: ``T`` used for the update phase.
         parts: bytes of each part (names as in the module docstring).
         phases: peak bytes of the ``update``, ``logprob`` and ``generation`` phases.
+        host: bytes each rank keeps in host memory instead (``model.param_offload`` on CUDA;
+            these parts are 0 in ``parts``), by part; empty otherwise.
     """
 
     device: str
     tokens_per_microbatch: int
     parts: dict[str, int]
     phases: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -213,11 +222,14 @@ class MemoryEstimate:
         lines = [f"memory per device ({self.device}, update micro-batch {self.tokens_per_microbatch:,} tokens)"]
         lines += [f"  {name:<34}{value / GIB:>9.3f} GiB" for name, value in self.parts.items()]
         lines += [f"  peak of phase {name:<20}{value / GIB:>9.3f} GiB" for name, value in self.phases.items()]
+        if self.host:
+            lines.append("host memory per rank (model.param_offload)")
+            lines += [f"  {name:<34}{value / GIB:>9.3f} GiB" for name, value in self.host.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "tokens_per_microbatch": self.tokens_per_microbatch, "parts_bytes": dict(self.parts),
-                "phases_bytes": dict(self.phases), "peak_bytes": self.peak_bytes}
+                "phases_bytes": dict(self.phases), "peak_bytes": self.peak_bytes, "host_bytes": dict(self.host)}
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict())
@@ -265,6 +277,10 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "logits chunk": 2 * 4 * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
         "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
     }
+    host = {}
+    if layout.params_on_host and device == "cuda":
+        host = {k: parts[k] for k in _OFFLOADED}
+        parts |= dict.fromkeys(_OFFLOADED, 0)
     held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout engine copy"]
     held += parts["critic (float32 weights + AdamW states)"]
     held += parts["gathered parameters (FSDP2)"]
@@ -275,6 +291,9 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     # AdamW's temporaries: on CUDA its foreach path holds about one more float32 copy of the
     # trainable parameters; on CPU the per-parameter loop holds two of the largest parameter.
     temporaries = 4 * trainable if device == "cuda" else 2 * 4 * min(shape.largest_param, trainable)
+    if host:  # the optimizer steps on the CPU, on the offloaded shards
+        host["optimizer step temporaries"] = 4 * trainable // shards
+        temporaries = 0
     optimizer_step = parts["gradients"] + parts["optimizer states (AdamW, float32)"] + temporaries
     states = parts["optimizer states (AdamW, float32)"]
     # No-grad forwards keep one layer's intermediates at a time; prefill likewise, over the
@@ -283,7 +302,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     prefill = cfg.rollout.max_num_seqs * cfg.data.max_prompt_tokens * per_layer
     generation = states + parts["rollout KV cache"] + prefill + 3 * 4 * cfg.rollout.max_num_seqs * shape.vocab_size
     phases = {"update": held + max(backward, optimizer_step), "logprob": held + logprob, "generation": held + generation}
-    return MemoryEstimate(device, T, parts, phases)
+    return MemoryEstimate(device, T, parts, phases, host)
 
 
 def _kv_cache_bytes(cfg: RunConfig, shape: ModelShape, compute_bytes: int) -> int:

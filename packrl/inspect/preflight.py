@@ -319,10 +319,14 @@ def _update_fix(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recom
     fixed = sum(memory.parts[k] for k in held)
     if fixed > memory_bytes:
         drop_copy = cfg.model.dtype == "bf16" and cfg.trainer.num_workers == 1
+        can_offload = cfg.trainer.num_workers > 1 and memory.device == "cuda" and not cfg.model.param_offload
         return (f"the weights and runtime alone need {fixed / GIB:.2f} GiB: use a device with more memory"
-                + (" (or model.dtype=fp32 to drop the bf16 rollout engine copy)" if drop_copy else ""))
+                + (" (or model.dtype=fp32 to drop the bf16 rollout engine copy)" if drop_copy else "")
+                + (" (or model.param_offload=true to keep the parameter shards in host memory)" if can_offload else ""))
+    offload = cfg.model.param_offload or cfg.trainer.num_workers == 1 or memory.device != "cuda"  # FSDP2 on CUDA only
     options = [o for o, on in (("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
-                               ("model.lora.rank=16", cfg.model.lora.rank > 0)) if not on]
+                               ("model.lora.rank=16", cfg.model.lora.rank > 0 or cfg.trainer.num_workers > 1),
+                               ("model.param_offload=true", offload)) if not on]
     return ("no micro-batch holding the longest sequence fits: " + ", ".join(
         [*(f"set {o}" for o in options), "lower data.max_prompt_tokens / rollout.max_response_tokens"]))
 

@@ -48,9 +48,12 @@ def _packrl_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
+    packrl_prefix_of: tuple[int, ...] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA that runs causal attention per sequence when ``cu_seq_lens_q`` marks a pack.
+    """SDPA that runs causal attention per segment when ``cu_seq_lens_q`` marks a pack; a segment
+    with a shared prompt (``packrl_prefix_of``, `packrl.seqlen.packing.pack_shared`) also attends
+    to all of its prompt segment.
 
     query: [1, h, K, d]; key/value: [1, h_kv, K, d]. Returns ([1, K, h, d], None) as
     transformers' attention functions do.
@@ -61,13 +64,19 @@ def _packrl_sdpa(
         raise ValueError(f"packed attention expects one pack without cache; got query {tuple(query.shape)}, key {tuple(key.shape)}")
     gqa = query.shape[1] != key.shape[1]
     bounds = cu_seq_lens_q.tolist()
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
-        )
-        for s, e in zip(bounds[:-1], bounds[1:])
-    ]
+    prefix = packrl_prefix_of or (-1,) * (len(bounds) - 1)
+    outs = []
+    for seg, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if prefix[seg] < 0:
+            outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                       dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa))
+            continue
+        ps, pe = bounds[prefix[seg]], bounds[prefix[seg] + 1]
+        n, m = e - s, pe - ps
+        allowed = torch.ones(n, m + n, dtype=torch.bool, device=query.device).tril(diagonal=m)  # the prompt, then causal
+        outs.append(F.scaled_dot_product_attention(
+            query[:, :, s:e], torch.cat([key[:, :, ps:pe], key[:, :, s:e]], dim=2), torch.cat([value[:, :, ps:pe], value[:, :, s:e]], dim=2),
+            attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -94,6 +103,14 @@ def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | No
         else:
             model.set_attn_implementation(PACKRL_SDPA)
     return model.config._attn_implementation
+
+
+def supports_shared_prompts(model: torch.nn.Module, attention: str) -> bool:
+    """Whether ``model`` runs packs with shared prompts (`packrl.seqlen.packing.pack_shared`):
+    ``varlen`` through ``packrl_sdpa`` or ``block_mask`` through SDPA/eager. flash-attn's varlen
+    kernel and transformers' position-id detection cannot express a segment that sees another."""
+    impl = model.config._attn_implementation
+    return (attention == "varlen" and impl == PACKRL_SDPA) or (attention == "block_mask" and impl in _MASK_IMPLS)
 
 
 def _check_impl(model: torch.nn.Module, attention: str) -> str:
@@ -132,12 +149,17 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
         ValueError: the model's attention implementation cannot run the chosen path.
     """
     kwargs: dict[str, Any] = {"position_ids": pack.position_ids, "use_cache": False}
-    impl = _check_impl(model, attention) if len(pack.indices) > 1 else None
+    impl = _check_impl(model, attention) if len(pack.indices) > 1 or pack.shares_prompts else None
+    if pack.shares_prompts and not supports_shared_prompts(model, attention):
+        raise ValueError(f"a pack with shared prompts needs model.packed_attention=varlen with {PACKRL_SDPA!r} or block_mask; "
+                         f"this model runs {impl!r} with {attention!r}: set train.share_prompts=false")
     if impl is None:
         pass  # one sequence: an ordinary causal forward (what a model with stateful layers needs)
     elif attention == "varlen":
         cu = pack.cu_seqlens.to(torch.int32)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pack.max_seqlen, max_length_k=pack.max_seqlen)
+        if pack.shares_prompts:
+            kwargs["packrl_prefix_of"] = pack.prefix_of
     elif attention == "block_mask":
         dtype = torch.bool if impl != "eager" else model.dtype
         kwargs["attention_mask"] = pack.block_causal_mask(dtype).to(pack.input_ids.device)

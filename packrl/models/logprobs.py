@@ -106,25 +106,26 @@ def _pack_logprobs(model: torch.nn.Module, pack: Pack, *, attention: PackedAtten
     """`pack_logprobs` as plain tensors ``(token_logprobs, entropy, has_logprob)`` (what FSDP's
     forward hooks can follow)."""
     weight, bias = _lm_head(model)
-    labels, has_label = pack.next_token_labels()  # position k predicts token k + 1 of its sequence
+    ids = pack.input_ids[0]
+    sources, targets = pack.predictions()  # position sources[m] scores token targets[m] (`Pack.predictions`)
     if needed is not None:
-        if needed.shape != labels.shape:
-            raise ValueError(f"needed has shape {tuple(needed.shape)}; expected [{labels.shape[0]}], one flag per packed token")
-        has_label = has_label & torch.cat([needed[1:], needed.new_zeros(1)])
+        if needed.shape != ids.shape:
+            raise ValueError(f"needed has shape {tuple(needed.shape)}; expected [{ids.shape[0]}], one flag per packed token")
+        keep = needed[targets]
+        sources, targets = sources[keep], targets[keep]
     sp = ulysses.active()
     if sp is None:
         hidden, start = packed_forward(model, pack, attention), 0  # [K, H]
-    else:  # this rank's tokens of the padded pack; pad positions have no label
+    else:  # this rank's tokens of the padded pack: the predictions its hidden states make
         hidden, (start, end) = sharded_forward(model, pack, sp), sp.bounds(pack.num_tokens)  # [n, H]
-        has_label = torch.cat([has_label, has_label.new_zeros(max(0, end - has_label.shape[0]))])[start:end]
-    rows = has_label.nonzero().squeeze(1)  # [M] local positions whose next token is wanted
-    targets = rows + start + 1  # the tokens they predict, in pack positions
+        mine = (sources >= start) & (sources < end)
+        sources, targets = sources[mine], targets[mine]
     logprobs, entropy = chunked_logprobs(
-        hidden[rows], weight, labels[targets - 1], bias=bias, chunk_tokens=chunk_tokens, temperature=temperature,
+        hidden[sources - start], weight, ids[targets], bias=bias, chunk_tokens=chunk_tokens, temperature=temperature,
         entropy_grad=entropy_grad,
     )
-    # Shift right by one: the log-prob of token k sits at k.
-    token_logprobs = logprobs.new_zeros(labels.shape[0]).index_put((targets,), logprobs)
-    token_entropy = entropy.new_zeros(labels.shape[0]).index_put((targets,), entropy)
-    has_logprob = torch.zeros_like(labels, dtype=torch.bool).index_fill_(0, targets, True)
+    # The log-prob of token k sits at k.
+    token_logprobs = logprobs.new_zeros(ids.shape[0]).index_put((targets,), logprobs)
+    token_entropy = entropy.new_zeros(ids.shape[0]).index_put((targets,), entropy)
+    has_logprob = torch.zeros_like(ids, dtype=torch.bool).index_fill_(0, targets, True)
     return token_logprobs, token_entropy, has_logprob

@@ -343,6 +343,8 @@ def convert_gguf(gguf: Path, dest: Path, *, source: str) -> None:
     """
     from transformers.utils import is_accelerate_available, is_gguf_available
 
+    from packrl.models.quiet import folded_bars
+
     if not (is_accelerate_available() and is_gguf_available()):
         raise ValueError(
             f"converting {gguf} needs the packages accelerate and gguf, which transformers requires to read GGUF; "
@@ -357,7 +359,8 @@ def convert_gguf(gguf: Path, dest: Path, *, source: str) -> None:
     start = time.perf_counter()
     log.info("converting %s (%.0f MB) into %s; once per file", gguf, gguf.stat().st_size / 1e6, dest)
     try:
-        tokenizer_origin = _write_converted(gguf, tmp)
+        with folded_bars(log, "GGUF conversion"):  # transformers draws its own bar here; a run shows only its own
+            tokenizer_origin = _write_converted(gguf, tmp)
         marker = {"source": source, "tokenizer": tokenizer_origin, "created_unix_s": int(time.time())}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         try:

@@ -26,18 +26,79 @@ from packrl.seqlen.microbatch import MicrobatchPlan, plan_microbatches, validate
 UPDATE_BUDGET_KEY = "train.max_tokens_per_microbatch"
 
 
+@dataclass(frozen=True)
+class PromptSharing:
+    """Which sequences share a prompt, for planning packs that write it once
+    (`packrl.seqlen.packing.pack_shared`, ``train.share_prompts``).
+
+    Attributes:
+        prompt_tokens: P_i of each sequence, tokens.
+        prompt_keys: per sequence, an id of its prompt ids (equal ids = the same prompt).
+    """
+
+    prompt_tokens: tuple[int, ...]
+    prompt_keys: tuple[int, ...]
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[int]]) -> PromptSharing:
+        """From each sequence's prompt ids."""
+        keys: dict[tuple[int, ...], int] = {}
+        return cls(tuple(len(p) for p in prompts), tuple(keys.setdefault(tuple(p), len(keys)) for p in prompts))
+
+    def subset(self, indices: Sequence[int]) -> PromptSharing:
+        return PromptSharing(tuple(self.prompt_tokens[i] for i in indices), tuple(self.prompt_keys[i] for i in indices))
+
+    def items(self, lengths: Sequence[int], max_tokens: int, min_items: int = 1) -> list[tuple[int, ...]]:
+        """The planning units: runs of consecutive sequences with the same prompt, each cut so
+        that its real tokens (the prompt once, then every response) stay within ``max_tokens``;
+        then, while there are fewer than ``min_items`` (ranks), the largest multi-sequence unit
+        is halved. A response of 0 tokens is a unit of its own (it is packed whole)."""
+        out: list[list[int]] = []
+        for i, n in enumerate(lengths):
+            last = out[-1] if out else None
+            shareable = last is not None and self.prompt_keys[last[0]] == self.prompt_keys[i] and n > self.prompt_tokens[i]
+            if shareable and all(lengths[j] > self.prompt_tokens[j] for j in last) and self.cost(last + [i], lengths) <= max_tokens:
+                last.append(i)
+            else:
+                out.append([i])
+        while len(out) < min_items and any(len(u) > 1 for u in out):
+            k = max((k for k in range(len(out)) if len(out[k]) > 1), key=lambda k: self.cost(out[k], lengths))
+            unit = out.pop(k)
+            out[k:k] = [unit[: len(unit) // 2], unit[len(unit) // 2:]]
+        return [tuple(u) for u in out]
+
+    def cost(self, unit: Sequence[int], lengths: Sequence[int]) -> int:
+        """Real tokens of ``unit`` packed with its prompt once."""
+        if len(unit) == 1:
+            return lengths[unit[0]]
+        return self.prompt_tokens[unit[0]] + sum(lengths[i] - self.prompt_tokens[i] for i in unit)
+
+
 def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
-               packed: bool = True) -> RankPlan:
+               packed: bool = True, sharing: PromptSharing | None = None) -> RankPlan:
     """Micro-batches of at most ``max_tokens`` real tokens for each of ``num_ranks`` ranks.
 
     One rank plans with `plan_microbatches` (the fewest micro-batches); several with
     `balance_ranks` (Karmarkar-Karp over ranks, equal micro-batch counts). Indices are indices of
     ``lengths``; `RankPlan.restore` puts per-rank results back in that order. ``packed=False``
-    gives every sequence a micro-batch of its own (a model whose packs are not exact).
+    gives every sequence a micro-batch of its own (a model whose packs are not exact). With
+    ``sharing`` the units planned are `PromptSharing.items` (a group's sequences, its prompt
+    counted once), kept whole and consecutive in their micro-batch.
 
     Raises:
         ValueError: as `plan_microbatches` / `balance_ranks` (a sequence over the cap is named).
     """
+    if sharing is None or not packed:
+        return _plan_units(lengths, num_ranks, max_tokens, balance=balance, budget_key=budget_key, packed=packed)
+    validate_lengths(lengths, max_tokens, budget_key)  # a sequence over the cap is named by its own index
+    items = sharing.items(lengths, max_tokens, min_items=num_ranks)
+    local = _plan_units([sharing.cost(u, lengths) for u in items], num_ranks, max_tokens, balance=balance, budget_key=budget_key)
+    return RankPlan(tuple(MicrobatchPlan(tuple(tuple(i for k in mb for i in items[k]) for mb in rank.microbatches), tuple(lengths),
+                                         max_tokens) for rank in local.ranks), local.linear_coef)
+
+
+def _plan_units(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
+                packed: bool = True) -> RankPlan:
     if num_ranks == 1:
         return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key, packed=packed),))
     return balance_ranks(lengths, num_ranks, max_tokens, balance_microbatches=balance, budget_key=budget_key, packed=packed)
@@ -96,6 +157,7 @@ def plan_update(
     loss_scale_factor: int,
     packed: bool = True,
     units: Sequence[int] | None = None,
+    sharing: PromptSharing | None = None,
 ) -> UpdatePlan:
     """Plan a step's update.
 
@@ -113,6 +175,7 @@ def plan_update(
         packed: False gives every sequence a micro-batch of its own.
         units: the response (trajectory) each sequence is a part of, for the sequence count of
             the denominators (`packrl.seqlen.stepwise`); default: each sequence is its own.
+        sharing: plan packs that write a group's prompt once (`plan_ranks`).
 
     Raises:
         ValueError: a sequence over ``max_tokens`` (named by its index in the batch), or a
@@ -127,7 +190,7 @@ def plan_update(
     for start in range(0, len(firsts) - 1, mini_batch_prompts):
         indices = tuple(range(firsts[start], firsts[min(start + mini_batch_prompts, len(firsts) - 1)]))
         local = plan_ranks([lengths[i] for i in indices], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY,
-                           packed=packed)
+                           packed=packed, sharing=None if sharing is None else sharing.subset(indices))
         ranks = RankPlan(tuple(MicrobatchPlan(tuple(tuple(indices[j] for j in mb) for mb in rank.microbatches), tuple(lengths),
                                               max_tokens) for rank in local.ranks), local.linear_coef)
         per_unit: dict[int, int] = {}

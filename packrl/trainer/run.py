@@ -48,6 +48,18 @@ class _ConsoleHandler(logging.Handler):
         tqdm.write(self.format(record), file=sys.stderr)
 
 
+class _OneLine(logging.Filter):
+    """A library's record as one line (a captured warning also quotes its source line); packrl's
+    own records pass as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("packrl"):
+            return True
+        lines = record.getMessage().strip().splitlines()
+        record.msg, record.args = (lines[0] if lines else ""), ()
+        return True
+
+
 class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
     ``metrics.jsonl`` (one JSON object per step) and the loggers of ``train.loggers`` (``console``:
@@ -70,18 +82,29 @@ class Run:
         self.loggers = build_loggers(cfg, self.dir)
 
     def _setup_logging(self) -> None:
+        """packrl's records to train.log (warnings also to the console, above the bar); the
+        libraries' bars off and their warnings to train.log only (`packrl.models.quiet`)."""
+        from packrl.models.quiet import LIBRARY_LOGGERS, quiet_libraries
+
+        quiet_libraries()
         root = logging.getLogger("packrl")
         root.setLevel(logging.INFO)
-        for handler in list(root.handlers):
-            if getattr(handler, "_packrl_run", False):
-                root.removeHandler(handler)
+        libraries = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+        for owner in (root, *libraries):
+            for handler in list(owner.handlers):
+                if getattr(handler, "_packrl_run", False):
+                    owner.removeHandler(handler)
+                    handler.close()
         handler = logging.FileHandler(self.dir / "train.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(_OneLine())
         console = _ConsoleHandler(logging.WARNING)  # warnings also reach the terminal, above the progress bar
         console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         for h in (handler, console):
             h._packrl_run = True  # type: ignore[attr-defined]
             root.addHandler(h)
+        for library in libraries:
+            library.addHandler(handler)
 
     def note(self, name: str, text: str) -> None:
         """Log ``text`` and keep it as ``RUN_DIR/<name>``."""
@@ -112,8 +135,15 @@ class Run:
         self.last_step = last_step
 
     def close(self) -> None:
+        """Close the loggers and stop writing the libraries' records to this run's train.log."""
+        from packrl.models.quiet import LIBRARY_LOGGERS
+
         for sink in self.loggers:
             sink.close()
+        for name in LIBRARY_LOGGERS:
+            library = logging.getLogger(name)
+            for handler in [h for h in library.handlers if getattr(h, "_packrl_run", False)]:
+                library.removeHandler(handler)
 
     def __enter__(self) -> "Run":
         return self

@@ -33,7 +33,7 @@ from packrl.models import ulysses
 from packrl.models.logprobs import pack_logprobs
 from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.denominators import LossDenominators
-from packrl.seqlen.packing import Pack, pack_sequences
+from packrl.seqlen.packing import Pack, pack_sequences, pack_shared
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
 
@@ -50,15 +50,26 @@ class PackForward:
         attention: ``model.packed_attention``.
         chunk_tokens: ``train.logits_chunk_tokens``.
         temperature: ``rollout.temperature`` (the trainer scores what the engine sampled).
+        share_prompts: write a group's prompt once per pack (``train.share_prompts``, where the
+            model's attention path can: `packrl.models.attention.supports_shared_prompts`).
     """
 
     attention: str
     chunk_tokens: int
     temperature: float
+    share_prompts: bool = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> PackForward:
-        return cls(cfg.model.packed_attention, cfg.train.logits_chunk_tokens, cfg.rollout.temperature)
+    def from_config(cls, cfg: RunConfig, share_prompts: bool = False) -> PackForward:
+        return cls(cfg.model.packed_attention, cfg.train.logits_chunk_tokens, cfg.rollout.temperature, share_prompts)
+
+    def pack(self, rollout: RolloutBatch, indices: Sequence[int], device: torch.device) -> Pack:
+        """The micro-batch ``indices`` of ``rollout`` as one pack: a group's prompt written once
+        when prompts are shared (`packrl.seqlen.packing.pack_shared`), else every sequence whole."""
+        if self.share_prompts:
+            return pack_shared([rollout.prompt_ids_of(i) for i in indices], [rollout.responses[i].response_ids for i in indices],
+                               indices).to(device)
+        return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices).to(device)
 
     def __call__(self, model: torch.nn.Module, pack: Pack, needed: torch.Tensor, entropy_grad: bool = False) -> Any:
         return pack_logprobs(model, pack, attention=self.attention, chunk_tokens=self.chunk_tokens,
@@ -70,30 +81,32 @@ def sequence_ids(rollout: RolloutBatch, i: int) -> torch.Tensor:
     return torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids, dtype=torch.long)
 
 
-def _pack(rollout: RolloutBatch, indices: Sequence[int], device: torch.device) -> Pack:
-    return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices).to(device)
-
-
 def _response_parts(pack: Pack, values: torch.Tensor, rollout: RolloutBatch) -> list[torch.Tensor]:
     """The last R_i entries of each packed sequence's per-token ``values`` ([K])."""
-    return [part[-len(rollout.responses[i].response_ids):] for i, part in zip(pack.indices, pack.unpack(values))]
+    return [part[len(part) - len(rollout.responses[i].response_ids):] for i, part in zip(pack.indices, pack.unpack(values))]
 
 
-def _scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor] | dict[int, torch.Tensor],
+def scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor] | dict[int, torch.Tensor],
                       fill: float | bool) -> torch.Tensor:
-    """Lay per-response values ([R_i] each, indexed like the rollout) over the pack: prompt
-    tokens get ``fill``. Returns Shape [K]."""
+    """Lay per-response values ([R_i] each, indexed like the rollout) over the pack: each
+    response fills the last R_i tokens of its sequence's own segment; prompt tokens (shared or
+    not) get ``fill``. Returns Shape [K]."""
+    device = pack.input_ids.device
+    template = per_seq[pack.indices[0]]  # the dtype every part takes
     parts = []
-    for i in pack.indices:
-        values = per_seq[i].to(pack.input_ids.device)
-        parts.append(torch.cat([values.new_full((len(rollout.prompt_ids_of(i)),), fill), values]))
+    for length, owner in zip(pack.seq_lens, pack.segment_owners()):
+        if owner < 0:  # a shared prompt segment
+            parts.append(template.new_full((length,), fill, device=device))
+        else:  # the sequence's own segment: its response is the last R_i tokens
+            values = per_seq[pack.indices[owner]].to(device)
+            parts.append(torch.cat([values.new_full((length - len(values),), fill), values]))
     return torch.cat(parts)
 
 
 def _response_positions(pack: Pack, rollout: RolloutBatch) -> torch.Tensor:
     """True at every response token of the pack. Shape [K], bool."""
     ones = {i: torch.ones(len(rollout.responses[i].response_ids), dtype=torch.bool) for i in pack.indices}
-    return _scatter_response(pack, rollout, ones, False)
+    return scatter_response(pack, rollout, ones, False)
 
 
 def _rollout_logprobs(pack: Pack, rollout: RolloutBatch) -> torch.Tensor | None:
@@ -101,7 +114,7 @@ def _rollout_logprobs(pack: Pack, rollout: RolloutBatch) -> torch.Tensor | None:
     values = {i: rollout.responses[i].rollout_logprobs for i in pack.indices}
     if any(v is None for v in values.values()):
         return None
-    return _scatter_response(pack, rollout, {i: torch.tensor(v, dtype=torch.float32) for i, v in values.items()}, 0.0)
+    return scatter_response(pack, rollout, {i: torch.tensor(v, dtype=torch.float32) for i, v in values.items()}, 0.0)
 
 
 def _idle_forward(model: torch.nn.Module) -> torch.Tensor:
@@ -135,7 +148,7 @@ def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, microbatches
             if not indices:
                 _idle_forward(model)
                 continue
-            pack = _pack(rollout, indices, device)
+            pack = forward.pack(rollout, indices, device)
             result = forward(model, pack, _response_positions(pack, rollout))
             sp = ulysses.active()
             if sp is not None:  # each rank holds the log-probs its tokens predict: sum the shards
@@ -158,10 +171,28 @@ class StepTotals:
     max_rank_tokens: int = 0
     num_positions: int = 0
     num_real_tokens: int = 0
+    num_shared_tokens_saved: int = 0
+    pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    """Metric sums still on the device, read back once by `finish`."""
 
     def add(self, metrics: dict[str, torch.Tensor | float]) -> None:
+        """Add one micro-batch's metrics: tensors are summed where they are (no device sync), numbers at once."""
         for name, value in metrics.items():
-            self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+                self.pending[name] = self.pending[name] + value if name in self.pending else value
+            else:
+                self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
+
+    def finish(self) -> StepTotals:
+        """Read the device sums back to the host, one copy per optimizer step; returns self."""
+        if self.pending:
+            names = list(self.pending)
+            values = torch.stack([self.pending[n].double().reshape(()) for n in names]).cpu().tolist()
+            for name, value in zip(names, values):
+                self.metrics[name] = self.metrics.get(name, 0.0) + value
+            self.pending = {}
+        return self
 
 
 @dataclass
@@ -177,6 +208,8 @@ class ResponseSums:
     clipped: torch.Tensor
     kl: torch.Tensor
     num_tokens: torch.Tensor
+    pending: torch.Tensor | None = None
+    """[4, N] sums on the compute device not yet added in (`finish`)."""
 
     @classmethod
     def zeros(cls, num_responses: int) -> ResponseSums:
@@ -187,10 +220,18 @@ class ResponseSums:
         per_token = torch.stack([entropy.detach().float(), clipped.float(), kl.detach().float(), torch.ones_like(kl, dtype=torch.float)])
         per_token = torch.where(mask, per_token, 0.0)  # [4, K]
         per_seq = per_token.new_zeros(4, len(pack.indices)).index_add_(1, pack.sequence_ids(), per_token)  # [4, S]
-        per_seq = per_seq.double().cpu()  # one device-to-host copy per micro-batch
-        index = torch.tensor(pack.indices, dtype=torch.long)
-        for row, total in enumerate((self.entropy, self.clipped, self.kl, self.num_tokens)):
-            total.index_add_(0, index, per_seq[row])
+        if self.pending is None:  # sums stay on the compute device until `finish`
+            self.pending = per_seq.new_zeros(4, len(self.entropy), dtype=torch.float64)
+        self.pending.index_add_(1, torch.tensor(pack.indices, dtype=torch.long, device=per_seq.device), per_seq.double())
+
+    def finish(self) -> ResponseSums:
+        """Add the device sums into the host tensors, one copy per update; returns self."""
+        if self.pending is not None:
+            pending = self.pending.cpu()
+            for row, total in enumerate((self.entropy, self.clipped, self.kl, self.num_tokens)):
+                total.add_(pending[row])
+            self.pending = None
+        return self
 
     @classmethod
     def merged(cls, parts: Sequence[ResponseSums]) -> ResponseSums:
@@ -215,9 +256,9 @@ class MicrobatchLoss:
     forward: PackForward
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> MicrobatchLoss:
+    def from_config(cls, cfg: RunConfig, share_prompts: bool = False) -> MicrobatchLoss:
         """Raises: ValueError: ``algorithm.policy_loss`` is not registered (names the nearest)."""
-        return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg))
+        return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg, share_prompts))
 
 
 def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, den: LossDenominators, loss: MicrobatchLoss,
@@ -229,7 +270,7 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     reward), minus ``entropy_coeff`` x the entropy. Adds the micro-batch's metrics to ``totals``."""
     algo, rollout = loss.algo, batch.rollout
     out = loss.forward(model, pack, _response_positions(pack, rollout), entropy_grad=algo.entropy_coeff > 0)
-    full_mask = _scatter_response(pack, rollout, batch.loss_masks, False)
+    full_mask = scatter_response(pack, rollout, batch.loss_masks, False)
     mask = full_mask & out.has_logprob  # under sequence parallelism: the tokens this rank's hidden states predict
     seq_ids = pack.sequence_ids()
     if batch.trajectory_loss_tokens is None:
@@ -237,10 +278,10 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     else:  # step-wise samples: each one's trajectory is the sequence the seq-mean modes average over
         counts = torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=mask.device)
     logprobs = out.token_logprobs
-    old = logprobs.detach() if batch.old_logprobs is None else _scatter_response(pack, rollout, batch.old_logprobs, 0.0)
-    ref = None if batch.ref_logprobs is None else _scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
-    extras = {name: _scatter_response(pack, rollout, values, 0) for name, values in batch.extras.items()}
-    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=_scatter_response(pack, rollout, batch.advantages, 0.0),
+    old = logprobs.detach() if batch.old_logprobs is None else scatter_response(pack, rollout, batch.old_logprobs, 0.0)
+    ref = None if batch.ref_logprobs is None else scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
+    extras = {name: scatter_response(pack, rollout, values, 0) for name, values in batch.extras.items()}
+    inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
                               rollout_logprobs=_rollout_logprobs(pack, rollout), extras=extras)
     result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
@@ -267,7 +308,9 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     sp = ulysses.active()
     totals.max_rank_tokens = max(totals.max_rank_tokens, pack.num_tokens if sp is None else sp.padded(pack.num_tokens) // sp.size)
     totals.num_positions += pack.input_ids.numel()
-    totals.num_real_tokens += sum(pack.seq_lens)
+    totals.num_real_tokens += pack.num_tokens  # a pack has no padding
+    totals.num_shared_tokens_saved += sum(len(rollout.prompt_ids_of(i)) + len(rollout.responses[i].response_ids)
+                                          for i in pack.indices) - pack.num_tokens
     return total
 
 
@@ -329,7 +372,7 @@ def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Se
                 idle = _idle_forward(model).sum() * 0.0
             idle.backward()
             continue
-        pack = _pack(batch.rollout, indices, device)
+        pack = loss.forward.pack(batch.rollout, indices, device)
         sp = ulysses.active()
         before = (sp.all_to_all_s, sp.num_exchanges) if sp is not None else None
         with tracer.microbatch(num_sequences=len(indices), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
@@ -338,7 +381,7 @@ def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Se
             (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()  # outside autocast, as torch recommends
         if sp is not None:
             tracer.all_to_all(sp.all_to_all_s - before[0], sp.num_exchanges - before[1])
-    return totals
+    return totals.finish()
 
 
 @dataclass
@@ -401,13 +444,27 @@ class Optimization:
     grad_clip: float
 
 
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP2 shards offloaded to host memory
+    (``model.param_offload``): their total norm is a CPU DTensor whose reduction over ranks must
+    run on the mesh's device (NCCL reduces device tensors only), so it moves there first.
+    Returns the total norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    mesh = getattr(grads[0], "device_mesh", None) if grads else None
+    if mesh is None or grads[0].device.type == mesh.device_type:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm(grads).to(mesh.device_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def optimizer_step(model: torch.nn.Module, opt: Optimization) -> tuple[float, float]:
     """Clip the gradient norm to ``train.grad_clip`` (global over ranks: DTensor), step the
     optimizer unless the norm is not finite, step the schedule, zero the gradients.
     Returns ``(grad_norm, lr)``."""
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, opt.grad_clip if opt.grad_clip > 0 else float("inf"))
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    grad_norm = clip_grad_norm(params, opt.grad_clip if opt.grad_clip > 0 else float("inf"))
     lr = opt.optimizer.param_groups[0]["lr"]
     if not opt.skips.record(grad_norm):
         opt.optimizer.step()
@@ -430,7 +487,7 @@ def run_update(model: torch.nn.Module, batch: TrainBatch, plan: UpdatePlan, *, r
             totals = run_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
                                       context=context, sums=sums, tracer=tracer, parallel=parallel)
             steps.append((totals, *optimizer_step(model, opt)))
-    return UpdateStats(steps, sums, opt.skips.total)
+    return UpdateStats(steps, sums.finish(), opt.skips.total)
 
 
 def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response_tokens: int) -> dict[str, float]:
@@ -448,6 +505,8 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         ``actor/grad_norm``, ``actor/lr``, ``train/skipped_steps``, ``seqlen/num_microbatches``,
         ``seqlen/microbatch_tokens_max``, ``seqlen/pad_fraction``, ``perf/offloaded_activation_gib``
         (with ``model.activation_offload``: saved activations moved to host memory, largest rank),
+        ``seqlen/shared_prompt_tokens_saved`` (with ``train.share_prompts``: prompt tokens the
+        update's packs did not compute again, all passes and ranks),
         ``perf/all_to_all_s`` and ``seqlen/microbatch_tokens_per_rank_max`` (with sequence
         parallelism: forward all-to-all seconds of the update and tokens of the largest shard),
         and ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means over loss tokens and
@@ -470,6 +529,9 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t in totals)),
         "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for t in totals) / max(1, positions),
     }
+    saved = sum(t.num_shared_tokens_saved for t in totals)
+    if saved:
+        out["seqlen/shared_prompt_tokens_saved"] = float(saved)
     if any(r.offloaded_bytes for r in ranks):
         out["perf/offloaded_activation_gib"] = max(r.offloaded_bytes for r in ranks) / 2**30
     if any(r.all_to_all_s for r in ranks):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack, pack_sequences
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
-from packrl.worker.actor import Optimization, Parallel, SkipCounter, optimizer_step, sequence_ids
+from packrl.worker.actor import Optimization, PackForward, Parallel, SkipCounter, StepTotals, optimizer_step, scatter_response
 
 Context = Callable[[], AbstractContextManager]
 
@@ -51,18 +51,23 @@ class ValueModel(torch.nn.Module):
             packs (`packrl.models.attention.use_packed_attention`).
         config: the causal LM's config (``hidden_size``, the attention implementation).
         attention: ``model.packed_attention``.
-        seed: seeds the value head's initial weights (normal, std ``initializer_range``; bias 0),
-            so every data-parallel rank starts from the same head (``train.seed``).
+        head_std: std of the value head's initial weights (bias 0). 0 (the default) starts every
+            value at exactly 0: a random head on a pretrained model's hidden states starts far
+            from the rewards (SmolLM2-135M: values near 1.0 against rewards near 0.03), and GAE
+            then bootstraps the responses a budget cut from that guess, which rewards running into
+            the budget until the critic has learned. With a zero head the first advantages are the
+            rewards-to-go and the head learns from the first step (its gradient is not zero).
+        seed: seeds a random head (``train.seed``), so every data-parallel rank starts alike.
     """
 
-    def __init__(self, decoder: torch.nn.Module, config: Any, attention: PackedAttention = "varlen", seed: int = 0):
+    def __init__(self, decoder: torch.nn.Module, config: Any, attention: PackedAttention = "varlen", head_std: float = 0.0,
+                 seed: int = 0):
         super().__init__()
         self.model, self.config, self.attention = decoder, config, attention
         self.value_head = torch.nn.Linear(config.hidden_size, 1)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            std = getattr(config, "initializer_range", 0.02)
-            self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=generator) * std)
+            self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=generator) * head_std)
             self.value_head.bias.zero_()
 
     def get_decoder(self) -> torch.nn.Module:
@@ -110,22 +115,11 @@ def load_critic_weights(critic: ValueModel, weights: dict[str, torch.Tensor]) ->
                          "critic.model.path / model.path of the run that wrote it") from err
 
 
-def _pack(rollout: RolloutBatch, indices: Sequence[int], device: torch.device) -> Pack:
-    return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices).to(device)
-
-
-def _value_before(values: torch.Tensor) -> torch.Tensor:
-    """``values`` shifted right by one: at k, V of the state before token k. Shape [K]."""
-    return torch.cat([values.new_zeros(1), values[:-1]])
-
-
-def _scatter(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor], fill: float | bool) -> torch.Tensor:
-    """Per-response values ([R_i], indexed like the rollout) laid over the pack; prompt tokens get ``fill``. Shape [K]."""
-    parts = []
-    for i in pack.indices:
-        values = per_seq[i].to(pack.input_ids.device)
-        parts.append(torch.cat([values.new_full((len(rollout.prompt_ids_of(i)),), fill), values]))
-    return torch.cat(parts)
+def _value_before(values: torch.Tensor, pack: Pack) -> torch.Tensor:
+    """At each token k, V of the state before it: ``values`` at the position that predicts k
+    (`Pack.predictions`: the previous token, or a shared prompt's last one); 0 at sequence starts. Shape [K]."""
+    sources, targets = pack.predictions()
+    return values.new_zeros(values.shape).index_put((targets,), values[sources])
 
 
 def _idle_forward(critic: ValueModel) -> torch.Tensor:
@@ -135,7 +129,7 @@ def _idle_forward(critic: ValueModel) -> torch.Tensor:
 
 
 def compute_values(critic: ValueModel, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]], *,
-                   context: Context) -> list[tuple[torch.Tensor, float]]:
+                   context: Context, forward: PackForward) -> list[tuple[torch.Tensor, float]]:
     """No-grad values of every planned sequence, in plan order.
 
     Returns:
@@ -151,24 +145,13 @@ def compute_values(critic: ValueModel, rollout: RolloutBatch, microbatches: Sequ
             if not indices:
                 _idle_forward(critic)
                 continue
-            pack = _pack(rollout, indices, device)
+            pack = forward.pack(rollout, indices, device)
             values = critic(pack)
-            for i, part, before in zip(pack.indices, pack.unpack(values), pack.unpack(_value_before(values))):
+            for i, part, before in zip(pack.indices, pack.unpack(values), pack.unpack(_value_before(values, pack))):
                 r = len(rollout.responses[i].response_ids)
                 out.append((before[len(before) - r:].float().cpu(), float(part[-1])))
     critic.train(was_training)
     return out
-
-
-@dataclass
-class CriticTotals:
-    """One optimizer step's metrics on one rank, summed over its micro-batches (each a share of the mini-batch value)."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def add(self, metrics: dict[str, torch.Tensor]) -> None:
-        for name, value in metrics.items():
-            self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
 
 
 def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,15 +173,15 @@ def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Ten
 
 
 def critic_microbatch_loss(critic: ValueModel, pack: Pack, batch: TrainBatch, *, den: LossDenominators, cliprange: float,
-                           mode: str, totals: CriticTotals) -> torch.Tensor:
+                           mode: str, totals: StepTotals) -> torch.Tensor:
     """This micro-batch's share of the mini-batch value loss (module docstring), with its metrics
     (``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``) added to ``totals``."""
     assert batch.values is not None and batch.returns is not None, "the critic trains on a batch with values and returns"
     rollout = batch.rollout
-    vpred = _value_before(critic(pack))
-    mask = _scatter(pack, rollout, batch.loss_masks, False)
-    old = _scatter(pack, rollout, batch.values, 0.0)
-    returns = _scatter(pack, rollout, batch.returns, 0.0)
+    vpred = _value_before(critic(pack), pack)
+    mask = scatter_response(pack, rollout, batch.loss_masks, False)
+    old = scatter_response(pack, rollout, batch.values, 0.0)
+    returns = scatter_response(pack, rollout, batch.returns, 0.0)
     token_loss, clip_active = value_loss(vpred, old, returns, cliprange)
     seq = pack.sequence_ids()
     if batch.trajectory_loss_tokens is None:
@@ -215,11 +198,11 @@ def critic_microbatch_loss(critic: ValueModel, pack: Pack, batch: TrainBatch, *,
 class CriticStats:
     """What one rank's critic update leaves: per optimizer step its totals, gradient norm and learning rate."""
 
-    steps: list[tuple[CriticTotals, float, float]]
+    steps: list[tuple[StepTotals, float, float]]
 
 
 def run_critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *, rank: int, opt: Optimization, context: Context,
-                      cliprange: float, mode: str, parallel: Parallel = Parallel()) -> CriticStats:
+                      cliprange: float, mode: str, forward: PackForward, parallel: Parallel = Parallel()) -> CriticStats:
     """Rank ``rank``'s part of ``plan`` for the critic: every mini-batch's micro-batches forward
     and backward, one optimizer step each (`packrl.worker.actor.optimizer_step`)."""
     steps = []
@@ -227,26 +210,27 @@ def run_critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *
     for _ in range(plan.num_epochs):
         for minibatch in plan.minibatches:
             totals = critic_microbatches(critic, batch, minibatch.microbatches(rank), den=minibatch.denominators, context=context,
-                                         cliprange=cliprange, mode=mode, parallel=parallel)
+                                         cliprange=cliprange, mode=mode, forward=forward, parallel=parallel)
             steps.append((totals, *optimizer_step(critic, opt)))
     return CriticStats(steps)
 
 
 def critic_microbatches(critic: ValueModel, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
-                        context: Context, cliprange: float, mode: str, parallel: Parallel = Parallel()) -> CriticTotals:
+                        context: Context, cliprange: float, mode: str, forward: PackForward,
+                        parallel: Parallel = Parallel()) -> StepTotals:
     """Forward and backward each micro-batch of one mini-batch (gradients accumulate in
     ``critic``); an empty one (a rank with fewer sequences) runs a one-token forward and a zero backward."""
     device = next(critic.parameters()).device
-    totals = CriticTotals()
+    totals = StepTotals()
     for k, indices in enumerate(microbatches):
         if parallel.grad_sync is not None:
             parallel.grad_sync(k == len(microbatches) - 1)
         with context():
-            share = (critic_microbatch_loss(critic, _pack(batch.rollout, indices, device), batch, den=den, cliprange=cliprange,
+            share = (critic_microbatch_loss(critic, forward.pack(batch.rollout, indices, device), batch, den=den, cliprange=cliprange,
                                             mode=mode, totals=totals)
                      if indices else _idle_forward(critic).sum() * 0.0)
         (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()
-    return totals
+    return totals.finish()
 
 
 def critic_metrics(ranks: Sequence[CriticStats]) -> dict[str, float]:

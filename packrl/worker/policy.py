@@ -32,6 +32,7 @@ import torch
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer, RemoteSpan, SpanRecorder
+from packrl.models.attention import supports_shared_prompts
 from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.lora import base_policy, is_lora, parameter_counts
@@ -61,12 +62,15 @@ class WorkerInfo:
         rope_factor: the RoPE scaling factor included in it (1.0 = none).
         model_summary: one line on the policy: parameters, memory features, strategy, packing.
         packing: whether a micro-batch may pack several sequences (`packrl.models.isolation`).
+        share_prompts: whether packs write a group's prompt once (``train.share_prompts`` where
+            the model's attention path and the strategy allow it, `shares_prompts`).
     """
 
     max_context_tokens: int
     rope_factor: float
     model_summary: str
     packing: PackingCheck = PackingCheck(packs=True)
+    share_prompts: bool = False
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -102,7 +106,8 @@ class PolicyWorker:
         loopback: a local run: collectives on the loopback interface only.
 
     Raises:
-        ValueError: a ``trainer.plugins`` entry cannot be imported in this process.
+        ValueError: a ``trainer.plugins`` entry cannot be imported in this process, or
+            ``model.param_offload`` on a rank without CUDA (`FSDP2`).
     """
 
     def __init__(self, cfg: RunConfig, plan: BatchPlan, rank: int = 0, world_size: int = 1, loopback: bool = True):
@@ -110,9 +115,13 @@ class PolicyWorker:
         if failures:
             raise ValueError(f"trainer.plugins: cannot import {failures[0][0]!r} ({failures[0][1]}); fix it or remove it")
         self.cfg, self.plan = cfg, plan
-        self.strategy = SingleProcess() if world_size == 1 else FSDP2(rank, world_size, loopback, plan.sequence_parallel_size)
-        if world_size > 1:
+        self.strategy = SingleProcess() if world_size == 1 else FSDP2(
+            rank, world_size, loopback, plan.sequence_parallel_size, param_offload=cfg.model.param_offload)
+        if world_size > 1:  # a process of its own (a Ray actor): its library bars off too, as in the controller's run
+            from packrl.models.quiet import quiet_libraries
+
             torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
+            quiet_libraries()
         self._dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
         self.offloaded_bytes = 0
 
@@ -166,13 +175,14 @@ class PolicyWorker:
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
                                 grad_clip=cfg.train.grad_clip)
-        self.loss = MicrobatchLoss.from_config(cfg)
+        share = shares_prompts(cfg, model, packing)
+        self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
         self.critic = None
         if self.plan.has_critic:
             self.critic = load_critic(cfg, strategy.device)
             strategy.wrap(self.critic)
             self.critic_opt = critic_optimization(self.critic, cfg)
-        return WorkerInfo(max_context, rope_factor, summary, packing)
+        return WorkerInfo(max_context, rope_factor, summary, packing, share)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast to ``model.dtype`` (nothing for ``fp32``)."""
@@ -251,7 +261,7 @@ class PolicyWorker:
     def compute_values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, float]]:
         """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.compute_values`)."""
         assert self.critic is not None, "the controller asks for values only when the run has a critic"
-        result = compute_values(self.critic, rollout, microbatches, context=self.autocast)
+        result = compute_values(self.critic, rollout, microbatches, context=self.autocast, forward=self.loss.forward)
         self.strategy.after_no_grad(self.critic)
         return result
 
@@ -260,7 +270,8 @@ class PolicyWorker:
         assert self.critic is not None, "the controller updates the critic only when the run has one"
         return run_critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
                                  context=self.autocast, cliprange=self.cfg.critic.cliprange_value,
-                                 mode=self.cfg.algorithm.loss_agg_mode, parallel=self.strategy.parallel(self.critic))
+                                 mode=self.cfg.algorithm.loss_agg_mode, forward=self.loss.forward,
+                                 parallel=self.strategy.parallel(self.critic))
 
     def _critic_state(self) -> dict | None:
         """The critic's full weights, optimizer, schedule and skip counter (a collective under FSDP2)."""
@@ -327,6 +338,25 @@ class PolicyWorker:
         if engine is not None:
             engine.close()
         self.strategy.close()
+
+
+def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> bool:
+    """``train.share_prompts`` where it can run: packs at all, no sequence parallelism, and an
+    attention path that lets a segment see its prompt (`supports_shared_prompts`); a warning says
+    why when it cannot."""
+    if not cfg.train.share_prompts:
+        return False
+    why = None
+    if not packing.packs:
+        why = "this model trains one sequence per micro-batch (its packs are not exact)"
+    elif cfg.trainer.sequence_parallel_size > 1:
+        why = "sequence parallelism splits packs across ranks"
+    elif not supports_shared_prompts(model, cfg.model.packed_attention):
+        why = (f"model.packed_attention={cfg.model.packed_attention} runs {model.config._attn_implementation!r}, which cannot let a "
+               "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
+    if why is not None:
+        logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
+    return why is None
 
 
 def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:

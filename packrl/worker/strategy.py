@@ -16,6 +16,11 @@ checkpoint weights          ``save_pretrained``          gathered on every rank,
 engine may share weights    yes (fp32)                   no: the engine keeps an unsharded copy
 ==========================  ===========================  =====================================
 
+With ``model.param_offload`` `FSDP2` shards with FSDP2's ``CPUOffloadPolicy``: the parameter
+shards, their gradients and the optimizer states live in host memory, each unit is copied to
+the device while it computes, and the optimizer steps on the CPU (CUDA only; on a CPU rank it is
+refused at set-up).
+
 `weight_layout` tells the memory estimate (`packrl.inspect.memory`) the same facts from the
 config alone.
 """
@@ -54,17 +59,22 @@ class WeightLayout:
             (a sharded policy cannot generate).
         gathers_layers: FSDP gathers whole units while it computes: the root unit (embeddings,
             final norm, LM head) and up to two decoder layers (the current one and the prefetched next).
+        params_on_host: the shards of the parameters (policy, reference, critic), their gradients
+            and the optimizer states live in host memory (``model.param_offload``); gathered units
+            and the engine's copy stay on the device.
     """
 
     num_shards: int
     engine_copy_always: bool
     gathers_layers: bool
+    params_on_host: bool = False
 
 
 def weight_layout(cfg: RunConfig) -> WeightLayout:
     """The layout of ``cfg``'s strategy: `FSDP2` for ``trainer.num_workers > 1``, else `SingleProcess`."""
     sharded = cfg.trainer.num_workers > 1
-    return WeightLayout(num_shards=cfg.trainer.num_workers, engine_copy_always=sharded, gathers_layers=sharded)
+    return WeightLayout(num_shards=cfg.trainer.num_workers, engine_copy_always=sharded, gathers_layers=sharded,
+                        params_on_host=sharded and cfg.model.param_offload)
 
 
 def default_device() -> torch.device:
@@ -153,15 +163,25 @@ class FSDP2:
         rank / world_size: this rank and ``trainer.num_workers``.
         loopback: a local run: the rendezvous and collectives stay on the loopback interface.
         sp_size: ``trainer.sequence_parallel_size``.
+        param_offload: ``model.param_offload``: shard with FSDP2's ``CPUOffloadPolicy``, so the
+            parameter shards, gradients and optimizer states live in host memory.
+
+    Raises:
+        ValueError: ``param_offload`` on a rank without CUDA.
     """
 
     may_share_policy = False
 
-    def __init__(self, rank: int, world_size: int, loopback: bool, sp_size: int = 1):
+    def __init__(self, rank: int, world_size: int, loopback: bool, sp_size: int = 1, param_offload: bool = False):
         self.rank, self.world_size, self.loopback, self.sp_size = rank, world_size, loopback, sp_size
         self.dp_rank = rank // sp_size
         self.sp: Any = None  # the SequenceParallel group, made in `join`
         self.device = default_device()
+        if param_offload and self.device.type != "cuda":
+            raise ValueError(f"model.param_offload=true moves parameters from GPU memory to host memory, but rank {rank} runs on "
+                             f"{self.device.type} (no CUDA device), where they already live in host memory; set "
+                             "model.param_offload=false, or run on GPUs")
+        self.param_offload = param_offload
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._listener: socket.socket | None = None
         if loopback:
@@ -227,9 +247,14 @@ class FSDP2:
             if model.config._attn_implementation != PACKRL_ULYSSES:
                 self.sp.inner = model.config._attn_implementation
                 model.set_attn_implementation(PACKRL_ULYSSES)
+        options: dict[str, Any] = {}
+        if self.param_offload:  # shards, gradients and optimizer states in (pinned) host memory
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy()
         for layer in model.get_decoder().layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
         enable_fsdp_forward(model)
 
     def parallel(self, model: torch.nn.Module) -> Parallel:
@@ -249,10 +274,11 @@ class FSDP2:
                 module.reshard()
 
     def rollout_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each parameter gathered whole (a collective on every rank, in the same order)."""
+        """Each parameter gathered whole (a collective on every rank, in the same order). An
+        offloaded shard is copied to the device first: NCCL gathers device tensors only."""
         for name, param in model.named_parameters():
             value = param.detach()
-            yield name, value.full_tensor() if hasattr(value, "full_tensor") else value
+            yield name, value.to(self.device).full_tensor() if hasattr(value, "full_tensor") else value
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights on the CPU, gathered on every rank (a collective), tied duplicates
@@ -292,6 +318,11 @@ class FSDP2:
             dist.destroy_process_group()
 
     def describe(self) -> str:
+        if self.param_offload:
+            return self._describe() + ", parameters, gradients and optimizer states in host memory"
+        return self._describe()
+
+    def _describe(self) -> str:
         if self.sp_size > 1:
             return (f"{self.world_size} FSDP2 ranks ({self.backend}): {self.world_size // self.sp_size} data-parallel x "
                     f"{self.sp_size} sequence-parallel (Ulysses)")

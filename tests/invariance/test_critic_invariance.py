@@ -14,6 +14,7 @@ import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES
 from packrl.seqlen.update_plan import groups_of, plan_update
+from packrl.worker.actor import PackForward
 from packrl.worker.critic import ValueModel, compute_values, critic_microbatches
 from tests.conftest import tiny_llama
 from tests.invariance.test_loss_invariance import BUDGETS, WHOLE, _batch
@@ -24,7 +25,7 @@ CLIP = 0.2
 def _critic() -> ValueModel:
     lm = tiny_llama(dtype=torch.float64)
     torch.manual_seed(1)
-    return ValueModel(lm.get_decoder(), lm.config).double()
+    return ValueModel(lm.get_decoder(), lm.config, head_std=0.02).double()
 
 
 def _critic_batch():
@@ -43,7 +44,8 @@ def _loss_and_grads(mode: str, budget: int, num_ranks: int) -> tuple[float, torc
                        max_tokens=budget, balance=True, loss_scale_factor=24)
     minibatch = plan.minibatches[0]
     loss = sum(critic_microbatches(critic, batch, minibatch.microbatches(r), den=minibatch.denominators,
-                                   context=contextlib.nullcontext, cliprange=CLIP, mode=mode).metrics["critic/vf_loss"]
+                                   context=contextlib.nullcontext, cliprange=CLIP, mode=mode,
+                                   forward=PackForward("varlen", 1024, 1.0)).metrics["critic/vf_loss"]
                for r in range(num_ranks))
     return loss, torch.cat([p.grad.reshape(-1) for p in critic.parameters() if p.grad is not None])
 
@@ -60,13 +62,15 @@ def test_value_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(mode):
             torch.testing.assert_close(grads, grad_ref, rtol=1e-6, atol=1e-12, msg=where)
 
 
-def test_packed_values_equal_each_sequence_alone():
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_values_equal_each_sequence_alone(share):
     """The value pass (packed, shifted to the state before each response token, plus the value
     after the last token) equals a plain forward of each sequence alone."""
     batch = _critic_batch()
     critic = _critic()
     rollout = batch.rollout
-    packed = compute_values(critic, rollout, [tuple(range(len(rollout)))], context=contextlib.nullcontext)
+    packed = compute_values(critic, rollout, [tuple(range(len(rollout)))], context=contextlib.nullcontext,
+                            forward=PackForward("varlen", 1024, 1.0, share_prompts=share))
     for i, (values, bootstrap) in enumerate(packed):
         ids = torch.tensor([rollout.prompt_ids_of(i) + rollout.responses[i].response_ids])
         with torch.no_grad():

@@ -54,7 +54,7 @@ def _engine(model, tokenizer, *, context: int = 512, max_num_seqs: int = 64, **k
 
 def _cache(kwargs: dict):
     """The KV cache a forward receives (``cache`` in newer transformers 5 releases, ``past_key_values`` before)."""
-    return kwargs["cache"] if "cache" in kwargs else kwargs["past_key_values"]
+    return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
 
 
 def _record_prefills(model) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
@@ -62,7 +62,8 @@ def _record_prefills(model) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     calls = []
 
     def hook(module, args, kwargs):
-        if _cache(kwargs).get_seq_length() == 0:  # the prefill: nothing cached yet
+        cache = _cache(kwargs)
+        if cache is None or cache.get_seq_length() == 0:  # the prefill: nothing cached yet
             ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
             if mask is None:  # transformers drops a mask without padding
                 mask = torch.ones_like(ids)
@@ -146,7 +147,9 @@ def test_groups_come_back_in_input_order_and_prompts_reach_the_model_unchanged(t
     prefills = _record_prefills(model)
     prompts = _prompts([5, 1, 9, 3, 12, 7, 2])
     greedy = dict(temperature=0.0, max_response_tokens=8)
-    batched = _engine(model, tokenizer, max_num_seqs=4).generate(prompts, SamplingParams(n=3, **greedy))
+    engine = _engine(model, tokenizer, max_num_seqs=4)
+    engine._shared_prefill = lambda ids, mask, batch: None  # every row prefills its whole prompt (the shared prefill: below)
+    batched = engine.generate(prompts, SamplingParams(n=3, **greedy))
     assert len(prefills) == 6  # 21 requests in batches of <= 4
     received = []
     for ids, mask, training in prefills:
@@ -275,7 +278,8 @@ def _record_decode_rows(model) -> list[int]:
     rows = []
 
     def hook(module, args, kwargs):
-        if _cache(kwargs).get_seq_length() > 0:
+        cache = _cache(kwargs)
+        if cache is not None and cache.get_seq_length() > 0:
             rows.append(kwargs["input_ids"].shape[0])
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -326,3 +330,26 @@ def test_stop_strings_across_round_boundaries(tokenizer):
             assert stop not in decoded and (r.response_ids, r.finish_reason) == (r_ref.response_ids, r_ref.finish_reason)
             torch.testing.assert_close(torch.tensor(r.rollout_logprobs), torch.tensor(r_ref.rollout_logprobs), atol=1e-5, rtol=0)
         assert len(r.rollout_logprobs) == len(r.response_ids)
+
+
+def test_a_groups_prompt_is_prefilled_once_and_changes_nothing(tokenizer):
+    """With G samples per prompt the prompt (all but its last token) is prefilled once per
+    distinct prompt of a batch and copied to its rows: the responses, finish reasons and log-probs
+    are those of every row prefilling its own copy."""
+    model = tiny_llama()
+    prompts = _prompts([5, 1, 9, 3, 12, 7])
+    params = SamplingParams(n=4, temperature=1.0, max_response_tokens=10, return_logprobs=True)
+    seeds = [5, 6, 7, 8, 9, 10]
+    plain = _engine(model, tokenizer, max_num_seqs=8)
+    plain._shared_prefill = lambda ids, mask, batch: None
+    want = plain.generate(prompts, params, seeds)
+    prefills = _record_prefills(model)
+    got = _engine(model, tokenizer, max_num_seqs=8).generate(prompts, params, seeds)
+    for g_want, g_got in zip(want, got):
+        for a, b in zip(g_want, g_got):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(b.rollout_logprobs), torch.tensor(a.rollout_logprobs), atol=1e-5, rtol=0)
+    # 24 requests in batches of 8 = 2 prompts each: one prefill row per distinct prompt, without its last token
+    assert [ids.shape[0] for ids, _, _ in prefills] == [2, 2, 2]
+    received = sorted(tuple(row[mask.bool()].tolist()) for ids, mask, _ in prefills for row, mask in zip(ids, mask))
+    assert received == sorted(tuple(p[:-1]) for p in prompts)  # invariant 5: the rest of each prompt is the first decode step

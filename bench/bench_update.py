@@ -1,0 +1,154 @@
+"""The update against this machine's matmul limit: the achieved FLOP/s of packrl's update path
+(packed micro-batches, chunked LM head, bf16 autocast over float32 master weights, AdamW) as a
+fraction of the bf16 matmul rate measured in the same run, and where the update's time goes.
+
+Measured: a random model with SmolLM2-135M's shapes and one GSM8K-shaped batch (``--num-sequences``
+sequences, lengths drawn from GSM8K's prompt and reference-answer lengths), planned under
+``--max-tokens`` per micro-batch exactly as the trainer plans it, run through
+`packrl.worker.actor.run_microbatches` (the policy loss, its aggregation, the entropy and the
+metrics) and one `optimizer_step`. The update's time is the median over ``--repeats`` runs after a
+warm-up; one more run is profiled (`torch.profiler`, self CPU time per operator, grouped).
+
+FLOPs counted (the usual accounting, e.g. Kaplan et al. 2020 / the PaLM MFU appendix): 6 per
+matmul weight per token (forward 2, backward 4) over the decoder's linear layers, 6 H V per scored
+token for the LM head (only response tokens are scored), and causal attention 6 L_i^2 d per layer
+per sequence (QK^T and AV, forward and backward, half the square). The matmul rate is the best of
+bf16 matmuls of the model's own shapes (tokens x hidden x intermediate) and a 2048^3 square one.
+
+Command (about 3 minutes on 2 CPU cores)::
+
+    python bench/bench_update.py [--num-sequences 16] [--max-tokens 4096] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import sample_lengths, smollm_model  # noqa: E402
+from packrl.config import load_config  # noqa: E402
+from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
+from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch  # noqa: E402
+from packrl.worker.actor import MicrobatchLoss, Optimization, ResponseSums, SkipCounter, optimizer_step, run_microbatches  # noqa: E402
+
+GROUPS = {"matmul": ("mm", "addmm", "bmm", "matmul", "linear"), "attention": ("scaled_dot_product", "attention"),
+          "casts and copies": ("_to_copy", "copy_", "to", "clone", "contiguous", "cat"),
+          "optimizer": ("adam", "_foreach", "lerp", "addcdiv", "sqrt"), "softmax and log-probs": ("softmax", "logsumexp", "log_softmax")}
+
+
+def matmul_rate(tokens: int, hidden: int, intermediate: int, repeats: int = 5) -> float:
+    """Best bf16 matmul FLOP/s over the model's MLP shape and a square one."""
+    best = 0.0
+    for m, k, n in ((tokens, hidden, intermediate), (tokens, intermediate, hidden), (2048, 2048, 2048)):
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        a @ b  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * m * k * n / min(times))
+    return best
+
+
+def _batch(num_sequences: int, seed: int, vocab: int) -> TrainBatch:
+    pairs = sample_lengths(num_sequences, seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = PromptBatch(tuple(tuple(torch.randint(0, vocab, (p,), generator=gen).tolist()) for p, _ in pairs),
+                          ("0",) * len(pairs), ("t",) * len(pairs), tuple(range(len(pairs))), (False,) * len(pairs))
+    responses = tuple(Response(tuple(torch.randint(0, vocab, (r,), generator=gen).tolist()), "eos") for _, r in pairs)
+    rollout = RolloutBatch(prompts, 1, responses)
+    rewards = torch.zeros(len(pairs))
+    advantages = tuple(torch.randn(r, generator=gen) for _, r in pairs)
+    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, tuple(torch.ones(r, dtype=torch.bool) for _, r in pairs), None, None)
+
+
+def model_flops(model: torch.nn.Module, batch: TrainBatch) -> float:
+    """FLOPs of one forward + backward over ``batch`` (module docstring)."""
+    cfg = model.config
+    decoder = model.get_decoder()
+    linear = sum(m.weight.numel() for m in decoder.modules() if isinstance(m, torch.nn.Linear))
+    lengths = batch.rollout.sequence_lengths()
+    scored = sum(len(r.response_ids) for r in batch.rollout.responses)
+    attention = 6 * cfg.num_hidden_layers * cfg.hidden_size * sum(n * n for n in lengths) / 2
+    return 6 * linear * sum(lengths) + 6 * cfg.hidden_size * cfg.vocab_size * scored + attention
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-sequences", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model = smollm_model("fp32")  # float32 master weights; the forwards run under bf16 autocast, as the trainer's
+    model.train()
+    batch = _batch(args.num_sequences, args.seed, model.config.vocab_size)
+    cfg = load_config("demo", [f"train.max_tokens_per_microbatch={args.max_tokens}", "data.batch_size=16", "rollout.n=2"])
+    plan = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
+                       groups=groups_of(len(batch.rollout), 1), mini_batch_prompts=len(batch.rollout), num_epochs=1, num_ranks=1,
+                       max_tokens=args.max_tokens, balance=True, loss_scale_factor=512)
+    minibatch = plan.minibatches[0]
+    loss = MicrobatchLoss.from_config(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = Optimization(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), SkipCounter(3), 1.0)
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+
+    def update() -> None:
+        run_microbatches(model, batch, minibatch.microbatches(0), den=minibatch.denominators, loss=loss, context=autocast,
+                         sums=ResponseSums.zeros(len(batch.rollout)))
+        optimizer_step(model, opt)
+
+    update()  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        update()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    tokens = sum(batch.rollout.sequence_lengths())
+    rate = matmul_rate(min(args.max_tokens, 4096), model.config.hidden_size, model.config.intermediate_size)
+    flops = model_flops(model, batch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        update()
+    by_group: dict[str, float] = defaultdict(float)
+    top = []
+    for event in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True):
+        name = event.key.removeprefix("aten::")
+        group = next((g for g, keys in GROUPS.items() if any(k in name.lower() for k in keys)), "other")
+        by_group[group] += event.self_cpu_time_total / 1e6
+        if len(top) < 15:
+            top.append((event.key, round(event.self_cpu_time_total / 1e6, 3), event.count))
+    total = sum(by_group.values())
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": "SmolLM2-135M shapes, random init, float32 weights, bf16 autocast",
+        "torch_threads": torch.get_num_threads(),
+        "num_sequences": len(batch.rollout), "tokens": tokens, "num_microbatches": len(minibatch.microbatches(0)),
+        "update_s": round(seconds, 2), "update_s_all": [round(t, 2) for t in times],
+        "ms_per_token": round(1000 * seconds / tokens, 3),
+        "model_gflop": round(flops / 1e9, 1),
+        "achieved_gflops": round(flops / seconds / 1e9, 1),
+        "bf16_matmul_gflops": round(rate / 1e9, 1),
+        "fraction_of_matmul_rate": round(flops / seconds / rate, 3),
+        "target": ">= 0.4",
+        "profile_self_cpu_s_by_group": {g: round(v, 2) for g, v in sorted(by_group.items(), key=lambda kv: -kv[1])},
+        "profile_share_by_group": {g: round(v / total, 3) for g, v in sorted(by_group.items(), key=lambda kv: -kv[1])},
+        "profile_top_ops": top,
+    }
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

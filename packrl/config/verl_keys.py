@@ -1,0 +1,649 @@
+"""The verl config keys packrl knows, what each becomes, and how a verl override is read.
+
+A verl launch script passes Hydra overrides to ``python3 -m verl.trainer.main_ppo``
+(``key=value``, ``+key=value`` adds a key, ``++key=value`` adds or replaces one). `VERL_KEYS`
+lists the keys of verl's ``ppo_trainer.yaml`` (verl 0.5-0.8, FSDP workers) and the recipe keys
+scripts pass (``data.gen_batch_size``, ``reward_model.overlong_buffer.*``), each with a `KeyRule`:
+
+=================  ==========================================================================
+rule               what `packrl.config.verl.translate` does with the key
+=================  ==========================================================================
+``packrl`` set     maps it (with a unit conversion where the units differ)
+``accept=ANY``     accepts it and names it with ``reason`` (a setting packrl does not need)
+``accept`` values  accepts those values with ``reason``; any other value is refused with
+                   ``reason`` and ``fix`` (a setting packrl cannot honour exactly)
+=================  ==========================================================================
+
+`FAMILIES` covers free-form sub-trees (``engine_kwargs.vllm.*``, profilers, FSDP settings).
+A key in neither is not a verl key: `nearest_key` names the closest one for the error, since
+guides circulate misspelled keys. `Translation` is what `packrl.config.verl.translate` returns.
+The module is data and pure functions; it imports no torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+AR = "actor_rollout_ref"
+ACTOR, ROLLOUT, REF = f"{AR}.actor", f"{AR}.rollout", f"{AR}.ref"
+ANY: tuple[Any, ...] = ()
+"""`KeyRule.accept` for "every value is accepted"."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRule:
+    """What packrl does with one verl key.
+
+    Attributes:
+        packrl: the packrl key(s) it maps to, for the docs and the report ("" = none).
+        reason: why packrl does not use it (keys without ``packrl``), or what differs.
+        accept: the values accepted without effect; `ANY` = all; others are refused.
+        fix: what to do instead when a value is refused, naming the dotted key.
+    """
+
+    packrl: str = ""
+    reason: str = ""
+    accept: tuple[Any, ...] = ANY
+    fix: str = ""
+
+    @property
+    def mapped(self) -> bool:
+        return bool(self.packrl)
+
+
+def _m(packrl: str, note: str = "") -> KeyRule:
+    return KeyRule(packrl=packrl, reason=note)
+
+
+def _i(reason: str, accept: tuple[Any, ...] = ANY, fix: str = "") -> KeyRule:
+    return KeyRule(reason=reason, accept=accept, fix=fix)
+
+
+_PERF = "a speed/memory setting of verl's workers; packrl sizes work by token budgets (train.max_tokens_per_*)"
+_LOG = "a logging or naming nicety; packrl names a run by its directory (train.out_dir) and logs to train.loggers"
+_PROFILE = "a profiler setting; packrl times every stage and update micro-batch in RUN_DIR/trace.json (train.trace)"
+_FSDP = "an FSDP sharding detail; packrl wraps each decoder layer with FSDP2 when trainer.num_workers > 1"
+_MEGATRON = "Megatron-only; verl's FSDP workers (the ones packrl corresponds to) do not read it"
+_ENGINE = "an inference-engine detail; packrl runs its engine in the worker's process and derives its limits from the budgets"
+_PACKED = "packrl always packs sequences without padding (model.packed_attention); results equal the padded forward (invariant 1)"
+_OFFLOAD = ("packrl offloads the reference and the critic together with the policy (model.param_offload, set from "
+            "actor_rollout_ref.actor.fsdp_config.*_offload)")
+_CHUNKED = "packrl always computes log-probs and entropy in chunks of train.logits_chunk_tokens tokens"
+_DERIVED = "packrl derives it from the token budgets (see rollout.max_num_seqs and the vLLM settings in docs/engines.md)"
+_SCHEDULE = "packrl's LR schedule is a linear warmup, then constant"
+_CHECKPOINT = "packrl checkpoints hold the model, optimizer, schedule, data position and step"
+_INTERNAL = "set by verl's trainer at run time, not by a user"
+_NO_CRITIC_LORA = "packrl's critic trains its whole model"
+_REWARD_MODEL = "packrl scores with registered reward functions (reward.name), not a reward model"
+
+
+def _actor_like(role: str) -> dict[str, KeyRule]:
+    """Keys the actor and the reference share (log-prob passes, FSDP settings, compile flags)."""
+    p = f"{AR}.{role}"
+    return {
+        f"{p}.strategy": _i("packrl's workers are FSDP2 (trainer.num_workers > 1) or one process", ("fsdp", "fsdp2"),
+                            "packrl has no Megatron backend; use fsdp2 settings"),
+        f"{p}.log_prob_micro_batch_size": _m("train.max_tokens_per_logprob_microbatch", "sequences over all GPUs -> tokens per GPU"),
+        f"{p}.log_prob_micro_batch_size_per_gpu": _m("train.max_tokens_per_logprob_microbatch", "sequences -> tokens"),
+        f"{p}.log_prob_use_dynamic_bsz": _m("train.max_tokens_per_logprob_microbatch", "picks the token or the sequence budget"),
+        f"{p}.log_prob_max_token_len_per_gpu": _m("train.max_tokens_per_logprob_microbatch"),
+        f"{p}.ulysses_sequence_parallel_size": _m("trainer.sequence_parallel_size"),
+        f"{p}.entropy_from_logits_with_chunking": _i(_CHUNKED),
+        f"{p}.entropy_checkpointing": _i(_CHUNKED),
+        f"{p}.use_torch_compile": _i(_PERF),
+    }
+
+
+_DATA = {
+    "data.tokenizer": _i("packrl uses the model's own tokenizer", (None,), "leave data.tokenizer unset; set model.path"),
+    "data.use_shm": _i(_PERF),
+    "data.train_files": _m("data.train_files", "verl's RL parquet schema (prompt, reward_model.ground_truth) is read as it is"),
+    "data.val_files": _m("data.val_files"),
+    "data.train_max_samples": _i("packrl trains on every row of data.train_files", (-1, None),
+                                 "write the subset to its own file and pass it as data.train_files"),
+    "data.val_max_samples": _m("data.max_val_rows", "-1 = all rows -> null; packrl takes the first N rows, verl a random N"),
+    "data.prompt_key": _i("packrl reads verl's `prompt` column", ("prompt",), "rename the column to `prompt` in the data files"),
+    "data.reward_fn_key": _i("packrl passes `data_source` to the reward", ("data_source",), "rename the column to `data_source`"),
+    "data.max_prompt_length": _m("data.max_prompt_tokens"),
+    "data.max_response_length": _m("rollout.max_response_tokens"),
+    "data.train_batch_size": _m("data.batch_size", "prompts per step in both"),
+    "data.val_batch_size": _i("packrl generates validation in batches of rollout.max_num_seqs; the batch does not change results"),
+    "data.return_raw_input_ids": _i(_INTERNAL), "data.return_raw_chat": _i(_INTERNAL),
+    "data.return_full_prompt": _i(_INTERNAL), "data.return_multi_modal_inputs": _i(_INTERNAL),
+    "data.shuffle": _m("data.shuffle"),
+    "data.seed": _m("train.seed", "packrl's one seed also seeds sampling and initialisation"),
+    "data.validation_shuffle": _i("packrl validates every row in file order; the order does not change the accuracy"),
+    "data.dataloader_num_workers": _i(_PERF),
+    "data.filter_overlong_prompts": _m("data.overlong_prompt", "True -> filter"),
+    "data.filter_overlong_prompts_workers": _i(_PERF),
+    "data.truncation": _m("data.overlong_prompt", "left/right/middle shorten the last user message's text, error stops"),
+    "data.image_key": _i("packrl reads images from verl's `images` column", ("images",), "rename the column to `images`"),
+    "data.video_key": _i("packrl does not read videos", ("videos",), "remove video rows from the data"),
+    "data.image_patch_size": _i("the processor's own patch size is used", (14,), "leave data.image_patch_size at 14"),
+    "data.trust_remote_code": _i("packrl loads transformers' built-in architectures only"),
+    "data.custom_cls.path": _i("packrl reads jsonl/json/parquet rows", (None,),
+                               "write the rows in verl's RL schema to a parquet file and pass it as data.train_files"),
+    "data.custom_cls.name": _i("see data.custom_cls.path"),
+    "data.sampler.class_path": _i("packrl samples rows in a seeded shuffled order", (None,), "remove data.sampler.*"),
+    "data.sampler.class_name": _i("see data.sampler.class_path"),
+    "data.datagen.path": _i("packrl reads fixed data files", (None,), "generate the rows beforehand into a data file"),
+    "data.datagen.name": _i("see data.datagen.path"),
+    "data.gen_batch_size": _m("algorithm.filter_groups.max_num_gen_batches", "rounds of gen_batch_size -> rounds of data.batch_size"),
+    "data.tool_config_path": _i("packrl's tools are registered functions (rollout.multi_turn.tools)", (None,),
+                                "register the tool (packrl.registry.TOOLS) in a trainer.plugins file and set rollout.multi_turn.tools"),
+}
+
+_MODEL = {
+    f"{AR}.model.path": _m("model.path"),
+    f"{AR}.model.tokenizer_path": _i("packrl uses the model's own tokenizer", (None,), "put the tokenizer next to the weights"),
+    f"{AR}.model.custom_chat_template": _i("packrl renders with the tokenizer's chat template", (None,),
+                                           "write the template into the model's tokenizer_config.json"),
+    f"{AR}.model.use_shm": _i(_PERF),
+    f"{AR}.model.external_lib": _i("packrl imports no model libraries", (None,),
+                                   "register parts through trainer.plugins; custom architectures are not supported"),
+    f"{AR}.model.override_config.rope_scaling.type": _m("model.rope_scaling.type"),
+    f"{AR}.model.override_config.rope_scaling.rope_type": _m("model.rope_scaling.type"),
+    f"{AR}.model.override_config.rope_scaling.factor": _m("model.rope_scaling.factor"),
+    f"{AR}.model.override_config.rope_scaling.original_max_position_embeddings": _i(
+        "packrl takes it from the model's max_position_embeddings"),
+    f"{AR}.model.enable_gradient_checkpointing": _m("model.gradient_checkpointing"),
+    f"{AR}.model.enable_activation_offload": _m("model.activation_offload"),
+    f"{AR}.model.use_remove_padding": _i(_PACKED),
+    f"{AR}.model.lora_rank": _m("model.lora.rank"),
+    f"{AR}.model.lora_alpha": _m("model.lora.alpha", "verl's default is 16 (packrl's 32)"),
+    f"{AR}.model.target_modules": _m("model.lora.target_modules"),
+    f"{AR}.model.exclude_modules": _i("packrl's LoRA takes target_modules only", (None,), "list the wanted modules in target_modules"),
+    f"{AR}.model.lora_adapter_path": _i("packrl starts LoRA adapters from zero", (None,), "merge the adapter into the weights first"),
+    f"{AR}.model.use_liger": _i(_CHUNKED), f"{AR}.model.use_fused_kernels": _i(_CHUNKED),
+    f"{AR}.model.fused_kernel_options.impl_backend": _i(_CHUNKED),
+    f"{AR}.model.trust_remote_code": _i("packrl loads transformers' built-in architectures only"),
+    f"{AR}.model.tiled_mlp.enabled": _i(_PERF), f"{AR}.model.tiled_mlp.num_shards": _i(_PERF),
+}
+
+_ACTOR = {
+    **_actor_like("actor"),
+    f"{ACTOR}.ppo_mini_batch_size": _m("train.mini_batch_size", "prompts per optimizer step in both"),
+    f"{ACTOR}.ppo_micro_batch_size": _m("train.max_tokens_per_microbatch", "sequences over all GPUs -> tokens per GPU"),
+    f"{ACTOR}.ppo_micro_batch_size_per_gpu": _m("train.max_tokens_per_microbatch", "sequences -> tokens"),
+    f"{ACTOR}.use_dynamic_bsz": _m("train.max_tokens_per_microbatch", "picks the token or the sequence budget"),
+    f"{ACTOR}.ppo_max_token_len_per_gpu": _m("train.max_tokens_per_microbatch", "per GPU; a pack holds x sequence_parallel_size"),
+    f"{ACTOR}.clip_ratio": _m("algorithm.clip_ratio_low, algorithm.clip_ratio_high"),
+    f"{ACTOR}.clip_ratio_low": _m("algorithm.clip_ratio_low"),
+    f"{ACTOR}.clip_ratio_high": _m("algorithm.clip_ratio_high"),
+    f"{ACTOR}.clip_ratio_c": _i("packrl's ppo_clip has no dual clip: where A < 0 and the ratio exceeds clip_ratio_c verl "
+                                        "caps the token loss at clip_ratio_c x |A|, packrl does not (other tokens are equal)"),
+    f"{ACTOR}.policy_loss.loss_mode": _m("algorithm.policy_loss", "vanilla -> ppo_clip"),
+    f"{ACTOR}.policy_loss.clip_cov_ratio": _m("algorithm.clip_cov_ratio"),
+    f"{ACTOR}.policy_loss.clip_cov_lb": _m("algorithm.clip_cov_lb"),
+    f"{ACTOR}.policy_loss.clip_cov_ub": _m("algorithm.clip_cov_ub"),
+    f"{ACTOR}.policy_loss.kl_cov_ratio": _m("algorithm.kl_cov_ratio"),
+    f"{ACTOR}.policy_loss.ppo_kl_coef": _m("algorithm.ppo_kl_coef"),
+    f"{ACTOR}.loss_agg_mode": _m("algorithm.loss_agg_mode", "same four names"),
+    f"{ACTOR}.loss_scale_factor": _m("algorithm.loss_scale_factor"),
+    f"{ACTOR}.entropy_coeff": _m("algorithm.entropy_coeff"),
+    f"{ACTOR}.calculate_entropy": _i("packrl computes the entropy metric in every old-log-prob pass"),
+    f"{ACTOR}.use_kl_loss": _m("algorithm.kl_coef, algorithm.kl_in_reward=false"),
+    f"{ACTOR}.kl_loss_coef": _m("algorithm.kl_coef"),
+    f"{ACTOR}.kl_loss_type": _m("algorithm.kl_estimator", "kl/k1 -> k1, mse/k2 -> k2, low_var_kl/k3 -> k3"),
+    f"{ACTOR}.ppo_epochs": _m("train.ppo_epochs"),
+    f"{ACTOR}.shuffle": _i("packrl keeps one order per step; mini-batches are consecutive prompt groups"),
+    f"{ACTOR}.data_loader_seed": _i("packrl seeds everything from train.seed"),
+    f"{ACTOR}.checkpoint.save_contents": _i(_CHECKPOINT), f"{ACTOR}.checkpoint.load_contents": _i(_CHECKPOINT),
+    f"{ACTOR}.checkpoint.async_save": _i(_CHECKPOINT),
+    f"{ACTOR}.optim.lr": _m("train.lr"),
+    f"{ACTOR}.optim.lr_warmup_steps": _m("train.warmup_steps", "-1 = use lr_warmup_steps_ratio"),
+    f"{ACTOR}.optim.lr_warmup_steps_ratio": _m("train.warmup_steps", "ratio x total steps"),
+    f"{ACTOR}.optim.weight_decay": _m("train.weight_decay", "verl's default is 0.01 (packrl's 0.0)"),
+    f"{ACTOR}.optim.warmup_style": _i(_SCHEDULE, ("constant",), "set optim.warmup_style=constant (cosine decay is not offered)"),
+    f"{ACTOR}.optim.lr_scheduler_type": _i(_SCHEDULE, ("constant",), "set optim.lr_scheduler_type=constant"),
+    f"{ACTOR}.optim.min_lr_ratio": _i("read only by verl's cosine schedule, which packrl does not offer"),
+    f"{ACTOR}.optim.num_cycles": _i("read only by verl's cosine schedule, which packrl does not offer"),
+    f"{ACTOR}.optim.betas": _i("packrl's AdamW uses torch's betas", ([0.9, 0.999],), "remove optim.betas"),
+    f"{ACTOR}.optim.optimizer": _i("packrl's optimizer is AdamW", ("AdamW",), "remove optim.optimizer"),
+    f"{ACTOR}.optim.clip_grad": _m("train.grad_clip"),
+    f"{ACTOR}.optim.total_training_steps": _i(_INTERNAL),
+    f"{ACTOR}.grad_clip": _m("train.grad_clip"),
+    f"{ACTOR}.use_fused_kernels": _i(_CHUNKED),
+    f"{ACTOR}.tis_imp_ratio_cap": _m("algorithm.rollout_correction.rollout_is_threshold", "> 0 turns token TIS on"),
+    f"{ACTOR}.freeze_vision_tower": _i("packrl trains the language model's parameters"),
+    f"{ACTOR}.use_rollout_log_probs": _i("packrl recomputes the old log-probs when a loss needs them"),
+    f"{ACTOR}.rollout_n": _i(_INTERNAL),
+    f"{ACTOR}.use_remove_padding": _i(_PACKED),
+    f"{ACTOR}.fsdp_config.param_offload": _m("model.param_offload", "one switch: parameters, gradients, optimizer states"),
+    f"{ACTOR}.fsdp_config.optimizer_offload": _m("model.param_offload", "one switch: parameters, gradients, optimizer states"),
+    f"{ACTOR}.fsdp_config.offload_policy": _m("model.param_offload", "FSDP2's CPUOffloadPolicy in both"),
+    f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size": _m("trainer.sequence_parallel_size"),
+    f"{ACTOR}.fsdp_config.dtype": _m("model.dtype", "bfloat16 -> bf16, float32 -> fp32"),
+}
+
+_REF = {
+    **_actor_like("ref"),
+    f"{AR}.ref.fsdp_config.param_offload": _i(_OFFLOAD),
+}
+
+VLLM_PASSED = ("gpu_memory_utilization", "enable_chunked_prefill", "enable_prefix_caching", "max_num_batched_tokens",
+               "enforce_eager", "disable_log_stats")
+"""``AR.rollout.*`` keys that are ``vllm.EngineArgs`` fields: passed to ``rollout.engine_kwargs`` under vllm."""
+
+_ROLLOUT = {
+    f"{ROLLOUT}.name": _m("rollout.engine", "vllm -> vllm, hf -> hf"),
+    f"{ROLLOUT}.mode": _i("packrl's engine generates in the worker's process (sync or async gives the same samples)"),
+    f"{ROLLOUT}.temperature": _m("rollout.temperature"),
+    f"{ROLLOUT}.top_p": _m("rollout.top_p"),
+    f"{ROLLOUT}.top_k": _m("rollout.top_k", "-1 (off) -> 0"),
+    f"{ROLLOUT}.prompt_length": _m("data.max_prompt_tokens"),
+    f"{ROLLOUT}.response_length": _m("rollout.max_response_tokens"),
+    f"{ROLLOUT}.dtype": _i("the engine computes in model.dtype"),
+    f"{ROLLOUT}.ignore_eos": _i("packrl stops at the end-of-sequence token", (False,), "remove rollout.ignore_eos"),
+    f"{ROLLOUT}.free_cache_engine": _i(_ENGINE), f"{ROLLOUT}.load_format": _i(_ENGINE),
+    f"{ROLLOUT}.layered_summon": _i(_ENGINE), f"{ROLLOUT}.multi_stage_wake_up": _i(_ENGINE),
+    f"{ROLLOUT}.tensor_model_parallel_size": _i("packrl runs one engine per worker (data-parallel generation); "
+                                                        "the split changes speed, not the samples"),
+    f"{ROLLOUT}.data_parallel_size": _i(_ENGINE), f"{ROLLOUT}.expert_parallel_size": _i(_ENGINE),
+    f"{ROLLOUT}.pipeline_model_parallel_size": _i(_ENGINE),
+    f"{ROLLOUT}.max_model_len": _i(_DERIVED),
+    f"{ROLLOUT}.cudagraph_capture_sizes": _i(_ENGINE),
+    f"{ROLLOUT}.max_num_seqs": _m("rollout.max_num_seqs"),
+    f"{ROLLOUT}.logprobs_mode": _i("packrl's engine returns processed log-probs, the trainer's own",
+                                           ("processed_logprobs",), "remove rollout.logprobs_mode"),
+    f"{ROLLOUT}.scheduling_policy": _i(_ENGINE),
+    f"{ROLLOUT}.do_sample": _i("packrl samples at rollout.temperature", (True,), "sample (do_sample=True) for RL rollouts"),
+    f"{ROLLOUT}.n": _m("rollout.n"),
+    f"{ROLLOUT}.over_sample_rate": _i("packrl waits for every response", (0, 0.0), "remove rollout.over_sample_rate"),
+    f"{ROLLOUT}.calculate_log_probs": _m("rollout.return_logprobs"),
+    f"{ROLLOUT}.log_prob_micro_batch_size": _m("train.max_tokens_per_logprob_microbatch", "sequences over all GPUs -> tokens"),
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _m("train.max_tokens_per_logprob_microbatch", "sequences -> tokens"),
+    f"{ROLLOUT}.log_prob_use_dynamic_bsz": _m("train.max_tokens_per_logprob_microbatch", "picks the token or sequence budget"),
+    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _m("train.max_tokens_per_logprob_microbatch"),
+    f"{ROLLOUT}.val_kwargs.temperature": _m("rollout.val_temperature"),
+    f"{ROLLOUT}.val_kwargs.do_sample": _m("rollout.val_temperature", "False -> 0 (greedy)"),
+    f"{ROLLOUT}.val_kwargs.n": _i("packrl validates one response per prompt", (1,), "set val_kwargs.n=1"),
+    f"{ROLLOUT}.val_kwargs.top_p": _i("packrl validates greedily or at rollout.val_temperature"),
+    f"{ROLLOUT}.val_kwargs.top_k": _i("packrl validates greedily or at rollout.val_temperature"),
+    f"{ROLLOUT}.multi_turn.enable": _m("rollout.multi_turn.tools"),
+    f"{ROLLOUT}.multi_turn.max_assistant_turns": _m("rollout.multi_turn.max_turns"),
+    f"{ROLLOUT}.multi_turn.max_user_turns": _i("packrl's trajectories have no simulated user turns", (None,),
+                                                       "remove multi_turn.max_user_turns"),
+    f"{ROLLOUT}.multi_turn.max_parallel_calls": _i("packrl runs the tool calls of a turn one after another"),
+    f"{ROLLOUT}.multi_turn.max_tool_response_length": _m("rollout.multi_turn.max_tool_response_tokens", "characters -> tokens"),
+    f"{ROLLOUT}.multi_turn.tool_response_truncate_side": _m("rollout.multi_turn.tool_response_truncation_side",
+                                                                    "verl left (keeps the head) -> right, right -> left"),
+    f"{ROLLOUT}.multi_turn.tool_config_path": _m("rollout.multi_turn.tools"),
+    f"{ROLLOUT}.multi_turn.interaction_config_path": _i("packrl has no simulated-user interactions", (None,),
+                                                                "remove multi_turn.interaction_config_path"),
+    f"{ROLLOUT}.multi_turn.format": _i("packrl's tool calls use <tool_call>{json}</tool_call> (hermes)", ("hermes",),
+                                               "prompt the model for hermes-style calls"),
+    f"{ROLLOUT}.multi_turn.use_inference_chat_template": _i("packrl trains the exact ids it generated"),
+    f"{ROLLOUT}.multi_turn.tokenization_sanity_check_mode": _i("packrl trains the exact ids it generated"),
+    f"{ROLLOUT}.multi_turn.num_repeat_rollouts": _i(_INTERNAL),
+    f"{ROLLOUT}.agent.num_workers": _i(_PERF),
+    f"{ROLLOUT}.agent.default_agent_loop": _i("packrl picks single- or multi-turn from rollout.multi_turn.tools",
+                                                      ("single_turn_agent", "tool_agent"), "register an engine (packrl.registry.ROLLOUT_ENGINES)"),
+    f"{ROLLOUT}.agent.agent_loop_config_path": _i("packrl has no agent-loop files", (None,), "remove agent.agent_loop_config_path"),
+    f"{ROLLOUT}.trace.backend": _i("packrl writes RUN_DIR/trace.json and, with train.dump_rollouts, every response"),
+    f"{ROLLOUT}.trace.token2text": _i("see rollout.trace.backend"),
+    f"{ROLLOUT}.trace.max_samples_per_step_per_worker": _i("see rollout.trace.backend"),
+    f"{ROLLOUT}.skip_rollout": _i("packrl generates every step", (False,), "remove rollout.skip_rollout"),
+    f"{ROLLOUT}.skip_dump_dir": _i("read only with skip_rollout"),
+    f"{ROLLOUT}.update_weights_bucket_megabytes": _i(_ENGINE),
+    f"{ROLLOUT}.quantization": _i("packrl's engine generates with the policy's own weights", (None,), "remove rollout.quantization"),
+    **{f"{ROLLOUT}.{name}": _m(f"rollout.engine_kwargs.{name}", "vllm engine argument") for name in VLLM_PASSED},
+}
+
+_CRITIC = {
+    "critic.enable": _m("critic.enable"),
+    "critic.strategy": _i("packrl's critic runs in the policy's workers", ("fsdp", "fsdp2"), "packrl has no Megatron backend"),
+    "critic.optim.lr": _m("critic.lr"),
+    "critic.optim.lr_warmup_steps": _i("packrl's critic learning rate follows the actor's warmup (train.warmup_steps)", (-1, 0, None),
+                                       "remove critic.optim.lr_warmup_steps"),
+    "critic.optim.lr_warmup_steps_ratio": _i("packrl's critic learning rate follows the actor's warmup (train.warmup_steps)",
+                                             (0, 0.0), "remove critic.optim.lr_warmup_steps_ratio"),
+    "critic.optim.weight_decay": _m("train.weight_decay", "one weight decay for actor and critic"),
+    "critic.optim.warmup_style": _i(_SCHEDULE, ("constant",), "set critic.optim.warmup_style=constant"),
+    "critic.optim.lr_scheduler_type": _i(_SCHEDULE, ("constant",), "set critic.optim.lr_scheduler_type=constant"),
+    "critic.optim.min_lr_ratio": _i("read only by verl's cosine schedule"), "critic.optim.num_cycles": _i("read only by verl's cosine schedule"),
+    "critic.optim.betas": _i("packrl's AdamW uses torch's betas", ([0.9, 0.999],), "remove critic.optim.betas"),
+    "critic.optim.clip_grad": _m("critic.grad_clip"),
+    "critic.optim.total_training_steps": _i(_INTERNAL),
+    "critic.model.path": _m("critic.model.path", "the actor's path -> null (packrl's default: the policy's checkpoint)"),
+    "critic.model.tokenizer_path": _i("the critic uses the policy's tokenizer"),
+    "critic.model.override_config": _i("the critic's config is the backbone's own", ({}, None), "remove critic.model.override_config"),
+    "critic.model.external_lib": _i("packrl imports no model libraries", (None,), "remove critic.model.external_lib"),
+    "critic.model.trust_remote_code": _i("packrl loads transformers' built-in architectures only"),
+    "critic.model.enable_gradient_checkpointing": _i("the critic follows model.gradient_checkpointing"),
+    "critic.model.enable_activation_offload": _i("the critic follows model.activation_offload"),
+    "critic.model.use_remove_padding": _i(_PACKED),
+    "critic.model.use_shm": _i(_PERF),
+    "critic.model.fsdp_config.param_offload": _i(_OFFLOAD),
+    "critic.model.fsdp_config.optimizer_offload": _i(_OFFLOAD),
+    "critic.model.lora_rank": _i(_NO_CRITIC_LORA, (0,), "set critic.model.lora_rank=0"),
+    "critic.model.lora_alpha": _i(_NO_CRITIC_LORA), "critic.model.target_modules": _i(_NO_CRITIC_LORA),
+    "critic.ppo_mini_batch_size": _m("train.mini_batch_size", "the critic updates on the actor's mini-batches"),
+    "critic.ppo_micro_batch_size": _m("critic.max_tokens_per_microbatch", "sequences over all GPUs -> tokens per GPU"),
+    "critic.ppo_micro_batch_size_per_gpu": _m("critic.max_tokens_per_microbatch", "sequences -> tokens"),
+    "critic.forward_micro_batch_size": _i("the value pass uses train.max_tokens_per_logprob_microbatch"),
+    "critic.forward_micro_batch_size_per_gpu": _i("the value pass uses train.max_tokens_per_logprob_microbatch"),
+    "critic.use_dynamic_bsz": _m("critic.max_tokens_per_microbatch", "picks the token or sequence budget"),
+    "critic.ppo_max_token_len_per_gpu": _m("critic.max_tokens_per_microbatch"),
+    "critic.forward_max_token_len_per_gpu": _i("the value pass uses train.max_tokens_per_logprob_microbatch"),
+    "critic.ulysses_sequence_parallel_size": _i("packrl's critic does not run under sequence parallelism", (1,),
+                                                "set critic.ulysses_sequence_parallel_size=1"),
+    "critic.ppo_epochs": _m("train.ppo_epochs", "the critic passes over the batch with the actor"),
+    "critic.shuffle": _i("packrl keeps one order per step"), "critic.data_loader_seed": _i("packrl seeds from train.seed"),
+    "critic.grad_clip": _m("critic.grad_clip"),
+    "critic.cliprange_value": _m("critic.cliprange_value"),
+    "critic.loss_agg_mode": _m("algorithm.loss_agg_mode", "the critic aggregates as the actor"),
+    "critic.checkpoint.save_contents": _i(_CHECKPOINT), "critic.checkpoint.load_contents": _i(_CHECKPOINT),
+    "critic.checkpoint.async_save": _i(_CHECKPOINT),
+    "critic.rollout_n": _i(_INTERNAL),
+}
+
+_REWARD = {
+    "reward_model.enable": _i(_REWARD_MODEL, (False,), "register a reward function in a trainer.plugins file and set reward.name"),
+    "reward_model.strategy": _i(_REWARD_MODEL),
+    "reward_model.reward_manager": _m("reward.overlong_buffer_tokens", "naive/batch/prime score alike; dapo adds the overlong penalty"),
+    "reward_model.launch_reward_fn_async": _i(_PERF),
+    "reward_model.micro_batch_size": _i(_REWARD_MODEL), "reward_model.micro_batch_size_per_gpu": _i(_REWARD_MODEL),
+    "reward_model.max_length": _i(_REWARD_MODEL), "reward_model.use_dynamic_bsz": _i(_REWARD_MODEL),
+    "reward_model.forward_max_token_len_per_gpu": _i(_REWARD_MODEL),
+    "reward_model.sandbox_fusion.url": _i("packrl's rewards run in process", (None,), "register a reward that calls the sandbox"),
+    "reward_model.sandbox_fusion.max_concurrent": _i("read only with sandbox_fusion.url"),
+    "reward_model.sandbox_fusion.memory_limit_mb": _i("read only with sandbox_fusion.url"),
+    "reward_model.reward_kwargs.max_resp_len": _m("reward.overlong_buffer_tokens", "must equal data.max_response_length"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": _m("reward.overlong_buffer_tokens", "False -> 0"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": _m("reward.overlong_buffer_tokens"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": _m("reward.overlong_penalty_factor"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": _i("packrl always logs the overlong penalty"),
+    "reward_model.overlong_buffer.enable": _m("reward.overlong_buffer_tokens", "False -> 0 (DAPO recipe spelling)"),
+    "reward_model.overlong_buffer.len": _m("reward.overlong_buffer_tokens"),
+    "reward_model.overlong_buffer.penalty_factor": _m("reward.overlong_penalty_factor"),
+    "reward_model.overlong_buffer.log": _i("packrl always logs the overlong penalty"),
+    "custom_reward_function.path": _i("packrl's rewards are registered functions", (None,),
+                                      "register the function with @packrl.registry.REWARDS.register in a file and run packrl train "
+                                      "with trainer.plugins=[file.py] reward.name=<name>"),
+    "custom_reward_function.name": _i("read only with custom_reward_function.path"),
+}
+
+_ALGORITHM = {
+    "algorithm.gamma": _m("algorithm.gamma"),
+    "algorithm.lam": _m("algorithm.lam"),
+    "algorithm.adv_estimator": _m("algorithm.adv_estimator", "gae, grpo, rloo"),
+    "algorithm.norm_adv_by_std_in_grpo": _m("algorithm.norm_adv_by_std"),
+    "algorithm.use_kl_in_reward": _m("algorithm.kl_in_reward"),
+    "algorithm.kl_penalty": _m("algorithm.kl_estimator", "kl -> k1, mse -> k2, low_var_kl -> k3 (with use_kl_in_reward)"),
+    "algorithm.kl_ctrl.type": _i("packrl's KL weight is fixed", ("fixed",), "set algorithm.kl_ctrl.type=fixed"),
+    "algorithm.kl_ctrl.kl_coef": _m("algorithm.kl_coef", "with use_kl_in_reward"),
+    "algorithm.kl_ctrl.horizon": _i("read only by the adaptive KL controller"),
+    "algorithm.kl_ctrl.target_kl": _i("read only by the adaptive KL controller"),
+    "algorithm.use_pf_ppo": _i("packrl has no preference-feedback PPO", (False,), "remove algorithm.use_pf_ppo"),
+    "algorithm.pf_ppo.reweight_method": _i("read only with use_pf_ppo"), "algorithm.pf_ppo.weight_pow": _i("read only with use_pf_ppo"),
+    "algorithm.filter_groups.enable": _m("algorithm.filter_groups.enable"),
+    "algorithm.filter_groups.metric": _m("algorithm.filter_groups.metric", "acc/score -> score, seq_reward/seq_final_reward -> reward"),
+    "algorithm.filter_groups.max_num_gen_batches": _m("algorithm.filter_groups.max_num_gen_batches", "<= 0 (unlimited) is refused"),
+    "algorithm.rollout_correction.rollout_is": _m("algorithm.rollout_correction.rollout_is", "token only"),
+    "algorithm.rollout_correction.rollout_is_threshold": _m("algorithm.rollout_correction.rollout_is_threshold"),
+    "algorithm.rollout_correction.rollout_rs": _m("algorithm.rollout_correction.rollout_rs", "geometric only"),
+    "algorithm.rollout_correction.rollout_rs_threshold": _m("algorithm.rollout_correction.rollout_rs_threshold"),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": _m("algorithm.rollout_correction.rollout_rs_threshold_lower"),
+    "algorithm.rollout_correction.rollout_token_veto_threshold": _i("packrl has no token veto", (None,), "remove it"),
+    "algorithm.rollout_correction.bypass_mode": _i("packrl always recomputes the old log-probs", (False,), "remove it"),
+    "algorithm.rollout_correction.loss_type": _i("read only with bypass_mode"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": _i("packrl's weights are not renormalised", (False,), "remove it"),
+}
+
+_TRAINER = {
+    "trainer.balance_batch": _i("packrl always balances ranks by token workload (Karmarkar-Karp)"),
+    "trainer.total_epochs": _m("train.total_steps", "epochs x floor(rows / data.train_batch_size)"),
+    "trainer.total_training_steps": _m("train.total_steps"),
+    "trainer.project_name": _i(_LOG), "trainer.experiment_name": _i(_LOG), "trainer.log_val_generations": _i(_LOG),
+    "trainer.logger": _m("train.loggers", "console, wandb, tensorboard, mlflow; others are dropped and named"),
+    "trainer.rollout_data_dir": _m("train.dump_rollouts", "dumps go to RUN_DIR/rollouts/step_N.jsonl"),
+    "trainer.validation_data_dir": _i("packrl records validation accuracy in metrics.jsonl"),
+    "trainer.nnodes": _m("trainer.num_workers", "n_gpus_per_node x nnodes"),
+    "trainer.n_gpus_per_node": _m("trainer.num_workers", "n_gpus_per_node x nnodes"),
+    "trainer.save_freq": _m("train.save_every", "-1 -> 0 (packrl still saves after the last step)"),
+    "trainer.test_freq": _m("train.val_every", "-1 -> 0"),
+    "trainer.esi_redundant_time": _i(_PERF),
+    "trainer.resume_mode": _m("train.resume", "auto -> auto (with trainer.default_local_dir), disable -> none"),
+    "trainer.resume_from_path": _i("packrl resumes from its own checkpoints only", (None,),
+                                   "start the run anew, or resume a packrl run with train.resume=<checkpoints/step_N>"),
+    "trainer.resume_path": _i("packrl resumes from its own checkpoints only", (None,),
+                              "start the run anew, or resume a packrl run with train.resume=<checkpoints/step_N>"),
+    "trainer.val_before_train": _i("packrl validates every train.val_every steps and after the last step, not before the first"),
+    "trainer.val_only": _i("packrl trains", (False,), "remove trainer.val_only"),
+    "trainer.critic_warmup": _m("critic.warmup_steps"),
+    "trainer.default_hdfs_dir": _i("packrl writes local checkpoints only", (None,), "copy RUN_DIR/checkpoints yourself"),
+    "trainer.del_local_ckpt_after_load": _i(_CHECKPOINT),
+    "trainer.default_local_dir": _m("train.out_dir"),
+    "trainer.max_actor_ckpt_to_keep": _m("train.keep_last"),
+    "trainer.max_critic_ckpt_to_keep": _i("the critic is saved with the actor (train.keep_last)"),
+    "trainer.ray_wait_register_center_timeout": _i(_PERF),
+    "trainer.device": _i("packrl uses CUDA when present, else the CPU", ("cuda", "cpu"), "run on CUDA or CPU"),
+    "trainer.use_legacy_worker_impl": _i("packrl has one worker implementation"),
+    "trainer.profile_steps": _i(_PROFILE), "trainer.profile_continuous_steps": _i(_PROFILE),
+    "trainer.controller_nsight_options": _i(_PROFILE), "trainer.worker_nsight_options": _i(_PROFILE),
+    "ray_kwargs.ray_init.num_cpus": _i("packrl reserves trainer.num_cpus_per_worker per worker"),
+    "ray_kwargs.timeline_json_file": _m("train.trace", "a Ray timeline -> RUN_DIR/trace.json (spans per stage and micro-batch)"),
+    "ray_init.num_cpus": _i("packrl reserves trainer.num_cpus_per_worker per worker"),
+    "ray_init.timeline_json_file": _m("train.trace", "a Ray timeline -> RUN_DIR/trace.json (verl <= 0.5 spelling)"),
+    "transfer_queue.enable": _i("packrl moves batches in process or through Ray", (False,), "remove transfer_queue.enable"),
+    "actor_rollout_ref.hybrid_engine": _i("packrl's policy and engine always share the worker", (True,), "remove hybrid_engine"),
+    "actor_rollout_ref.nccl_timeout": _i(_PERF),
+}
+
+VERL_KEYS: dict[str, KeyRule] = {**_DATA, **_MODEL, **_ACTOR, **_REF, **_ROLLOUT, **_CRITIC, **_REWARD, **_ALGORITHM, **_TRAINER}
+"""Every verl key packrl knows (full names, ``actor_rollout_ref`` spelled out) -> its rule."""
+
+FAMILIES: dict[str, KeyRule] = {
+    f"{ROLLOUT}.engine_kwargs.vllm.": _m("rollout.engine_kwargs", "passed through to vLLM (with rollout.name=vllm)"),
+    f"{ROLLOUT}.engine_kwargs.sglang.": _i("SGLang's engine arguments; packrl's engines are hf and vllm"),
+    f"{ROLLOUT}.engine_kwargs.trtllm.": _i("TensorRT-LLM's engine arguments; packrl's engines are hf and vllm"),
+    f"{ROLLOUT}.agent.custom_async_server.": _i("packrl's engine runs in the worker's process", (None,), "remove it"),
+    f"{ACTOR}.fsdp_config.": _i(_FSDP),
+    f"{AR}.ref.fsdp_config.": _i(_FSDP),
+    "critic.model.fsdp_config.": _i(_FSDP),
+    "critic.model.override_config.": _i("the critic's config is the backbone's own", ANY),
+    f"{AR}.model.override_config.": _i("packrl applies only rope_scaling to the model config", (None,),
+                                       "remove it, or set model.rope_scaling.* through override_config.rope_scaling"),
+    f"{AR}.model.lora.": _i(_MEGATRON + "; use actor_rollout_ref.model.lora_rank, lora_alpha, target_modules"),
+    f"{AR}.actor.megatron.": _i(_MEGATRON), f"{AR}.ref.megatron.": _i(_MEGATRON), "critic.megatron.": _i(_MEGATRON),
+    f"{AR}.actor.profiler.": _i(_PROFILE), f"{AR}.ref.profiler.": _i(_PROFILE), f"{AR}.rollout.profiler.": _i(_PROFILE),
+    "critic.profiler.": _i(_PROFILE), "reward_model.profiler.": _i(_PROFILE), "global_profiler.": _i(_PROFILE),
+    "reward_model.model.": _i(_REWARD_MODEL),
+    "reward_model.reward_kwargs.": _i("a reward-manager argument packrl's rewards do not take"),
+    "data.apply_chat_template_kwargs.": _i("packrl renders with the tokenizer's default template arguments", (None,),
+                                           "write the template you need into the tokenizer's chat template"),
+    "ray_kwargs.ray_init.runtime_env.": _i("packrl workers inherit this process's environment"),
+    "hydra.": _i("a Hydra setting of verl's launcher"),
+}
+"""Free-form sub-trees (prefix ending in ``.``) -> their rule; the longest matching prefix wins."""
+
+
+DEFAULTS: dict[str, Any] = {
+    "data.max_prompt_length": 512, "data.max_response_length": 512, "data.train_batch_size": 1024,
+    "data.filter_overlong_prompts": False, "data.truncation": "error", "data.shuffle": True, "data.val_max_samples": -1,
+    "data.train_files": "~/data/gsm8k/train.parquet", "data.val_files": "~/data/gsm8k/test.parquet",
+    f"{ROLLOUT}.n": 1, f"{ROLLOUT}.temperature": 1.0, f"{ROLLOUT}.top_p": 1.0, f"{ROLLOUT}.top_k": -1,
+    f"{ROLLOUT}.val_kwargs.do_sample": False, f"{ROLLOUT}.val_kwargs.temperature": 0.0,
+    f"{ROLLOUT}.multi_turn.enable": False, f"{ROLLOUT}.calculate_log_probs": False,
+    f"{ACTOR}.ppo_mini_batch_size": 256, f"{ACTOR}.use_dynamic_bsz": False, f"{ACTOR}.ppo_max_token_len_per_gpu": 16384,
+    f"{ACTOR}.clip_ratio": 0.2, f"{ACTOR}.loss_agg_mode": "token-mean", f"{ACTOR}.entropy_coeff": 0.0,
+    f"{ACTOR}.use_kl_loss": False, f"{ACTOR}.kl_loss_coef": 0.001, f"{ACTOR}.kl_loss_type": "low_var_kl",
+    f"{ACTOR}.ppo_epochs": 1, f"{ACTOR}.optim.lr": 1e-6, f"{ACTOR}.optim.lr_warmup_steps": -1,
+    f"{ACTOR}.optim.lr_warmup_steps_ratio": 0.0, f"{ACTOR}.optim.weight_decay": 0.01, f"{ACTOR}.grad_clip": 1.0,
+    f"{ACTOR}.ulysses_sequence_parallel_size": 1, f"{ACTOR}.policy_loss.loss_mode": "vanilla",
+    f"{AR}.model.lora_rank": 0, f"{AR}.model.lora_alpha": 16, f"{AR}.model.target_modules": "all-linear",
+    "algorithm.adv_estimator": "gae", "algorithm.norm_adv_by_std_in_grpo": True, "algorithm.use_kl_in_reward": False,
+    "algorithm.kl_penalty": "kl", "algorithm.kl_ctrl.kl_coef": 0.001, "algorithm.filter_groups.enable": False,
+    "algorithm.filter_groups.max_num_gen_batches": 0,
+    "critic.optim.lr": 1e-5, "critic.cliprange_value": 0.5, "critic.grad_clip": 1.0, "critic.ppo_max_token_len_per_gpu": 32768,
+    "trainer.total_epochs": 30, "trainer.n_gpus_per_node": 8, "trainer.nnodes": 1, "trainer.save_freq": -1,
+    "trainer.test_freq": -1, "trainer.critic_warmup": 0, "trainer.resume_mode": "auto",
+    "reward_model.reward_manager": "naive",
+}
+"""verl's defaults (``ppo_trainer.yaml``) for the keys the translation reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerlOverride:
+    """One Hydra override of a verl script, parsed.
+
+    Attributes:
+        key: the dotted key without ``+``/``++``, e.g. ``data.train_batch_size``.
+        value: the value as Hydra types it (bool, int, float, None, list, str).
+        text: the override as written, for messages.
+    """
+
+    key: str
+    value: Any
+    text: str
+
+
+def parse_override(text: str) -> VerlOverride:
+    """Read one Hydra override: ``key=value``, ``+key=value`` or ``++key=value``.
+
+    Values are typed as Hydra types them (``True``/``true`` -> bool, ``null`` -> None, numbers,
+    ``[a,b]`` -> list, quotes stripped):
+
+    ==================================  ==============================================
+    text                                (key, value)
+    ==================================  ==============================================
+    ``data.train_batch_size=1024``      (``data.train_batch_size``, 1024)
+    ``+AR.rollout.engine_kwargs.x=True`` (``AR.rollout.engine_kwargs.x``, True)
+    ``data.truncation='error'``         (``data.truncation``, ``"error"``)
+    ==================================  ==============================================
+
+    Raises:
+        ValueError: ``text`` is not an override of this form (deletion ``~key`` included).
+    """
+    key, sep, raw = text.partition("=")
+    bare = key.lstrip("+")
+    if not sep or not bare or len(key) - len(bare) > 2 or key.startswith("~") or " " in bare:
+        raise ValueError(f"{text!r} is not a Hydra override (key=value, +key=value or ++key=value)")
+    return VerlOverride(key=bare, value=_hydra_value(raw), text=text)
+
+
+def _hydra_value(raw: str) -> Any:
+    """``raw`` typed as Hydra's override grammar does, close enough for config values."""
+    text = raw.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text in ("null", "~"):
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") and not value.isalpha() else value
+        except ValueError:
+            return value
+    if isinstance(value, list):
+        return [_hydra_value(str(v)) if isinstance(v, str) else v for v in value]
+    return value if isinstance(value, (bool, int, float, list, dict)) or value is None else text
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """One packrl override and where it came from.
+
+    Attributes:
+        key: the packrl key, e.g. ``train.max_tokens_per_microbatch``.
+        value: its value.
+        sources: the verl overrides it came from as written, or ``key=value (verl default)``.
+        conversion: how the value was computed when the unit or meaning differs ("" = as is).
+    """
+
+    key: str
+    value: Any
+    sources: tuple[str, ...]
+    conversion: str = ""
+
+    @property
+    def override(self) -> str:
+        return f"{self.key}={format_value(self.value)}"
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoredKey:
+    """A verl key packrl accepts without using it, and why."""
+
+    key: str
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Translation:
+    """The packrl run a verl script describes.
+
+    Attributes:
+        preset: the packrl preset the overrides apply to.
+        mappings: the packrl overrides in order, each with its sources and conversion.
+        ignored: the verl keys given that packrl does not use, with the reason.
+    """
+
+    preset: str
+    mappings: tuple[Mapping, ...]
+    ignored: tuple[IgnoredKey, ...]
+
+    @property
+    def overrides(self) -> list[str]:
+        """The packrl dotlist overrides, ``key=value`` each."""
+        return [m.override for m in self.mappings]
+
+    def command(self) -> str:
+        """The equivalent ``packrl train`` command line, shell-quoted."""
+        return " ".join(["packrl", "train", self.preset, *(shlex.quote(o) for o in self.overrides)])
+
+    def report(self) -> str:
+        """Every mapping with its sources and conversion, then every ignored key with its reason."""
+        lines = ["verl -> packrl:"]
+        for m in self.mappings:
+            how = f"  [{m.conversion}]" if m.conversion else ""
+            lines.append(f"  {m.override}  <-  {', '.join(m.sources)}{how}")
+        if self.ignored:
+            lines.append("ignored (verl keys packrl does not use):")
+            lines += [f"  {i.key}={format_value(i.value)}: {i.reason}" for i in self.ignored]
+        return "\n".join(lines)
+
+
+def format_value(value: Any) -> str:
+    """``value`` written as a dotlist value packrl's loader reads back to the same value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def rule_of(key: str) -> KeyRule | None:
+    """The rule of verl key ``key`` (exact keys first, then the longest family prefix), or None
+    when verl has no such key."""
+    if key in VERL_KEYS:
+        return VERL_KEYS[key]
+    prefixes = [p for p in FAMILIES if key.startswith(p) or key == p.rstrip(".")]
+    return FAMILIES[max(prefixes, key=len)] if prefixes else None
+
+
+def nearest_key(key: str) -> str | None:
+    """The known verl key closest to ``key`` (difflib), for the error on a misspelled key."""
+    names = list(VERL_KEYS) + [p.rstrip(".") for p in FAMILIES]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    tail = key.rsplit(".", 1)[-1]  # a right leaf under a wrong section: data.ppo_mini_batch_size
+    same_leaf = [n for n in names if n.rsplit(".", 1)[-1] == tail]
+    return same_leaf[0] if same_leaf else None

@@ -1,0 +1,116 @@
+"""Shared-prompt packs (``train.share_prompts``, `packrl.seqlen.packing.pack_shared`) join the
+invariance suite: a group's prompt written once per pack gives the same log-probs (1e-5, float32)
+and the same loss and gradients (float64, within 1e-6 of the largest gradient) as every sequence packed whole, on both
+attention paths that can run them, for every loss aggregation mode, with groups split across
+micro-batches and across 2 ranks; and the planner keeps every pack within its budget counting the
+prompt once.
+
+Why not 1e-6 per element in float64 as the other loss tests: Llama's RMSNorm computes in float32
+whatever the model dtype, so a shared prompt row, whose backward receives the sum of its
+responses' gradients, is rounded once where the unshared copies are rounded one by one: the
+gradients differ by about 3e-8 relative (float32's epsilon), the same with a pure-math attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packrl.algos.loss_agg import LOSS_AGG_MODES
+from packrl.config import load_config
+from packrl.seqlen.packing import pack_sequences, pack_shared
+from packrl.seqlen.update_plan import PromptSharing, plan_ranks
+from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+from tests.conftest import minibatch_grads, score_of, tiny_llama
+
+PROMPT_LENS = [9, 14, 5]
+RESPONSE_LENS = [6, 11, 1, 8, 3, 12, 7, 2, 9]  # three responses per prompt
+
+
+def _batch(dtype=torch.float32) -> TrainBatch:
+    g = torch.Generator().manual_seed(7)
+    prompts = PromptBatch(tuple(tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in PROMPT_LENS),
+                          ("0",) * 3, ("t",) * 3, (0, 1, 2), (False,) * 3)
+    responses = tuple(Response(tuple(torch.randint(0, 97, (n,), generator=g).tolist()), "eos") for n in RESPONSE_LENS)
+    rollout = RolloutBatch(prompts, 3, responses)
+    masks = tuple(torch.ones(n, dtype=torch.bool) for n in RESPONSE_LENS)
+    advantages = tuple(torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
+    old = tuple(-4.6 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
+    ref = tuple(-4.6 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
+    rewards = torch.zeros(len(responses))
+    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, old, ref)
+
+
+def _cfg(mode: str, budget: int, attention: str = "varlen"):
+    return load_config("demo", ["model.dtype=fp32", "data.batch_size=3", "rollout.n=3", "data.max_prompt_tokens=14",
+                                "rollout.max_response_tokens=12", f"train.max_tokens_per_microbatch={budget}",
+                                f"train.max_tokens_per_logprob_microbatch={budget}", f"model.packed_attention={attention}",
+                                f"algorithm.loss_agg_mode={mode}", "algorithm.kl_coef=0.1", "algorithm.entropy_coeff=0.01",
+                                "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.1"])
+
+
+def test_a_shared_pack_writes_each_prompt_once():
+    pack = pack_shared([[1, 2, 3], [1, 2, 3], [4, 5], [6]], [[7, 8], [9], [10], []])
+    assert pack.input_ids[0].tolist() == [1, 2, 3, 7, 8, 9, 4, 5, 10, 6]
+    assert pack.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 2, 0]
+    assert pack.prefix_of == (-1, 0, 0, -1, -1) and pack.owners == (-1, 0, 1, 2, 3)
+    sources, targets = pack.predictions()
+    pairs = dict(zip(targets.tolist(), sources.tolist()))
+    assert pairs[3] == 2 and pairs[5] == 2 and pairs[4] == 3  # the prompt's last token scores each response's first
+    assert 0 not in pairs and 6 not in pairs and 9 not in pairs  # sequence starts have no prediction
+    assert [p.tolist() for p in pack.unpack(torch.arange(10))] == [[3, 4], [5], [6, 7, 8], [9]]
+    plain = pack_shared([[1, 2], [3]], [[4], [5]])
+    assert plain.prefix_of is None and plain.input_ids.equal(pack_sequences([[1, 2, 4], [3, 5]]).input_ids)
+
+
+@pytest.mark.parametrize("attention", ["varlen", "block_mask"])
+@pytest.mark.parametrize("budget", [4096, 40, 26])
+def test_shared_log_probs_equal_unshared(attention, budget):
+    model = tiny_llama(attn="sdpa")
+    rollout = _batch().rollout
+    cfg = _cfg("token-mean", budget, attention)
+    plain_lp, plain_ent = score_of(model, rollout, cfg)
+    shared_lp, shared_ent = score_of(model, rollout, cfg, share_prompts=True)
+    for a, b, c, d in zip(plain_lp, shared_lp, plain_ent, shared_ent):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+        torch.testing.assert_close(d, c, atol=1e-5, rtol=0)
+
+
+def _grads(mode: str, budget: int, num_ranks: int, share: bool, attention: str = "varlen") -> tuple[float, torch.Tensor]:
+    model = tiny_llama(dtype=torch.float64)
+    loss = minibatch_grads(model, _batch(torch.float64), _cfg(mode, budget, attention), num_ranks=num_ranks, share_prompts=share)
+    return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_shared_losses_and_grads_equal_unshared_however_split(mode):
+    loss_ref, grad_ref = _grads(mode, 4096, 1, share=False)
+    for budget in (4096, 40, 26):  # whole; groups split over micro-batches
+        for num_ranks in (1, 2):
+            loss, grads = _grads(mode, budget, num_ranks, share=True)
+            where = f"{mode}: budget {budget}, {num_ranks} rank(s)"
+            assert loss == pytest.approx(loss_ref, rel=1e-9), where
+            torch.testing.assert_close(grads, grad_ref, rtol=0, atol=1e-6 * float(grad_ref.abs().max()), msg=where)
+    loss, grads = _grads(mode, 40, 2, share=True, attention="block_mask")
+    torch.testing.assert_close(grads, grad_ref, rtol=0, atol=1e-6 * float(grad_ref.abs().max()))
+
+
+@pytest.mark.parametrize("budget", [26, 40, 64, 4096])
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_planned_shared_packs_stay_within_the_budget_and_keep_groups_whole_where_they_fit(budget, num_ranks):
+    rollout = _batch().rollout
+    lengths = rollout.sequence_lengths()
+    sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))])
+    plan = plan_ranks(lengths, num_ranks, budget, balance=True, budget_key="k", sharing=sharing)
+    seen = []
+    for rank in plan.ranks:
+        for mb in rank.microbatches:
+            if not mb:
+                continue
+            pack = pack_shared([rollout.prompt_ids_of(i) for i in mb], [rollout.responses[i].response_ids for i in mb], mb)
+            assert pack.num_tokens <= budget
+            seen += mb
+    assert sorted(seen) == list(range(len(rollout)))
+    if budget == 4096 and num_ranks == 1:
+        assert len(plan.ranks[0].microbatches) == 1  # every group whole, each prompt once
+        assert sum(lengths) - sum(PROMPT_LENS) * 2 == sum(PROMPT_LENS) + sum(RESPONSE_LENS)
