@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def _cmd_gsm8k(args: argparse.Namespace) -> int:
     else:
         for account in accounts:
             print(account.summary())
-        print(f"train with: packrl train gsm8k data.train_files=[{out / 'train.parquet'}] data.val_files=[{out / 'test.parquet'}]")
+        train, test = shlex.quote(f"data.train_files=[{out / 'train.parquet'}]"), shlex.quote(f"data.val_files=[{out / 'test.parquet'}]")
+        print(f"train with: packrl train gsm8k {train} {test}")
     for account in accounts:
         if account.skipped:
             print(f"packrl data gsm8k: warning: {len(account.skipped)} {account.split} row(s) left out: no verl row can be "

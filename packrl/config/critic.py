@@ -78,8 +78,16 @@ def critic_problems(cfg: RunConfig) -> list[ConfigProblem]:
     if not critic.enabled(estimator):
         default = CriticConfig()
         changed = [f.name for f in dataclasses.fields(critic) if f.name != "enable" and getattr(critic, f.name) != getattr(default, f.name)]
-        return [ConfigProblem(f"critic.{name}", getattr(critic, name), "has no effect: this run has no critic",
-                              f"set algorithm.adv_estimator=gae (or critic.enable=true), or remove critic.{name}") for name in changed]
+        keys = ["model.path" if name == "model" else name for name in changed]
+        out = [ConfigProblem(f"critic.{key}", critic.model.path if key == "model.path" else getattr(critic, key),
+                             "has no effect: this run has no critic",
+                             f"set algorithm.adv_estimator=gae (or critic.enable=true), or remove critic.{key}") for key in keys]
+        for name in ("gamma", "lam"):  # the built-in outcome estimators read neither
+            if estimator in ("grpo", "rloo") and getattr(cfg.algorithm, name) != 1.0:
+                out.append(ConfigProblem(f"algorithm.{name}", getattr(cfg.algorithm, name), f"has no effect with "
+                                         f"algorithm.adv_estimator={estimator} (GAE reads it)",
+                                         f"set algorithm.adv_estimator=gae or remove algorithm.{name}"))
+        return out
     out = []
     if cfg.trainer.sequence_parallel_size > 1:
         out.append(ConfigProblem("critic.enable", True, "the critic does not run under sequence parallelism yet",

@@ -419,7 +419,8 @@ class TrainConfig:
     """Write a group's prompt once per pack in the log-prob and update passes: each response
     attends to it and to itself (`packrl.seqlen.packing.pack_shared`; exact). Needs
     `model.packed_attention=varlen` on packrl's SDPA path or `block_mask`, and no sequence
-    parallelism; elsewhere it is off with a warning. Micro-batch budgets count the prompt once."""
+    parallelism (both refused at load); on flash-attn's varlen kernel (CUDA) it is off with a
+    warning at start-up. Micro-batch budgets count the prompt once."""
 
     balance_microbatches: bool = True
     """Balance micro-batches by the cost model `a*L + L^2` (same micro-batch count, flatter
@@ -707,6 +708,21 @@ class RunConfig:
                                   f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
         return []  # the relations to the other budgets: `packrl.seqlen.Budgets`
 
+    def _share_prompts_problems(self) -> list[ConfigProblem]:
+        """``train.share_prompts`` where it cannot run (known from the config alone)."""
+        if not self.train.share_prompts:
+            return []
+        if self.model.packed_attention == "position_ids":
+            return [ConfigProblem("train.share_prompts", True, "has no effect with model.packed_attention=position_ids (transformers' "
+                                  "position-id detection cannot let a response see its prompt segment)",
+                                  "set model.packed_attention=varlen (or block_mask), or train.share_prompts=false",
+                                  keys=("train.share_prompts", "model.packed_attention"))]
+        if self.trainer.sequence_parallel_size > 1:
+            return [ConfigProblem("train.share_prompts", True, "has no effect under sequence parallelism (a pack is split over ranks)",
+                                  "set train.share_prompts=false or trainer.sequence_parallel_size=1",
+                                  keys=("train.share_prompts", "trainer.sequence_parallel_size"))]
+        return []
+
     def problems(self) -> list[ConfigProblem]:
         """Field checks of every section, then the relations among budgets (without the model
         context, which needs the model config: see `packrl.seqlen.Budgets`) and batch sizes."""
@@ -716,6 +732,7 @@ class RunConfig:
         for name in ("model", "data", "rollout", "reward", "train", "algorithm", "critic", "trainer"):
             out += getattr(self, name).problems(name)
         out += critic_problems(self)
+        out += self._share_prompts_problems()
         out += Budgets.from_config(self, max_context_tokens=None).problems()
         out += self._multi_turn_problems()
         mini = self.train.mini_batch_size

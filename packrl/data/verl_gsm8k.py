@@ -76,6 +76,8 @@ def verl_row(raw: Any, *, split: str, index: int) -> dict[str, Any] | str:
     for name, value in (("question", question), ("answer", answer)):
         if not isinstance(value, str):
             return f"missing field {name!r}" if value is None else f"field {name!r} is of type {type(value).__name__}, expected a string"
+    if not question.strip():
+        return "blank question"
     truth = extract_answer(answer)
     if truth is None:
         tail = answer.strip().splitlines()[-1][:60] if answer.strip() else ""

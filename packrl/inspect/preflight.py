@@ -130,6 +130,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     if "model.path" not in bad:
         model_config, problem = _read_model_config(cfg)
         problems += problem
+    problems += _critic_path_problems(cfg)
     budgets = Budgets.from_config(cfg, max_context_tokens=None)
     rope = None
     rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
@@ -226,6 +227,21 @@ def _without_rope(cfg: RunConfig) -> RunConfig:
     from packrl.config.schema import RopeScalingConfig
 
     return replace(cfg, model=replace(cfg.model, rope_scaling=RopeScalingConfig()))
+
+
+def _critic_path_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """``critic.model.path`` that does not resolve to a model config (the critic loads it at set-up)."""
+    path = cfg.critic.model.path
+    if path is None or not cfg.critic.enabled(cfg.algorithm.adv_estimator):
+        return []
+    from packrl.models.model_config import load_model_config
+
+    try:
+        load_model_config(path)
+    except ValueError as err:
+        return [ConfigProblem("critic.model.path", path, str(err), "set critic.model.path to a model dir, .gguf file or hub id, "
+                              "or null for the policy's checkpoint")]
+    return []
 
 
 def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:

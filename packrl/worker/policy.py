@@ -180,6 +180,8 @@ class PolicyWorker:
         self.critic = None
         if self.plan.has_critic:
             self.critic = load_critic(cfg, strategy.device)
+            summary += (f"; critic: {sum(p.numel() for p in self.critic.parameters()):,} parameters from "
+                        f"{cfg.critic.model.path or cfg.model.path} (value head starts at 0)")
             strategy.wrap(self.critic)
             self.critic_opt = critic_optimization(self.critic, cfg)
         return WorkerInfo(max_context, rope_factor, summary, packing, share)

@@ -90,3 +90,20 @@ def test_the_memory_estimate_counts_the_critic():
     part = "critic (float32 weights + AdamW states)"
     assert plain.parts[part] == 0 and with_critic.parts[part] == 12 * shape.num_params
     assert with_critic.phases["update"] - plain.phases["update"] == 12 * shape.num_params
+
+
+def test_settings_without_effect_are_refused():
+    with pytest.raises(ConfigError, match=r"critic.model.path='/x': has no effect"):
+        load_config("demo", ["critic.model.path=/x"])
+    with pytest.raises(ConfigError, match="algorithm.gamma"):
+        load_config("demo", ["algorithm.gamma=0.9"])
+    with pytest.raises(ConfigError, match="train.share_prompts"):
+        load_config("demo", ["train.share_prompts=true", "model.packed_attention=position_ids"])
+    load_config("demo", ["train.share_prompts=true"])
+
+
+def test_preflight_names_a_critic_path_that_does_not_resolve(tmp_path):
+    from packrl.inspect.preflight import preflight
+
+    report = preflight("demo", ["algorithm.adv_estimator=gae", f"critic.model.path={tmp_path / 'missing'}"])
+    assert any(p.key == "critic.model.path" for p in report.problems)
