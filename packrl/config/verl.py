@@ -34,6 +34,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Sequence
 
 from packrl.config.verl_keys import (ACTOR, ANY, AR, DEFAULTS, REF, ROLLOUT, VLLM_PASSED, IgnoredKey, Mapping, Translation,
@@ -240,10 +241,21 @@ def _total_steps(c: _Context) -> int | None:
         c.ignore("trainer.total_epochs", "verl runs trainer.total_training_steps when it is set")
         return steps
     epochs, batch, num_train_rows = c.int("trainer.total_epochs"), c.int("data.train_batch_size"), c.num_train_rows
+    if epochs < 1:
+        c.refuse("trainer.total_epochs", "must be at least 1", "set trainer.total_epochs >= 1 or trainer.total_training_steps",
+                 value=epochs)
+        return None
     if num_train_rows is None:
-        files = ", ".join(_files(c.get("data.train_files")))
-        c.refuse("trainer.total_epochs", f"needs the number of training rows, which could not be counted from data.train_files="
-                 f"{files} (local .parquet, .jsonl or .json files are counted)", "set trainer.total_training_steps", value=epochs)
+        names = _files(c.get("data.train_files"))
+        missing = [name for name in names if "://" not in name and not Path(name).exists()]
+        why = f"but these files do not exist: {', '.join(missing)}" if missing else (
+            f"which could not be counted from data.train_files={', '.join(names)} (local .parquet, .jsonl or .json files are counted)")
+        c.refuse("trainer.total_epochs", f"needs the number of training rows, {why}",
+                 "point data.train_files at existing files, or set trainer.total_training_steps", value=epochs)
+        return None
+    if num_train_rows == 0:
+        c.refuse("trainer.total_epochs", "needs training rows, and data.train_files holds none (an empty list or empty files)",
+                 "point data.train_files at GSM8K parquet files (packrl data gsm8k writes them)", value=epochs)
         return None
     steps = epochs * (num_train_rows // batch)
     if steps < 1:
