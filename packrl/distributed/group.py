@@ -36,7 +36,7 @@ from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
-from packrl.seqlen.stepwise import step_samples
+from packrl.seqlen.stepwise import StepSamples, step_samples
 from packrl.seqlen.update_plan import PromptSharing, UpdatePlan, groups_of, plan_ranks, plan_update
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
@@ -187,18 +187,18 @@ class WorkerGroup:
         if not self.plan.has_critic:
             return {}
         budget = self.cfg.critic.max_tokens_per_microbatch or self.cfg.train.max_tokens_per_microbatch
-        trained, plan = self._planned(batch, budget)
+        trained, plan, _ = self._planned(batch, budget)
         results = self.transport.call("update_critic", [(self.transport.share(trained), plan)] * self.transport.num_ranks)
         return critic_metrics(results)
 
-    def _planned(self, batch: TrainBatch, max_tokens: int) -> tuple[TrainBatch, UpdatePlan]:
+    def _planned(self, batch: TrainBatch, max_tokens: int) -> tuple[TrainBatch, UpdatePlan, StepSamples | None]:
         """The batch an update trains (the step-wise samples' batch when turns were dropped,
-        `packrl.seqlen.stepwise`) and its plan under ``max_tokens`` per micro-batch."""
+        `packrl.seqlen.stepwise`), its plan under ``max_tokens`` per micro-batch, and the samples (None: whole responses)."""
         steps = step_samples(batch.rollout)
         if steps is None:
-            return batch, self.plan_update(batch, max_tokens=max_tokens)
+            return batch, self.plan_update(batch, max_tokens=max_tokens), None
         trained = steps.train_batch(batch)
-        return trained, self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of), max_tokens=max_tokens)
+        return trained, self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of), max_tokens=max_tokens), steps
 
     def plan_update(self, batch: TrainBatch, groups: list[int] | None = None, units: list[int] | None = None,
                     max_tokens: int | None = None) -> UpdatePlan:
@@ -230,8 +230,7 @@ class WorkerGroup:
         ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
         if step <= self.cfg.critic.warmup_steps and self.plan.has_critic:
             return {"critic/warmup": 1.0}  # only the critic trains yet (critic.warmup_steps)
-        steps = step_samples(batch.rollout)
-        trained, plan = self._planned(batch, self.cfg.train.max_tokens_per_microbatch)
+        trained, plan, steps = self._planned(batch, self.cfg.train.max_tokens_per_microbatch)
         # a loss that chooses tokens over whole mini-batches (Clip-Cov, KL-Cov) does it here, once,
         # seeded by the step's seed (the loop reseeds torch every step)
         trained, prepared = prepare_update(trained, [mb.sequences for mb in plan.minibatches], self.cfg.algorithm, torch.initial_seed())

@@ -261,6 +261,16 @@ class MicrobatchLoss:
         return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg, share_prompts))
 
 
+def sequence_counts(pack: Pack, batch: TrainBatch, full_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """The loss tokens of each packed sequence as ``seq-mean-token-mean`` divides by them, Shape
+    [S], float: counted from ``full_mask`` (Shape [K], bool, the whole micro-batch's loss tokens),
+    or for step-wise samples their trajectory's count (`TrainBatch.trajectory_loss_tokens`), since
+    the trajectory is the sequence the seq-mean modes average over."""
+    if batch.trajectory_loss_tokens is None:
+        return torch.zeros(len(pack.indices), device=full_mask.device).index_add_(0, seq_ids, full_mask.float())
+    return torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=full_mask.device)
+
+
 def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, den: LossDenominators, loss: MicrobatchLoss,
                     totals: StepTotals, sums: ResponseSums) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss: the policy loss (times the truncated
@@ -273,10 +283,7 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     full_mask = scatter_response(pack, rollout, batch.loss_masks, False)
     mask = full_mask & out.has_logprob  # under sequence parallelism: the tokens this rank's hidden states predict
     seq_ids = pack.sequence_ids()
-    if batch.trajectory_loss_tokens is None:
-        counts = torch.zeros(len(pack.indices), device=mask.device).index_add_(0, seq_ids, full_mask.float())
-    else:  # step-wise samples: each one's trajectory is the sequence the seq-mean modes average over
-        counts = torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=mask.device)
+    counts = sequence_counts(pack, batch, full_mask, seq_ids)
     logprobs = out.token_logprobs
     old = logprobs.detach() if batch.old_logprobs is None else scatter_response(pack, rollout, batch.old_logprobs, 0.0)
     ref = None if batch.ref_logprobs is None else scatter_response(pack, rollout, batch.ref_logprobs, 0.0)

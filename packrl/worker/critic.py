@@ -35,7 +35,7 @@ from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack, pack_sequences
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
-from packrl.worker.actor import Optimization, PackForward, Parallel, SkipCounter, StepTotals, optimizer_step, scatter_response
+from packrl.worker.actor import Optimization, PackForward, Parallel, SkipCounter, StepTotals, optimizer_step, scatter_response, sequence_counts
 
 Context = Callable[[], AbstractContextManager]
 
@@ -184,11 +184,7 @@ def critic_microbatch_loss(critic: ValueModel, pack: Pack, batch: TrainBatch, *,
     returns = scatter_response(pack, rollout, batch.returns, 0.0)
     token_loss, clip_active = value_loss(vpred, old, returns, cliprange)
     seq = pack.sequence_ids()
-    if batch.trajectory_loss_tokens is None:
-        counts = torch.zeros(len(pack.indices), device=mask.device).index_add_(0, seq, mask.float())
-    else:
-        counts = torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=mask.device)
-    loss = aggregate_loss(token_loss, mask, mode, den, sequence_ids=seq, sequence_counts=counts)
+    loss = aggregate_loss(token_loss, mask, mode, den, sequence_ids=seq, sequence_counts=sequence_counts(pack, batch, mask, seq))
     totals.add({"critic/vf_loss": loss.detach(), "critic/vf_clipfrac": den.token_share(clip_active.float(), mask),
                 "critic/vpred_mean": den.token_share(vpred.detach(), mask)})
     return loss
