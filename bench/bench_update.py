@@ -38,7 +38,7 @@ from bench.common import sample_lengths, smollm_model  # noqa: E402
 from packrl.config import load_config  # noqa: E402
 from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch  # noqa: E402
-from packrl.worker.actor import MicrobatchLoss, Optimization, ResponseSums, SkipCounter, optimizer_step, run_microbatches  # noqa: E402
+from packrl.worker.actor import MicrobatchLoss, Optimization, ResponseSums, adamw, SkipCounter, optimizer_step, run_microbatches  # noqa: E402
 
 GROUPS = {"matmul": ("mm", "addmm", "bmm", "matmul", "linear"), "attention": ("scaled_dot_product", "attention"),
           "casts and copies": ("_to_copy", "copy_", "to", "clone", "contiguous", "cat"),
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
                        max_tokens=args.max_tokens, balance=True, loss_scale_factor=512)
     minibatch = plan.minibatches[0]
     loss = MicrobatchLoss.from_config(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = adamw(list(model.parameters()), lr=1e-6, weight_decay=0.0)
     opt = Optimization(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), SkipCounter(3), 1.0)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         name = event.key.removeprefix("aten::")
         group = next((g for g, keys in GROUPS.items() if any(k in name.lower() for k in keys)), "other")
         by_group[group] += event.self_cpu_time_total / 1e6
-        if len(top) < 15:
+        if len(top) < 40:
             top.append((event.key, round(event.self_cpu_time_total / 1e6, 3), event.count))
     total = sum(by_group.values())
     report = {

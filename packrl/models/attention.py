@@ -7,8 +7,9 @@ Three paths (``model.packed_attention``):
 - ``varlen``: attention runs per sequence, cost sum(L_i^2). On CUDA with a model loaded as
   ``flash_attention_2``, flash-attn's varlen kernel reads ``cu_seq_lens_*``. Elsewhere the model
   uses ``packrl_sdpa``, registered here through transformers' `AttentionInterface`: plain SDPA
-  for ordinary calls (generation included), and one causal SDPA call per sequence when a pack's
-  ``cu_seq_lens_q`` is passed.
+  for ordinary calls (generation included), and causal SDPA per sequence when a pack's
+  ``cu_seq_lens_q`` is passed (sequences of similar length batched, right-padded, in one call:
+  at most 1.5 x sum(L_i^2)).
 - ``block_mask``: an explicit block-diagonal causal mask [1, 1, K, K] (bool for SDPA, float for
   eager); cost K^2 per layer, exact for every implementation that accepts 4D masks.
 - ``position_ids``: no mask; transformers detects the restarting position ids and builds the
@@ -22,6 +23,8 @@ their boundaries.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -55,6 +58,11 @@ def _packrl_sdpa(
     with a shared prompt (``packrl_prefix_of``, `packrl.seqlen.packing.pack_shared`) also attends
     to all of its prompt segment.
 
+    Segments of similar length run as one right-padded batch (`_buckets`): one SDPA call instead
+    of one per segment (on 2 CPU cores, 16 segments of 270 tokens, bf16, forward and backward
+    over 30 layers: 5.3 s in a call each, 3.1 s in one call). Exact: with causal attention a real
+    query sees only real keys, and padded queries' outputs are dropped, so their gradients are 0.
+
     query: [1, h, K, d]; key/value: [1, h_kv, K, d]. Returns ([1, K, h, d], None) as
     transformers' attention functions do.
     """
@@ -62,22 +70,99 @@ def _packrl_sdpa(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise ValueError(f"packed attention expects one pack without cache; got query {tuple(query.shape)}, key {tuple(key.shape)}")
-    gqa = query.shape[1] != key.shape[1]
-    bounds = cu_seq_lens_q.tolist()
-    prefix = packrl_prefix_of or (-1,) * (len(bounds) - 1)
-    outs = []
-    for seg, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if prefix[seg] < 0:
-            outs.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                       dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa))
-            continue
-        ps, pe = bounds[prefix[seg]], bounds[prefix[seg] + 1]
-        n, m = e - s, pe - ps
-        allowed = torch.ones(n, m + n, dtype=torch.bool, device=query.device).tril(diagonal=m)  # the prompt, then causal
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, s:e], torch.cat([key[:, :, ps:pe], key[:, :, s:e]], dim=2), torch.cat([value[:, :, ps:pe], value[:, :, s:e]], dim=2),
-            attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    bounds = tuple(cu_seq_lens_q.tolist())
+    plan = _bucket_plan(bounds, tuple(packrl_prefix_of or (-1,) * (len(bounds) - 1)), query.device)
+    q, k, v = query[0], key[0], value[0]  # [h, K, d], [h_kv, K, d]
+    sdpa = dict(dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    outs = [_bucket_attention(q, k, v, bucket, sdpa) for bucket in plan.buckets]
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    if plan.inverse is not None:
+        out = out.index_select(1, plan.inverse)
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Segments attended in one SDPA call: ``span`` (start, end) for a single unshared segment,
+    else ``index`` [n, Lmax] (pack positions, padding repeats a segment's last token), ``valid``
+    [n * Lmax] (True at real tokens) and the shared ``prompt`` span (or None)."""
+
+    span: tuple[int, int] | None = None
+    index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    prompt: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    buckets: tuple[_Bucket, ...]
+    inverse: torch.Tensor | None  # [K]: bucket order -> pack order; None when already in pack order
+
+
+_PADDED_COST_LIMIT = 1.5  # a bucket's padded attention cost over its segments' own cost
+
+
+def _buckets(lengths: list[int], prompt: int) -> list[list[int]]:
+    """Indices into ``lengths`` grouped longest first, each group's padded cost ``n * c(Lmax)``
+    at most `_PADDED_COST_LIMIT` times ``sum c(L_i)``, where ``c(L) = L * (prompt + L)``."""
+    cost = lambda n: n * (prompt + n)  # noqa: E731
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * cost(lengths[groups[-1][0]]) <= _PADDED_COST_LIMIT * (total + cost(lengths[i])):
+            groups[-1].append(i)
+            total += cost(lengths[i])
+        else:
+            groups.append([i])
+            total = cost(lengths[i])
+    return groups
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_plan(bounds: tuple[int, ...], prefix_of: tuple[int, ...], device: torch.device) -> _BucketPlan:
+    """The buckets of one pack (the same for every layer of a forward, hence cached): segments
+    grouped by the prompt they attend to, then by length (`_buckets`)."""
+    by_prompt: dict[int, list[int]] = {}
+    for seg, p in enumerate(prefix_of):
+        by_prompt.setdefault(p, []).append(seg)
+    buckets, order = [], []
+    for p, segs in by_prompt.items():
+        lengths = [bounds[s + 1] - bounds[s] for s in segs]
+        prompt = (bounds[p], bounds[p + 1]) if p >= 0 else None
+        for group in _buckets(lengths, 0 if prompt is None else prompt[1] - prompt[0]):
+            chosen = [segs[i] for i in group]
+            order.extend(range(bounds[s], bounds[s + 1]) for s in chosen)
+            if len(chosen) == 1 and prompt is None:
+                buckets.append(_Bucket(span=(bounds[chosen[0]], bounds[chosen[0] + 1])))
+                continue
+            starts = torch.tensor([bounds[s] for s in chosen])
+            lens = torch.tensor([bounds[s + 1] - bounds[s] for s in chosen])
+            steps = torch.arange(int(lens.max()))
+            index = starts[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)
+            buckets.append(_Bucket(index=index.to(device), valid=(steps[None, :] < lens[:, None]).flatten().to(device), prompt=prompt))
+    positions = torch.tensor([t for r in order for t in r])
+    if torch.equal(positions, torch.arange(bounds[-1])):
+        return _BucketPlan(tuple(buckets), None)
+    return _BucketPlan(tuple(buckets), torch.empty_like(positions).index_put_((positions,), torch.arange(bounds[-1])).to(device))
+
+
+def _bucket_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket: _Bucket, sdpa: dict) -> torch.Tensor:
+    """One bucket's attention: q [h, K, d], k/v [h_kv, K, d] -> [h, tokens of its segments, d]."""
+    if bucket.span is not None:
+        s, e = bucket.span
+        return F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], is_causal=True, **sdpa)[0]
+    n, lmax = bucket.index.shape
+    gather = lambda x: x.index_select(1, bucket.index.flatten()).unflatten(1, (n, lmax)).transpose(0, 1)  # noqa: E731  [n, h, Lmax, d]
+    qb, kb, vb = gather(q), gather(k), gather(v)
+    if bucket.prompt is None:
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, **sdpa)
+    else:  # each segment sees its whole prompt, then itself causally (bottom-right aligned)
+        ps, pe = bucket.prompt
+        kb = torch.cat([k[None, :, ps:pe].expand(n, -1, -1, -1), kb], dim=2)
+        vb = torch.cat([v[None, :, ps:pe].expand(n, -1, -1, -1), vb], dim=2)
+        allowed = torch.ones(lmax, pe - ps + lmax, dtype=torch.bool, device=q.device).tril(diagonal=pe - ps)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, **sdpa)
+    return out.transpose(0, 1).flatten(1, 2)[:, bucket.valid]  # [h, real tokens, d]
 
 
 AttentionInterface.register(PACKRL_SDPA, _packrl_sdpa)

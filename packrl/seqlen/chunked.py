@@ -50,6 +50,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             entropy[s:e] = -z.exp().mul_(z).sum(-1)  # -sum p log p; the product reuses exp's buffer
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk, ctx.temperature, ctx.entropy_grad = chunk, temperature, entropy_grad
+        ctx.autocast = _autocast_state(hidden.device.type)
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -57,41 +58,54 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
-        chunk, temperature = ctx.chunk, ctx.temperature
-        use_entropy = ctx.entropy_grad and grad_entropy is not None
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        acc = _math_dtype(weight.dtype)
-        grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
-        grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
-            e = min(s + chunk, hidden.shape[0])
-            logp = _chunk_logits(hidden[s:e], weight, bias, temperature).sub_(lse[s:e, None])  # [c, V]
-            g = grad_logprobs[s:e, None]
-            if use_entropy:
-                p = logp.exp()
-                # d/dz of g*logp_y + gH*H  =  g*(onehot - p) - gH*p*(logp + H)
-                dz = logp.add_(entropy[s:e, None]).mul_(p).mul_(-grad_entropy[s:e, None]).sub_(p.mul_(g))
-            else:
-                dz = logp.exp_().mul_(-g)
-            dz[rows[: e - s], labels[s:e]] += grad_logprobs[s:e]
-            if temperature != 1.0:
-                dz.div_(temperature)
-            dz = dz.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[s:e] = dz @ weight
-            if grad_weight is not None:
-                grad_weight.add_(dz.t() @ hidden[s:e])
-            if grad_bias is not None:
-                grad_bias.add_(dz.sum(0))
+        # The backward's matmuls run in the forward's autocast dtype, as autograd runs a built-in
+        # matmul's backward (backward is called outside the autocast region).
+        device, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+            return _backward(ctx, grad_logprobs, grad_entropy)
+
+
+def _autocast_state(device: str) -> tuple[str, torch.dtype | None]:
+    """``(device type, autocast dtype)``; the dtype is None where autocast is off."""
+    return device, (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+
+
+def _backward(ctx, grad_logprobs, grad_entropy):
+    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+    chunk, temperature = ctx.chunk, ctx.temperature
+    use_entropy = ctx.entropy_grad and grad_entropy is not None
+    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    acc = _math_dtype(weight.dtype)
+    grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+    grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros_like(lse)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    for s in range(0, hidden.shape[0], chunk):
+        e = min(s + chunk, hidden.shape[0])
+        logp = _chunk_logits(hidden[s:e], weight, bias, temperature).sub_(lse[s:e, None])  # [c, V]
+        g = grad_logprobs[s:e, None]
+        if use_entropy:
+            p = logp.exp()
+            # d/dz of g*logp_y + gH*H  =  g*(onehot - p) - gH*p*(logp + H)
+            dz = logp.add_(entropy[s:e, None]).mul_(p).mul_(-grad_entropy[s:e, None]).sub_(p.mul_(g))
+        else:
+            dz = logp.exp_().mul_(-g)
+        dz[rows[: e - s], labels[s:e]] += grad_logprobs[s:e]
+        if temperature != 1.0:
+            dz.div_(temperature)
+        dz = dz.to(weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden[s:e] = dz @ weight
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight.add_(dz.t() @ hidden[s:e])
         if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            grad_bias.add_(dz.sum(0))
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def chunked_logprobs(

@@ -451,6 +451,16 @@ class Optimization:
     grad_clip: float
 
 
+def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter 2019) over ``params``, fused where torch has a fused kernel for
+    their device and dtype (CPU, CUDA; FSDP2's DTensor shards included), else ``foreach``. The
+    fused kernel is one pass over the parameters; on CPU torch's default is a loop over tensors
+    (``bench/bench_update.py``). The update rule is the same."""
+    fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+    fused = all(p.device.type in fused_devices and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None, foreach=None if fused else True)
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP2 shards offloaded to host memory
     (``model.param_offload``): their total norm is a CPU DTensor whose reduction over ranks must

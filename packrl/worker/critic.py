@@ -35,7 +35,7 @@ from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack, pack_sequences
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
-from packrl.worker.actor import Optimization, PackForward, Parallel, SkipCounter, StepTotals, optimizer_step, scatter_response, sequence_counts
+from packrl.worker.actor import Optimization, PackForward, adamw, Parallel, SkipCounter, StepTotals, optimizer_step, scatter_response, sequence_counts
 
 Context = Callable[[], AbstractContextManager]
 
@@ -244,8 +244,7 @@ def critic_metrics(ranks: Sequence[CriticStats]) -> dict[str, float]:
 def critic_optimization(critic: ValueModel, cfg: RunConfig) -> Optimization:
     """AdamW at ``critic.lr`` (``train.weight_decay``), the actor's warm-up schedule shape, the
     actor's skip rule, and ``critic.grad_clip``."""
-    optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr,
-                                  weight_decay=cfg.train.weight_decay)
+    optimizer = adamw([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr, weight_decay=cfg.train.weight_decay)
     warmup = cfg.train.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return Optimization(optimizer=optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),

@@ -42,7 +42,7 @@ from packrl.rollout.multi_turn import multi_turn_engine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
-from packrl.worker.actor import MicrobatchLoss, Optimization, SkipCounter, UpdateStats, compute_logprobs, run_update
+from packrl.worker.actor import MicrobatchLoss, Optimization, adamw, SkipCounter, UpdateStats, compute_logprobs, run_update
 from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint
 from packrl.worker.critic import (CRITIC_FILE, CriticStats, compute_values, critic_optimization, load_critic, load_critic_weights,
                                   run_critic_update)
@@ -169,8 +169,7 @@ class PolicyWorker:
         strategy.wrap(model)
         if self.reference is not None and self.reference is not model:
             strategy.wrap(self.reference)
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
+        self.optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         warmup = cfg.train.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),

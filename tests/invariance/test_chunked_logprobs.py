@@ -95,3 +95,33 @@ def test_bad_input(kwargs, match):
     args = {"hidden": h, "weight": w, "labels": labels} | kwargs
     with pytest.raises(ValueError, match=match):
         chunked_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+
+
+def test_backward_under_autocast_runs_the_forwards_matmul_dtype():
+    """Under bf16 autocast, the backward's matmuls run in bf16, as a built-in matmul's backward
+    does, and the gradients equal the full computation's under autocast (bf16 rounding)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.dtypes.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    h, w, _, labels = _inputs(num_tokens=64, hidden=32, vocab=211)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = chunked_logprobs(h, w, labels, chunk_tokens=16)
+        lp_ref, _ = full_logprobs(h, w, labels)
+    with MatmulDtypes() as seen:
+        lp.sum().backward()
+    assert seen.dtypes == {torch.bfloat16}
+    got = [h.grad.clone(), w.grad.clone()]
+    h.grad = w.grad = None
+    lp_ref.sum().backward()
+    for a, b in zip(got, [h.grad, w.grad]):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)

@@ -11,7 +11,7 @@ from packrl.config import ConfigError, load_config
 from packrl.config.plan import BatchPlan
 from packrl.inspect.memory import GIB, ModelShape, estimate_memory
 from packrl.inspect.preflight import preflight
-from packrl.worker.actor import Optimization, SkipCounter, clip_grad_norm, optimizer_step
+from packrl.worker.actor import Optimization, SkipCounter, adamw, clip_grad_norm, optimizer_step
 from packrl.worker.policy import PolicyWorker
 from packrl.worker.strategy import FSDP2, weight_layout
 from tests.conftest import tiny_llama
@@ -93,7 +93,7 @@ def test_one_offloaded_fsdp2_rank_trains_with_its_shards_in_host_memory():
         reference = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         strategy.wrap(model)
         assert {p.device.type for p in model.parameters()} == {"cpu"}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = adamw(list(model.parameters()), lr=1e-2, weight_decay=0.0)  # fused over CPU DTensor shards
         opt = Optimization(optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
                            skips=SkipCounter(3), grad_clip=1.0)
         model(input_ids=torch.arange(12, device=strategy.device)[None]).logits.float().square().mean().backward()

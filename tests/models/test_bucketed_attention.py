@@ -1,0 +1,67 @@
+"""``packrl_sdpa`` runs a pack's segments in right-padded buckets; outputs and gradients equal one
+causal SDPA call per segment (each shared-prompt segment over its prompt, then itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packrl.models.attention import _bucket_plan, _buckets, _packrl_sdpa
+
+
+def _reference(q, k, v, bounds, prefix):
+    outs = []
+    for seg, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if prefix[seg] < 0:
+            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True))
+            continue
+        ps, pe = bounds[prefix[seg]], bounds[prefix[seg] + 1]
+        kk, vv = torch.cat([k[:, :, ps:pe], k[:, :, s:e]], 2), torch.cat([v[:, :, ps:pe], v[:, :, s:e]], 2)
+        scores = (q[:, :, s:e] @ kk.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)) / q.shape[-1] ** 0.5
+        allowed = torch.ones(e - s, pe - ps + e - s, dtype=torch.bool).tril(diagonal=pe - ps)
+        outs.append(scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv.repeat_interleave(q.shape[1] // k.shape[1], 1))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+CASES = {
+    "unshared, mixed lengths": ([9, 3, 8, 1, 7, 2, 9], None),
+    "one segment": ([11], None),
+    "shared prompts": ([6, 4, 1, 5, 3, 7, 2], (-1, 0, 0, 0, -1, 4, 4)),
+    "shared and plain": ([5, 2, 6, 9, 4], (-1, 0, 0, -1, -1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_buckets_equal_one_call_per_segment(case):
+    lengths, prefix = CASES[case]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, bounds[-1], 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, bounds[-1], 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, bounds[-1], 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(1, bounds[-1], 4, 8, generator=g, dtype=torch.float64)
+    out, _ = _packrl_sdpa(None, q, k, v, None, cu_seq_lens_q=torch.tensor(bounds), packrl_prefix_of=prefix)
+    (out * weight).sum().backward()
+    got = [out.detach(), q.grad, k.grad, v.grad]
+    for t in (q, k, v):
+        t.grad = None
+    ref = _reference(q, k, v, bounds, prefix or (-1,) * len(lengths))
+    (ref * weight).sum().backward()
+    for a, b in zip(got, [ref.detach(), q.grad, k.grad, v.grad]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    plan = _bucket_plan(tuple(bounds), tuple(prefix or (-1,) * len(lengths)), q.device)
+    if case == "unshared, mixed lengths":
+        assert any(b.index is not None and not bool(b.valid.all()) for b in plan.buckets)  # padding was exercised
+
+
+def test_buckets_keep_padded_cost_within_the_limit():
+    lengths = [400, 390, 380, 300, 200, 120, 110, 5]
+    groups = _buckets(lengths, 0)
+    assert sorted(i for grp in groups for i in grp) == list(range(len(lengths)))
+    for grp in groups:
+        longest = max(lengths[i] for i in grp)
+        assert len(grp) * longest ** 2 <= 1.5 * sum(lengths[i] ** 2 for i in grp)
+    assert groups == [[0, 1, 2, 3, 4], [5, 6], [7]]  # longest first; a 5-token segment alone

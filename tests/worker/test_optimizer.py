@@ -1,0 +1,31 @@
+"""The trainer's AdamW: fused where torch has the kernel, the same update rule as torch's default."""
+
+from __future__ import annotations
+
+import torch
+
+from packrl.worker.actor import adamw
+
+
+def test_adamw_is_fused_on_cpu_and_steps_as_the_default_implementation():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37, 5)), torch.nn.Parameter(torch.randn(11))]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    initial = [p.detach().clone() for p in params]
+    fused = adamw(params, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1, foreach=False)
+    assert fused.defaults["fused"] is True
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in params]
+        for p, q, g in zip(params, copies, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        fused.step()
+        plain.step()
+    for p, q in zip(params, copies):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+    assert all((p - p0).abs().max() > 5e-3 for p, p0 in zip(params, initial))  # the steps moved them
+
+
+def test_adamw_falls_back_to_foreach_for_parameters_without_a_fused_kernel():
+    params = [torch.nn.Parameter(torch.randn(3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]
+    assert adamw(params, lr=1e-3, weight_decay=0.0).defaults["foreach"] is True
