@@ -16,6 +16,39 @@ critic (``algorithm.adv_estimator=gae`` plus the ``--gae`` overrides), validatin
 ``--val-every`` steps, and prints both arms' reward rise and held-out accuracy at the same wall
 time: the last validation each reached within the shorter arm's training time (generation,
 reward, log-prob, value and update time, ``timing_s/step``; validation excluded).
+
+With ``--vs-trl`` (demo preset only) it compares learning per second of training with TRL 1.16's
+``GRPOTrainer`` on held-out 2-digit arithmetic::
+
+    python bench/bench_learning.py --vs-trl [--steps 30] [--val-every 5] [--trl-micro-batch 4] data.arithmetic.digits=2
+
+The packrl arm is a ``--vs-gae`` arm: greedy validation before training, every ``--val-every``
+steps and at the end; its training time W is the sum of its ``timing_s/step``. The TRL arm then
+runs in a subprocess of ``--trl-python`` (default ``.bench-trl/bin/python``: the venv of
+bench/bench_trl_step.py, whose docstring says how to create it) with that file's settings table:
+the same model directory, the same training prompts in packrl's sampling order, the same reward
+function, the preset's lr, B, n and response budget, and the same overrides. It trains until its
+step times (``on_step_begin`` -> ``on_step_end``: generation, reward, loss, backward, optimizer
+step) add up to W, or for ``--steps`` steps, and saves the policy (``save_pretrained``, float32
+weights) with packrl's tokenizer before training, every ``--val-every`` steps, after its last step
+and, when that step ends past W, at the last step that ended within W (whose weights it keeps in
+memory until then); saving is outside the timed steps. Then, in this process, packrl's `validate`
+scores every saved model (``model.path=<saved dir>`` plus the same overrides): the same held-out
+rows, greedy decoding and scorer, so one evaluator measures both arms. TRL's accuracy before
+training is that of its saved step-0 model, which checks the save and reload (it should equal
+packrl's).
+
+Printed per arm: held-out accuracy before training, at equal wall time (``equal_wall_s``, the
+shorter arm's training time: the arm's last validation at or before it) and at its end, the curve
+``[(train_s, accuracy)]``, steps done, training seconds, median step time, and the mean training
+reward over steps 1-5 and the last 5 (TRL: the mean of its reward function's values in each step).
+
+Caveats. The two sample different responses (TRL generates under bf16 autocast over float32
+weights, packrl on a bf16 copy of them), so their rewards and curves also differ by chance; one
+seed each. TRL's micro-batch (``--trl-micro-batch``, default 4 sequences, its fastest in
+bench/bench_trl_step.py) changes its speed, not its update: each optimizer step takes B*n
+sequences either way. Both arms run 2 torch threads; only training time counts (not model
+loading, validation or saving), and any other load on the CPU skews it.
 """
 
 from __future__ import annotations
@@ -23,15 +56,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from packrl.config import load_config
-from packrl.distributed.local import local_group
-from packrl.trainer.loop import train
-from packrl.trainer.validate import validate
-from packrl.data.dataset import PromptDataset
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.bench_trl_step import THREADS, packrl_config, prompt_schedule, run_worker, trl_trainer  # noqa: E402
+from packrl.config import load_config  # noqa: E402
+from packrl.distributed.local import local_group  # noqa: E402
+from packrl.trainer.loop import train  # noqa: E402
+from packrl.trainer.validate import validate  # noqa: E402
+from packrl.data.dataset import PromptDataset  # noqa: E402
 
 
 def main() -> None:
@@ -40,9 +77,21 @@ def main() -> None:
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--vs-gae", action="store_true", help="also train PPO with a critic and compare at equal wall time")
     parser.add_argument("--gae", nargs="*", default=[], help="extra overrides of the PPO arm (e.g. critic.lr=1e-5)")
-    parser.add_argument("--val-every", type=int, default=5, help="validation interval of the --vs-gae arms")
+    parser.add_argument("--vs-trl", action="store_true", help="also train TRL's GRPOTrainer and compare at equal wall time")
+    parser.add_argument("--trl-python", default=str(REPO / ".bench-trl" / "bin" / "python"),
+                        help="interpreter of the venv with trl==1.16.0 (see bench/bench_trl_step.py)")
+    parser.add_argument("--trl-micro-batch", type=int, default=4, help="TRL per_device_train_batch_size (sequences)")
+    parser.add_argument("--val-every", type=int, default=5, help="validation interval of the --vs-gae / --vs-trl arms")
+    parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # directory the TRL arm saves its models into
+    parser.add_argument("--trl-budget-s", type=float, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the preset")
     args = parser.parse_args()
+    if (args.vs_trl or args.trl_worker) and args.preset != "demo":
+        parser.error("--vs-trl compares the demo preset only (the settings table of bench/bench_trl_step.py)")
+    if args.trl_worker:
+        return trl_worker(args)
+    if args.vs_trl:
+        return compare_trl(args)
     if args.vs_gae:
         compare_gae(args)
         return
@@ -82,8 +131,8 @@ def main() -> None:
 
 
 def _arm(preset: str, steps: int, val_every: int, overrides: list[str]) -> dict:
-    """One arm of --vs-gae: validation before, training with validation every ``val_every`` steps;
-    its per-step scores, training seconds and validation accuracies."""
+    """One arm of --vs-gae / --vs-trl: validation before, training with validation every
+    ``val_every`` steps; its per-step scores and times, training seconds and validation accuracies."""
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
     cfg = load_config(preset, [f"train.total_steps={steps}", f"train.out_dir={out}", f"train.val_every={val_every}", *overrides])
     workers = local_group(cfg)
@@ -96,7 +145,21 @@ def _arm(preset: str, steps: int, val_every: int, overrides: list[str]) -> dict:
         elapsed += line["timing_s/step"]
         if "val/accuracy" in line:
             curve.append((elapsed, line["val/accuracy"]))
-    return {"scores": [line["critic/score/mean"] for line in lines], "train_s": elapsed, "curve": curve, "run_dir": str(run_dir)}
+    return {"scores": [line["critic/score/mean"] for line in lines], "step_s": [line["timing_s/step"] for line in lines],
+            "train_s": elapsed, "curve": curve, "run_dir": str(run_dir)}
+
+
+def _summary(arm: dict, wall: float) -> dict:
+    """An arm's reward rise and held-out accuracy before, at ``wall`` training seconds (its last
+    validation at or before them) and at its end."""
+    reached = [acc for t, acc in arm["curve"] if t <= wall + 1e-6]
+    return {"steps": len(arm["scores"]),
+            "reward_mean_steps_1_5": statistics.mean(arm["scores"][:5]),
+            "reward_mean_last_5": statistics.mean(arm["scores"][-5:]),
+            "val_accuracy_before": arm["curve"][0][1], "val_accuracy_at_equal_wall": reached[-1],
+            "val_accuracy_end": arm["curve"][-1][1], "train_s": round(arm["train_s"], 1),
+            "step_s_median": round(statistics.median(arm["step_s"]), 2),
+            "val_curve": [(round(t, 1), acc) for t, acc in arm["curve"]]}
 
 
 def compare_gae(args: argparse.Namespace) -> None:
@@ -108,12 +171,115 @@ def compare_gae(args: argparse.Namespace) -> None:
         [f"--preset {args.preset} --steps {args.steps} --val-every {args.val_every}", *args.overrides]
         + (["--gae", *args.gae] if args.gae else [])), "equal_wall_s": round(wall, 1)}
     for name, arm in arms.items():
-        reached = [acc for t, acc in arm["curve"] if t <= wall + 1e-6]
-        report[name] = {"reward_mean_steps_1_5": statistics.mean(arm["scores"][:5]),
-                        "reward_mean_last_5": statistics.mean(arm["scores"][-5:]),
-                        "val_accuracy_before": arm["curve"][0][1], "val_accuracy_at_equal_wall": reached[-1],
-                        "val_accuracy_end": arm["curve"][-1][1], "train_s": round(arm["train_s"], 1),
-                        "val_curve": [(round(t, 1), acc) for t, acc in arm["curve"]], "run_dir": arm["run_dir"]}
+        report[name] = _summary(arm, wall) | {"run_dir": arm["run_dir"]}
+    print(json.dumps(report, indent=2))
+
+
+def _trl_saver(budget_s: float, val_every: int, save):
+    """A ``TrainerCallback`` that times each TRL optimizer step (``on_step_begin`` -> ``on_step_end``,
+    generation and reward included), calls ``save(model, step, train_s)`` before training, every
+    ``val_every`` steps and after the last step, and stops training once the steps' total reaches
+    ``budget_s``. When that last step ends past ``budget_s``, the weights of the step before it
+    (the last one ending within the budget, kept in memory) are saved too."""
+    from transformers import TrainerCallback
+
+    class TrlSaver(TrainerCallback):
+        def __init__(self):
+            self.elapsed, self.step_s, self.within = 0.0, [], None  # within: (step, train_s, weights or None if saved)
+
+        def on_train_begin(self, args, state, control, model=None, **_):
+            save(model, 0, 0.0)
+
+        def on_step_begin(self, args, state, control, **_):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **_):
+            self.step_s.append(time.perf_counter() - self.start)
+            self.elapsed += self.step_s[-1]
+            step, last = state.global_step, self.elapsed >= budget_s or state.global_step >= args.max_steps
+            saved = step % val_every == 0 or last
+            if saved:
+                save(model, step, self.elapsed)
+            if last:
+                control.should_training_stop = True
+                if self.elapsed > budget_s and self.within is not None and self.within[2] is not None:
+                    model.load_state_dict(self.within[2])
+                    save(model, *self.within[:2])
+            else:
+                weights = None if saved else {k: v.detach().clone() for k, v in model.state_dict().items()}
+                self.within = (step, self.elapsed, weights)
+            return control
+
+    return TrlSaver()
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """The TRL arm (run by ``--trl-python``): TRL's GRPOTrainer on the packrl arm's model, prompts
+    in the same order, reward and hyperparameters, for ``--steps`` steps or until its step times
+    add up to ``--trl-budget-s``; saves the policy and packrl's tokenizer into ``--trl-worker``."""
+    import torch
+    from importlib.metadata import version
+
+    from packrl.models.loading import load_tokenizer
+    from packrl.models.resolve import resolve_model
+
+    torch.set_num_threads(THREADS)
+    out = Path(args.trl_worker)
+    cfg = packrl_config("demo", args.steps, str(out / "trainer"), args.overrides)
+    tokenizer = load_tokenizer(resolve_model(cfg.model.path), cfg.model.path)
+    scores: list[float] = []
+    saves: list[dict] = []
+
+    def save(model, step: int, train_s: float) -> None:
+        path = out / f"step_{step}"
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        saves.append({"step": step, "train_s": train_s, "path": str(path)})
+
+    saver = _trl_saver(args.trl_budget_s, args.val_every, save)
+    trainer = trl_trainer(cfg, str(out / "trainer"), prompt_schedule(cfg, tokenizer, args.steps), args.trl_micro_batch,
+                          [saver], on_reward=lambda _, rewards: scores.append(statistics.mean(rewards)))
+    trainer.train()
+    print("RESULT " + json.dumps({
+        "scores": scores, "step_s": saver.step_s, "train_s": saver.elapsed, "saves": sorted(saves, key=lambda s: s["step"]),
+        "versions": {name: version(name) for name in ("torch", "transformers", "trl")},
+        "param_dtype": str(next(trainer.model.parameters()).dtype)}), flush=True)
+
+
+def _score(preset: str, overrides: list[str], model_dir: str) -> float:
+    """Held-out greedy accuracy of the model saved in ``model_dir``, by packrl's `validate` (the
+    val set, decoding and scorer of the packrl arm)."""
+    cfg = load_config(preset, [*overrides, f"model.path={model_dir}"])
+    workers = local_group(cfg)
+    val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
+    return validate(workers, val_set, cfg)["val/accuracy"]
+
+
+def compare_trl(args: argparse.Namespace) -> None:
+    """The packrl arm, then the TRL arm for the packrl arm's training time, each saved TRL model
+    scored by packrl's evaluator; both arms' reward rise and accuracy at equal training time."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    packrl = _arm(args.preset, args.steps, args.val_every, args.overrides)
+    with tempfile.TemporaryDirectory(prefix="packrl-vs-trl-") as out:
+        res = run_worker([args.trl_python, str(Path(__file__).resolve()), "--trl-worker", out, "--trl-budget-s", repr(packrl["train_s"]),
+                          "--steps", str(args.steps), "--val-every", str(args.val_every),
+                          "--trl-micro-batch", str(args.trl_micro_batch), *args.overrides], "trl")
+        curve = [(s["train_s"], _score(args.preset, args.overrides, s["path"])) for s in res["saves"]]
+    trl = {"scores": res["scores"], "step_s": res["step_s"], "train_s": res["train_s"], "curve": curve}
+    wall = min(packrl["train_s"], trl["train_s"])
+    cfg = packrl_config("demo", args.steps, tempfile.gettempdir(), args.overrides)
+    report = {"command": "python bench/bench_learning.py --vs-trl " + " ".join(
+        [f"--steps {args.steps} --val-every {args.val_every} --trl-micro-batch {args.trl_micro_batch}", *args.overrides]),
+        "versions": res["versions"], "torch_threads": THREADS,
+        "config": {"model": cfg.model.path, "digits": cfg.data.arithmetic.digits, "B": cfg.data.batch_size, "n": cfg.rollout.n,
+                   "max_response_tokens": cfg.rollout.max_response_tokens, "lr": cfg.train.lr,
+                   "val_rows": cfg.data.max_val_rows, "trl_micro_batch": args.trl_micro_batch},
+        "equal_wall_s": round(wall, 1),
+        "packrl": _summary(packrl, wall) | {"run_dir": packrl["run_dir"]},
+        "trl": _summary(trl, wall) | {"saved_steps": [s["step"] for s in res["saves"]], "param_dtype": res["param_dtype"],
+                                      "process_wall_s": res["process_wall_s"]}}
     print(json.dumps(report, indent=2))
 
 

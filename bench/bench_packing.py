@@ -44,10 +44,16 @@ scored), so the ratio is the speed-up (target at G = 4 on GSM8K lengths: >= 1.25
     python bench/bench_packing.py --group-size 16 --num-sequences 32
     python bench/bench_packing.py --group-size 4 --num-sequences 16 --prompt-tokens 1024 --response-tokens 128 --max-tokens 8192
 
-Measured (``--group-size 4 --num-sequences 32 --repeats 3``, 2 CPU cores shared with other work):
-the shared packs hold 5,516 positions for 8,651 sequence tokens (36% fewer), median 24.8 s
-against 27.5 s, ratio 1.11 (per repeat 1.06, 1.48, 1.06): short of the 1.25 target, so
-``train.share_prompts`` stays off by default. The other two settings were not measured yet.
+Measured on 2 idle CPU cores (``--repeats 3``, ``--repeats 2`` for the long prompts), median
+wall time, unshared -> shared:
+
+- ``--group-size 4 --num-sequences 32``: 8,651 -> 5,516 positions, 32.9 -> 25.3 s, ratio 1.30
+  (per repeat 1.33 / 1.23 / 1.43);
+- ``--group-size 16 --num-sequences 32``: 9,143 -> 4,763 positions, 33.0 -> 21.2 s, ratio 1.55;
+- 1,024-token prompts, 128-token responses, G = 4, 16 sequences: 18,432 -> 6,144 positions,
+  53.6 -> 25.3 s, ratio 2.12.
+
+So ``train.share_prompts`` is on by default where the attention path can run it.
 """
 
 from __future__ import annotations

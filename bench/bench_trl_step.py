@@ -127,27 +127,57 @@ def prompt_schedule(cfg, tokenizer, total_steps: int) -> list:
     return [by_row[row] for _ in range(total_steps) for row in sampler.next_batch().rows]
 
 
-def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
+def trl_trainer(cfg, out: str, schedule: list, micro: int, callbacks: list, on_reward=None):
+    """TRL's ``GRPOTrainer`` with the settings of the table above for the packrl config ``cfg``: one
+    optimizer step per ``data.batch_size`` prompts of ``schedule`` (`prompt_schedule`), in order,
+    ``micro`` sequences per micro-batch. ``on_reward(completion_ids, rewards)`` sees each
+    generation batch the reward function scores."""
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from packrl.models.resolve import resolve_model
+    from packrl.reward.gsm8k import gsm8k_reward
+
+    dataset = Dataset.from_list([{"prompt": p.example.chat, "ground_truth": p.example.ground_truth} for p in schedule])
+
+    def gsm8k_flexible(prompts, completions, completion_ids, ground_truth, **_):
+        rewards = [gsm8k_reward(c[0]["content"], truth, data_source="", cfg=cfg.reward)
+                   for c, truth in zip(completions, ground_truth)]
+        if on_reward is not None:
+            on_reward(completion_ids, rewards)
+        return rewards
+
+    algo, n = cfg.algorithm, cfg.rollout.n
+    if (cfg.data.batch_size * n) % micro:
+        raise SystemExit(f"--trl-micro-batch {micro} does not divide B*n = {cfg.data.batch_size * n}")
+    args = GRPOConfig(
+        output_dir=out, max_steps=len(schedule) // cfg.data.batch_size, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=cfg.data.batch_size * n // micro, num_generations=n,
+        max_completion_length=cfg.rollout.max_response_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.train.weight_decay,
+        max_grad_norm=cfg.train.grad_clip, optim="adamw_torch", beta=0.0, epsilon=algo.clip_ratio_low,
+        epsilon_high=algo.clip_ratio_high, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        mask_truncated_completions=False, bf16=cfg.model.dtype == "bf16", use_cpu=True, use_vllm=False,
+        gradient_checkpointing=False, activation_checkpointing=False, shuffle_dataset=False, seed=cfg.train.seed,
+        model_init_kwargs={"dtype": "float32"}, report_to="none", save_strategy="no", eval_strategy="no",
+        logging_strategy="no", disable_tqdm=True, include_num_input_tokens_seen="no", log_completions=False,
+    )
+    return GRPOTrainer(model=str(resolve_model(cfg.model.path).model_dir), reward_funcs=gsm8k_flexible, args=args,
+                       train_dataset=dataset, callbacks=callbacks)
+
+
+def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
+    from transformers import TrainerCallback
 
     from packrl.models.loading import load_tokenizer
     from packrl.models.resolve import resolve_model
-    from packrl.reward.gsm8k import gsm8k_reward
 
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
         cfg = packrl_config(setting, warmup + steps, out)
         resolved = resolve_model(cfg.model.path)
         schedule = prompt_schedule(cfg, load_tokenizer(resolved, cfg.model.path), warmup + steps)
-        dataset = Dataset.from_list([{"prompt": p.example.chat, "ground_truth": p.example.ground_truth} for p in schedule])
         completion_tokens: list[int] = []
-
-        def gsm8k_flexible(prompts, completions, completion_ids, ground_truth, **_):
-            completion_tokens.append(sum(len(ids) for ids in completion_ids))
-            return [gsm8k_reward(c[0]["content"], truth, data_source="", cfg=cfg.reward)
-                    for c, truth in zip(completions, ground_truth)]
-
         records: list[tuple[float, int]] = []  # (seconds, tokens) per optimizer step
 
         class StepTimer(TrainerCallback):
@@ -157,24 +187,9 @@ def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
             def on_step_end(self, args, state, control, **_):
                 records.append((time.perf_counter() - self.start, state.num_input_tokens_seen - self.tokens))
 
-        algo, n = cfg.algorithm, cfg.rollout.n
-        if (cfg.data.batch_size * n) % micro:
-            raise SystemExit(f"--trl-micro-batch {micro} does not divide B*n = {cfg.data.batch_size * n}")
-        args = GRPOConfig(
-            output_dir=out, max_steps=warmup + steps, per_device_train_batch_size=micro,
-            gradient_accumulation_steps=cfg.data.batch_size * n // micro, num_generations=n,
-            max_completion_length=cfg.rollout.max_response_tokens,
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.train.weight_decay,
-            max_grad_norm=cfg.train.grad_clip, optim="adamw_torch", beta=0.0, epsilon=algo.clip_ratio_low,
-            epsilon_high=algo.clip_ratio_high, loss_type="dapo", scale_rewards="group", num_iterations=1,
-            mask_truncated_completions=False, bf16=cfg.model.dtype == "bf16", use_cpu=True, use_vllm=False,
-            gradient_checkpointing=False, activation_checkpointing=False, shuffle_dataset=False, seed=cfg.train.seed,
-            model_init_kwargs={"dtype": "float32"}, report_to="none", save_strategy="no", eval_strategy="no",
-            logging_strategy="no", disable_tqdm=True, include_num_input_tokens_seen="no", log_completions=False,
-        )
-        trainer = GRPOTrainer(model=str(resolved.model_dir), reward_funcs=gsm8k_flexible, args=args,
-                              train_dataset=dataset, callbacks=[StepTimer()])
+        n = cfg.rollout.n
+        trainer = trl_trainer(cfg, out, schedule, micro, [StepTimer()],
+                              on_reward=lambda ids, _: completion_tokens.append(sum(len(i) for i in ids)))
         trl_ids, _, _ = trainer._tokenize_prompts([p.example.chat for p in schedule])
         gen_s: list[float] = []
 
@@ -212,16 +227,21 @@ def worker(framework: str, setting: str, warmup: int, steps: int, micro: int) ->
     print("RESULT " + json.dumps(result | {"torch_threads_at_end": torch.get_num_threads()}), flush=True)
 
 
-def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int, python: str = sys.executable) -> dict:
+def run_worker(cmd: list[str], name: str) -> dict:
+    """Run a worker command (``THREADS`` threads, in the repository root) and return the JSON of its
+    last ``RESULT `` line, with its wall time as ``process_wall_s``."""
     env = os.environ | {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [python, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup),
-           "--steps", str(steps), "--trl-micro-batch", str(micro)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise SystemExit(f"{framework} worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+        raise SystemExit(f"{name} worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
     return json.loads(lines[-1][7:]) | {"process_wall_s": round(time.perf_counter() - start, 1)}
+
+
+def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int, python: str = sys.executable) -> dict:
+    return run_worker([python, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup),
+                       "--steps", str(steps), "--trl-micro-batch", str(micro)], framework)
 
 
 def main() -> None:

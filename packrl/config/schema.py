@@ -415,12 +415,14 @@ class TrainConfig:
     """Tokens per chunk when computing log-probs and entropy from hidden states: logits never
     exceed `logits_chunk_tokens x vocab` floats, forward or backward."""
 
-    share_prompts: bool = False
+    share_prompts: bool | None = None
     """Write a group's prompt once per pack in the log-prob and update passes: each response
-    attends to it and to itself (`packrl.seqlen.packing.pack_shared`; exact). Needs
-    `model.packed_attention=varlen` on packrl's SDPA path or `block_mask`, and no sequence
-    parallelism (both refused at load); on flash-attn's varlen kernel (CUDA) it is off with a
-    warning at start-up. Micro-batch budgets count the prompt once."""
+    attends to it and to itself (`packrl.seqlen.packing.pack_shared`; exact). Micro-batch budgets
+    count the prompt once. It runs on `model.packed_attention=varlen` through packrl's SDPA path
+    (CPU, or CUDA without flash-attn) and on `block_mask`, without sequence parallelism.
+    null (default): on wherever it can run, else off (start-up log says which). true: on; refused
+    at load with `position_ids` or sequence parallelism, off with a warning on flash-attn's
+    varlen kernel. false: off."""
 
     balance_microbatches: bool = True
     """Balance micro-batches by the cost model `a*L + L^2` (same micro-batch count, flatter
@@ -709,8 +711,8 @@ class RunConfig:
         return []  # the relations to the other budgets: `packrl.seqlen.Budgets`
 
     def _share_prompts_problems(self) -> list[ConfigProblem]:
-        """``train.share_prompts`` where it cannot run (known from the config alone)."""
-        if not self.train.share_prompts:
+        """``train.share_prompts=true`` where it cannot run (known from the config alone)."""
+        if self.train.share_prompts is not True:
             return []
         if self.model.packed_attention == "position_ids":
             return [ConfigProblem("train.share_prompts", True, "has no effect with model.packed_attention=position_ids (transformers' "

@@ -342,10 +342,10 @@ class PolicyWorker:
 
 
 def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> bool:
-    """``train.share_prompts`` where it can run: packs at all, no sequence parallelism, and an
-    attention path that lets a segment see its prompt (`supports_shared_prompts`); a warning says
-    why when it cannot."""
-    if not cfg.train.share_prompts:
+    """``train.share_prompts`` (true, or null = wherever it can run) where it can run: packs at all,
+    no sequence parallelism, and an attention path that lets a segment see its prompt
+    (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null."""
+    if cfg.train.share_prompts is False:
         return False
     why = None
     if not packing.packs:
@@ -355,8 +355,10 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
     elif not supports_shared_prompts(model, cfg.model.packed_attention):
         why = (f"model.packed_attention={cfg.model.packed_attention} runs {model.config._attn_implementation!r}, which cannot let a "
                "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
-    if why is not None:
+    if why is not None and cfg.train.share_prompts:
         logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
+    elif why is not None:
+        logger.info("train.share_prompts: off, %s", why)
     return why is None
 
 

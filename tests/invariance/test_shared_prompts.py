@@ -114,3 +114,28 @@ def test_planned_shared_packs_stay_within_the_budget_and_keep_groups_whole_where
     if budget == 4096 and num_ranks == 1:
         assert len(plan.ranks[0].microbatches) == 1  # every group whole, each prompt once
         assert sum(lengths) - sum(PROMPT_LENS) * 2 == sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+
+
+def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
+    """null (the default) turns sharing on where the attention path can run it and off, with a
+    log line and no config error, where it cannot; true there is a warning."""
+    import logging
+
+    from packrl.models.attention import use_packed_attention
+    from packrl.models.isolation import PackingCheck
+    from packrl.worker.policy import shares_prompts
+
+    model = tiny_llama(attn="sdpa")
+    use_packed_attention(model)
+    packs = PackingCheck(packs=True, stateful_types=(), max_diff=None, detail="")
+    assert load_config("demo").train.share_prompts is None
+    assert shares_prompts(load_config("demo"), model, packs)
+    assert not shares_prompts(load_config("demo", ["train.share_prompts=false"]), model, packs)
+    position_ids = load_config("demo", ["model.packed_attention=position_ids"])  # no error under null
+    with caplog.at_level(logging.INFO, logger="packrl.worker.policy"):
+        assert not shares_prompts(position_ids, model, packs)
+    assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.INFO]
+    caplog.clear()
+    unpacked = PackingCheck(packs=False, stateful_types=("mamba",), max_diff=None, detail="")
+    assert not shares_prompts(load_config("demo", ["train.share_prompts=true"]), model, unpacked)
+    assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.WARNING]
