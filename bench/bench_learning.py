@@ -91,6 +91,8 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(args)
     if args.vs_trl:
+        if not Path(args.trl_python).is_file():
+            parser.error(f"--trl-python {args.trl_python} does not exist; create TRL's venv as bench/bench_trl_step.py's docstring says")
         return compare_trl(args)
     if args.vs_gae:
         compare_gae(args)

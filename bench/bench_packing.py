@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import sample_lengths, smollm_model  # noqa: E402
+from bench.common import check_positive, sample_lengths, smollm_model  # noqa: E402
 from packrl.models.logprobs import pack_logprobs  # noqa: E402
 from packrl.seqlen.microbatch import plan_microbatches  # noqa: E402
 from packrl.seqlen.packing import pack_sequences, pack_shared  # noqa: E402
@@ -236,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=0, help="with --group-size: fixed prompt length (0 = GSM8K's)")
     parser.add_argument("--response-tokens", type=int, default=0, help="with --group-size: fixed response length (0 = GSM8K's)")
     args = parser.parse_args(argv)
+    check_positive(parser, args, "num_sequences", "num_layers", "repeats", "padded_microbatch", "max_tokens", "chunk_tokens",
+                   "group_size", "prompt_tokens", "response_tokens", allow_zero=("group_size", "prompt_tokens", "response_tokens"))
+    if args.group_size and args.num_sequences % args.group_size:
+        parser.error(f"--group-size {args.group_size} must divide --num-sequences {args.num_sequences}")
     if args.group_size:
         return shared_report(args)
 

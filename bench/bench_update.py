@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import sample_lengths, smollm_model  # noqa: E402
+from bench.common import check_positive, sample_lengths, smollm_model  # noqa: E402
 from packrl.config import load_config  # noqa: E402
 from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch  # noqa: E402
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_positive(parser, args, "num_sequences", "max_tokens", "repeats")
     model = smollm_model("fp32")  # float32 master weights; the forwards run under bf16 autocast, as the trainer's
     model.train()
     batch = _batch(args.num_sequences, args.seed, model.config.vocab_size)

@@ -58,3 +58,12 @@ def smollm_model(dtype: str = "bf16", num_layers: int | None = None, seed: int =
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     use_packed_attention(model)
     return model
+
+
+def check_positive(parser, args, *names: str, allow_zero: tuple[str, ...] = ()) -> None:
+    """``parser.error`` naming the flag when one of ``names`` (argparse dests) is below 1 (below 0
+    for those in ``allow_zero``)."""
+    for name in names:
+        low = 0 if name in allow_zero else 1
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")

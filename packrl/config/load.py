@@ -176,7 +176,8 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
         try:
             kwargs[name] = _convert(hint, value)
         except TypeError as err:
-            fix = f"set {full}=<value>"
+            expected = str(err)
+            fix = f"set {full} to {expected.removeprefix('must be ')}" if expected.startswith("must be ") else f"set {full}=<value>"
             if typing.get_origin(hint) is Literal:
                 close = difflib.get_close_matches(str(value), [str(c) for c in typing.get_args(hint)], n=1)
                 fix = f"did you mean {full}={close[0]}?" if close else fix

@@ -420,7 +420,7 @@ class TrainConfig:
     attends to it and to itself (`packrl.seqlen.packing.pack_shared`; exact). Micro-batch budgets
     count the prompt once. It runs on `model.packed_attention=varlen` through packrl's SDPA path
     (CPU, or CUDA without flash-attn) and on `block_mask`, without sequence parallelism.
-    null (default): on wherever it can run, else off (start-up log says which). true: on; refused
+    null (default): on wherever it can run, else off (model.txt says which and why). true: on; refused
     at load with `position_ids` or sequence parallelism, off with a warning on flash-attn's
     varlen kernel. false: off."""
 

@@ -36,7 +36,7 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class ConsoleLogger:
-    """The progress bar on stderr, one tick per step."""
+    """The progress bar on stderr, at the number of the step last logged."""
 
     def __init__(self, total_steps: int):
         self.bar = tqdm(total=total_steps, desc="packrl train", unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -47,7 +47,7 @@ class ConsoleLogger:
             resp_len=f"{metrics.get('response_length/mean', 0.0):.0f}",
             clip=f"{metrics.get('response_length/clip_ratio', 0.0):.2f}",
         )
-        self.bar.update(1)
+        self.bar.update(step - self.bar.n)  # the step's own number: a resumed run starts past 0
 
     def close(self) -> None:
         self.bar.close()

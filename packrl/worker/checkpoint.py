@@ -200,13 +200,17 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a `full_optimizer_state` into ``optimizer`` (sharding it for FSDP2 parameters)."""
+    """Load a `full_optimizer_state` into ``optimizer`` (sharding it for FSDP2 parameters). The
+    implementation flags (``fused``, ``foreach``) stay the optimizer's own: torch would take the
+    saved ones, so a checkpoint from an older release would resume on a slower implementation."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if state.get("state") and all(isinstance(k, int) for k in state["state"]):  # torch's own index-keyed form
         optimizer.load_state_dict(state)
-        return
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    for group in optimizer.param_groups:
+        group.update({flag: optimizer.defaults[flag] for flag in ("fused", "foreach") if flag in optimizer.defaults})
 
 
 def weights_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -174,7 +174,8 @@ class PolicyWorker:
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
                                 grad_clip=cfg.train.grad_clip)
-        share = shares_prompts(cfg, model, packing)
+        share, phrase = shares_prompts(cfg, model, packing)
+        summary += f"; shared prompts: {phrase}"
         self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
         self.critic = None
         if self.plan.has_critic:
@@ -341,12 +342,16 @@ class PolicyWorker:
         self.strategy.close()
 
 
-def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> bool:
+def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> tuple[bool, str]:
     """``train.share_prompts`` (true, or null = wherever it can run) where it can run: packs at all,
     no sequence parallelism, and an attention path that lets a segment see its prompt
-    (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null."""
+    (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null.
+
+    Returns:
+        ``(on, phrase)``: the phrase (``"on"`` or ``"off (why)"``) ends the run's model summary.
+    """
     if cfg.train.share_prompts is False:
-        return False
+        return False, "off (train.share_prompts=false)"
     why = None
     if not packing.packs:
         why = "this model trains one sequence per micro-batch (its packs are not exact)"
@@ -359,7 +364,7 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
         logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
     elif why is not None:
         logger.info("train.share_prompts: off, %s", why)
-    return why is None
+    return why is None, "on (a group's prompt once per pack)" if why is None else f"off ({why})"
 
 
 def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:

@@ -129,13 +129,14 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     use_packed_attention(model)
     packs = PackingCheck(packs=True, stateful_types=(), max_diff=None, detail="")
     assert load_config("demo").train.share_prompts is None
-    assert shares_prompts(load_config("demo"), model, packs)
-    assert not shares_prompts(load_config("demo", ["train.share_prompts=false"]), model, packs)
+    assert shares_prompts(load_config("demo"), model, packs) == (True, "on (a group's prompt once per pack)")
+    assert shares_prompts(load_config("demo", ["train.share_prompts=false"]), model, packs) == (False, "off (train.share_prompts=false)")
     position_ids = load_config("demo", ["model.packed_attention=position_ids"])  # no error under null
     with caplog.at_level(logging.INFO, logger="packrl.worker.policy"):
-        assert not shares_prompts(position_ids, model, packs)
+        on, phrase = shares_prompts(position_ids, model, packs)
+    assert not on and phrase.startswith("off (model.packed_attention=position_ids")
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.INFO]
     caplog.clear()
     unpacked = PackingCheck(packs=False, stateful_types=("mamba",), max_diff=None, detail="")
-    assert not shares_prompts(load_config("demo", ["train.share_prompts=true"]), model, unpacked)
+    assert not shares_prompts(load_config("demo", ["train.share_prompts=true"]), model, unpacked)[0]
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.WARNING]

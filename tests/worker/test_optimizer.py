@@ -29,3 +29,16 @@ def test_adamw_is_fused_on_cpu_and_steps_as_the_default_implementation():
 def test_adamw_falls_back_to_foreach_for_parameters_without_a_fused_kernel():
     params = [torch.nn.Parameter(torch.randn(3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]
     assert adamw(params, lr=1e-3, weight_decay=0.0).defaults["foreach"] is True
+
+
+def test_a_checkpoint_from_another_implementation_resumes_on_the_fused_one():
+    from packrl.worker.checkpoint import load_full_optimizer_state
+
+    model = torch.nn.Linear(4, 3)
+    old = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    model(torch.randn(2, 4)).sum().backward()
+    old.step()
+    new = adamw(list(model.parameters()), lr=1e-2, weight_decay=0.0)
+    load_full_optimizer_state(model, new, old.state_dict())
+    assert [(g["fused"], g["foreach"]) for g in new.param_groups] == [(True, None)]
+    assert torch.equal(new.state[model.weight]["exp_avg"], old.state[model.weight]["exp_avg"])
