@@ -81,6 +81,7 @@ def test_a_hybrid_model_is_found_out_and_trained_one_sequence_per_micro_batch(fa
                                "train.max_tokens_per_logprob_microbatch=1000"])
     workers = local_group(cfg, model, TOKENIZER)
     assert not workers.packing.packs and "packing: off" in workers.model_summary
+    assert "shared prompts: off (this model trains one sequence per micro-batch" in workers.model_summary
     prompts = PromptBatch(tuple(tuple(s[:4].tolist()) for s in seqs), ("0",) * 3, ("t",) * 3, (0, 1, 2), (False,) * 3)
     responses = tuple(Response(tuple(s[4:].tolist()), "eos") for s in seqs for _ in range(2))
     rollout = RolloutBatch(prompts, 2, responses)
