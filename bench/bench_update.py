@@ -21,7 +21,7 @@ Command (about 3 minutes on 2 CPU cores)::
 
 Measured on 2 idle CPU cores (defaults: 16 sequences, 4,340 tokens, 2 micro-batches): update
 16.6 s (runs 16.8 / 16.6 / 15.2 s), 3.8 ms per token, 3,219 GFLOP -> 194 GFLOP/s against a
-2,191 GFLOP/s bf16 matmul rate (a 2048^3 AMX matmul; the model's own shapes reach 750-2,200 in
+2,191 GFLOP/s bf16 matmul rate (a 2048^3 AMX matmul; the model's own shapes reach 470-2,200 in
 isolation): fraction 0.09, short of the 0.4 target. Self CPU time of the profiled run: matmuls
 5.5 s (36%), attention 3.9 s (25%; the CPU flash kernel's backward alone 3.3 s), other
 element-wise ops 4.1 s, casts and copies 2.5 s (autocast's bf16 copies of weights and
