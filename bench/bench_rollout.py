@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import GSM8K_TRAIN, SMOLLM_DIR  # noqa: E402
+from bench.common import GSM8K_TRAIN, SMOLLM_DIR, matmul_times  # noqa: E402
 
 THREADS = 2
 
@@ -42,15 +42,7 @@ def matmul_flops(size: int, repeats: int = 10) -> float:
     """bf16 FLOP/s of ``size x size`` matmuls on this machine (median of ``repeats``)."""
     import statistics
 
-    import torch
-
-    a, b = torch.randn(size, size, dtype=torch.bfloat16), torch.randn(size, size, dtype=torch.bfloat16)
-    a @ b  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
+    times = matmul_times(size, size, size, repeats)
     return 2 * size**3 / statistics.median(times)
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import check_positive, sample_lengths, smollm_model  # noqa: E402
+from bench.common import check_positive, matmul_times, sample_lengths, smollm_model  # noqa: E402
 from packrl.config import load_config  # noqa: E402
 from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch  # noqa: E402
@@ -59,14 +59,7 @@ def matmul_rate(tokens: int, hidden: int, intermediate: int, repeats: int = 5) -
     """Best bf16 matmul FLOP/s over the model's MLP shape and a square one."""
     best = 0.0
     for m, k, n in ((tokens, hidden, intermediate), (tokens, intermediate, hidden), (2048, 2048, 2048)):
-        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
-        a @ b  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        best = max(best, 2 * m * k * n / min(times))
+        best = max(best, 2 * m * k * n / min(matmul_times(m, k, n, repeats)))
     return best
 
 

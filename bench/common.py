@@ -67,3 +67,19 @@ def check_positive(parser, args, *names: str, allow_zero: tuple[str, ...] = ()) 
         low = 0 if name in allow_zero else 1
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}")
+
+
+def matmul_times(m: int, k: int, n: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` bf16 ``[m, k] @ [k, n]`` matmuls, after one warm-up."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return times
