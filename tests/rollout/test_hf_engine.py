@@ -243,17 +243,42 @@ def test_sampling_params_reject_bad_values_naming_the_key(kwargs, key):
         SamplingParams(**kwargs)
 
 
-def test_gumbel_max_sampler_draws_from_the_softmax():
-    """The argmax of Gumbel-perturbed scores is a draw from softmax(scores): frequencies over
-    40,000 draws match the probabilities (filtered -inf scores are never drawn)."""
-    from packrl.rollout.hf_engine import GumbelMaxSampler
+def test_inverse_cdf_sampler_draws_from_the_softmax():
+    """The token the sampler singles out is a draw from softmax(scores): frequencies over 40,000
+    draws match the probabilities (filtered -inf scores are never drawn)."""
+    from packrl.rollout.hf_engine import InverseCdfSampler
 
     scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]])
     generators = [torch.Generator().manual_seed(i) for i in range(40_000)]
-    draws = GumbelMaxSampler(generators)(None, scores.expand(40_000, -1).clone()).argmax(-1)
+    out = InverseCdfSampler(generators)(None, scores.expand(40_000, -1).clone())
+    assert torch.isneginf(out).sum(-1).eq(4).all(), "one token per row is left to the argmax"
+    draws = out.argmax(-1)
     freq = torch.bincount(draws, minlength=5).float() / draws.numel()
     torch.testing.assert_close(freq, torch.softmax(scores[0], -1), atol=0.01, rtol=0)
     assert freq[4] == 0
+
+
+@pytest.mark.parametrize("vocab", [5, 256, 1000, 49_152])
+def test_inverse_cdf_search_equals_a_float64_search_over_the_whole_vocabulary(vocab):
+    """The two-level search picks the token a float64 cumulative sum over the whole row picks,
+    for uniforms spread over [0, 1) and at its ends, with zero-probability tokens (filtered ones,
+    whole zero blocks, a zero tail) never returned."""
+    from packrl.rollout.hf_engine import sample_inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(64, vocab, generator=gen) * 3, -1)
+    probs[:, ::3] = 0.0  # filtered tokens
+    probs[1:, vocab // 2:] = 0.0  # a zero tail (whole blocks for large vocabularies)
+    uniforms = torch.rand(64, generator=gen, dtype=torch.float64)
+    uniforms[:3] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5])
+    tokens = sample_inverse_cdf(probs, uniforms)
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    expected = torch.where(probs.gather(1, expected.clamp(max=vocab - 1).unsqueeze(1)).squeeze(1) > 0, expected, -1)
+    agree = (tokens == expected) | (expected == -1)  # -1: the float64 search itself ran past the end (u near 1)
+    assert agree.all(), (tokens[~agree], expected[~agree])
+    assert (expected == -1).sum() <= 1, "the comparison ran on real searches"
+    assert (probs.gather(1, tokens.unsqueeze(1)) > 0).all(), "a zero-probability token was drawn"
 
 
 def test_a_response_depends_on_its_seed_not_on_its_batch(model, tokenizer):
