@@ -39,6 +39,7 @@ class BatchPlan:
         has_critic: a value model is trained (``critic.enable``, by default with ``adv_estimator=gae``).
         return_logprobs: the engine returns its log-probs of the sampled tokens
             (``rollout.return_logprobs``, or ``algorithm.rollout_correction``, which reads them).
+        loss_agg_mode: ``algorithm.loss_agg_mode`` (whether ``loss_scale_factor`` is used).
     """
 
     num_prompts: int
@@ -52,6 +53,7 @@ class BatchPlan:
     needs_old_logprobs: bool
     has_critic: bool = False
     return_logprobs: bool = False
+    loss_agg_mode: str = "token-mean"
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> BatchPlan:
@@ -73,6 +75,7 @@ class BatchPlan:
             needs_old_logprobs=not on_policy,
             has_critic=cfg.critic.enabled(cfg.algorithm.adv_estimator),
             return_logprobs=return_logprobs,
+            loss_agg_mode=algo.loss_agg_mode,
         )
 
     @property
@@ -99,7 +102,8 @@ class BatchPlan:
             ("data-parallel ranks", str(self.data_parallel_size)),
             ("sequence-parallel ranks", f"{self.sequence_parallel_size} per data-parallel rank (each pack split over them)"
              if self.sequence_parallel_size > 1 else "1 (off)"),
-            ("loss scale factor", f"{self.loss_scale_factor:,} tokens (used by loss_agg_mode=seq-mean-token-sum-norm)"),
+            ("loss scale factor", f"{self.loss_scale_factor:,} tokens (the C of loss_agg_mode=seq-mean-token-sum-norm)"
+             if self.loss_agg_mode == "seq-mean-token-sum-norm" else f"not used (loss_agg_mode={self.loss_agg_mode})"),
             ("reference policy", "yes" if self.has_reference else "no (algorithm.kl_coef=0)"),
             ("old log-prob forward", "yes" if self.needs_old_logprobs else "no (on-policy: the update's own detached log-probs)"),
             ("critic", "yes (value model, GAE)" if self.has_critic else "no"),

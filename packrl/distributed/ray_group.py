@@ -219,5 +219,6 @@ def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
         if owns_ray:
             ray.shutdown()
         raise
-    logger.info("%d data-parallel workers ready (rendezvous %s:%d)", len(actors), *address)
+    logger.info("%d workers ready: %d data-parallel x %d sequence-parallel ranks (rendezvous %s:%d)", len(actors),
+                plan.data_parallel_size, plan.sequence_parallel_size, *address)
     return WorkerGroup(cfg, plan=plan, tokenizer=tokenizer, transport=RayActors(actors, run_dir, owns_ray), info=infos[0])

@@ -145,21 +145,6 @@ class Pack:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
-    def next_token_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Labels for next-token log-probs: position k predicts token k + 1 of the same sequence.
-
-        Returns:
-            ``(labels, has_label)``: labels Shape [K], int64 (0 where there is none);
-            has_label Shape [K], bool, False at the last token of every sequence.
-        """
-        ids = self.input_ids[0]
-        labels = torch.zeros_like(ids)
-        labels[:-1] = ids[1:]
-        has_label = torch.ones_like(ids, dtype=torch.bool)
-        has_label[self.cu_seqlens[1:].to(torch.int64) - 1] = False
-        labels[~has_label] = 0
-        return labels, has_label
-
 
 def _as_ids(seq: torch.Tensor | Sequence[int], i: int) -> torch.Tensor:
     t = torch.as_tensor(seq)

@@ -147,9 +147,10 @@ def compute_values(critic: ValueModel, rollout: RolloutBatch, microbatches: Sequ
                 continue
             pack = forward.pack(rollout, indices, device)
             values = critic(pack)
-            for i, part, before in zip(pack.indices, pack.unpack(values), pack.unpack(_value_before(values, pack))):
+            values, before_all = torch.stack([values, _value_before(values, pack)]).float().cpu()  # one copy to the host
+            for i, part, before in zip(pack.indices, pack.unpack(values), pack.unpack(before_all)):
                 r = len(rollout.responses[i].response_ids)
-                out.append((before[len(before) - r:].float().cpu(), float(part[-1])))
+                out.append((before[len(before) - r:].clone(), float(part[-1])))
     critic.train(was_training)
     return out
 

@@ -364,7 +364,14 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
         logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
     elif why is not None:
         logger.info("train.share_prompts: off, %s", why)
-    return why is None, "on (a group's prompt once per pack)" if why is None else f"off ({why})"
+    if why is not None:
+        return False, f"off ({why})"
+    if cfg.rollout.n == 1:
+        if cfg.train.share_prompts:
+            logger.warning("train.share_prompts=true with rollout.n=1: a group has one response, so only a prompt that repeats "
+                           "in a micro-batch is written once; set rollout.n > 1 for shared prompts to save tokens")
+        return True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)"
+    return True, "on (a group's prompt once per pack)"
 
 
 def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:

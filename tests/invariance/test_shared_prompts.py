@@ -140,3 +140,8 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     unpacked = PackingCheck(packs=False, stateful_types=("mamba",), max_diff=None, detail="")
     assert not shares_prompts(load_config("demo", ["train.share_prompts=true"]), model, unpacked)[0]
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.WARNING]
+    caplog.clear()
+    single = load_config("demo", ["train.share_prompts=true", "rollout.n=1", "algorithm.adv_estimator=gae"])
+    with caplog.at_level(logging.INFO, logger="packrl.worker.policy"):
+        assert shares_prompts(single, model, packs) == (True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)")
+    assert [r.levelno for r in caplog.records if "rollout.n=1" in r.getMessage()] == [logging.WARNING]

@@ -33,12 +33,6 @@ def test_block_causal_mask():
     assert torch.equal(float_mask == 0, want)
 
 
-def test_next_token_labels_stay_inside_each_sequence():
-    labels, has_label = pack_sequences([[1, 2, 3], [4, 5]]).next_token_labels()
-    assert labels.tolist() == [2, 3, 0, 5, 0]
-    assert has_label.tolist() == [True, True, False, True, False]
-
-
 def test_unpack_shapes():
     pack = pack_sequences([[1, 2, 3], [4, 5]])
     parts = pack.unpack(torch.arange(10.0).reshape(1, 5, 2))
