@@ -19,15 +19,24 @@ Command (about 3 minutes on 2 CPU cores)::
 
     python bench/bench_update.py [--num-sequences 16] [--max-tokens 4096] [--repeats 3]
 
-Measured on 2 idle CPU cores (defaults: 16 sequences, 4,340 tokens, 2 micro-batches): update
-16.6 s (runs 16.8 / 16.6 / 15.2 s), 3.8 ms per token, 3,219 GFLOP -> 194 GFLOP/s against a
-2,191 GFLOP/s bf16 matmul rate (a 2048^3 AMX matmul; the model's own shapes reach 470-2,200 in
-isolation): fraction 0.09, short of the 0.4 target. Self CPU time of the profiled run: matmuls
-5.5 s (36%), attention 3.9 s (25%; the CPU flash kernel's backward alone 3.3 s), other
-element-wise ops 4.1 s, casts and copies 2.5 s (autocast's bf16 copies of weights and
-activations), optimizer 0.1 s (fused AdamW; torch's default per-tensor loop took 0.55 s per step
-on the same model). The matmuls themselves run at about 590 GFLOP/s, a quarter of the rate, so
-even a matmul-only update would stay near 0.25.
+Measured on 2 idle CPU cores (defaults: 16 sequences, 4,340 tokens, 2 micro-batches), on two
+hosts of this kind whose matmul units differ:
+
+- update 16.0 s (runs 15.6 / 16.0 / 17.8 s), 202 GFLOP/s against an 868 GFLOP/s bf16 matmul rate
+  measured in the same run: fraction **0.23**, short of the 0.4 target. Self CPU time: matmuls
+  6.5 s, attention 4.0 s (the CPU flash kernel's backward 3.3 s), other element-wise ops 4.9 s,
+  casts and copies 3.3 s, optimizer 0.1 s. The matmuls themselves run at about 500 GFLOP/s,
+  0.58 of the rate. The largest copies are the chunked LM head's: each 1,024-token chunk's bf16
+  logits cast to float32 (0.78 s in all) and the tied 49,152 x 576 weight cast to bf16 per chunk
+  and pass (0.42 s).
+- update 16.6 s, 194 GFLOP/s against 2,191 GFLOP/s (a 2048^3 AMX matmul; the model's own shapes
+  reached 470-2,200): fraction 0.09. The matmuls ran at about 590 GFLOP/s, so even a matmul-only
+  update would have stayed near 0.25 there.
+
+torch's default per-tensor AdamW loop took 0.55 s per step on the same model; the fused one
+packrl uses takes 0.19 s. Running the whole model in bf16 without autocast (no float32 master
+weights, a bf16 residual stream: not what packrl trains with) measured 13.6 s against 15.2 s
+(medians of 3, alternating in one process).
 """
 
 from __future__ import annotations

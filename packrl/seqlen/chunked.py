@@ -41,16 +41,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs = hidden.new_empty(num_tokens, dtype=dtype)
         entropy = hidden.new_empty(num_tokens, dtype=dtype)
         lse = hidden.new_empty(num_tokens, dtype=dtype)
+        ctx.autocast = _autocast_state(hidden.device.type)
+        matmul_hidden, matmul_weight = _matmul_operands(hidden, weight, ctx.autocast[1])
         for s in range(0, num_tokens, chunk):
             e = min(s + chunk, num_tokens)
-            z = _chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+            z = _chunk_logits(matmul_hidden[s:e], matmul_weight, bias, temperature)  # [c, V]
             lse[s:e] = torch.logsumexp(z, dim=-1)
             logprobs[s:e] = z.gather(1, labels[s:e, None]).squeeze(1) - lse[s:e]
             z.sub_(lse[s:e, None])  # z is now log p
             entropy[s:e] = -z.exp().mul_(z).sum(-1)  # -sum p log p; the product reuses exp's buffer
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk, ctx.temperature, ctx.entropy_grad = chunk, temperature, entropy_grad
-        ctx.autocast = _autocast_state(hidden.device.type)
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -58,11 +59,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        # The backward's matmuls run in the forward's autocast dtype, as autograd runs a built-in
-        # matmul's backward (backward is called outside the autocast region).
-        device, dtype = ctx.autocast
-        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-            return _backward(ctx, grad_logprobs, grad_entropy)
+        return _backward(ctx, grad_logprobs, grad_entropy)
 
 
 def _autocast_state(device: str) -> tuple[str, torch.dtype | None]:
@@ -70,9 +67,21 @@ def _autocast_state(device: str) -> tuple[str, torch.dtype | None]:
     return device, (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
 
 
+def _matmul_operands(hidden: torch.Tensor, weight: torch.Tensor, autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` and ``weight`` in the dtype their matmuls run in: autocast's under autocast
+    (which casts every floating dtype but float64 for a built-in matmul), else their own.
+    Cast once per pass rather than by autocast once per chunk and matmul; the backward uses the
+    forward's autocast state, as autograd runs a built-in matmul's backward in the forward's dtype
+    (backward is called outside the autocast region)."""
+    if autocast_dtype is None or weight.dtype == torch.float64:
+        return hidden, weight
+    return hidden.to(autocast_dtype), weight.to(autocast_dtype)
+
+
 def _backward(ctx, grad_logprobs, grad_entropy):
     hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
     chunk, temperature = ctx.chunk, ctx.temperature
+    matmul_hidden, matmul_weight = _matmul_operands(hidden, weight, ctx.autocast[1])
     use_entropy = ctx.entropy_grad and grad_entropy is not None
     grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
     acc = _math_dtype(weight.dtype)
@@ -83,7 +92,7 @@ def _backward(ctx, grad_logprobs, grad_entropy):
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     for s in range(0, hidden.shape[0], chunk):
         e = min(s + chunk, hidden.shape[0])
-        logp = _chunk_logits(hidden[s:e], weight, bias, temperature).sub_(lse[s:e, None])  # [c, V]
+        logp = _chunk_logits(matmul_hidden[s:e], matmul_weight, bias, temperature).sub_(lse[s:e, None])  # [c, V]
         g = grad_logprobs[s:e, None]
         if use_entropy:
             p = logp.exp()
@@ -94,13 +103,13 @@ def _backward(ctx, grad_logprobs, grad_entropy):
         dz[rows[: e - s], labels[s:e]] += grad_logprobs[s:e]
         if temperature != 1.0:
             dz.div_(temperature)
-        dz = dz.to(weight.dtype)
-        if grad_hidden is not None:
-            grad_hidden[s:e] = dz @ weight
-        if grad_weight is not None:
-            grad_weight.add_(dz.t() @ hidden[s:e])
         if grad_bias is not None:
             grad_bias.add_(dz.sum(0))
+        dz = dz.to(matmul_weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden[s:e] = dz @ matmul_weight
+        if grad_weight is not None:
+            grad_weight.add_(dz.t() @ matmul_hidden[s:e])
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
