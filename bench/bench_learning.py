@@ -43,13 +43,15 @@ shorter arm's training time: the arm's last validation at or before it) and at i
 ``[(train_s, accuracy)]``, steps done, training seconds, median step time, and the mean training
 reward over steps 1-5 and the last 5 (TRL: the mean of its reward function's values in each step).
 
-Measured (``--vs-trl --steps 30 --val-every 10``, shared GGUF model, ``data.arithmetic.digits=2``):
-packrl 14.1% -> 35.9% / 51.6% / 59.4% held-out accuracy at steps 10 / 20 / 30 (median step
-14.1 s); TRL 14.1% -> 39.1% / 50.0% / 51.6% (median step 35.9 s, 30 steps in 1,047 s). Four
-packrl steps ran while other work shared the cores (124-208 s each), which stretched its training
-time to 1,114 s and gave TRL that much time: the printed equal-wall figure was a tie (51.6% each).
-With those steps at the median, packrl's 30 steps take about 435 s and it reaches 51.6% by about
-300 s, when TRL had not yet reached its first validation (39.1% at 343 s).
+Measured (``--vs-trl --steps 30 --val-every 10``, shared GGUF model, ``data.arithmetic.digits=2``,
+idle machine): packrl trained 30 steps in 335 s (median step 10.1 s) and went 14.1% -> 35.9% /
+54.7% / 62.5% held-out accuracy at steps 10 / 20 / 30 (148 / 251 / 335 s). TRL, given those 335 s,
+ran 10 steps (median step 32.3 s) and its step-10 model scored 39.1%; the step it was in when the
+time ran out ended at 359 s (11 steps, 42.2%). At equal wall time: **62.5% vs 39.1%**. Reward,
+steps 1-5 -> last 5: packrl 0.019 -> 0.450, TRL 0.025 -> 0.138 (steps 7-11). An earlier run on a
+busier host, where four packrl steps shared the cores with other work, took TRL to 30 steps:
+51.6% at step 30 vs packrl's 51.6% at step 20 and 59.4% at step 30, so per step the two learn
+alike and packrl's lead is its shorter steps.
 
 Caveats. The two sample different responses (TRL generates under bf16 autocast over float32
 weights, packrl on a bf16 copy of them), so their rewards and curves also differ by chance; one
