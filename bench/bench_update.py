@@ -103,12 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     check_positive(parser, args, "num_sequences", "max_tokens", "repeats")
+    longest = max(p + r for p, r in sample_lengths(args.num_sequences, args.seed))  # the batch's lengths, before the model loads
+    if args.max_tokens < longest:
+        parser.error(f"--max-tokens {args.max_tokens} is below the batch's longest sequence ({longest} tokens); raise --max-tokens")
     model = smollm_model("fp32")  # float32 master weights; the forwards run under bf16 autocast, as the trainer's
     model.train()
     batch = _batch(args.num_sequences, args.seed, model.config.vocab_size)
-    longest = max(batch.rollout.sequence_lengths())
-    if args.max_tokens < longest:
-        parser.error(f"--max-tokens {args.max_tokens} is below the batch's longest sequence ({longest} tokens); raise --max-tokens")
     cfg = load_config("demo", [f"train.max_tokens_per_microbatch={args.max_tokens}", "data.batch_size=16", "rollout.n=2"])
     plan = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
                        groups=groups_of(len(batch.rollout), 1), mini_batch_prompts=len(batch.rollout), num_epochs=1, num_ranks=1,

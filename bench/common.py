@@ -17,6 +17,13 @@ GSM8K_TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
 
+def require_shared() -> None:
+    """Stop with a clear message when the shared folder (SmolLM2's config, GSM8K) is not there."""
+    if not SMOLLM_DIR.is_dir() or not GSM8K_TRAIN.is_file():
+        raise SystemExit(f"benchmarks read the shared folder {SHARED} (SmolLM2-135M's config and tokenizer, GSM8K), which is "
+                         "missing here; set PACKRL_SHARED=/path/to/shared")
+
+
 @lru_cache(maxsize=1)
 def gsm8k_lengths() -> list[tuple[int, int]]:
     """(prompt tokens, response tokens) of every GSM8K train row under SmolLM2's tokenizer.
@@ -28,6 +35,7 @@ def gsm8k_lengths() -> list[tuple[int, int]]:
 
     from packrl.seqlen.prompt_policy import apply_prompt_policy
 
+    require_shared()
     tok = AutoTokenizer.from_pretrained(SMOLLM_DIR)
     rows = [json.loads(line) for line in GSM8K_TRAIN.read_text().splitlines() if line.strip()]
     chats = [[{"role": "user", "content": f"{r['question']} {INSTRUCTION}"}] for r in rows]
@@ -50,6 +58,7 @@ def smollm_model(dtype: str = "bf16", num_layers: int | None = None, seed: int =
 
     from packrl.models.attention import use_packed_attention
 
+    require_shared()
     config = AutoConfig.from_pretrained(SMOLLM_DIR)
     if num_layers is not None:
         config.num_hidden_layers = num_layers

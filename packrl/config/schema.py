@@ -638,6 +638,12 @@ class AlgorithmConfig:
         out += algorithm_variant_problems(self, prefix)
         if self.loss_scale_factor is not None:
             out += check_positive(f"{prefix}.loss_scale_factor", self.loss_scale_factor)
+            if self.loss_agg_mode != "seq-mean-token-sum-norm":
+                out.append(ConfigProblem(
+                    f"{prefix}.loss_scale_factor", self.loss_scale_factor,
+                    f"has no effect with {prefix}.loss_agg_mode={self.loss_agg_mode} (only seq-mean-token-sum-norm divides by it)",
+                    f"remove {prefix}.loss_scale_factor, or set {prefix}.loss_agg_mode=seq-mean-token-sum-norm",
+                    keys=(f"{prefix}.loss_scale_factor", f"{prefix}.loss_agg_mode")))
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coeff"):
             if getattr(self, name) < 0:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name} to a non-negative number"))

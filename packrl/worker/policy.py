@@ -175,7 +175,6 @@ class PolicyWorker:
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
                                 grad_clip=cfg.train.grad_clip)
         share, phrase = shares_prompts(cfg, model, packing)
-        summary += f"; shared prompts: {phrase}"
         self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
         self.critic = None
         if self.plan.has_critic:
@@ -184,6 +183,7 @@ class PolicyWorker:
                         f"{cfg.critic.model.path or cfg.model.path} (value head starts at 0)")
             strategy.wrap(self.critic)
             self.critic_opt = critic_optimization(self.critic, cfg)
+        summary += f"; shared prompts: {phrase}"  # last, as the run's model summary ends
         return WorkerInfo(max_context, rope_factor, summary, packing, share)
 
     def autocast(self) -> contextlib.AbstractContextManager:

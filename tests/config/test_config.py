@@ -151,3 +151,9 @@ def test_settings_that_silently_do_nothing_are_problems():
                              "reward.overlong_penalty_factor=-5"])
     keys = {p.key for p in err.value.problems}
     assert keys == {"rollout.n", "algorithm.kl_in_reward", "rollout.stop", "train.lr", "reward.overlong_penalty_factor"}
+
+
+def test_loss_scale_factor_is_refused_where_the_loss_mode_does_not_use_it():
+    with pytest.raises(ConfigError, match="algorithm.loss_scale_factor=100: has no effect with algorithm.loss_agg_mode=token-mean"):
+        load_config("demo", ["algorithm.loss_scale_factor=100"])
+    assert load_config("demo", ["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=100"])

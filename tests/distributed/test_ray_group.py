@@ -41,7 +41,12 @@ def _weights(run_dir, step):
     return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
 
 
-def _assert_same_weights(a, b, atol=1e-5):
+def _assert_same_weights(a, b, atol=1e-4):
+    """Same parameters up to ``atol``. At train.lr=1e-2 Adam moves an entry whose gradient is
+    below its eps (1e-8) by about lr * g / eps: a summation-order difference of 1e-11 in such a
+    gradient (one process vs two ranks) becomes 1e-5 in the weights, so 1e-4 is the floor here.
+    A rank training on the wrong data or scale moves entries by up to lr (and shows in the
+    loss and gradient-norm checks)."""
     assert sorted(a) == sorted(b)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"largest parameter difference {worst:.3g} > {atol}"
@@ -83,10 +88,11 @@ def test_checkpoints_move_between_one_process_and_two_workers(tmp_path, model_di
     to_one = _run(tmp_path / "half_two", model_dir, 1, "train.total_steps=4", "train.resume=auto")
     assert [line["step"] for line in _lines(to_two)] == [1, 2, 3, 4]
     # four float32 AdamW steps at lr 1e-2 on each side: summation-order differences of the two
-    # ranks' gradients grow to 2e-5 here (the same figure before and after the worker refactor);
-    # exactness of the split itself is invariant 4, checked in float64 to 1e-6
-    _assert_same_weights(_weights(straight, 4), _weights(to_two, 4), atol=5e-5)
-    _assert_same_weights(_weights(straight, 4), _weights(to_one, 4), atol=5e-5)
+    # ranks' gradients grow to 2e-5 - 1.2e-4 here, depending on the sampled responses (entries
+    # whose gradient is below Adam's eps: see _assert_same_weights); exactness of the split
+    # itself is invariant 4, checked in float64 to 1e-6
+    _assert_same_weights(_weights(straight, 4), _weights(to_two, 4), atol=2.5e-4)
+    _assert_same_weights(_weights(straight, 4), _weights(to_one, 4), atol=2.5e-4)
     assert half_two == to_one and half_one == to_two
 
 

@@ -64,7 +64,7 @@ def _cfg(mode: str, budget: int):
     return load_config("demo", ["model.dtype=fp32", "data.batch_size=2", "rollout.n=2", "data.max_prompt_tokens=9",
                                 "rollout.max_response_tokens=15", f"train.max_tokens_per_microbatch={budget}",
                                 f"algorithm.loss_agg_mode={mode}", "algorithm.kl_coef=0.0", "algorithm.entropy_coeff=0.0",
-                                f"algorithm.loss_scale_factor={C}"])
+                                *([f"algorithm.loss_scale_factor={C}"] if mode == "seq-mean-token-sum-norm" else [])])
 
 
 def _grads(model) -> torch.Tensor:
