@@ -45,12 +45,14 @@ bench/bench_rollout.py), and reports its step time over TRL's and over packrl's 
 
 ``demo``: task:arithmetic, B=8, n=4, 64 response tokens, lr 1e-5 (about 3 min). ``gsm8k``: GSM8K
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
-Measured (median of 3 steps, packrl first, one run of ``--settings demo gsm8k``): demo 14.0 vs
-38.4 s (ratio **0.36**; gen 6.7 s, update 7.1 s; 2.8x TRL's tokens/s), gsm8k 39.3 vs 91.4 s
-(**0.43**, short of 0.4; gen 24.5 s, update 17.4 s; TRL's generation alone 55.5 s). That host ran
-about twice as slow as the one of the earlier figures (TRL's demo step 38.4 s in this run, 19.0 s then), so
-only ratios from one run compare. Earlier packrl versions: 0.53 / 0.56 (Gumbel-max sampling, one
-exponential draw per vocabulary entry and row: about 45 ms of every 32-row decode step; prompts
+Measured (median of 3 steps, packrl first, one run of ``--settings demo gsm8k``): demo 15.2 vs
+43.8 s (ratio **0.35**; gen 6.8 s, update 8.4 s), gsm8k 51.5 vs 104.9 s (**0.49**, short of
+0.4; gen 32.2 s, update 19.2 s). Runs on this host vary: the same gsm8k generation (same seeds,
+same tokens) took 24.5 s in one run and 32.5 s in another, and the gsm8k ratio ranged 0.43-0.54
+over three runs (two with an inverse-CDF sampler since replaced). That host ran about twice as
+slow as the one of the earlier figures (TRL's demo step 38-44 s, 19.0 s then), so only ratios from
+one run compare. Earlier packrl versions: 0.53 / 0.56 (one-level Gumbel-max sampling, one
+exponential draw per vocabulary entry and row: about 45-58 ms of every 32-row decode step; prompts
 computed once per response), 0.74 / 0.69 (one decode batch until the longest response ended, LM
 head over prompt tokens too, a frozen rollout copy whose prefill LM head ran through an
 expanded-weight bmm).
