@@ -92,8 +92,8 @@ class GumbelMaxSampler(LogitsProcessor):
     over the blocks' log-masses (``logsumexp`` of their scores), then an entry of that block by
     Gumbel-max over its scores: P(block) x P(entry | block) = softmax(scores)[entry], exactly.
     Filtered (-inf) scores are never drawn. A row draws ``V / 256 + 256`` exponentials a step
-    instead of ``V``: on 2 CPU cores over a 49,152-token vocabulary and 32 rows, about 5 ms per
-    decode step against 43-57 ms for one Gumbel draw per score (``softmax`` + ``torch.multinomial``:
+    instead of ``V``: on 2 CPU cores over a 49,152-token vocabulary and 32 rows, 8-9 ms per
+    decode step against 43-58 ms for one Gumbel draw per score (``softmax`` + ``torch.multinomial``:
     about 24 ms). Like one-level Gumbel-max, and unlike inverting the cumulative distribution, a
     draw changes only when two perturbed scores nearly tie, so weights that differ by rounding
     (one process against several ranks) keep drawing the same tokens.
@@ -388,8 +388,9 @@ class HFEngine:
             kwargs["tokenizer"] = self.tokenizer
         if not params.greedy:
             # Sampling runs as greedy decoding over scores that single out a Gumbel-max draw
-            # (exact, and faster than multinomial): the warpers and the sampler are passed as processors, and the
-            # generation_config's own temperature/top-k/top-p (top_k=50 by default) are disabled.
+            # (exact, and faster than multinomial): the warpers and the sampler are passed as
+            # processors, and the generation_config's own temperature/top-k/top-p (top_k=50 by
+            # default) are disabled.
             warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
             if params.top_k > 0:
                 warpers.append(TopKLogitsWarper(params.top_k))

@@ -360,11 +360,11 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
     elif not supports_shared_prompts(model, cfg.model.packed_attention):
         why = (f"model.packed_attention={cfg.model.packed_attention} runs {model.config._attn_implementation!r}, which cannot let a "
                "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
-    if why is not None and cfg.train.share_prompts:
-        logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
-    elif why is not None:
-        logger.info("train.share_prompts: off, %s", why)
     if why is not None:
+        if cfg.train.share_prompts:
+            logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
+        else:
+            logger.info("train.share_prompts: off, %s", why)
         return False, f"off ({why})"
     if cfg.rollout.n == 1:
         if cfg.train.share_prompts:
