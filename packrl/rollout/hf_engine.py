@@ -92,9 +92,9 @@ class GumbelMaxSampler(LogitsProcessor):
     over the blocks' log-masses (``logsumexp`` of their scores), then an entry of that block by
     Gumbel-max over its scores: P(block) x P(entry | block) = softmax(scores)[entry], exactly.
     Filtered (-inf) scores are never drawn. A row draws ``V / 256 + 256`` exponentials a step
-    instead of ``V``: on 2 CPU cores over a 49,152-token vocabulary and 32 rows, 8-9 ms per
-    decode step against 43-58 ms for one Gumbel draw per score (``softmax`` + ``torch.multinomial``:
-    about 24 ms). Like one-level Gumbel-max, and unlike inverting the cumulative distribution, a
+    instead of ``V``: on 2 CPU cores over a 49,152-token vocabulary and 32 rows, 7.3 ms per
+    decode step against 66.8 ms for one Gumbel draw per score and 67.4 ms for ``softmax`` +
+    ``torch.multinomial`` (`bench/bench_sampling.py`). Like one-level Gumbel-max, and unlike inverting the cumulative distribution, a
     draw changes only when two perturbed scores nearly tie, so weights that differ by rounding
     (one process against several ranks) keep drawing the same tokens.
 
@@ -129,12 +129,12 @@ def two_level_gumbel_max(scores: torch.Tensor, generators: Sequence[torch.Genera
     """
     rows, vocab = scores.shape
     blocks = torch.nn.functional.pad(scores, (0, -vocab % _GUMBEL_BLOCK), value=float("-inf")).view(rows, -1, _GUMBEL_BLOCK)
-    block = _gumbel_argmax(torch.logsumexp(blocks, dim=-1), generators)  # [b]
+    block = gumbel_argmax(torch.logsumexp(blocks, dim=-1), generators)  # [b]
     entries = blocks[torch.arange(rows, device=scores.device), block]  # [b, block]
-    return block * _GUMBEL_BLOCK + _gumbel_argmax(entries, generators)
+    return block * _GUMBEL_BLOCK + gumbel_argmax(entries, generators)
 
 
-def _gumbel_argmax(scores: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+def gumbel_argmax(scores: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """``argmax(scores + Gumbel(0, 1))`` per row [b, n] -> [b], row i's noise from generators[i]."""
     noise = torch.empty_like(scores)
     for row, generator in zip(noise, generators):
