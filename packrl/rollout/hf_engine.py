@@ -30,10 +30,10 @@ KV cache (all but its last token) is computed once per distinct prompt and copie
 before the first decode step (`HFEngine._shared_prefill`); vLLM's prefix cache does the same.
 
 Speed: a batch generates in rounds of `HFEngine.ROUND_TOKENS` tokens and rows that finished leave
-the batch and its KV cache between rounds. On 2 CPU cores, the demo preset's 32 requests
-(SmolLM2-135M in bf16, responses capped at 64 tokens, 36 on average) take 4.6 s this way against
-6.5 s when every row decodes until the longest ends; log-probs and stop strings add no
-measurable time.
+the batch and its KV cache between rounds, so later rounds decode only the rows still running
+(on an earlier 2-core host the demo preset's 32 requests took 4.6 s this way against 6.5 s when
+every row decoded until the longest ended). The KV cache appends each step's keys and values in
+place (`packrl.rollout.kv_cache`) rather than concatenating the whole cache at every step.
 
 ``rollout_logprobs`` are ``log_softmax(logits / temperature)`` of the sampled token, from the raw
 logits (``output_logits=True``) before top-k/top-p filtering: the distribution the trainer scores.
@@ -65,6 +65,7 @@ from packrl.models.loading import disable_gradient_checkpointing
 from packrl.models.lora import is_lora, merged_copy
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, SamplingParams
+from packrl.rollout.kv_cache import appending_cache
 from packrl.types import FinishReason, Response
 
 # Generation settings that would add a logits processor or a stopping rule beyond the requested
@@ -178,6 +179,7 @@ class HFEngine:
     """
 
     ROUND_TOKENS = 16  # new tokens per generate call before finished rows leave the batch
+    KV_CACHE = staticmethod(appending_cache)  # model config -> empty KV cache of a batch
 
     def __init__(
         self,
@@ -314,13 +316,14 @@ class HFEngine:
         rows = _Rows(len(batch), params.return_logprobs)
         alive = torch.arange(len(batch))  # batch rows still generating, in cache order
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        cache = self._shared_prefill(ids, mask, batch)
+        cache = self.KV_CACHE(self.model.config)
+        self._shared_prefill(ids, mask, batch, cache)
         cap = max(r.cap for r in batch)
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
             kwargs = self._generate_kwargs(params, max_new_tokens=min(self.ROUND_TOKENS, cap - rows.steps),
                                            generators=[generators[int(row)] for row in alive])
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({_CACHE_KEY: cache} if cache is not None else {}))
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **{_CACHE_KEY: cache})
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
             logprobs = _token_logprobs(out.logits, new, params.logprob_temperature) if params.return_logprobs else None
             rows.add(alive, new.cpu(), logprobs, pad_id=self.pad_id)
@@ -332,7 +335,6 @@ class HFEngine:
             keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
             if len(keep) == 0:
                 break
-            cache = getattr(out, _CACHE_KEY)
             if len(keep) < len(alive):
                 cache.batch_select_indices(keep.to(device))
             alive = alive[keep]
@@ -346,27 +348,26 @@ class HFEngine:
             for i, req in enumerate(batch)
         ]
 
-    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request]) -> Any:
-        """The KV cache of every row's prompt but its last token, computed once per distinct
-        prompt (the G samples of a prompt are adjacent rows) and copied to each of its rows; the
-        first decode step then runs only the last prompt token. None when no two rows share a
-        prompt or prompts are one token wide. Positions follow the attention mask as
-        ``generate``'s own do (left padding), so the cache is the one ``generate`` would build.
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request], cache: Any) -> None:
+        """Fill the empty ``cache`` with every row's prompt but its last token, computed once per
+        distinct prompt (the G samples of a prompt are adjacent rows) and copied to each of its
+        rows; the first decode step then runs only the last prompt token. Nothing when no two rows
+        share a prompt or prompts are one token wide (``generate`` then prefills every row).
+        Positions follow the attention mask as ``generate``'s own do (left padding), so the cache
+        is the one ``generate`` would build.
 
         Args:
             ids: the left-padded prompts, Shape [b, P_max], int64; mask: 1 = real token, same shape.
         """
         firsts = [i for i in range(len(batch)) if i == 0 or batch[i].prompt != batch[i - 1].prompt]
         if len(firsts) == len(batch) or ids.shape[1] < 2:
-            return None
+            return
         owner = torch.tensor([len([f for f in firsts if f <= i]) - 1 for i in range(len(batch))], device=ids.device)
         rows = torch.tensor(firsts, device=ids.device)
         prefix_mask = mask[rows, :-1]
         positions = (prefix_mask.cumsum(-1) - 1).masked_fill_(prefix_mask == 0, 1)
-        out = self.model(input_ids=ids[rows, :-1], attention_mask=prefix_mask, position_ids=positions, use_cache=True)
-        cache = getattr(out, _CACHE_KEY)  # the model output names it as generate's output does
+        self.model(input_ids=ids[rows, :-1], attention_mask=prefix_mask, position_ids=positions, use_cache=True, **{_CACHE_KEY: cache})
         cache.batch_select_indices(owner)  # one copy per row
-        return cache
 
     def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int, generators: Sequence[torch.Generator]) -> dict[str, Any]:
         """Arguments for `model.generate`: the requested sampling (row i's noise from
@@ -390,8 +391,8 @@ class HFEngine:
             # Sampling runs as greedy decoding over scores that single out a Gumbel-max draw
             # (exact, and faster than multinomial): the warpers and the sampler are passed as
             # processors, and the generation_config's own temperature/top-k/top-p (top_k=50 by
-            # default) are disabled.
-            warpers: list[LogitsProcessor] = [TemperatureLogitsWarper(params.temperature)]
+            # default) are disabled. Temperature 1 divides by 1: no warper.
+            warpers: list[LogitsProcessor] = [] if params.temperature == 1.0 else [TemperatureLogitsWarper(params.temperature)]
             if params.top_k > 0:
                 warpers.append(TopKLogitsWarper(params.top_k))
             if params.top_p < 1.0:

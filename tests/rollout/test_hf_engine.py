@@ -148,7 +148,7 @@ def test_groups_come_back_in_input_order_and_prompts_reach_the_model_unchanged(t
     prompts = _prompts([5, 1, 9, 3, 12, 7, 2])
     greedy = dict(temperature=0.0, max_response_tokens=8)
     engine = _engine(model, tokenizer, max_num_seqs=4)
-    engine._shared_prefill = lambda ids, mask, batch: None  # every row prefills its whole prompt (the shared prefill: below)
+    engine._shared_prefill = lambda ids, mask, batch, cache: None  # every row prefills its whole prompt (the shared prefill: below)
     batched = engine.generate(prompts, SamplingParams(n=3, **greedy))
     assert len(prefills) == 6  # 21 requests in batches of <= 4
     received = []
@@ -361,7 +361,7 @@ def test_a_groups_prompt_is_prefilled_once_and_changes_nothing(tokenizer):
     params = SamplingParams(n=4, temperature=1.0, max_response_tokens=10, return_logprobs=True)
     seeds = [5, 6, 7, 8, 9, 10]
     plain = _engine(model, tokenizer, max_num_seqs=8)
-    plain._shared_prefill = lambda ids, mask, batch: None
+    plain._shared_prefill = lambda ids, mask, batch, cache: None
     want = plain.generate(prompts, params, seeds)
     prefills = _record_prefills(model)
     got = _engine(model, tokenizer, max_num_seqs=8).generate(prompts, params, seeds)

@@ -1,0 +1,81 @@
+"""The HF engine's KV cache: appending in place (`packrl.rollout.kv_cache`) against transformers'
+concatenating `DynamicCache`, on GSM8K-shaped generation.
+
+One engine (SmolLM2-135M-Instruct, ``model.dtype=bf16``, the gsm8k preset's prompt path) generates
+``--prompts`` GSM8K train questions x ``--n`` samples up to ``--response-tokens`` new tokens at
+temperature 1 with fixed seeds, alternating the two caches ``--repeats`` times after a warm-up; both
+arms draw the same tokens. Printed: one JSON object with the seconds of every call, the median per
+arm and ``dynamic_over_appending`` (median seconds of the concatenating cache / the appending one)::
+
+    python bench/bench_kv_cache.py [--model PATH] [--prompts 4] [--n 4] [--response-tokens 256] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import SMOLLM_DIR, check_positive, require_shared  # noqa: E402
+
+THREADS = 2
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--response-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    check_positive(parser, args, "prompts", "n", "response_tokens", "repeats")
+    require_shared()
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    import torch
+    from transformers import DynamicCache
+
+    from bench.bench_rollout import prompts
+    from packrl.config import load_config
+    from packrl.models.loading import load_policy
+    from packrl.registry import ROLLOUT_ENGINES
+    from packrl.rollout.engine import EngineContext, SamplingParams
+    from packrl.rollout.kv_cache import appending_cache
+    from packrl.seqlen.budgets import model_context_tokens
+
+    torch.set_num_threads(THREADS)
+    cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_num_seqs={args.prompts * args.n}", "model.dtype=bf16"])
+    model, tokenizer = load_policy(cfg.model)
+    ids = prompts(tokenizer, cfg, args.prompts)
+    context = EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=model_context_tokens(model.config)[0],
+                            may_share_policy=True)
+    engine = ROLLOUT_ENGINES.lookup("hf")(context)
+    params = SamplingParams(n=args.n, temperature=1.0, max_response_tokens=args.response_tokens, return_logprobs=True)
+    seeds = list(range(len(ids)))
+    engine.generate(ids[:1], SamplingParams(n=2, temperature=1.0, max_response_tokens=8), [0])  # warm-up
+    caches = {"appending": appending_cache, "dynamic": lambda config: DynamicCache(config=config)}
+    seconds: dict[str, list[float]] = {name: [] for name in caches}
+    tokens: dict[str, set[tuple]] = {name: set() for name in caches}
+    for _ in range(args.repeats):
+        for name, cache in caches.items():
+            engine.KV_CACHE = cache
+            start = time.perf_counter()
+            groups = engine.generate(ids, params, seeds)
+            seconds[name].append(round(time.perf_counter() - start, 2))
+            tokens[name].add(tuple(r.response_ids for g in groups for r in g))
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+    report = {"command": " ".join(["python", "bench/bench_kv_cache.py", *sys.argv[1:]]),
+              "requests": len(ids) * args.n, "response_tokens": sum(map(len, next(iter(tokens["appending"])))),
+              "same_tokens": len(tokens["appending"] | tokens["dynamic"]) == 1, "seconds": seconds,
+              "median_s": median, "dynamic_over_appending": round(median["dynamic"] / median["appending"], 3)}
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
