@@ -16,6 +16,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     print(to_yaml(cfg), end="")
     if args.budgets:
+        from packrl.config.plan import BatchPlan
         from packrl.models.model_config import apply_rope_scaling, load_model_config
         from packrl.seqlen import Budgets
 
@@ -24,28 +25,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
             budgets = Budgets.from_model_config(cfg, apply_rope_scaling(load_model_config(cfg.model.path), cfg.model.rope_scaling))
         except ValueError as err:
             print(Budgets.from_config(cfg, max_context_tokens=None).plan())
+            print(BatchPlan.from_config(cfg).summary())
             print(f"model context unknown, so prompt + response <= context was NOT checked: {err}", file=sys.stderr)
             return 2
         print(budgets.plan())
+        print(BatchPlan.from_config(cfg).summary())
         return 0 if not budgets.problems() else 2
     return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from packrl.trainer.loop import train
+    from packrl.cli.training import train_and_report
 
-    cfg = load_config(args.preset, args.overrides)
-    try:
-        run_dir = train(cfg)
-    except (ValueError, OSError, RuntimeError) as err:  # data, model, reward, output and step failures: a message
-        notes = " ".join(getattr(err, "__notes__", []))
-        print(f"packrl train: {err}" + (f" {notes}" if notes else ""), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("packrl train: interrupted; completed steps are in metrics.jsonl and checkpoints/", file=sys.stderr)
-        return 130
-    print(f"run finished: {run_dir}")
-    return 0
+    return train_and_report(load_config(args.preset, args.overrides), "packrl train")
 
 
 def _add_preset_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "check every value, and print the result as YAML. Presets: " + ", ".join(preset_names()) + ".",
     )
     _add_preset_args(p)
-    p.add_argument("--budgets", action="store_true", help="also print the token-budget plan")
+    p.add_argument("--budgets", action="store_true", help="also print the token-budget plan and the batch plan")
     p.set_defaults(func=_cmd_config)
     p = sub.add_parser(
         "train",

@@ -14,11 +14,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from packrl.config import RunConfig
-
 
 def count_rows(files: list[str]) -> int | None:
     """Rows of local ``.parquet``/``.jsonl``/``.json`` files (None when any is not such a file),
@@ -66,25 +61,9 @@ def _cmd_verl(args: argparse.Namespace) -> int:
         print("resolved config:")
         print(to_yaml(cfg), end="")
         return 0
-    return _train(cfg)
+    from packrl.cli.training import train_and_report
 
-
-def _train(cfg: RunConfig) -> int:
-    """Train ``cfg`` as `packrl train` does: failures are messages, not tracebacks."""
-    from packrl.trainer.loop import train
-
-    sys.stdout.flush()
-    try:
-        run_dir = train(cfg)
-    except (ValueError, OSError, RuntimeError) as err:
-        notes = " ".join(getattr(err, "__notes__", []))
-        print(f"packrl verl: {err}" + (f" {notes}" if notes else ""), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("packrl verl: interrupted; completed steps are in metrics.jsonl and checkpoints/", file=sys.stderr)
-        return 130
-    print(f"run finished: {run_dir}")
-    return 0
+    return train_and_report(cfg, "packrl verl")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

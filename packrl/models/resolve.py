@@ -151,8 +151,8 @@ def resolve_model(path: str, *, cache_dir: Path | None = None, weights: bool = T
     if found is None:
         places = "\n".join(f"  - {line}" for line in tried)
         raise ValueError(f"cannot resolve model.path={path!r}; looked at:\n{places}\nFix: {fix}")
-    skipped = "".join(f"; skipped {line}" for line in tried)
-    log.info("model.path=%r resolved to %s%s", path, found.source, skipped)
+    earlier = f"; looked first at: {'; '.join(tried)}" if tried else ""
+    log.info("model.path=%r resolved to %s%s", path, found.source, earlier)
     return found
 
 

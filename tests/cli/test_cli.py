@@ -19,6 +19,7 @@ def test_config_prints_resolved_yaml(capsys):
     assert main(["config", "gsm8k", "data.max_prompt_tokens=300", f"model.path={model}", "--budgets"]) == 0
     out = capsys.readouterr().out
     assert "max_prompt_tokens: 300" in out and "token budgets" in out and "8,192" in out
+    assert "sequences per step" in out and "16 (4 prompts x 4 responses)" in out  # the batch plan, as in budgets.txt
 
 
 def test_config_overrides_without_preset(capsys):
