@@ -316,14 +316,13 @@ class HFEngine:
         rows = _Rows(len(batch), params.return_logprobs)
         alive = torch.arange(len(batch))  # batch rows still generating, in cache order
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        cache = self.KV_CACHE(self.model.config)
-        self._shared_prefill(ids, mask, batch, cache)
+        cache = self._new_cache(ids, mask, batch)
         cap = max(r.cap for r in batch)
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
             kwargs = self._generate_kwargs(params, max_new_tokens=min(self.ROUND_TOKENS, cap - rows.steps),
                                            generators=[generators[int(row)] for row in alive])
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **{_CACHE_KEY: cache})
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({_CACHE_KEY: cache} if cache is not None else {}))
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
             logprobs = _token_logprobs(out.logits, new, params.logprob_temperature) if params.return_logprobs else None
             rows.add(alive, new.cpu(), logprobs, pad_id=self.pad_id)
@@ -335,6 +334,7 @@ class HFEngine:
             keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
             if len(keep) == 0:
                 break
+            cache = getattr(out, _CACHE_KEY)  # the same object when the engine made it
             if len(keep) < len(alive):
                 cache.batch_select_indices(keep.to(device))
             alive = alive[keep]
@@ -347,6 +347,17 @@ class HFEngine:
             self._cut(req, generated[i], stop_steps[i], None if logprobs is None else logprobs[i])
             for i, req in enumerate(batch)
         ]
+
+    def _new_cache(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request]) -> Any:
+        """A batch's KV cache (`KV_CACHE`), each group's prompt prefilled once (`_shared_prefill`);
+        None for the few architectures transformers gives a cache of their own kind (RWKV, xLSTM,
+        ...): ``generate`` then builds it and every row prefills its own prompt."""
+        supports = getattr(type(self.model), "_supports_default_dynamic_cache", None)
+        if supports is not None and not supports():
+            return None
+        cache = self.KV_CACHE(self.model.config)
+        self._shared_prefill(ids, mask, batch, cache)
+        return cache
 
     def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request], cache: Any) -> None:
         """Fill the empty ``cache`` with every row's prompt but its last token, computed once per

@@ -373,3 +373,17 @@ def test_a_groups_prompt_is_prefilled_once_and_changes_nothing(tokenizer):
     assert [ids.shape[0] for ids, _, _ in prefills] == [2, 2, 2]
     received = sorted(tuple(row[mask.bool()].tolist()) for ids, mask, _ in prefills for row, mask in zip(ids, mask))
     assert received == sorted(tuple(p[:-1]) for p in prompts)  # invariant 5: the rest of each prompt is the first decode step
+
+
+def test_a_model_with_a_cache_of_its_own_kind_generates_as_before(tokenizer, monkeypatch):
+    """An architecture transformers does not give a `DynamicCache` (RWKV, xLSTM, ...) gets no
+    engine-made cache: ``generate`` builds its own, with the same responses."""
+    model = tiny_llama()
+    prompts = _prompts([3, 7, 5])
+    params = SamplingParams(n=3, temperature=1.0, max_response_tokens=12, return_logprobs=True)
+    want = _engine(model, tokenizer).generate(prompts, params, [1, 2, 3])
+    monkeypatch.setattr(type(model), "_supports_default_dynamic_cache", classmethod(lambda cls: False))
+    engine = _engine(model, tokenizer)
+    engine.KV_CACHE = lambda config: pytest.fail("this model gets no engine-made cache")
+    got = engine.generate(prompts, params, [1, 2, 3])
+    assert [[r.response_ids for r in g] for g in got] == [[r.response_ids for r in g] for g in want]

@@ -67,3 +67,4 @@ def test_generation_over_the_appending_cache_equals_transformers_own(monkeypatch
     got = model.generate(**kwargs, **{_CACHE_KEY: appending_cache(model.config)})
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-6)
+
