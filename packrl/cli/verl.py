@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+
 def count_rows(files: list[str]) -> int | None:
     """Rows of local ``.parquet``/``.jsonl``/``.json`` files (None when any is not such a file),
     for verl's ``trainer.total_epochs``. Parquet row counts come from the footer alone."""

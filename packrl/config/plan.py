@@ -40,6 +40,9 @@ class BatchPlan:
         return_logprobs: the engine returns its log-probs of the sampled tokens
             (``rollout.return_logprobs``, or ``algorithm.rollout_correction``, which reads them).
         loss_agg_mode: ``algorithm.loss_agg_mode`` (whether ``loss_scale_factor`` is used).
+        adv_estimator: ``algorithm.adv_estimator`` (what a critic's values feed).
+        old_logprobs_reason: the settings that make the update off-policy or read the old
+            log-probs ("" when ``needs_old_logprobs`` is False).
     """
 
     num_prompts: int
@@ -54,6 +57,8 @@ class BatchPlan:
     has_critic: bool = False
     return_logprobs: bool = False
     loss_agg_mode: str = "token-mean"
+    adv_estimator: str = "grpo"
+    old_logprobs_reason: str = ""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> BatchPlan:
@@ -61,8 +66,13 @@ class BatchPlan:
         algo = cfg.algorithm
         return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled
         reads_old = algo.entropy_filter.enabled or algo.policy_loss in COV_LOSSES
-        on_policy = (cfg.train.ppo_epochs == 1 and mini == cfg.data.batch_size
-                     and not algo.kl_in_reward and not return_logprobs and not reads_old)
+        reasons = [
+            *([f"train.ppo_epochs={cfg.train.ppo_epochs}"] if cfg.train.ppo_epochs != 1 else []),
+            *([f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"] if mini != cfg.data.batch_size else []),
+            *(["algorithm.kl_in_reward"] if algo.kl_in_reward else []),
+            *(["rollout.return_logprobs or algorithm.rollout_correction"] if return_logprobs else []),
+            *(["the entropy filter or a Clip-Cov/KL-Cov loss reads them"] if reads_old else []),
+        ]
         return cls(
             num_prompts=cfg.data.batch_size,
             group_size=cfg.rollout.n,
@@ -72,10 +82,12 @@ class BatchPlan:
             sequence_parallel_size=cfg.trainer.sequence_parallel_size,
             loss_scale_factor=cfg.algorithm.loss_scale_factor or cfg.rollout.max_response_tokens,
             has_reference=cfg.algorithm.kl_coef > 0,
-            needs_old_logprobs=not on_policy,
+            needs_old_logprobs=bool(reasons),
             has_critic=cfg.critic.enabled(cfg.algorithm.adv_estimator),
             return_logprobs=return_logprobs,
             loss_agg_mode=algo.loss_agg_mode,
+            adv_estimator=algo.adv_estimator,
+            old_logprobs_reason="; ".join(reasons),
         )
 
     @property
@@ -105,7 +117,8 @@ class BatchPlan:
             ("loss scale factor", f"{self.loss_scale_factor:,} tokens (the C of loss_agg_mode=seq-mean-token-sum-norm)"
              if self.loss_agg_mode == "seq-mean-token-sum-norm" else f"not used (loss_agg_mode={self.loss_agg_mode})"),
             ("reference policy", "yes" if self.has_reference else "no (algorithm.kl_coef=0)"),
-            ("old log-prob forward", "yes" if self.needs_old_logprobs else "no (on-policy: the update's own detached log-probs)"),
-            ("critic", "yes (value model, GAE)" if self.has_critic else "no"),
+            ("old log-prob forward", f"yes ({self.old_logprobs_reason})" if self.needs_old_logprobs
+             else "no (on-policy: the update's own detached log-probs)"),
+            ("critic", f"yes (a value model; advantages: algorithm.adv_estimator={self.adv_estimator})" if self.has_critic else "no"),
         ]
         return "\n".join(["batch plan"] + [f"  {name:<26}{value}" for name, value in rows])

@@ -39,7 +39,7 @@ class ConsoleLogger:
     """The progress bar on stderr, at the number of the step last logged."""
 
     def __init__(self, total_steps: int):
-        self.bar = tqdm(total=total_steps, desc="packrl train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.bar = tqdm(total=total_steps, desc="packrl", unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.set_postfix(

@@ -262,6 +262,8 @@ def test_refusals_name_the_key_the_value_and_the_fix():
 def test_features_that_read_the_old_pass_turn_it_on(overrides):
     plan = BatchPlan.from_config(load_config("demo", overrides))
     assert plan.needs_old_logprobs
+    reason = "rollout_correction" if "rollout_correction" in overrides[0] else "Clip-Cov/KL-Cov"
+    assert f"yes ({plan.old_logprobs_reason})" in plan.summary() and reason in plan.old_logprobs_reason
     on = "rollout_correction" in overrides[0]
     assert plan.return_logprobs == on
     cfg = load_config("demo", overrides).rollout
@@ -271,4 +273,11 @@ def test_features_that_read_the_old_pass_turn_it_on(overrides):
 
 def test_defaults_keep_the_on_policy_shortcut():
     plan = BatchPlan.from_config(load_config("demo", ["algorithm.policy_loss=gspo"]))
-    assert not plan.needs_old_logprobs and not plan.return_logprobs
+    assert not plan.needs_old_logprobs and not plan.return_logprobs and plan.old_logprobs_reason == ""
+
+
+def test_the_batch_plan_names_what_makes_the_update_off_policy():
+    plan = BatchPlan.from_config(load_config("demo", ["train.ppo_epochs=2", "train.mini_batch_size=4", "data.batch_size=8"]))
+    assert plan.old_logprobs_reason == "train.ppo_epochs=2; train.mini_batch_size=4 < data.batch_size=8"
+    critic = BatchPlan.from_config(load_config("demo", ["critic.enable=true"])).summary()
+    assert "yes (a value model; advantages: algorithm.adv_estimator=grpo)" in critic

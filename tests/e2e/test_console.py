@@ -37,7 +37,7 @@ def test_a_one_step_run_shows_one_bar_and_no_library_output(tmp_path):
     assert out.returncode == 0, console[-3000:]
     fragments = [f.strip() for f in re.split(r"[\r\n]", console) if f.strip()]
     bars = [f for f in fragments if BAR.search(f)]
-    assert bars and all(f.startswith("packrl train") for f in bars), bars
+    assert bars and all(f.startswith("packrl: ") for f in bars), bars
     assert "1/1" in bars[-1]  # the run's bar reached its one step
     for noise in LIBRARY_NOISE:
         assert noise not in console, noise
