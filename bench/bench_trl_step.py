@@ -32,8 +32,8 @@ Settings (packrl key = TRL ``GRPOConfig`` argument):
     PromptSampler order (seed 0)        = the same rows in that order, shuffle_dataset=False
     val_every=0, save outside timing    = report_to="none", save_strategy="no", eval_strategy="no"
 
-Target: packrl step time <= 0.4 x TRL's (it was 0.6 until shared prompts). Setup and command (repository root; the venv is
-git-ignored through .git/info/exclude and keeps torch 2.13.0+cpu, transformers 5.24.0)::
+Target: packrl step time <= 0.4 x TRL's (it was 0.6 until shared prompts). Setup and command
+(repository root; the venv is git-ignored through .git/info/exclude and keeps torch 2.13.0+cpu, transformers 5.24.0)::
 
     python3 -m venv .bench-trl && .bench-trl/bin/pip install torch==2.13.0
     .bench-trl/bin/pip install trl==1.16.0 && .bench-trl/bin/pip install -e .
@@ -45,17 +45,18 @@ bench/bench_rollout.py), and reports its step time over TRL's and over packrl's 
 
 ``demo``: task:arithmetic, B=8, n=4, 64 response tokens, lr 1e-5 (about 3 min). ``gsm8k``: GSM8K
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
-Measured (median of 3 steps, packrl first, one run of ``--settings demo gsm8k``): demo 15.2 vs
-43.8 s (ratio **0.35**; gen 6.8 s, update 8.4 s), gsm8k 51.5 vs 104.9 s (**0.49**, short of
-0.4; gen 32.2 s, update 19.2 s). Runs on this host vary: the same gsm8k generation (same seeds,
-same tokens) took 24.5 s in one run and 32.5 s in another, and the gsm8k ratio ranged 0.43-0.54
-over three runs (two with an inverse-CDF sampler since replaced). That host ran about twice as
-slow as the one of the earlier figures (TRL's demo step 38-44 s, 19.0 s then), so only ratios from
-one run compare. Earlier packrl versions: 0.53 / 0.56 (one-level Gumbel-max sampling, one
-exponential draw per vocabulary entry and row: about 45-58 ms of every 32-row decode step; prompts
-computed once per response), 0.74 / 0.69 (one decode batch until the longest response ended, LM
-head over prompt tokens too, a frozen rollout copy whose prefill LM head ran through an
-expanded-weight bmm).
+Measured (median of 3 steps, packrl first), with the appending KV cache, one run per setting:
+demo 15.3 vs 47.2 s (ratio **0.33**; gen 6.9 s, update 8.4 s), gsm8k 56.4 vs 109.9 s (**0.51**,
+short of 0.4; gen 34.1 s, update 24.3 s). Before it, one run of ``--settings demo gsm8k``: demo
+15.2 vs 43.8 s (0.35), gsm8k 51.5 vs 104.9 s (0.49; gen 32.2 s, update 19.2 s). Runs on these
+hosts vary: the same gsm8k generation (same seeds, same tokens) took 24.5 s in one run and 32.5 s
+in another, and the gsm8k ratio ranged 0.43-0.54 over three runs (two with an inverse-CDF sampler
+since replaced). These hosts ran about twice as slow as the one of the earlier figures below
+(TRL's demo step 38-47 s, 19.0 s then), so only ratios from one run compare. Earlier packrl
+versions: 0.53 / 0.56 (one-level Gumbel-max sampling, one exponential draw per vocabulary entry
+and row: about 45-58 ms of every 32-row decode step; prompts computed once per response), 0.74 /
+0.69 (one decode batch until the longest response ended, LM head over prompt tokens too, a frozen
+rollout copy whose prefill LM head ran through an expanded-weight bmm).
 
 Caveats. The two sample different responses (hence ``response_length_mean`` and
 ``s_per_1k_response_tokens``). TRL's micro-batch (``--trl-micro-batch``) is 4 sequences, its

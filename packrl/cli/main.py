@@ -21,15 +21,16 @@ def _cmd_config(args: argparse.Namespace) -> int:
         from packrl.seqlen import Budgets
 
         print()
+        unknown_context = None
         try:
             budgets = Budgets.from_model_config(cfg, apply_rope_scaling(load_model_config(cfg.model.path), cfg.model.rope_scaling))
         except ValueError as err:
-            print(Budgets.from_config(cfg, max_context_tokens=None).plan())
-            print(BatchPlan.from_config(cfg).summary())
-            print(f"model context unknown, so prompt + response <= context was NOT checked: {err}", file=sys.stderr)
-            return 2
+            budgets, unknown_context = Budgets.from_config(cfg, max_context_tokens=None), err
         print(budgets.plan())
         print(BatchPlan.from_config(cfg).summary())
+        if unknown_context is not None:
+            print(f"model context unknown, so prompt + response <= context was NOT checked: {unknown_context}", file=sys.stderr)
+            return 2
         return 0 if not budgets.problems() else 2
     return 0
 

@@ -66,13 +66,13 @@ class BatchPlan:
         algo = cfg.algorithm
         return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled
         reads_old = algo.entropy_filter.enabled or algo.policy_loss in COV_LOSSES
-        reasons = [
-            *([f"train.ppo_epochs={cfg.train.ppo_epochs}"] if cfg.train.ppo_epochs != 1 else []),
-            *([f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"] if mini != cfg.data.batch_size else []),
-            *(["algorithm.kl_in_reward"] if algo.kl_in_reward else []),
-            *(["rollout.return_logprobs or algorithm.rollout_correction"] if return_logprobs else []),
-            *(["the entropy filter or a Clip-Cov/KL-Cov loss reads them"] if reads_old else []),
-        ]
+        reasons = [reason for applies, reason in (
+            (cfg.train.ppo_epochs != 1, f"train.ppo_epochs={cfg.train.ppo_epochs}"),
+            (mini != cfg.data.batch_size, f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"),
+            (algo.kl_in_reward, "algorithm.kl_in_reward"),
+            (return_logprobs, "rollout.return_logprobs or algorithm.rollout_correction"),
+            (reads_old, "the entropy filter or a Clip-Cov/KL-Cov loss reads them"),
+        ) if applies]
         return cls(
             num_prompts=cfg.data.batch_size,
             group_size=cfg.rollout.n,

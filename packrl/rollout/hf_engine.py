@@ -95,9 +95,10 @@ class GumbelMaxSampler(LogitsProcessor):
     Filtered (-inf) scores are never drawn. A row draws ``V / 256 + 256`` exponentials a step
     instead of ``V``: on 2 CPU cores over a 49,152-token vocabulary and 32 rows, 7.3 ms per
     decode step against 66.8 ms for one Gumbel draw per score and 67.4 ms for ``softmax`` +
-    ``torch.multinomial`` (`bench/bench_sampling.py`). Like one-level Gumbel-max, and unlike inverting the cumulative distribution, a
-    draw changes only when two perturbed scores nearly tie, so weights that differ by rounding
-    (one process against several ranks) keep drawing the same tokens.
+    ``torch.multinomial`` (`bench/bench_sampling.py`). Like one-level Gumbel-max, and unlike
+    inverting the cumulative distribution, a draw changes only when two perturbed scores nearly
+    tie, so weights that differ by rounding (one process against several ranks) keep drawing the
+    same tokens.
 
     Each row draws from its own generator (``generators[i]`` for row ``i`` of the scores), so a
     response depends on its request's seed alone, not on which other rows share its batch: the

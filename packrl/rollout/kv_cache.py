@@ -16,6 +16,7 @@ Shapes: ``b`` rows · ``h`` KV heads · ``L`` cached positions · ``C >= L`` buf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,15 +79,16 @@ class AppendingLayer(DynamicLayer):
             self._set_length(max(0, self._length + tokens_to_remove))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized and self._length:
-            self._key_buffer = self._key_buffer.repeat_interleave(repeats, dim=0)  # type: ignore[union-attr]
-            self._value_buffer = self._value_buffer.repeat_interleave(repeats, dim=0)  # type: ignore[union-attr]
-            self._set_length(self._length)
+        self._map_rows(lambda buffer: buffer.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows(lambda buffer: buffer[indices])
+
+    def _map_rows(self, rows_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace both buffers by ``rows_of(buffer)`` (a selection or repeat of rows), when filled."""
         if self.is_initialized and self._length:
-            self._key_buffer = self._key_buffer[indices]  # type: ignore[index]
-            self._value_buffer = self._value_buffer[indices]  # type: ignore[index]
+            assert self._key_buffer is not None and self._value_buffer is not None
+            self._key_buffer, self._value_buffer = rows_of(self._key_buffer), rows_of(self._value_buffer)
             self._set_length(self._length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
