@@ -24,8 +24,9 @@ def train_and_report(cfg: RunConfig, command: str) -> int:
         notes = " ".join(getattr(err, "__notes__", []))
         print(f"{command}: {err}" + (f" {notes}" if notes else ""), file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{command}: interrupted; completed steps are in metrics.jsonl and checkpoints/", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        where = " ".join(getattr(err, "__notes__", [])) or "before the run directory was made"
+        print(f"{command}: interrupted {where}", file=sys.stderr)
         return 130
     print(f"run finished: {run_dir}")
     return 0

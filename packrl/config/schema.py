@@ -109,6 +109,12 @@ class ModelConfig:
     (transformers' non-reentrant gradient checkpointing): the update keeps only each layer's
     input per token, for about one more forward of compute."""
 
+    compile: bool | None = False
+    """``torch.compile`` each decoder layer for the log-prob, value and update passes (inductor,
+    dynamic shapes; attention stays eager between the compiled parts; generation never compiles;
+    `packrl.models.compile`): about 1.4x faster updates on CPU, after a first pass that compiles.
+    One worker only: `true` is refused with ``trainer.num_workers > 1``, `null` is on where it can run."""
+
     activation_offload: bool = False
     """Keep the tensors saved for the backward in host memory (`torch.autograd.graph.save_on_cpu`,
     pinned on CUDA): frees device memory for longer micro-batches. No effect on CPU runs."""
@@ -769,6 +775,10 @@ class RunConfig:
             out.append(ConfigProblem("model.param_offload", True, "offloads FSDP2 shards, but trainer.num_workers=1 runs one "
                                      "process without FSDP2", "set trainer.num_workers >= 2 (one per GPU), or model.param_offload=false",
                                      keys=("model.param_offload", "trainer.num_workers")))
+        if workers > 1 and self.model.compile is True:
+            out.append(ConfigProblem("model.compile", True, f"compiles layers on one worker; trainer.num_workers={workers} is not "
+                                     "supported with it yet", "set model.compile=null (on where it can run), false, or trainer.num_workers=1",
+                                     keys=("model.compile", "trainer.num_workers")))
         if workers > 1 and self.model.lora.rank > 0:
             out.append(ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={self.model.lora.rank}) yet",
                                      "set trainer.num_workers=1 for LoRA runs", keys=("trainer.num_workers", "model.lora.rank")))

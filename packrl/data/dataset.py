@@ -185,7 +185,8 @@ def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int], origins: tupl
 
     parts, fixes = [], []
     if bad:
-        parts.append(f"{len(bad)} bad row(s) of {len(origins)}: " + listed([f"{where(r)}: {why}" for r, why in sorted(bad.items())]))
+        counted = f"{len(bad)} bad row(s) of {len(origins)} (rows count from 0, file lines from 1)"
+        parts.append(f"{counted}: " + listed([f"{where(r)}: {why}" for r, why in sorted(bad.items())]))
         fixes.append("fix the rows, or set data.skip_bad_rows=true to skip and count them")
     if overlong:
         parts.append(f"{len(overlong)} prompt(s) exceed data.max_prompt_tokens={budget}: "

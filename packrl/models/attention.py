@@ -41,6 +41,7 @@ _FLASH = ("flash_attention_2", "flash_attention_3")
 _MASK_IMPLS = ("sdpa", "eager", PACKRL_SDPA)
 
 
+@torch.compiler.disable  # per-pack Python planning: eager, a graph break between compiled regions
 def _packrl_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -132,6 +132,9 @@ def resolve_model(path: str, *, cache_dir: Path | None = None, weights: bool = T
         ValueError: nothing resolved; the message names ``model.path``, the value, every place
             looked at with why it failed, and the fix. Also when a GGUF conversion cannot run.
     """
+    if not path.strip():
+        raise ValueError(f"model.path={path!r} is empty; set model.path to a local model directory, a .gguf file, a hub id, "
+                         f"or one of {', '.join(ALIASES)}")
     root = cache_root(cache_dir)
     tried: list[str] = []
     local = Path(path).expanduser()
@@ -206,7 +209,7 @@ def _resolve_alias(name: str, root: Path, *, weights: bool, tried: list[str]) ->
 def _resolve_hub(repo_id: str, *, weights: bool, tried: list[str]) -> ResolvedModel | None:
     """A hub snapshot: the HF cache when it holds what is needed, else the hub (short timeout)."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError, validate_repo_id
 
     try:
         validate_repo_id(repo_id)
@@ -218,7 +221,8 @@ def _resolve_hub(repo_id: str, *, weights: bool, tried: list[str]) -> ResolvedMo
         try:
             snap = Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline, etag_timeout=_HUB_TIMEOUT_S))
         except Exception as err:  # any failure means this place did not resolve; it is reported
-            tried.append(f"{where} {repo_id}: {type(err).__name__}: {first_line(err)}")
+            why = "not in the cache" if offline and isinstance(err, LocalEntryNotFoundError) else f"{type(err).__name__}: {first_line(err)}"
+            tried.append(f"{where} {repo_id}: {why}")
             continue
         missing = _missing_in_snapshot(snap, weights)
         if missing:

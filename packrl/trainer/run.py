@@ -159,3 +159,7 @@ class Run:
                 f.write(f"failed {where}:\n" + "".join(traceback.format_exception(exc)))
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"({where}; traceback in {self.dir / 'train.log'})")
+        elif isinstance(exc, KeyboardInterrupt) and hasattr(exc, "add_note"):
+            last = getattr(self, "last_step", None)
+            exc.add_note(f"after step {last}; its metrics.jsonl and checkpoints are in {self.dir}" if last is not None
+                         else f"before any step completed; {self.dir} holds no step")

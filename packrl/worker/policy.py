@@ -33,6 +33,7 @@ from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer, RemoteSpan, SpanRecorder
 from packrl.models.attention import supports_shared_prompts
+from packrl.models.compile import CompiledLayers, active
 from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.lora import base_policy, is_lora, parameter_counts
@@ -174,6 +175,7 @@ class PolicyWorker:
         scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
                                 grad_clip=cfg.train.grad_clip)
+        self.compiled = self._compile(model, self.reference)
         share, phrase = shares_prompts(cfg, model, packing)
         self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
         self.critic = None
@@ -183,8 +185,21 @@ class PolicyWorker:
                         f"{cfg.critic.model.path or cfg.model.path} (value head starts at 0)")
             strategy.wrap(self.critic)
             self.critic_opt = critic_optimization(self.critic, cfg)
-        summary += f"; shared prompts: {phrase}"  # last, as the run's model summary ends
+            self.compiled["critic"] = self.compiled["actor"] and CompiledLayers(self.critic)
+        summary += f"; compiled layers: {'on' if self.compiled['actor'] else 'off'}; shared prompts: {phrase}"  # last, as the run's model summary ends
         return WorkerInfo(max_context, rope_factor, summary, packing, share)
+
+    def _compile(self, model: torch.nn.Module, reference: torch.nn.Module | None) -> dict[str, CompiledLayers | None]:
+        """``model.compile``: compiled decoder layers per role (None: that role runs eagerly). Null
+        compiles in one process; with several workers it is off, with a log line (true is refused
+        at config load there)."""
+        if self.cfg.model.compile is None and self.cfg.trainer.num_workers > 1:
+            logger.info("model.compile: off, trainer.num_workers=%d (compiled layers run on one worker)", self.cfg.trainer.num_workers)
+        if self.cfg.model.compile is False or self.cfg.trainer.num_workers > 1:
+            return {"actor": None, "ref": None, "critic": None}
+        actor = CompiledLayers(model)
+        ref = None if reference is None else actor if reference is model else CompiledLayers(reference)
+        return {"actor": actor, "ref": ref, "critic": None}
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast to ``model.dtype`` (nothing for ``fp32``)."""
@@ -228,7 +243,7 @@ class PolicyWorker:
         in plan order (`packrl.worker.actor.compute_logprobs`)."""
         model, context = (self.model, self.autocast) if role == "actor" else (self.reference, self.reference_context)
         assert model is not None, "the controller asks for reference log-probs only when a reference exists"
-        with self.strategy.sequence_parallel():
+        with self.strategy.sequence_parallel(), active(self.compiled[role]):
             result = compute_logprobs(model, rollout, microbatches, forward=self.loss.forward, context=context)
         self.strategy.after_no_grad(model)
         return result
@@ -252,7 +267,7 @@ class PolicyWorker:
         sp = self.strategy.sp
         if sp is not None:
             sp.all_to_all_s = 0.0
-        with self.strategy.sequence_parallel():
+        with self.strategy.sequence_parallel(), active(self.compiled["actor"]):
             stats = run_update(self.model, batch, plan, rank=self.strategy.dp_rank, loss=self.loss, opt=self.opt,
                                context=self.update_context, tracer=recorder, parallel=self.strategy.parallel(self.model))
         stats.offloaded_bytes = self.offloaded_bytes
@@ -263,17 +278,19 @@ class PolicyWorker:
     def compute_values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, float]]:
         """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.compute_values`)."""
         assert self.critic is not None, "the controller asks for values only when the run has a critic"
-        result = compute_values(self.critic, rollout, microbatches, context=self.autocast, forward=self.loss.forward)
+        with active(self.compiled["critic"]):
+            result = compute_values(self.critic, rollout, microbatches, context=self.autocast, forward=self.loss.forward)
         self.strategy.after_no_grad(self.critic)
         return result
 
     def update_critic(self, batch: TrainBatch, plan: UpdatePlan) -> CriticStats:
         """This rank's part of ``plan`` for the critic (`packrl.worker.critic.run_critic_update`)."""
         assert self.critic is not None, "the controller updates the critic only when the run has one"
-        return run_critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
-                                 context=self.autocast, cliprange=self.cfg.critic.cliprange_value,
-                                 mode=self.cfg.algorithm.loss_agg_mode, forward=self.loss.forward,
-                                 parallel=self.strategy.parallel(self.critic))
+        with active(self.compiled["critic"]):
+            return run_critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
+                                     context=self.autocast, cliprange=self.cfg.critic.cliprange_value,
+                                     mode=self.cfg.algorithm.loss_agg_mode, forward=self.loss.forward,
+                                     parallel=self.strategy.parallel(self.critic))
 
     def _critic_state(self) -> dict | None:
         """The critic's full weights, optimizer, schedule and skip counter (a collective under FSDP2)."""

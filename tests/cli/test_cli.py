@@ -58,3 +58,26 @@ def test_train_refuses_to_mix_two_runs_in_one_dir(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["train", f"train.out_dir={tmp_path}"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_an_interrupt_says_which_steps_were_kept(tmp_path, capsys, monkeypatch):
+    from packrl.config import load_config
+    from packrl.trainer import loop
+    from packrl.trainer.run import Run
+
+    def interrupted_after(steps: int):
+        def fake_train(cfg):
+            with Run(cfg) as run:
+                for step in range(1, steps + 1):
+                    run.log_step(step, {"x": 1.0})
+                raise KeyboardInterrupt
+        return fake_train
+
+    from packrl.cli.training import train_and_report
+
+    for steps, says in ((0, "before any step completed"), (2, "after step 2; its metrics.jsonl")):
+        monkeypatch.setattr(loop, "train", interrupted_after(steps))
+        cfg = load_config(None, [f"train.out_dir={tmp_path / str(steps)}", "train.loggers=[]"])
+        assert train_and_report(cfg, "packrl train") == 130
+        err = capsys.readouterr().err
+        assert f"packrl train: interrupted {says}" in err and str(tmp_path / str(steps)) in err

@@ -138,7 +138,7 @@ def test_unknown_hub_id_lists_every_place(offline):
     assert "model.path='no-such-org/no-such-model'" in msg and "Fix: set model.path" in msg
     places = [ln for ln in msg.splitlines() if ln.startswith("  - ")]
     assert [p.split()[1] for p in places] == ["local", "HF", "HF"], places
-    assert "does not exist" in places[0] and "HF cache no-such-org/no-such-model" in places[1]
+    assert "does not exist" in places[0] and places[1].endswith("HF cache no-such-org/no-such-model: not in the cache")
 
 
 @pytest.mark.parametrize("name", ["missing.gguf", "no_such_dir", "file.txt"])
@@ -147,6 +147,12 @@ def test_missing_local_paths(offline, tmp_path, name):
     path = re.escape(str(tmp_path / name))
     with pytest.raises(ValueError, match=rf"model.path='{path}'; looked at:\n  - local .*{path}"):
         resolve_model(str(tmp_path / name))
+
+
+@pytest.mark.parametrize("path", ["", "  "])
+def test_empty_model_path_is_named_not_read_as_the_working_dir(path):
+    with pytest.raises(ValueError, match=r"model.path='\s*' is empty; set model.path to a local model directory"):
+        resolve_model(path)
 
 
 def test_alias_lists_every_place_when_all_fail(offline, monkeypatch):

@@ -1,0 +1,86 @@
+"""Compiled decoder layers (``model.compile``, `packrl.models.compile`) join the invariance suite:
+the compiled log-prob and update passes give the eager passes' log-probs (1e-5, float32) and
+gradients, over shared-prompt packs split across micro-batches, with and without gradient
+checkpointing; generation outside them stays eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packrl.config import load_config
+from packrl.errors import ConfigError
+from packrl.models.compile import CompiledLayers, active, decoder_layers
+from packrl.models.loading import enable_gradient_checkpointing
+from tests.conftest import minibatch_grads, score_of, tiny_llama
+from tests.invariance.test_shared_prompts import _batch, _cfg
+
+
+def _grads(model, batch, cfg, compiled=None):
+    model.zero_grad(set_to_none=True)
+    with active(compiled):
+        loss = minibatch_grads(model, batch, cfg, share_prompts=True)
+    return loss, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_give_the_eager_logprobs_and_gradients(checkpointing):
+    batch = _batch()
+    cfg = _cfg("seq-mean-token-mean", budget=40)  # several micro-batches; groups split across them
+    model = tiny_llama()
+    model.train()
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    eager_lp, eager_ent = score_of(model, batch.rollout, cfg, share_prompts=True)
+    eager_loss, eager_grads = _grads(model, batch, cfg)
+    compiled = CompiledLayers(model)
+    with active(compiled):
+        lp, ent = score_of(model, batch.rollout, cfg, share_prompts=True)
+    loss, grads = _grads(model, batch, cfg, compiled)
+    for a, b in zip(lp + ent, eager_lp + eager_ent):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6)
+    scale = max(g.abs().max().item() for g in eager_grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], atol=1e-5 * scale, rtol=1e-4, msg=name)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))  # eager again outside
+
+
+def test_generation_outside_the_passes_stays_eager():
+    model = tiny_llama()
+    compiled = CompiledLayers(model)
+    with active(compiled):
+        assert all(layer.forward is f for layer, f in zip(decoder_layers(model), compiled.forwards))
+    counts = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == counts
+
+
+def test_a_model_without_a_layer_stack_is_refused():
+    with pytest.raises(ValueError, match="no ModuleList named 'layers' or 'h'; set model.compile=false"):
+        CompiledLayers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_compile_with_several_workers_is_refused_unless_left_to_packrl():
+    with pytest.raises(ConfigError, match="model.compile=null .on where it can run., false, or trainer.num_workers=1"):
+        load_config("demo", ["model.compile=true", "trainer.num_workers=2"])
+    assert load_config("gsm8k", ["trainer.num_workers=2"]).model.compile is None  # the preset's null: eager there
+
+
+def test_the_compiled_critic_gives_the_eager_values():
+    import contextlib
+
+    from packrl.worker.actor import PackForward
+    from packrl.worker.critic import ValueModel, compute_values
+
+    lm = tiny_llama()
+    critic = ValueModel(lm.get_decoder(), lm.config, head_std=0.02)
+    rollout = _batch().rollout
+    run = lambda: compute_values(critic, rollout, [tuple(range(len(rollout)))], context=contextlib.nullcontext,  # noqa: E731
+                                 forward=PackForward("varlen", 1024, 1.0, share_prompts=True))
+    eager = run()
+    with active(CompiledLayers(critic)):
+        compiled = run()
+    for (values, bootstrap), (eager_values, eager_bootstrap) in zip(compiled, eager):
+        torch.testing.assert_close(values, eager_values, atol=1e-5, rtol=1e-5)
+        assert bootstrap == pytest.approx(eager_bootstrap, abs=1e-5)
