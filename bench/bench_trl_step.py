@@ -45,7 +45,11 @@ bench/bench_rollout.py), and reports its step time over TRL's and over packrl's 
 
 ``demo``: task:arithmetic, B=8, n=4, 64 response tokens, lr 1e-5 (about 3 min). ``gsm8k``: GSM8K
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
-Measured (median of 3 steps, packrl first), with the appending KV cache, one run per setting:
+Measured on a host with AMX (median of 3 steps, packrl first; a fresh ``TORCHINDUCTOR_CACHE_DIR``):
+gsm8k with the preset's ``model.compile=null`` (compiled layers) 35.6 vs 71.7 s (ratio **0.50**,
+short of 0.4; gen 21.1 s, update 14.5 s; the warm-up step, which compiles, 77.4 s), and before
+``model.compile`` on the same host 40.5 vs 79.1 s (0.51; gen 24.0 s, update 16.5 s). On an earlier
+host, with the appending KV cache, one run per setting:
 demo 15.3 vs 47.2 s (ratio **0.33**; gen 6.9 s, update 8.4 s), gsm8k 56.4 vs 109.9 s (**0.51**,
 short of 0.4; gen 34.1 s, update 24.3 s). Before it, one run of ``--settings demo gsm8k``: demo
 15.2 vs 43.8 s (0.35), gsm8k 51.5 vs 104.9 s (0.49; gen 32.2 s, update 19.2 s). Runs on these
@@ -65,6 +69,8 @@ fastest here: demo step 29.2 / 25.2 / 21.9 / 19.7 / 22.2 / 24.7 s at 32 / 16 / 8
 generates under bf16 autocast over float32 weights, packrl on a bf16 copy of the weights; both
 run ``model.generate`` with the same sampling and decode every row until the longest response
 ends. Both skip the old-log-prob forward (on-policy). TRL pads each micro-batch, packrl packs.
+packrl's gsm8k arm compiles its decoder layers for the update (the preset's setting); TRL runs its
+default ``torch_compile=False``.
 Runs vary by about 10% on this VM; any other CPU load ruins them.
 """
 
@@ -113,14 +119,16 @@ def run_packrl(setting: str, warmup: int, steps: int, engine: str = "hf") -> dic
     with tempfile.TemporaryDirectory(prefix="packrl-trlbench-") as out:
         cfg = packrl_config(setting, warmup + steps, out, [f"rollout.engine={engine}"])
         run_dir = train(cfg)
-        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][warmup:]
+        every = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = every[warmup:]
     n = cfg.data.batch_size * cfg.rollout.n
     stages = sorted({k for line in lines for k in line if k.startswith("timing_s/")})
     return summarise(
         [line["timing_s/step"] for line in lines], [line["perf/total_num_tokens"] for line in lines],
         [line["response_length/mean"] * n for line in lines], n,
         {"stages_s_median": {k.split("/", 1)[1]: round(statistics.median(line[k] for line in lines), 3) for k in stages},
-         "reward_mean": [round(line["critic/score/mean"], 3) for line in lines]},
+         "reward_mean": [round(line["critic/score/mean"], 3) for line in lines],
+         "warmup_step_s": [round(line["timing_s/step"], 3) for line in every[:warmup]], "model_compile": cfg.model.compile},
     )
 
 

@@ -6,8 +6,11 @@ Measured: a random model with SmolLM2-135M's shapes and one GSM8K-shaped batch (
 sequences, lengths drawn from GSM8K's prompt and reference-answer lengths), planned under
 ``--max-tokens`` per micro-batch exactly as the trainer plans it, run through
 `packrl.worker.actor.run_microbatches` (the policy loss, its aggregation, the entropy and the
-metrics) and one `optimizer_step`. The update's time is the median over ``--repeats`` runs after a
-warm-up; one more run is profiled (`torch.profiler`, self CPU time per operator, grouped).
+metrics) and one `optimizer_step`, in two arms that alternate: eager (``model.compile=false``) and
+compiled decoder layers (``model.compile=true``, `packrl.models.compile`). Each arm's time is the
+median over ``--repeats`` runs after a warm-up (the compiled arm's compiles); one more run per arm
+is profiled (`torch.profiler`, self CPU time per operator, grouped), which also gives a ceiling:
+the fraction the update would reach were every op but the matmuls and the attention kernels free.
 
 FLOPs counted (the usual accounting, e.g. Kaplan et al. 2020 / the PaLM MFU appendix): 6 per
 matmul weight per token (forward 2, backward 4) over the decoder's linear layers, 6 H V per scored
@@ -15,23 +18,23 @@ token for the LM head (only response tokens are scored), and causal attention 6 
 per sequence (QK^T and AV, forward and backward, half the square). The matmul rate is the best of
 bf16 matmuls of the model's own shapes (tokens x hidden x intermediate) and a 2048^3 square one.
 
-Command (about 3 minutes on 2 CPU cores)::
+Command (about 5 minutes on 2 CPU cores)::
 
     python bench/bench_update.py [--num-sequences 16] [--max-tokens 4096] [--repeats 3]
 
-Measured on 2 idle CPU cores (defaults: 16 sequences, 4,340 tokens, 2 micro-batches), on two
-hosts of this kind whose matmul units differ:
+Measured on 2 idle CPU cores (defaults: 16 sequences, 4,340 tokens, 2 micro-batches, a fresh
+``TORCHINDUCTOR_CACHE_DIR``), on a host whose 2048^3 bf16 matmul reached 2,228 GFLOP/s (AMX):
 
-- update 16.0 s (runs 15.6 / 16.0 / 17.8 s), 202 GFLOP/s against an 868 GFLOP/s bf16 matmul rate
-  measured in the same run: fraction **0.23**, short of the 0.4 target. Self CPU time: matmuls
-  6.5 s, attention 4.0 s (the CPU flash kernel's backward 3.3 s), other element-wise ops 4.9 s,
-  casts and copies 3.3 s, optimizer 0.1 s. The matmuls themselves run at about 500 GFLOP/s,
-  0.58 of the rate. The largest copies are the chunked LM head's: each 1,024-token chunk's bf16
-  logits cast to float32 (0.78 s in all) and the tied 49,152 x 576 weight cast to bf16 per chunk
-  and pass (0.42 s).
-- update 16.6 s, 194 GFLOP/s against 2,191 GFLOP/s (a 2048^3 AMX matmul; the model's own shapes
-  reached 470-2,200): fraction 0.09. The matmuls ran at about 590 GFLOP/s, so even a matmul-only
-  update would have stayed near 0.25 there.
+| arm | update | GFLOP/s | fraction | matmuls | attention | other element-wise | casts, copies | ceiling |
+|---|---|---|---|---|---|---|---|---|
+| eager | 13.2 s | 243 | 0.11 | 3.76 s | 2.74 s | 3.53 s | 1.90 s | 0.22 |
+| compiled | 9.6 s | 335 | 0.15 | 3.20 s | 2.49 s | 2.52 s | 0.99 s | 0.25 |
+
+Compiled over eager: **1.38x**; the compiled arm's first update took 43.5 s (compilation). The
+0.4 target is out of reach with torch's CPU kernels here: the matmuls alone run at 0.45 of the
+rate, and with the CPU flash-attention kernel's time the ceiling is 0.25. On an earlier host of
+this kind without AMX (953 GFLOP/s, eager only): update 15.3 s, fraction 0.22, matmuls 5.55 s
+(0.61 of the rate), attention 3.44 s, ceiling 0.37.
 
 torch's default per-tensor AdamW loop took 0.55 s per step on the same model; the fused one
 packrl uses takes 0.19 s.
