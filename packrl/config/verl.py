@@ -346,6 +346,9 @@ def _model(c: _Context) -> None:
                           (f"{AR}.model.enable_activation_offload", "model.activation_offload")):
         if c.has(verl_key):
             c.set(key, bool(c.get(verl_key)), verl_key)
+    if c.has(f"{ACTOR}.use_torch_compile"):
+        c.set("model.compile", None if c.get(f"{ACTOR}.use_torch_compile") else False, f"{ACTOR}.use_torch_compile",
+              conversion="true -> null: on where packrl can compile")
     rope = f"{AR}.model.override_config.rope_scaling"
     kind_key = f"{rope}.type" if c.has(f"{rope}.type") else f"{rope}.rope_type"
     if c.has(kind_key):

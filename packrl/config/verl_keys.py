@@ -167,6 +167,8 @@ _MODEL = {
 
 _ACTOR = {
     **_actor_like("actor"),
+    f"{ACTOR}.use_torch_compile": _m("model.compile", "false -> false; true -> null (compiled decoder layers where packrl can run "
+                                     "them; verl compiles its entropy and log-prob functions)"),
     f"{ACTOR}.ppo_mini_batch_size": _m("train.mini_batch_size", "prompts per optimizer step in both"),
     f"{ACTOR}.ppo_micro_batch_size": _m("train.max_tokens_per_microbatch", "sequences over all GPUs -> tokens per GPU"),
     f"{ACTOR}.ppo_micro_batch_size_per_gpu": _m("train.max_tokens_per_microbatch", "sequences -> tokens"),

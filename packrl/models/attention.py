@@ -51,12 +51,12 @@ def _packrl_sdpa(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
-    packrl_prefix_of: tuple[int, ...] | None = None,
+    packrl_prefix_of: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """SDPA that runs causal attention per segment when ``cu_seq_lens_q`` marks a pack; a segment
-    with a shared prompt (``packrl_prefix_of``, `packrl.seqlen.packing.pack_shared`) also attends
-    to all of its prompt segment.
+    with a shared prompt (``packrl_prefix_of`` [S] int64: `Pack.prefix_of`, see
+    `packrl.seqlen.packing.pack_shared`) also attends to all of its prompt segment.
 
     The responses sharing a prompt run as one right-padded batch (`_buckets`): one masked SDPA
     call instead of one per response, about 15% less attention time for groups of 4 on CPU.
@@ -71,7 +71,8 @@ def _packrl_sdpa(
     if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise ValueError(f"packed attention expects one pack without cache; got query {tuple(query.shape)}, key {tuple(key.shape)}")
     bounds = tuple(cu_seq_lens_q.tolist())
-    plan = _bucket_plan(bounds, tuple(packrl_prefix_of or (-1,) * (len(bounds) - 1)), query.device)
+    prefix_of = tuple(packrl_prefix_of.tolist()) if packrl_prefix_of is not None else (-1,) * (len(bounds) - 1)
+    plan = _bucket_plan(bounds, prefix_of, query.device)
     q, k, v = query[0], key[0], value[0]  # [h, K, d], [h_kv, K, d]
     sdpa = dict(dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     outs = [_bucket_attention(q, k, v, bucket, sdpa) for bucket in plan.buckets]
@@ -243,7 +244,7 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
         cu = pack.cu_seqlens.to(torch.int32)
         kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pack.max_seqlen, max_length_k=pack.max_seqlen)
         if pack.shares_prompts:
-            kwargs["packrl_prefix_of"] = pack.prefix_of
+            kwargs["packrl_prefix_of"] = torch.tensor(pack.prefix_of)  # a tensor: compiled layers do not specialise on it
     elif attention == "block_mask":
         dtype = torch.bool if impl != "eager" else model.dtype
         kwargs["attention_mask"] = pack.block_causal_mask(dtype).to(pack.input_ids.device)

@@ -160,6 +160,18 @@ class Run:
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"({where}; traceback in {self.dir / 'train.log'})")
         elif isinstance(exc, KeyboardInterrupt) and hasattr(exc, "add_note"):
-            last = getattr(self, "last_step", None)
-            exc.add_note(f"after step {last}; its metrics.jsonl and checkpoints are in {self.dir}" if last is not None
-                         else f"before any step completed; {self.dir} holds no step")
+            exc.add_note(self._kept())
+
+    def _kept(self) -> str:
+        """What an interrupted run leaves: the last logged step and the newest checkpoint."""
+        from packrl.worker.checkpoint import resume_candidates
+
+        last = getattr(self, "last_step", None)
+        if last is None:
+            return f"before any step completed; {self.dir} holds no step"
+        saved = resume_candidates(self.dir, "auto")
+        if not saved:
+            return (f"after step {last}; its metrics are in {self.dir / 'metrics.jsonl'}, and no checkpoint was saved "
+                    f"(train.save_every={self.cfg.train.save_every})")
+        return (f"after step {last}; its metrics are in {self.dir / 'metrics.jsonl'}, the newest checkpoint is {saved[0]} "
+                f"(continue with train.resume=auto train.out_dir={self.dir})")

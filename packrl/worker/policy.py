@@ -191,11 +191,12 @@ class PolicyWorker:
 
     def _compile(self, model: torch.nn.Module, reference: torch.nn.Module | None) -> dict[str, CompiledLayers | None]:
         """``model.compile``: compiled decoder layers per role (None: that role runs eagerly). Null
-        compiles in one process; with several workers it is off, with a log line (true is refused
-        at config load there)."""
-        if self.cfg.model.compile is None and self.cfg.trainer.num_workers > 1:
-            logger.info("model.compile: off, trainer.num_workers=%d (compiled layers run on one worker)", self.cfg.trainer.num_workers)
-        if self.cfg.model.compile is False or self.cfg.trainer.num_workers > 1:
+        compiles where it can run (`ModelConfig.compile_blocker`) and says so in train.log where
+        it cannot; true is refused at config load there."""
+        blocker = self.cfg.model.compile_blocker(self.cfg.trainer.num_workers)
+        if self.cfg.model.compile is None and blocker:
+            logger.info("model.compile: off, %s", blocker)
+        if self.cfg.model.compile is False or blocker:
             return {"actor": None, "ref": None, "critic": None}
         actor = CompiledLayers(model)
         ref = None if reference is None else actor if reference is model else CompiledLayers(reference)

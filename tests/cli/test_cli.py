@@ -64,6 +64,7 @@ def test_an_interrupt_says_which_steps_were_kept(tmp_path, capsys, monkeypatch):
     from packrl.config import load_config
     from packrl.trainer import loop
     from packrl.trainer.run import Run
+    from packrl.worker.checkpoint import STATE_FILE
 
     def interrupted_after(steps: int):
         def fake_train(cfg):
@@ -75,9 +76,14 @@ def test_an_interrupt_says_which_steps_were_kept(tmp_path, capsys, monkeypatch):
 
     from packrl.cli.training import train_and_report
 
-    for steps, says in ((0, "before any step completed"), (2, "after step 2; its metrics.jsonl")):
+    (tmp_path / "3" / "checkpoints" / "step_3").mkdir(parents=True)
+    (tmp_path / "3" / "checkpoints" / "step_3" / STATE_FILE).write_text("x")
+    for steps, says in ((0, "before any step completed"), (2, "after step 2; its metrics are in"),
+                        (3, "after step 3; its metrics are in")):
         monkeypatch.setattr(loop, "train", interrupted_after(steps))
         cfg = load_config(None, [f"train.out_dir={tmp_path / str(steps)}", "train.loggers=[]"])
         assert train_and_report(cfg, "packrl train") == 130
         err = capsys.readouterr().err
         assert f"packrl train: interrupted {says}" in err and str(tmp_path / str(steps)) in err
+        assert ("no checkpoint was saved (train.save_every=0)" in err) == (steps == 2)
+        assert ("the newest checkpoint is" in err and "train.resume=auto" in err) == (steps == 3)

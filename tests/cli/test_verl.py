@@ -247,3 +247,8 @@ def test_translated_gsm8k_grpo_command_trains_one_step(tmp_path, capsys):
     lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1] and lines[0]["response_length/max"] <= 32
     shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)  # full weights + AdamW states
+
+
+def test_torch_compile_off_turns_compiled_layers_off():
+    assert translated(GRPO + SMALL + [f"{AR}.actor.use_torch_compile=False"])["model.compile"] == "false"
+    assert translated(GRPO + SMALL + [f"{AR}.actor.use_torch_compile=True"]).get("model.compile", "null") == "null"

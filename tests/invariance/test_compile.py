@@ -1,7 +1,8 @@
 """Compiled decoder layers (``model.compile``, `packrl.models.compile`) join the invariance suite:
 the compiled log-prob and update passes give the eager passes' log-probs (1e-5, float32) and
 gradients, over shared-prompt packs split across micro-batches, with and without gradient
-checkpointing; generation outside them stays eager."""
+activation offload; generation outside them stays eager. Gradient checkpointing cannot combine
+with them (torch.utils.checkpoint disables torch.compile inside), so that is refused."""
 
 from __future__ import annotations
 
@@ -11,32 +12,34 @@ import torch
 from packrl.config import load_config
 from packrl.errors import ConfigError
 from packrl.models.compile import CompiledLayers, active, decoder_layers
-from packrl.models.loading import enable_gradient_checkpointing
+from packrl.worker.policy import ActivationOffload
 from tests.conftest import minibatch_grads, score_of, tiny_llama
 from tests.invariance.test_shared_prompts import _batch, _cfg
 
 
-def _grads(model, batch, cfg, compiled=None):
+def _grads(model, batch, cfg, compiled=None, context=None):
     model.zero_grad(set_to_none=True)
     with active(compiled):
-        loss = minibatch_grads(model, batch, cfg, share_prompts=True)
+        loss = minibatch_grads(model, batch, cfg, context=context, share_prompts=True)
     return loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_layers_give_the_eager_logprobs_and_gradients(checkpointing):
+@pytest.mark.parametrize("offload", [False, True])
+def test_compiled_layers_give_the_eager_logprobs_and_gradients(offload):
     batch = _batch()
     cfg = _cfg("seq-mean-token-mean", budget=40)  # several micro-batches; groups split across them
     model = tiny_llama()
     model.train()
-    if checkpointing:
-        enable_gradient_checkpointing(model)
+    context = (lambda: ActivationOffload("cpu")) if offload else None
     eager_lp, eager_ent = score_of(model, batch.rollout, cfg, share_prompts=True)
-    eager_loss, eager_grads = _grads(model, batch, cfg)
+    eager_loss, eager_grads = _grads(model, batch, cfg, context=context)
     compiled = CompiledLayers(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with active(compiled):
         lp, ent = score_of(model, batch.rollout, cfg, share_prompts=True)
-    loss, grads = _grads(model, batch, cfg, compiled)
+    loss, grads = _grads(model, batch, cfg, compiled, context=context)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did compile
     for a, b in zip(lp + ent, eager_lp + eager_ent):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-6)
@@ -61,10 +64,15 @@ def test_a_model_without_a_layer_stack_is_refused():
         CompiledLayers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-def test_compile_with_several_workers_is_refused_unless_left_to_packrl():
-    with pytest.raises(ConfigError, match="model.compile=null .on where it can run., false, or trainer.num_workers=1"):
+def test_compile_where_it_cannot_run_is_refused_unless_left_to_packrl():
+    with pytest.raises(ConfigError, match=r"cannot run with trainer.num_workers=2 .*set model.compile=null \(on where it can run\) or false"):
         load_config("demo", ["model.compile=true", "trainer.num_workers=2"])
-    assert load_config("gsm8k", ["trainer.num_workers=2"]).model.compile is None  # the preset's null: eager there
+    with pytest.raises(ConfigError, match="model.gradient_checkpointing=true .torch.utils.checkpoint runs its layers with torch.compile"):
+        load_config("demo", ["model.compile=true", "model.gradient_checkpointing=true"])
+    for blocker in ("trainer.num_workers=2", "model.gradient_checkpointing=true"):  # the preset's null: eager there
+        cfg = load_config("gsm8k", [blocker])
+        assert cfg.model.compile is None and cfg.model.compile_blocker(cfg.trainer.num_workers)
+    assert load_config("gsm8k").model.compile_blocker(1) is None
 
 
 def test_the_compiled_critic_gives_the_eager_values():
