@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"packrl {args.command}: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. while a command still imports torch; a run's own interrupt says more
+        print(f"packrl {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

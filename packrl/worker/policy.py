@@ -185,8 +185,9 @@ class PolicyWorker:
                         f"{cfg.critic.model.path or cfg.model.path} (value head starts at 0)")
             strategy.wrap(self.critic)
             self.critic_opt = critic_optimization(self.critic, cfg)
-            self.compiled["critic"] = self.compiled["actor"] and CompiledLayers(self.critic)
-        summary += f"; compiled layers: {'on' if self.compiled['actor'] else 'off'}; shared prompts: {phrase}"  # last, as the run's model summary ends
+            self.compiled["critic"] = CompiledLayers(self.critic) if self.compiled["actor"] is not None else None
+        summary += f"; compiled layers: {'off' if self.compiled['actor'] is None else 'on'}"
+        summary += f"; shared prompts: {phrase}"  # last, as the run's model summary ends
         return WorkerInfo(max_context, rope_factor, summary, packing, share)
 
     def _compile(self, model: torch.nn.Module, reference: torch.nn.Module | None) -> dict[str, CompiledLayers | None]:

@@ -87,3 +87,14 @@ def test_an_interrupt_says_which_steps_were_kept(tmp_path, capsys, monkeypatch):
         assert f"packrl train: interrupted {says}" in err and str(tmp_path / str(steps)) in err
         assert ("no checkpoint was saved (train.save_every=0)" in err) == (steps == 2)
         assert ("the newest checkpoint is" in err and "train.resume=auto" in err) == (steps == 3)
+
+
+def test_an_interrupt_outside_a_run_is_one_line(monkeypatch, capsys):
+    import packrl.cli.main as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_config", interrupted)
+    assert main(["config", "rollout.n=2"]) == 130
+    assert capsys.readouterr().err == "packrl config: interrupted\n"
