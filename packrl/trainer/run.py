@@ -67,6 +67,7 @@ class Run:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self.last_step: int | None = None  # the step metrics.jsonl ends at (set by log_step and truncate_metrics)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.dir = Path(cfg.train.out_dir or f"runs/{stamp}-{secrets.token_hex(2)}").expanduser().resolve()
         if cfg.train.resume is None and (self.dir / "metrics.jsonl").is_file() and (self.dir / "metrics.jsonl").stat().st_size:
@@ -153,8 +154,7 @@ class Run:
         if isinstance(exc, Exception):  # the traceback goes to train.log; the console gets one line
             import traceback
 
-            last = getattr(self, "last_step", None)
-            where = f"after step {last} was logged" if last is not None else "before any step was logged"
+            where = f"after step {self.last_step} was logged" if self.last_step is not None else "before any step was logged"
             with (self.dir / "train.log").open("a") as f:
                 f.write(f"failed {where}:\n" + "".join(traceback.format_exception(exc)))
             if hasattr(exc, "add_note"):  # Python >= 3.11
@@ -166,7 +166,7 @@ class Run:
         """What an interrupted run leaves: the last logged step and the newest checkpoint."""
         from packrl.worker.checkpoint import resume_candidates
 
-        last = getattr(self, "last_step", None)
+        last = self.last_step
         if last is None:
             return f"before any step completed; {self.dir} holds no step"
         saved = resume_candidates(self.dir, "auto")
