@@ -33,7 +33,9 @@ Speed: a batch generates in rounds of `HFEngine.ROUND_TOKENS` tokens and rows th
 the batch and its KV cache between rounds, so later rounds decode only the rows still running
 (on an earlier 2-core host the demo preset's 32 requests took 4.6 s this way against 6.5 s when
 every row decoded until the longest ended). The KV cache appends each step's keys and values in
-place (`packrl.rollout.kv_cache`) rather than concatenating the whole cache at every step.
+place (`packrl.rollout.kv_cache`) rather than concatenating the whole cache at every step. On the
+CPU, bf16 Linear layers run on weights packed into oneDNN's layout once per call
+(`packrl.rollout.packed_linear`, ``PACK_LINEARS``) rather than reordered at every matmul.
 
 ``rollout_logprobs`` are ``log_softmax(logits / temperature)`` of the sampled token, from the raw
 logits (``output_logits=True``) before top-k/top-p filtering: the distribution the trainer scores.
@@ -66,6 +68,7 @@ from packrl.models.lora import is_lora, merged_copy
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, SamplingParams
 from packrl.rollout.kv_cache import appending_cache
+from packrl.rollout.packed_linear import packed_linears
 from packrl.types import FinishReason, Response
 
 # Generation settings that would add a logits processor or a stopping rule beyond the requested
@@ -181,6 +184,7 @@ class HFEngine:
 
     ROUND_TOKENS = 16  # new tokens per generate call before finished rows leave the batch
     KV_CACHE = staticmethod(appending_cache)  # model config -> empty KV cache of a batch
+    PACK_LINEARS = True  # bf16 CPU Linear layers on pre-packed weights while generating (packed_linear)
 
     def __init__(
         self,
@@ -231,7 +235,7 @@ class HFEngine:
         requests = self._requests(prompt_ids, params, seeds)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
         out: list[list[Response | None]] = [[None] * params.n for _ in prompt_ids]
-        with self._generation_mode():
+        with self._generation_mode(min(self.max_num_seqs, len(requests))):
             for start in range(0, len(order), self.max_num_seqs):
                 batch = [requests[i] for i in order[start:start + self.max_num_seqs]]
                 for req, response in zip(batch, self._generate_batch(batch, params)):
@@ -284,8 +288,10 @@ class HFEngine:
         return requests
 
     @contextlib.contextmanager
-    def _generation_mode(self) -> Iterator[None]:
-        """No grad, eval mode (restored afterwards) and autocast when ``autocast_dtype`` is set."""
+    def _generation_mode(self, num_rows: int) -> Iterator[None]:
+        """No grad, eval mode (restored afterwards), autocast when ``autocast_dtype`` is set, and the
+        bf16 CPU Linear layers on weights packed for batches of ``num_rows`` rows when
+        ``PACK_LINEARS`` (`packrl.rollout.packed_linear`)."""
         was_training = self.model.training
         device_type = next(self.model.parameters()).device.type
         autocast = (
@@ -293,7 +299,7 @@ class HFEngine:
         )
         self.model.eval()
         try:
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), autocast, (packed_linears(self.model, num_rows) if self.PACK_LINEARS else contextlib.nullcontext()):
                 yield
         finally:
             self.model.train(was_training)
