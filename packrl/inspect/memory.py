@@ -12,7 +12,9 @@ strategy `packrl.worker.strategy.weight_layout` names for the config):
 - parameters: float32, 4 bytes each; the reference model (``algorithm.kl_coef > 0`` without
   LoRA) another 4 each; the rollout engine's copy: 2 each in bf16 (``model.dtype=bf16``), 4 each
   in float32 under FSDP2 (a sharded policy cannot generate) or with an engine of its own
-  (``rollout.engine=vllm``), none otherwise.
+  (``rollout.engine=vllm``), none otherwise. While the hf engine generates on the CPU in bf16 it
+  also holds its Linear weights (decoder layers and LM head) packed for oneDNN, 2 bytes each
+  (`packrl.rollout.packed_linear`).
 - trainable parameters (all, or the LoRA adapters): gradients 4 bytes and AdamW's two moments
   8 bytes each (Loshchilov & Hutter 2019), allocated at the first optimizer step.
 - the critic of PPO (``critic.enable``, by default with ``adv_estimator=gae``): the policy's
@@ -276,6 +278,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "weight casts for the backward": weight_casts,
         "logits chunk": 2 * 4 * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
         "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
+        "packed rollout weights (CPU generation)": _packed_bytes(cfg, shape, device, c),
     }
     host = {}
     if layout.params_on_host and device == "cuda":
@@ -301,8 +304,16 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     logprob = states + cfg.train.max_tokens_per_logprob_microbatch * per_layer + parts["logits chunk"] // 2
     prefill = cfg.rollout.max_num_seqs * cfg.data.max_prompt_tokens * per_layer
     generation = states + parts["rollout KV cache"] + prefill + 3 * 4 * cfg.rollout.max_num_seqs * shape.vocab_size
+    generation += parts["packed rollout weights (CPU generation)"]
     phases = {"update": held + max(backward, optimizer_step), "logprob": held + logprob, "generation": held + generation}
     return MemoryEstimate(device, T, parts, phases, host)
+
+
+def _packed_bytes(cfg: RunConfig, shape: ModelShape, device: str, compute_bytes: int) -> int:
+    """The hf engine's packed bf16 Linear weights while it generates on the CPU (0 elsewhere)."""
+    if device != "cpu" or compute_bytes != 2 or cfg.rollout.engine != "hf":
+        return 0
+    return 2 * (shape.num_matmul_params + shape.vocab_size * shape.hidden_size)
 
 
 def _kv_cache_bytes(cfg: RunConfig, shape: ModelShape, compute_bytes: int) -> int:

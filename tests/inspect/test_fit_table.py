@@ -100,11 +100,13 @@ def test_a_row_against_the_measured_peak_of_its_budget(tmp_path):
     common = ["algorithm.kl_coef=0", "train.mini_batch_size=null", "train.ppo_epochs=1"]  # bench_memory.COMMON
     cfg = load_config("demo", [f"model.path={model}", *common])
     shape = ModelShape.from_config(_smollm_config(num_hidden_layers=4))
-    gib = estimate_memory(cfg, shape, device="cpu", tokens_per_microbatch=1536).phases["update"] / GIB  # a ~1.5k budget
+    # a ~2k budget: the update is the phase that binds there (below ~1.6k tokens this 4-layer
+    # model's generation, with its packed 49k x 576 LM head, peaks higher)
+    gib = estimate_memory(cfg, shape, device="cpu", tokens_per_microbatch=2048).phases["update"] / GIB
     (row,) = [r for r in fit_table("demo", [f"model.path={model}", *common], memory_gib=[gib], device="cpu").rows
               if r.setting == "plain"]
     tokens = row.max_tokens_per_microbatch
-    assert 1024 <= tokens <= 1536 and tokens % 16 == 0
+    assert 1536 <= tokens <= 2048 and tokens % 16 == 0
     out = subprocess.run([sys.executable, "bench/bench_memory.py", "--worker", str(tokens), f"model.path={model}"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
