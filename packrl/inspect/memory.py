@@ -222,11 +222,11 @@ class MemoryEstimate:
     def table(self) -> str:
         """The parts and phases as a readable table, in GiB."""
         lines = [f"memory per device ({self.device}, update micro-batch {self.tokens_per_microbatch:,} tokens)"]
-        lines += [f"  {name:<34}{value / GIB:>9.3f} GiB" for name, value in self.parts.items()]
-        lines += [f"  peak of phase {name:<20}{value / GIB:>9.3f} GiB" for name, value in self.phases.items()]
+        lines += [f"  {name:<41}{value / GIB:>9.3f} GiB" for name, value in self.parts.items()]
+        lines += [f"  peak of phase {name:<27}{value / GIB:>9.3f} GiB" for name, value in self.phases.items()]
         if self.host:
             lines.append("host memory per rank (model.param_offload)")
-            lines += [f"  {name:<34}{value / GIB:>9.3f} GiB" for name, value in self.host.items()]
+            lines += [f"  {name:<41}{value / GIB:>9.3f} GiB" for name, value in self.host.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

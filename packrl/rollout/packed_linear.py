@@ -34,42 +34,48 @@ def packs(model: torch.nn.Module) -> bool:
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The plain ``nn.Linear`` layers (not subclasses) with bf16 CPU weights."""
+    """The plain ``nn.Linear`` layers (not subclasses) with bf16 CPU weights (and bf16 bias, if any)."""
     return [
         module for module in model.modules()
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"
+        and (module.bias is None or module.bias.dtype == torch.bfloat16)
     ]
 
 
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module, num_rows: int) -> Iterator[None]:
     """Inside, every bf16 ``nn.Linear`` of ``model`` on the CPU multiplies by a packed copy of its
-    weight, taken on entry; on exit the layers run their own ``forward`` again and the copies go.
-    Nothing changes where `packs` is False. Weights must not change inside (no gradients flow
-    through the packed copies: use it under ``torch.no_grad``).
+    weight, taken on entry; on exit (also on an error) the layers run their own ``forward`` again
+    and the copies go. Nothing changes where `packs` is False. A layer that already has a
+    ``forward`` of its own (a hook's wrapper, or an enclosing `packed_linears`) is left as it is,
+    so the context nests. Calls with gradients enabled, or with a non-bf16 input, run the plain
+    layer (the packed op has no backward). Weights must not change inside.
 
     Args:
         model: the model generation runs on.
         num_rows: the matmuls' typical row count (decode: the rows of a generation batch), which
             oneDNN may use to pick a layout; any row count gives the same products.
     """
-    layers = _linears(model) if packs(model) else []
-    for layer in layers:
-        layer.forward = _packed_forward(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), max(1, num_rows)))
+    layers = [layer for layer in _linears(model) if "forward" not in layer.__dict__] if packs(model) else []
+    patched: list[torch.nn.Linear] = []
     try:
+        for layer in layers:
+            layer.forward = _packed_forward(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), max(1, num_rows)))
+            patched.append(layer)
         yield
     finally:
-        for layer in layers:
+        for layer in patched:
             del layer.forward  # the instance attribute; nn.Linear's forward shows again
 
 
 def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor):
     """``layer``'s forward on ``packed`` (its weight in oneDNN's layout): x [..., in] -> [..., out]."""
     bias = None if layer.bias is None else layer.bias.detach()
+    plain = type(layer).forward.__get__(layer)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:  # what nn.Linear does with it (autocast, or its dtype error)
-            return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        if x.dtype != torch.bfloat16 or torch.is_grad_enabled():  # autocast, dtype errors, gradients: as nn.Linear
+            return plain(x)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     return forward

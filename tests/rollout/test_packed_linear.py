@@ -79,14 +79,61 @@ def test_a_float32_input_meets_the_plain_layer_and_its_dtype_error():
 
 
 @needs_bf16
-@pytest.mark.parametrize("pack", [True, False])
-def test_the_engine_generates_on_packed_layers_only_when_asked(pack):
+@pytest.mark.parametrize(("pack", "min_tokens", "used"), [(True, 4, True), (False, 4, False), (True, 5, False)])
+def test_the_engine_generates_on_packed_layers_when_asked_and_long_enough(pack, min_tokens, used):
     policy = tiny_llama(vocab=512)
     engine = HFEngine(rollout_copy(policy, torch.bfloat16), TOKENIZER, max_context_tokens=64, max_num_seqs=4)
-    engine.PACK_LINEARS = pack
+    engine.PACK_LINEARS, engine.PACK_MIN_TOKENS = pack, min_tokens
     with profile() as prof:
         groups = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=1.0, max_response_tokens=4), [1, 2])
     assert all(len(r.response_ids) >= 1 for g in groups for r in g)
-    used = any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
-    assert used is pack
+    assert any(e.name == "mkldnn::_linear_pointwise" for e in prof.events()) is used
     assert all("forward" not in layer.__dict__ for layer in _linears(engine.model))
+
+
+@needs_bf16
+def test_contexts_nest_and_a_forward_of_its_own_is_kept():
+    layer = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    model = torch.nn.Sequential(layer, torch.nn.ReLU(), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    calls = []
+    wrapper = model[2].forward = lambda x: calls.append(1) or torch.nn.Linear.forward(model[2], x)
+    with packed_linears(model, 2):
+        inner = layer.forward
+        with packed_linears(model, 2):
+            assert layer.forward is inner
+        assert layer.forward is inner
+        model(torch.randn(2, 8, dtype=torch.bfloat16))
+    assert "forward" not in layer.__dict__ and model[2].forward is wrapper and calls == [1]
+
+
+@needs_bf16
+def test_a_failure_while_packing_restores_the_layers_packed_so_far(monkeypatch):
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8).to(torch.bfloat16) for _ in range(3)])
+    reorder, count = torch.ops.mkldnn._reorder_linear_weight, []
+
+    def failing(weight, rows):
+        count.append(1)
+        if len(count) == 3:
+            raise RuntimeError("out of memory")
+        return reorder(weight, rows)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", failing)
+    with pytest.raises(RuntimeError, match="out of memory"), packed_linears(model, 2):
+        pass
+    assert all("forward" not in layer.__dict__ for layer in model)
+
+
+@needs_bf16
+def test_with_gradients_enabled_the_plain_layer_runs_and_gradients_flow():
+    layer = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
+    with packed_linears(layer, 3):
+        layer(x).float().sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+@needs_bf16
+def test_a_layer_with_a_float32_bias_is_not_packed():
+    layer = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    layer.bias.data = layer.bias.data.float()
+    assert not packs(layer)
