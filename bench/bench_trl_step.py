@@ -47,8 +47,9 @@ bench/bench_rollout.py), and reports its step time over TRL's and over packrl's 
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
 Measured on a host with AMX (median of 3 steps, packrl first; a fresh ``TORCHINDUCTOR_CACHE_DIR``),
 with the hf engine's Linear weights packed for oneDNN (`packrl.rollout.packed_linear`): gsm8k 34.2
-vs 90.7 s (ratio **0.38**; gen 20.7 s, update 15.1 s; warm-up 76.6 s), demo 12.1 vs 40.9 s
-(**0.30**; gen 5.0 s, update 7.1 s), one run each. Before the packing, on an AMX host: gsm8k
+vs 90.7 s (ratio **0.38**; gen 20.7 s, update 15.1 s; warm-up 76.6 s) and, in a slower spell of
+the host, 42.4 vs 97.6 s (**0.44**; gen 26.6 s, update 16.5 s; warm-up 100.2 s); demo 12.1 vs
+40.9 s (**0.30**; gen 5.0 s, update 7.1 s). Before the packing, on an AMX host: gsm8k
 with the preset's ``model.compile=null`` (compiled layers) 35.6 vs 71.7 s (ratio **0.50**, short of 0.4; gen 21.1 s, update 14.5 s; the warm-up step, which compiles, 77.4 s); again after
 shared-prompt metadata became a tensor (no recompiles per pack layout), in a slower spell of the
 host, 41.4 vs 89.5 s (**0.46**; gen 25.9 s, update 15.9 s; warm-up 84.5 s); and before
