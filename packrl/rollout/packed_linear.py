@@ -30,7 +30,12 @@ import torch
 def packs(model: torch.nn.Module) -> bool:
     """Whether `packed_linears` changes anything for ``model``: it has plain ``nn.Linear`` layers
     with bf16 weights on the CPU, and this torch build's oneDNN runs bf16 matmuls."""
-    return bool(_linears(model)) and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return bool(_linears(model)) and _onednn_bf16()
+
+
+def _onednn_bf16() -> bool:
+    """Whether this torch build's oneDNN runs bf16 matmuls on this CPU."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -56,7 +61,7 @@ def packed_linears(model: torch.nn.Module, num_rows: int) -> Iterator[None]:
         num_rows: the matmuls' typical row count (decode: the rows of a generation batch), which
             oneDNN may use to pick a layout; any row count gives the same products.
     """
-    layers = [layer for layer in _linears(model) if "forward" not in layer.__dict__] if packs(model) else []
+    layers = [layer for layer in _linears(model) if "forward" not in layer.__dict__] if _onednn_bf16() else []
     patched: list[torch.nn.Linear] = []
     try:
         for layer in layers:
