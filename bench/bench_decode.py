@@ -12,7 +12,9 @@ Two measures, each alternating the two arms ``--repeats`` times after a warm-up
   up to ``--response-tokens`` tokens at temperature 1 with fixed seeds, and its seconds per 1k
   response tokens (the arms round differently, so they may draw different tokens and lengths).
 
-Printed: one JSON object with every time, the medians and ``plain_over_packed`` for both::
+Also printed: ``pack_s``, the seconds `packed_linears` takes to pack the engine's model and
+restore it (what every packed ``generate`` call adds). Printed: one JSON object with every time,
+the medians and ``plain_over_packed`` for both::
 
     python bench/bench_decode.py [--model PATH] [--prompts 4] [--n 4] [--prompt-tokens 110] [--steps 48] [--response-tokens 256] [--repeats 3]
 """
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     from packrl.registry import ROLLOUT_ENGINES
     from packrl.rollout.engine import EngineContext, SamplingParams
     from packrl.rollout.hf_engine import rollout_copy
-    from packrl.rollout.packed_linear import packs
+    from packrl.rollout.packed_linear import packed_linears, packs
     from packrl.seqlen.budgets import model_context_tokens
 
     torch.set_num_threads(THREADS)
@@ -87,6 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     if not packs(engine.model):
         raise SystemExit("this torch build cannot run packed bf16 Linear layers on the CPU (packrl.rollout.packed_linear.packs)")
+    pack_s = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        with packed_linears(engine.model, rows):
+            pass
+        pack_s.append(round(time.perf_counter() - start, 3))
     reference = decode_steps(rollout_copy(model, torch.float32), rows, args.prompt_tokens, args.steps, pack=False)[1]
     ids = prompts(tokenizer, cfg, args.prompts)
     params = SamplingParams(n=args.n, temperature=1.0, max_response_tokens=args.response_tokens, return_logprobs=True)
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(["python", "bench/bench_decode.py", *sys.argv[1:]]), "rows": rows,
         "decode_ms_per_step": step_ms, "median_decode_ms_per_step": median_ms,
         "decode_plain_over_packed": round(median_ms["plain"] / median_ms["packed"], 3),
-        "max_abs_logprob_diff_vs_fp32": logprob_error,
+        "max_abs_logprob_diff_vs_fp32": logprob_error, "pack_s": pack_s,
         "generate_s": gen_s, "response_tokens": gen_tokens, "median_generate_s": median_s,
         "generate_s_per_1k_response_tokens": per_1k,
         "generate_plain_over_packed": round(per_1k["plain"] / per_1k["packed"], 3),

@@ -186,8 +186,9 @@ class HFEngine:
     ROUND_TOKENS = 16  # new tokens per generate call before finished rows leave the batch
     KV_CACHE = staticmethod(appending_cache)  # model config -> empty KV cache of a batch
     PACK_LINEARS = True  # bf16 CPU Linear layers on pre-packed weights while generating (packed_linear)
-    # Packing costs about 0.12 s a call for SmolLM2-135M and saves 10-20 ms a decode step: calls
-    # capped below this many new tokens run the plain layers.
+    # Packing costs 0.11-0.12 s a call for SmolLM2-135M and saved about 9 ms of a 16-row decode
+    # step (bench/bench_decode.py: pack_s; 79.1 vs 70.2 ms): calls capped below this many new
+    # tokens run the plain layers.
     PACK_MIN_TOKENS = 32
 
     def __init__(

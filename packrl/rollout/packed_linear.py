@@ -9,7 +9,7 @@ of the call: on 2 CPU cores with AMX, a 16 x 576 by 576 x 576 bf16 matmul took 5
 call (``torch.ops.mkldnn._reorder_linear_weight``, as inductor's CPU weight prepacking does) and
 runs the layers on the packed copies (``torch.ops.mkldnn._linear_pointwise``) until the call ends.
 The products are the same up to bf16 rounding (accumulation order), and the policy's new weights
-reach the next call, which packs them again. Cost: about 0.1 s and one more bf16 copy of the
+reach the next call, which packs them again. Cost: 0.11-0.12 s (``pack_s``) and one more bf16 copy of the
 weights (0.27 GB for SmolLM2-135M) per call. On GSM8K-shaped work (16 rows, SmolLM2-135M, 2 cores
 with AMX) a decode step took a median 70.2 ms against 79.1 ms plain (1.13x), and ``generate``
 1.12x less time per response token (``python bench/bench_decode.py``).
