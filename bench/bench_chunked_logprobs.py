@@ -9,6 +9,8 @@ random labels, T = 8,192, H = 576, V = 49,152 (SmolLM2-135M's head), float32 by 
 - ``chunked``: `chunked_logprobs` with c = 1,024 and the entropy without grad (its default);
   loss = logprobs.sum().
 - ``chunked_entropy_grad``: `chunked_logprobs(..., entropy_grad=True)`; the same loss as ``full``.
+- ``chunked_compiled``: ``chunked`` with its softmax math compiled (`compiled_math`, part of
+  ``model.compile``); its process compiles on a 64-token call before the measured one.
 
 Each variant runs in its own fresh subprocess (``--child``), ``--rounds`` times with the variant
 order alternating between rounds. Peak memory is the peak RSS (``ru_maxrss``) during forward +
@@ -40,9 +42,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from packrl.seqlen.chunked import chunked_logprobs, full_logprobs  # noqa: E402
+from packrl.seqlen.chunked import chunked_logprobs, compiled_math, full_logprobs  # noqa: E402
 
-VARIANTS = ("full", "chunked", "chunked_entropy_grad")
+VARIANTS = ("full", "chunked", "chunked_entropy_grad", "chunked_compiled")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 ENTROPY_COEF = 0.01
 
@@ -64,6 +66,12 @@ def run_variant(variant: str, hidden: torch.Tensor, weight: torch.Tensor, labels
     elif variant == "chunked":
         logprobs, entropy = chunked_logprobs(hidden, weight, labels, chunk_tokens=chunk_tokens)
         loss = logprobs.sum()
+    elif variant == "chunked_compiled":
+        with compiled_math():
+            logprobs, entropy = chunked_logprobs(hidden, weight, labels, chunk_tokens=chunk_tokens)
+            loss = logprobs.sum()
+            loss.backward()  # the backward uses the forward's math either way
+        return logprobs.detach(), entropy.detach()
     elif variant == "chunked_entropy_grad":
         logprobs, entropy = chunked_logprobs(hidden, weight, labels, chunk_tokens=chunk_tokens, entropy_grad=True)
         loss = logprobs.sum() + ENTROPY_COEF * entropy.sum()
@@ -82,6 +90,8 @@ def rss_kib() -> int:
 
 def child(args: argparse.Namespace) -> dict:
     """One variant in this (fresh) process: peak RSS increment and time of forward+backward."""
+    if args.variant == "chunked_compiled":  # compile (dynamic shapes) outside the measurement
+        run_variant(args.variant, *make_inputs(64, args.hidden, args.vocab, DTYPES[args.dtype], args.seed), 16)
     hidden, weight, labels = make_inputs(args.tokens, args.hidden, args.vocab, DTYPES[args.dtype], args.seed)
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
@@ -113,7 +123,7 @@ def correctness(args: argparse.Namespace, num_tokens: int) -> dict:
     """
     chunk = min(args.chunk_tokens, max(1, num_tokens // 4))
     out = {}
-    for variant, with_entropy in (("chunked", False), ("chunked_entropy_grad", True)):
+    for variant, with_entropy in (("chunked", False), ("chunked_entropy_grad", True), ("chunked_compiled", False)):
         ref = make_inputs(num_tokens, args.hidden, args.vocab, DTYPES[args.dtype], args.seed)
         ref_logprobs, ref_entropy = full_logprobs(*ref)
         (ref_logprobs.sum() + (ENTROPY_COEF * ref_entropy.sum() if with_entropy else 0.0)).backward()
@@ -180,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "variants": variants,
         "peak_ratio_vs_full": ratios,
         "time_ratio_vs_full": {f"{v}/full": round(variants[v]["median_s"] / variants["full"]["median_s"], 3) for v in VARIANTS if v != "full"},
+        "time_ratio_compiled_vs_chunked": round(variants["chunked_compiled"]["median_s"] / variants["chunked"]["median_s"], 3),
         "target": "chunked/full peak <= 0.5; max abs diff < 1e-4",
         "target_met": ratios["chunked/full"] <= 0.5 and all(c["ok"] for c in check.values()),
         "correctness": {"tokens": args.check_tokens, **check},

@@ -4,6 +4,8 @@ Each decoder layer's ``forward`` gets a ``torch.compile`` twin (inductor, dynami
 graph serves every pack length). The twins are switched on only inside `CompiledLayers.active`,
 which the worker wraps around the log-prob, value and update passes (backward and activation
 recomputation included), so generation, which runs the same modules on a KV cache, stays eager.
+`CompiledLayers.active` also runs the chunked LM head's softmax math compiled
+(`packrl.seqlen.chunked.compiled_math`).
 
 Attention itself is not compiled: packrl's packed attention plans each pack in Python
 (`packrl.models.attention`, ``torch.compiler.disable``), so each layer compiles into the part
@@ -23,6 +25,8 @@ import contextlib
 from typing import Iterator
 
 import torch
+
+from packrl.seqlen.chunked import compiled_math
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -52,11 +56,13 @@ class CompiledLayers:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Every layer runs its compiled ``forward`` inside; the class's own one again after."""
+        """Every layer runs its compiled ``forward`` inside, and the LM head its compiled softmax
+        math; the class's own ``forward`` again after."""
         for layer, forward in zip(self.layers, self.forwards):
             layer.forward = forward
         try:
-            yield
+            with compiled_math():
+                yield
         finally:
             for layer in self.layers:
                 del layer.forward  # the instance attribute; the class's forward shows again

@@ -12,6 +12,11 @@ d H_t / d z = -p * (log p + H_t).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -23,17 +28,6 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    # Matmul in the model dtype, softmax math in float32 or wider.
-    logits = hidden @ weight.t()
-    if bias is not None:
-        logits = logits + bias
-    logits = logits.to(_math_dtype(logits.dtype))
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
-
-
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk, temperature, entropy_grad):
@@ -42,14 +36,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(num_tokens, dtype=dtype)
         lse = hidden.new_empty(num_tokens, dtype=dtype)
         ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.compiled = _COMPILED.get()
+        forward_math = _compiled_math()[0] if ctx.compiled else _forward_math
         matmul_hidden, matmul_weight = _matmul_operands(hidden, weight, ctx.autocast[1])
+        buffer = _LogitsBuffer(matmul_weight, chunk)
         for s in range(0, num_tokens, chunk):
             e = min(s + chunk, num_tokens)
-            z = _chunk_logits(matmul_hidden[s:e], matmul_weight, bias, temperature)  # [c, V]
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            logprobs[s:e] = z.gather(1, labels[s:e, None]).squeeze(1) - lse[s:e]
-            z.sub_(lse[s:e, None])  # z is now log p
-            entropy[s:e] = -z.exp().mul_(z).sum(-1)  # -sum p log p; the product reuses exp's buffer
+            logprobs[s:e], entropy[s:e], lse[s:e] = forward_math(buffer.logits(matmul_hidden[s:e]), bias, labels[s:e], temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk, ctx.temperature, ctx.entropy_grad = chunk, temperature, entropy_grad
         if not entropy_grad:
@@ -60,6 +53,98 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         return _backward(ctx, grad_logprobs, grad_entropy)
+
+
+class _LogitsBuffer:
+    """One chunk's ``hidden @ weight.T`` [c, V] in the matmul dtype, written into the same buffer
+    for every chunk of a pass: on CPU a fresh c x V tensor per chunk pays its page faults again
+    each time. The math functions may overwrite it."""
+
+    def __init__(self, weight: torch.Tensor, chunk: int):
+        self.weight, self.chunk, self.buffer = weight, chunk, None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = hidden.new_empty(self.chunk, self.weight.shape[0])
+        return torch.mm(hidden, self.weight.t(), out=self.buffer[: hidden.shape[0]])
+
+
+def _math_logits(logits: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """``(logits + bias) / temperature`` in float32 or wider; may alias ``logits``."""
+    dtype = _math_dtype(logits.dtype)
+    z = logits.to(dtype) if bias is None else logits.to(dtype) + bias.to(dtype)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _forward_math(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's ``(log p of each label, entropy, log-sum-exp)``, each [c] in float32 or wider,
+    from its matmul output [c, V] (which it may overwrite)."""
+    z = _math_logits(logits, bias, temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(1, labels[:, None]).squeeze(1) - lse
+    z.sub_(lse[:, None])  # z is now log p
+    entropy = -z.exp().mul_(z).sum(-1)  # -sum p log p; the product reuses exp's buffer
+    return logprobs, entropy, lse
+
+
+def _grad_logits(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                 grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None, temperature: float,
+                 bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's gradient with respect to its matmul output, in that output's dtype [c, V], and
+    with ``bias_grad`` its column sums in float32 or wider [V] (the bias gradient)."""
+    logp = _math_logits(logits, bias, temperature).sub_(lse[:, None])
+    g = grad_logprobs[:, None]
+    if grad_entropy is not None:
+        p = logp.exp()
+        # d/dz of g*logp_y + gH*H  =  g*(onehot - p) - gH*p*(logp + H)
+        dz = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None]).sub_(p.mul_(g))
+    else:
+        dz = logp.exp_().mul_(-g)
+    dz.scatter_add_(1, labels[:, None], g)
+    if temperature != 1.0:
+        dz.div_(temperature)
+    return dz.to(logits.dtype), (dz.sum(0) if bias_grad else None)
+
+
+def _grad_logits_fused(logits: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                       grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None, temperature: float,
+                       bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_grad_logits` without in-place ops or a scatter, so that compiled it is one element-wise
+    pass over the chunk (the in-place form saves eager allocations but splits a compiled graph)."""
+    logp = _math_logits(logits, bias, temperature) - lse[:, None]
+    p = logp.exp()
+    g = grad_logprobs[:, None]
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == labels[:, None]
+    dz = torch.where(onehot, g, 0.0) - p * g
+    if grad_entropy is not None:
+        dz = dz - grad_entropy[:, None] * p * (logp + entropy[:, None])
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(logits.dtype), (dz.sum(0) if bias_grad else None)
+
+
+_COMPILED: contextvars.ContextVar[bool] = contextvars.ContextVar("packrl_compiled_lm_head_math", default=False)
+
+
+@functools.cache
+def _compiled_math() -> tuple:
+    """``torch.compile`` twins of `_forward_math` and `_grad_logits_fused` (inductor, dynamic
+    shapes): each reads a chunk's logits in one to three fused passes instead of one pass per
+    element-wise op (SmolLM2's 49,152-token vocabulary on 2 CPU cores, ``bench_chunked_logprobs``)."""
+    return torch.compile(_forward_math, dynamic=True), torch.compile(_grad_logits_fused, dynamic=True)
+
+
+@contextlib.contextmanager
+def compiled_math() -> Iterator[None]:
+    """Inside, `chunked_logprobs` runs its softmax math compiled (`_compiled_math`); a backward
+    uses what its forward used. Values equal the eager math's up to float rounding (fused
+    reductions sum in another order). Part of ``model.compile`` (`packrl.models.compile`)."""
+    token = _COMPILED.set(True)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
 
 
 def _autocast_state(device: str) -> tuple[str, torch.dtype | None]:
@@ -80,32 +165,22 @@ def _matmul_operands(hidden: torch.Tensor, weight: torch.Tensor, autocast_dtype:
 
 def _backward(ctx, grad_logprobs, grad_entropy):
     hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
-    chunk, temperature = ctx.chunk, ctx.temperature
+    grad_math = _compiled_math()[1] if ctx.compiled else _grad_logits
     matmul_hidden, matmul_weight = _matmul_operands(hidden, weight, ctx.autocast[1])
-    use_entropy = ctx.entropy_grad and grad_entropy is not None
+    grad_entropy = grad_entropy if ctx.entropy_grad else None
     grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
     acc = _math_dtype(weight.dtype)
     grad_weight = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
     grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
     if grad_logprobs is None:
         grad_logprobs = torch.zeros_like(lse)
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    for s in range(0, hidden.shape[0], chunk):
-        e = min(s + chunk, hidden.shape[0])
-        logp = _chunk_logits(matmul_hidden[s:e], matmul_weight, bias, temperature).sub_(lse[s:e, None])  # [c, V]
-        g = grad_logprobs[s:e, None]
-        if use_entropy:
-            p = logp.exp()
-            # d/dz of g*logp_y + gH*H  =  g*(onehot - p) - gH*p*(logp + H)
-            dz = logp.add_(entropy[s:e, None]).mul_(p).mul_(-grad_entropy[s:e, None]).sub_(p.mul_(g))
-        else:
-            dz = logp.exp_().mul_(-g)
-        dz[rows[: e - s], labels[s:e]] += grad_logprobs[s:e]
-        if temperature != 1.0:
-            dz.div_(temperature)
+    buffer = _LogitsBuffer(matmul_weight, ctx.chunk)
+    for s in range(0, hidden.shape[0], ctx.chunk):
+        e = min(s + ctx.chunk, hidden.shape[0])
+        dz, dz_sum = grad_math(buffer.logits(matmul_hidden[s:e]), bias, labels[s:e], lse[s:e], entropy[s:e], grad_logprobs[s:e],
+                               None if grad_entropy is None else grad_entropy[s:e], ctx.temperature, grad_bias is not None)
         if grad_bias is not None:
-            grad_bias.add_(dz.sum(0))
-        dz = dz.to(matmul_weight.dtype)
+            grad_bias.add_(dz_sum)
         if grad_hidden is not None:
             grad_hidden[s:e] = dz @ matmul_weight
         if grad_weight is not None:
@@ -178,7 +253,7 @@ def full_logprobs(
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: the same values through full ``[K, V]`` logits (benchmarks and tests)."""
-    logits = _chunk_logits(hidden, weight, bias, temperature)
+    logits = _math_logits(hidden @ weight.t(), bias, temperature)
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return logp.gather(1, labels[:, None].long()).squeeze(1), entropy

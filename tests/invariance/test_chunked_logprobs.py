@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packrl.seqlen.chunked import chunked_logprobs, full_logprobs
+from packrl.seqlen.chunked import chunked_logprobs, compiled_math, full_logprobs
 
 ATOL = 1e-5
 
@@ -42,6 +42,36 @@ def test_values_and_grads_match_full(chunk, temperature, bias):
     torch.testing.assert_close(lp, lp_ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(ent, ent_ref.detach(), atol=ATOL, rtol=0)
     for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=ATOL, rtol=0)
+
+
+def test_compiled_math_matches_full():
+    """The compiled softmax math (`compiled_math`, part of ``model.compile``) against the full
+    computation: a bias, a temperature, the entropy's gradient and a short last chunk in one pass,
+    then the plain log-prob gradient (the other backward graph)."""
+    h, w, b, labels = _inputs(bias=True, seed=5)
+    with compiled_math():
+        lp, ent = chunked_logprobs(h, w, labels, bias=b, chunk_tokens=8, temperature=0.7, entropy_grad=True)
+        (lp.sum() - 0.3 * ent.sum()).backward()
+        got = _grads([h, w, b])
+        for t in (h, w, b):
+            t.grad = None
+        lp2, _ = chunked_logprobs(h, w, labels, bias=b, chunk_tokens=8, temperature=0.7)
+        lp2.sum().backward()
+        got2 = _grads([h, w, b])
+    for t in (h, w, b):
+        t.grad = None
+    lp_ref, ent_ref = full_logprobs(h, w, labels, bias=b, temperature=0.7)
+    (lp_ref.sum() - 0.3 * ent_ref.sum()).backward(retain_graph=True)
+    want = _grads([h, w, b])
+    for t in (h, w, b):
+        t.grad = None
+    lp_ref.sum().backward()
+    want2 = _grads([h, w, b])
+    torch.testing.assert_close(lp, lp_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lp2, lp_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ent, ent_ref, atol=ATOL, rtol=0)
+    for a, e in zip(got + got2, want + want2):
         torch.testing.assert_close(a, e, atol=ATOL, rtol=0)
 
 
@@ -108,7 +138,7 @@ def test_backward_under_autocast_runs_the_forwards_matmul_dtype():
             self.dtypes = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default):
                 self.dtypes.add(args[-1].dtype)
             return func(*args, **(kwargs or {}))
 
