@@ -11,9 +11,9 @@ Attention itself is not compiled: packrl's packed attention plans each pack in P
 (`packrl.models.attention`, ``torch.compiler.disable``), so each layer compiles into the part
 before attention and the part after it; the norms, RoPE, projections and the MLP's element-wise
 ops fuse there. Pack metadata reaches attention as tensors, so new pack layouts reuse the graphs.
-On 2 CPU cores this made a GSM8K-sized SmolLM2-135M update 1.38x faster
-(``python bench/bench_update.py``); the first pass pays the compilation (about 30 s there;
-inductor keeps its artifacts on disk, so later runs start faster).
+On 2 CPU cores this made a GSM8K-sized SmolLM2-135M update 1.38x faster, 1.45x with the LM
+head's math compiled too (``python bench/bench_update.py``); the first pass pays the compilation
+(30-60 s there; inductor keeps its artifacts on disk, so later runs start faster).
 
 Not with gradient checkpointing: ``torch.utils.checkpoint`` runs its function with dynamo
 disabled, so the twins would silently run eagerly (`ModelConfig.compile_blocker`).

@@ -12,6 +12,7 @@ import torch
 from packrl.config import load_config
 from packrl.errors import ConfigError
 from packrl.models.compile import CompiledLayers, active, decoder_layers
+from packrl.seqlen import chunked
 from packrl.worker.policy import ActivationOffload
 from tests.conftest import minibatch_grads, score_of, tiny_llama
 from tests.invariance.test_shared_prompts import _batch, _cfg
@@ -54,6 +55,8 @@ def test_generation_outside_the_passes_stays_eager():
     compiled = CompiledLayers(model)
     with active(compiled):
         assert all(layer.forward is f for layer, f in zip(decoder_layers(model), compiled.forwards))
+        assert chunked._COMPILED.get()  # the LM head's softmax math too
+    assert not chunked._COMPILED.get()
     counts = torch._dynamo.utils.counters["stats"]["calls_captured"]
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] == counts
