@@ -39,7 +39,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.compiled = _COMPILED.get()
         forward_math = _compiled_math()[0] if ctx.compiled else _forward_math
         matmul_hidden, matmul_weight = _matmul_operands(hidden, weight, ctx.autocast[1])
-        buffer = _LogitsBuffer(matmul_weight, chunk)
+        buffer = _LogitsBuffer(matmul_weight, min(chunk, num_tokens))
         for s in range(0, num_tokens, chunk):
             e = min(s + chunk, num_tokens)
             logprobs[s:e], entropy[s:e], lse[s:e] = forward_math(buffer.logits(matmul_hidden[s:e]), bias, labels[s:e], temperature)
@@ -60,12 +60,13 @@ class _LogitsBuffer:
     for every chunk of a pass: on CPU a fresh c x V tensor per chunk pays its page faults again
     each time. The math functions may overwrite it."""
 
-    def __init__(self, weight: torch.Tensor, chunk: int):
-        self.weight, self.chunk, self.buffer = weight, chunk, None
+    def __init__(self, weight: torch.Tensor, rows: int):
+        """``rows``: the most tokens a chunk of this pass holds (``min(c, K)``)."""
+        self.weight, self.rows, self.buffer = weight, rows, None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = hidden.new_empty(self.chunk, self.weight.shape[0])
+            self.buffer = hidden.new_empty(self.rows, self.weight.shape[0])
         return torch.mm(hidden, self.weight.t(), out=self.buffer[: hidden.shape[0]])
 
 
@@ -174,7 +175,7 @@ def _backward(ctx, grad_logprobs, grad_entropy):
     grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
     if grad_logprobs is None:
         grad_logprobs = torch.zeros_like(lse)
-    buffer = _LogitsBuffer(matmul_weight, ctx.chunk)
+    buffer = _LogitsBuffer(matmul_weight, min(ctx.chunk, hidden.shape[0]))
     for s in range(0, hidden.shape[0], ctx.chunk):
         e = min(s + ctx.chunk, hidden.shape[0])
         dz, dz_sum = grad_math(buffer.logits(matmul_hidden[s:e]), bias, labels[s:e], lse[s:e], entropy[s:e], grad_logprobs[s:e],

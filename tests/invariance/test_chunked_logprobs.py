@@ -75,6 +75,14 @@ def test_compiled_math_matches_full():
         torch.testing.assert_close(a, e, atol=ATOL, rtol=0)
 
 
+def test_a_chunk_larger_than_the_pass_allocates_only_the_pass():
+    """A huge ``train.logits_chunk_tokens`` (1e7 x V logits would be 4 TB) holds only the pass's tokens."""
+    h, w, _, labels = _inputs()
+    lp, _ = chunked_logprobs(h, w, labels, chunk_tokens=10**7)
+    lp.sum().backward()
+    torch.testing.assert_close(lp, full_logprobs(h, w, labels)[0], atol=ATOL, rtol=0)
+
+
 def test_entropy_has_no_grad_by_default():
     h, w, _, labels = _inputs()
     _, ent = chunked_logprobs(h, w, labels, chunk_tokens=8)
