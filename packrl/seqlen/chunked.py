@@ -39,10 +39,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.compiled = _COMPILED.get()
         forward_math = _compiled_math()[0] if ctx.compiled else _forward_math
         matmul_hidden, matmul_weight = _matmul_operands(hidden, weight, ctx.autocast[1])
-        buffer = _LogitsBuffer(matmul_weight, min(chunk, num_tokens))
+        buffer = matmul_weight.new_empty(min(chunk, num_tokens), weight.shape[0])
         for s in range(0, num_tokens, chunk):
             e = min(s + chunk, num_tokens)
-            logprobs[s:e], entropy[s:e], lse[s:e] = forward_math(buffer.logits(matmul_hidden[s:e]), bias, labels[s:e], temperature)
+            logits = _chunk_logits(matmul_hidden[s:e], matmul_weight, buffer)
+            logprobs[s:e], entropy[s:e], lse[s:e] = forward_math(logits, bias, labels[s:e], temperature)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk, ctx.temperature, ctx.entropy_grad = chunk, temperature, entropy_grad
         if not entropy_grad:
@@ -55,19 +56,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return _backward(ctx, grad_logprobs, grad_entropy)
 
 
-class _LogitsBuffer:
-    """One chunk's ``hidden @ weight.T`` [c, V] in the matmul dtype, written into the same buffer
-    for every chunk of a pass: on CPU a fresh c x V tensor per chunk pays its page faults again
-    each time. The math functions may overwrite it."""
-
-    def __init__(self, weight: torch.Tensor, rows: int):
-        """``rows``: the most tokens a chunk of this pass holds (``min(c, K)``)."""
-        self.weight, self.rows, self.buffer = weight, rows, None
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = hidden.new_empty(self.rows, self.weight.shape[0])
-        return torch.mm(hidden, self.weight.t(), out=self.buffer[: hidden.shape[0]])
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """One chunk's ``hidden @ weight.T`` [c, V] in the matmul dtype, written into the first c rows of
+    ``buffer`` [min(chunk, K), V], which every chunk of a pass reuses: on CPU a fresh c x V tensor
+    per chunk pays its page faults again each time. The math functions may overwrite it."""
+    return torch.mm(hidden, weight.t(), out=buffer[: hidden.shape[0]])
 
 
 def _math_logits(logits: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
@@ -175,10 +168,11 @@ def _backward(ctx, grad_logprobs, grad_entropy):
     grad_bias = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
     if grad_logprobs is None:
         grad_logprobs = torch.zeros_like(lse)
-    buffer = _LogitsBuffer(matmul_weight, min(ctx.chunk, hidden.shape[0]))
+    buffer = matmul_weight.new_empty(min(ctx.chunk, hidden.shape[0]), weight.shape[0])
     for s in range(0, hidden.shape[0], ctx.chunk):
         e = min(s + ctx.chunk, hidden.shape[0])
-        dz, dz_sum = grad_math(buffer.logits(matmul_hidden[s:e]), bias, labels[s:e], lse[s:e], entropy[s:e], grad_logprobs[s:e],
+        logits = _chunk_logits(matmul_hidden[s:e], matmul_weight, buffer)
+        dz, dz_sum = grad_math(logits, bias, labels[s:e], lse[s:e], entropy[s:e], grad_logprobs[s:e],
                                None if grad_entropy is None else grad_entropy[s:e], ctx.temperature, grad_bias is not None)
         if grad_bias is not None:
             grad_bias.add_(dz_sum)
