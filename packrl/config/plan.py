@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from packrl.config.algorithm_variants import COV_LOSSES
 from packrl.config.schema import RunConfig
+from packrl.hardware import ComputeDtype, Host, resolve_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,8 @@ class BatchPlan:
         adv_estimator: ``algorithm.adv_estimator`` (what a critic's values feed).
         old_logprobs_reason: the settings that make the update off-policy or read the old
             log-probs ("" when ``needs_old_logprobs`` is False).
+        compute_dtype: ``model.dtype`` resolved for the machine (`packrl.hardware.resolve_dtype`:
+            ``auto`` becomes bf16 or fp32), with the reason and any warning.
     """
 
     num_prompts: int
@@ -59,9 +62,12 @@ class BatchPlan:
     loss_agg_mode: str = "token-mean"
     adv_estimator: str = "grpo"
     old_logprobs_reason: str = ""
+    compute_dtype: ComputeDtype = ComputeDtype("fp32", "fp32", "as set")
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> BatchPlan:
+    def from_config(cls, cfg: RunConfig, host: Host | None = None) -> BatchPlan:
+        """The plan of ``cfg`` on ``host`` (default: this machine, read only when ``model.dtype`` is
+        ``auto`` or ``bf16``; the controller decides for every rank)."""
         mini = cfg.train.mini_batch_size or cfg.data.batch_size
         algo = cfg.algorithm
         return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled
@@ -88,6 +94,7 @@ class BatchPlan:
             loss_agg_mode=algo.loss_agg_mode,
             adv_estimator=algo.adv_estimator,
             old_logprobs_reason="; ".join(reasons),
+            compute_dtype=resolve_dtype(cfg.model.dtype, host),
         )
 
     @property
@@ -120,5 +127,7 @@ class BatchPlan:
             ("old log-prob forward", f"yes ({self.old_logprobs_reason})" if self.needs_old_logprobs
              else "no (on-policy: the update's own detached log-probs)"),
             ("critic", f"yes (a value model; advantages: algorithm.adv_estimator={self.adv_estimator})" if self.has_critic else "no"),
+            ("compute dtype", f"{self.compute_dtype.name} (model.dtype={self.compute_dtype.requested}: {self.compute_dtype.reason})"),
         ]
-        return "\n".join(["batch plan"] + [f"  {name:<26}{value}" for name, value in rows])
+        warning = [f"  warning: {self.compute_dtype.warning}"] if self.compute_dtype.warning else []
+        return "\n".join(["batch plan"] + [f"  {name:<26}{value}" for name, value in rows] + warning)

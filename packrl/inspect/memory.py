@@ -3,13 +3,15 @@
 Units: bytes unless a name says otherwise. Shapes: ``H`` hidden size · ``I`` intermediate
 (MLP) size · ``L`` layers · ``h`` attention heads · ``g`` key/value heads · ``d`` head dim ·
 ``V`` vocabulary · ``T`` real tokens in one update micro-batch · ``c`` bytes of the compute
-dtype (2 for ``model.dtype=bf16``, 4 for ``fp32``) · ``r = 4`` bytes of the float32 residual
-stream (parameters stay float32, so under autocast the residual stream does too).
+dtype (2 for bf16, 4 for fp32, 8 for fp64: ``model.dtype`` resolved for the device,
+`packrl.hardware.resolve_dtype`) · ``r = 4`` bytes of the float32 residual stream (parameters
+stay float32, so under autocast the residual stream does too; 8 under fp64).
 
 What a run holds (the policy worker's layout, `packrl.worker.policy.PolicyWorker`, under the
 strategy `packrl.worker.strategy.weight_layout` names for the config):
 
-- parameters: float32, 4 bytes each; the reference model (``algorithm.kl_coef > 0`` without
+- parameters: float32, 4 bytes each (float64, 8, under ``fp64``: every float32 byte count below
+  doubles); the reference model (``algorithm.kl_coef > 0`` without
   LoRA) another 4 each; the rollout engine's copy: 2 each in bf16 (``model.dtype=bf16``), 4 each
   in float32 under FSDP2 (a sharded policy cannot generate) or with an engine of its own
   (``rollout.engine=vllm``), none otherwise. While the hf engine generates on the CPU in bf16 it
@@ -75,14 +77,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrl.config.schema import LoraConfig, RunConfig
+from packrl.hardware import ComputeDtype, resolve_for_device
 from packrl.worker.strategy import weight_layout
 
 GIB = 1 << 30
 CPU_RUNTIME_BYTES = int(0.55 * GIB)
 CUDA_RUNTIME_BYTES = int(0.75 * GIB)
 _RESIDUAL_BYTES = 4
-_OFFLOADED = ("parameters (float32)", "reference model", "critic (float32 weights + AdamW states)", "gradients",
-              "optimizer states (AdamW, float32)")
+_OFFLOADED = ("parameters", "reference model", "critic (weights + AdamW states)", "gradients",
+              "optimizer states (AdamW)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +117,23 @@ class ModelShape:
     vocab_size: int
 
     @classmethod
-    def from_config(cls, model_config: Any, lora: LoraConfig | None = None) -> ModelShape:
+    def from_config(cls, model_config: Any, lora: LoraConfig | None = None, path: str = "") -> ModelShape:
         """Instantiate the architecture on torch's ``meta`` device (no memory, no weights) and
-        count its parameters and LoRA targets.
+        count its parameters and LoRA targets. An attention-free model (Mamba) has
+        ``num_heads = num_kv_heads = head_dim = 0``: no KV cache, and its layers' activations are
+        counted by the MLP term over its ``intermediate_size`` (an approximation).
 
         Raises:
-            ValueError: the architecture cannot be built from the config, or
-                ``model.lora.target_modules`` matches no Linear module (the message lists them).
+            ValueError: a multimodal checkpoint (`packrl.models.model_config.check_text_model`),
+                the architecture cannot be built from the config, or ``model.lora.target_modules``
+                matches no Linear module (the message lists them).
         """
         import torch
         from transformers import AutoModelForCausalLM
 
+        from packrl.models.model_config import check_text_model
+
+        check_text_model(model_config, path)
         try:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(model_config)
@@ -145,7 +154,7 @@ class ModelShape:
             lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
             lora_modules = len(targets)
         hidden = _attr(model_config, "hidden_size")
-        heads = _attr(model_config, "num_attention_heads")
+        heads = _attr(model_config, "num_attention_heads") if getattr(model_config, "num_attention_heads", None) is not None else 0
         return cls(
             num_params=sum(p.numel() for p in params.values()),
             num_matmul_params=sum(m.weight.numel() for _, m in linears),
@@ -157,7 +166,7 @@ class ModelShape:
             num_layers=_attr(model_config, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(model_config, "head_dim", None) or hidden // heads,
+            head_dim=(getattr(model_config, "head_dim", None) or hidden // heads) if heads else 0,
             vocab_size=_attr(model_config, "vocab_size"),
         )
 
@@ -185,7 +194,7 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora
 
     The tensor-by-tensor count is in the module docstring. Returns bytes per token per layer.
     """
-    c, r = compute_bytes, _RESIDUAL_BYTES
+    c, r = compute_bytes, max(compute_bytes, _RESIDUAL_BYTES)  # float32 residual stream (float64 under fp64)
     H, I, h, g, d = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     casts = c if c < r else 0  # autocast casts exist only when the compute dtype is narrower
     norms = (1 if lora_rank else 2) * 2 * r * H  # a frozen norm weight needs no saved normalised output
@@ -237,21 +246,25 @@ class MemoryEstimate:
         return json.dumps(self.to_dict())
 
 
-def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", tokens_per_microbatch: int | None = None) -> MemoryEstimate:
+def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", tokens_per_microbatch: int | None = None,
+                    compute_dtype: ComputeDtype | None = None) -> MemoryEstimate:
     """Peak memory per device of ``cfg`` on a model of ``shape`` (see the module docstring).
 
     Args:
-        cfg: the run config (dtype, LoRA, checkpointing, budgets, batch sizes).
+        cfg: the run config (LoRA, checkpointing, budgets, batch sizes).
         shape: `ModelShape.from_config` of the model.
         device: ``cpu`` (process RSS) or ``cuda`` (device memory).
         tokens_per_microbatch: ``T``; default ``train.max_tokens_per_microbatch``.
+        compute_dtype: ``model.dtype`` resolved for the device; default resolved here
+            (`packrl.hardware.resolve_for_device`: this machine's facts, or a bf16 CUDA device).
 
     Returns:
         `MemoryEstimate` with every part in bytes.
     """
     m = cfg.model
     T = tokens_per_microbatch or cfg.train.max_tokens_per_microbatch
-    c = 2 if m.dtype == "bf16" else 4
+    compute = compute_dtype or resolve_for_device(m.dtype, device)
+    c, p = compute.num_bytes, compute.param_bytes
     lora = m.lora.rank > 0
     trainable = shape.num_lora_params if lora else shape.num_params
     per_layer = activation_bytes_per_token_layer(shape, c, m.lora.rank)
@@ -259,24 +272,24 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         activations = T * (shape.num_layers * _RESIDUAL_BYTES * shape.hidden_size + per_layer)
     else:
         activations = T * shape.num_layers * per_layer
-    outside_layers = T * (3 * _RESIDUAL_BYTES + c) * shape.hidden_size  # embedding, final norm, its cast
-    weight_casts = 0 if c == 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
+    outside_layers = T * (3 * max(c, _RESIDUAL_BYTES) + c) * shape.hidden_size  # embedding, final norm, its cast
+    weight_casts = 0 if c >= 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
     layout = weight_layout(cfg)
     shards = layout.num_shards
-    engine_copy = 2 if c == 2 else (4 if layout.engine_copy_always or cfg.rollout.engine != "hf" else 0)
+    engine_copy = 2 if c == 2 else (c if layout.engine_copy_always or cfg.rollout.engine != "hf" else 0)
     layer_params = shape.num_matmul_params // shape.num_layers
     parts = {
         "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,
-        "parameters (float32)": 4 * shape.num_params // shards,
-        "reference model": 4 * shape.num_params // shards if cfg.algorithm.kl_coef > 0 and not lora else 0,
-        "critic (float32 weights + AdamW states)": 12 * shape.num_params // shards if cfg.critic.enabled(cfg.algorithm.adv_estimator) else 0,
+        "parameters": p * shape.num_params // shards,
+        "reference model": p * shape.num_params // shards if cfg.algorithm.kl_coef > 0 and not lora else 0,
+        "critic (weights + AdamW states)": 3 * p * shape.num_params // shards if cfg.critic.enabled(cfg.algorithm.adv_estimator) else 0,
         "rollout engine copy": engine_copy * shape.num_params,
-        "gathered parameters (FSDP2)": 4 * (shape.num_params - shape.num_matmul_params + 2 * layer_params) if layout.gathers_layers else 0,
-        "gradients": 4 * trainable // shards,
-        "optimizer states (AdamW, float32)": 8 * trainable // shards,
+        "gathered parameters (FSDP2)": p * (shape.num_params - shape.num_matmul_params + 2 * layer_params) if layout.gathers_layers else 0,
+        "gradients": p * trainable // shards,
+        "optimizer states (AdamW)": 2 * p * trainable // shards,
         "activations": activations + outside_layers,
         "weight casts for the backward": weight_casts,
-        "logits chunk": 2 * 4 * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
+        "logits chunk": 2 * max(c, 4) * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
         "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
         "packed rollout weights (CPU generation)": _packed_bytes(cfg, shape, device, c),
     }
@@ -284,26 +297,26 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     if layout.params_on_host and device == "cuda":
         host = {k: parts[k] for k in _OFFLOADED}
         parts |= dict.fromkeys(_OFFLOADED, 0)
-    held = parts["runtime"] + parts["parameters (float32)"] + parts["reference model"] + parts["rollout engine copy"]
-    held += parts["critic (float32 weights + AdamW states)"]
+    held = parts["runtime"] + parts["parameters"] + parts["reference model"] + parts["rollout engine copy"]
+    held += parts["critic (weights + AdamW states)"]
     held += parts["gathered parameters (FSDP2)"]
     # Gradients fill in while the backward frees activations: at its peak (its start) only the LM
     # head's gradient exists; all gradients together are counted in the optimizer step.
-    first_grads = 4 * min(shape.largest_param, trainable)
+    first_grads = p * min(shape.largest_param, trainable)
     backward = parts["activations"] + parts["weight casts for the backward"] + parts["logits chunk"] + first_grads
     # AdamW's temporaries: on CUDA its foreach path holds about one more float32 copy of the
     # trainable parameters; on CPU the per-parameter loop holds two of the largest parameter.
-    temporaries = 4 * trainable if device == "cuda" else 2 * 4 * min(shape.largest_param, trainable)
+    temporaries = p * trainable if device == "cuda" else 2 * p * min(shape.largest_param, trainable)
     if host:  # the optimizer steps on the CPU, on the offloaded shards
-        host["optimizer step temporaries"] = 4 * trainable // shards
+        host["optimizer step temporaries"] = p * trainable // shards
         temporaries = 0
-    optimizer_step = parts["gradients"] + parts["optimizer states (AdamW, float32)"] + temporaries
-    states = parts["optimizer states (AdamW, float32)"]
+    optimizer_step = parts["gradients"] + parts["optimizer states (AdamW)"] + temporaries
+    states = parts["optimizer states (AdamW)"]
     # No-grad forwards keep one layer's intermediates at a time; prefill likewise, over the
     # generation batch's prompts; decoding adds its logits and sampling buffers.
     logprob = states + cfg.train.max_tokens_per_logprob_microbatch * per_layer + parts["logits chunk"] // 2
     prefill = cfg.rollout.max_num_seqs * cfg.data.max_prompt_tokens * per_layer
-    generation = states + parts["rollout KV cache"] + prefill + 3 * 4 * cfg.rollout.max_num_seqs * shape.vocab_size
+    generation = states + parts["rollout KV cache"] + prefill + 3 * max(c, 4) * cfg.rollout.max_num_seqs * shape.vocab_size
     generation += parts["packed rollout weights (CPU generation)"]
     phases = {"update": held + max(backward, optimizer_step), "logprob": held + logprob, "generation": held + generation}
     return MemoryEstimate(device, T, parts, phases, host)
@@ -321,16 +334,18 @@ def _kv_cache_bytes(cfg: RunConfig, shape: ModelShape, compute_bytes: int) -> in
     return shape.kv_bytes_per_token(compute_bytes) * tokens
 
 
-def max_fitting_tokens(cfg: RunConfig, shape: ModelShape, device_memory_bytes: int, *, device: str = "cpu", step: int = 256) -> int:
+def max_fitting_tokens(cfg: RunConfig, shape: ModelShape, device_memory_bytes: int, *, device: str = "cpu", step: int = 256,
+                       compute_dtype: ComputeDtype | None = None) -> int:
     """The largest ``train.max_tokens_per_microbatch`` (a multiple of ``step`` tokens) whose
     update phase fits ``device_memory_bytes``; 0 when even ``step`` tokens do not fit."""
+    compute = compute_dtype or resolve_for_device(cfg.model.dtype, device)
     lo, hi = 0, 1
-    while estimate_memory(cfg, shape, device=device, tokens_per_microbatch=hi * step).phases["update"] <= device_memory_bytes:
+    while estimate_memory(cfg, shape, device=device, tokens_per_microbatch=hi * step, compute_dtype=compute).phases["update"] <= device_memory_bytes:
         lo, hi = hi, hi * 2
         if hi > 1 << 20:
             break
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        fits = estimate_memory(cfg, shape, device=device, tokens_per_microbatch=mid * step).phases["update"] <= device_memory_bytes
+        fits = estimate_memory(cfg, shape, device=device, tokens_per_microbatch=mid * step, compute_dtype=compute).phases["update"] <= device_memory_bytes
         lo, hi = (mid, hi) if fits else (lo, mid)
     return lo * step

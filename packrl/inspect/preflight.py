@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
+from packrl.hardware import probe_host, resolve_for_device
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 from packrl.models.isolation import config_packing
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
@@ -153,15 +154,22 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     lora_ok = not any(p.key.startswith("model.lora") for p in problems)
     if model_config is not None and lora_ok:
         try:
-            shape = ModelShape.from_config(model_config, cfg.model.lora)
+            shape = ModelShape.from_config(model_config, cfg.model.lora, cfg.model.path)
         except ValueError as err:
             key = "model.lora.target_modules" if "target_modules" in str(err) else "model.path"
             if key == "model.path":
-                problems.append(ConfigProblem(key, cfg.model.path, str(err), "use a causal LM transformers can build from its config"))
+                fix = ("see the message: a text-only checkpoint of the family" if "multimodal" in str(err)
+                       else "use a causal LM transformers can build from its config")
+                problems.append(ConfigProblem(key, cfg.model.path, str(err), fix))
             else:
                 problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err), "set model.lora.target_modules to names the model has"))
         else:
-            memory = estimate_memory(cfg, shape, device=device)
+            compute = resolve_for_device(cfg.model.dtype, device)
+            host = probe_host(device)
+            notes.append(compute.describe() + (f"; host {host.cpu_model}, {host.num_threads} threads" if device == "cpu" else ""))
+            if compute.warning:
+                notes.append(compute.warning)
+            memory = estimate_memory(cfg, shape, device=device, compute_dtype=compute)
             packing = config_packing(model_config)
             notes.append(packing.describe())
             problems += _sequence_parallel_problems(cfg, model_config, packing)
@@ -210,9 +218,11 @@ def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: s
         return []
     from packrl.rollout.vllm_settings import engine_args
 
-    kv_per_token = shape.kv_bytes_per_token(2 if cfg.model.dtype == "bf16" else 4)
+    compute = resolve_for_device(cfg.model.dtype, device)
+    kv_per_token = shape.kv_bytes_per_token(compute.num_bytes)
     context = budgets.max_context_tokens or budgets.max_sequence_tokens
-    args = engine_args(cfg, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda")
+    args = engine_args(cfg, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda",
+                       dtype=compute.name)
     kv = args.get("kv_cache_memory_bytes")
     sized = f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE"
     batched = args.get("max_num_batched_tokens", "vLLM's default (chunked prefill)")
@@ -331,10 +341,10 @@ def _memory_problems(cfg: RunConfig, shape: ModelShape, memory: MemoryEstimate, 
 def _update_fix(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recommended: int, budgets: Budgets) -> str:
     if recommended >= budgets.max_sequence_tokens:
         return f"set train.max_tokens_per_microbatch={recommended} (the largest that fits)"
-    held = ("runtime", "parameters (float32)", "reference model", "rollout engine copy", "gathered parameters (FSDP2)")
+    held = ("runtime", "parameters", "reference model", "rollout engine copy", "gathered parameters (FSDP2)")
     fixed = sum(memory.parts[k] for k in held)
     if fixed > memory_bytes:
-        drop_copy = cfg.model.dtype == "bf16" and cfg.trainer.num_workers == 1
+        drop_copy = resolve_for_device(cfg.model.dtype, memory.device).name == "bf16" and cfg.trainer.num_workers == 1
         can_offload = cfg.trainer.num_workers > 1 and memory.device == "cuda" and not cfg.model.param_offload
         return (f"the weights and runtime alone need {fixed / GIB:.2f} GiB: use a device with more memory"
                 + (" (or model.dtype=fp32 to drop the bf16 rollout engine copy)" if drop_copy else "")

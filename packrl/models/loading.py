@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packrl.hardware import ComputeDtype, resolve_dtype
 from packrl.models.resolve import ResolvedModel, first_line, has_weights, resolve_model
 
 if TYPE_CHECKING:
@@ -24,12 +25,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tuple[Any, Any]:
+def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute_dtype: ComputeDtype | None = None) -> tuple[Any, Any]:
     """Load the policy model and its tokenizer for training, with the memory features applied.
 
-    Parameters are float32 whatever ``model.dtype`` says: the optimizer updates float32 master
-    weights, and the compute dtype (``model.dtype=bf16``) is applied by autocast around forwards
-    and generation. Attention is SDPA, switched to packrl's packed path by `use_packed_attention`.
+    Parameters are float32 (float64 for ``fp64``) whatever the checkpoint holds: the optimizer
+    updates float32 master weights, and a bf16 compute dtype is applied by autocast around
+    forwards and generation. Attention is SDPA, switched to packrl's packed path by `use_packed_attention`.
     In order: ``model.rope_scaling`` is applied to the config before the weights load
     (`packrl.models.model_config.apply_rope_scaling`), ``model.lora.rank > 0`` wraps the model
     with LoRA adapters (`packrl.models.lora.apply_lora`), leaving only the adapters trainable,
@@ -40,6 +41,8 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tupl
     Args:
         cfg: the ``model`` config section; ``model.path`` is resolved with `resolve_model`.
         device: where to put the model.
+        compute_dtype: ``model.dtype`` resolved for the machine (`packrl.hardware.resolve_dtype`,
+            as `packrl.config.plan.BatchPlan.compute_dtype` holds it); default: resolved here.
 
     Returns:
         ``(model, tokenizer)``: the model (a ``peft`` model with LoRA) in train mode with
@@ -57,21 +60,25 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tupl
 
     from packrl.models.attention import use_packed_attention
     from packrl.models.lora import apply_lora, parameter_counts
-    from packrl.models.model_config import apply_rope_scaling
+    from packrl.models.model_config import apply_rope_scaling, check_text_model
 
+    compute = compute_dtype or resolve_dtype(cfg.dtype)
+    param_dtype = torch.float64 if compute.name == "fp64" else torch.float32
     resolved = resolve_model(cfg.path)
     if resolved.gguf_file is None and not has_weights(resolved.model_dir):
         raise ValueError(_missing_weights_message(cfg.path, resolved.model_dir))
     tokenizer = load_tokenizer(resolved, cfg.path)
-    config = apply_rope_scaling(AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs()), cfg.rope_scaling)
+    config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
+    check_text_model(config, cfg.path)
+    config = apply_rope_scaling(config, cfg.rope_scaling)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            resolved.model_dir, config=config, dtype=torch.float32, attn_implementation="sdpa", **resolved.load_kwargs()
+            resolved.model_dir, config=config, dtype=param_dtype, attn_implementation="sdpa", **resolved.load_kwargs()
         )
     except ValueError as err:  # an architecture without SDPA attention (e.g. Mamba): its own implementation
         if "does not support an attention implementation" not in str(err):
             raise
-        model = AutoModelForCausalLM.from_pretrained(resolved.model_dir, config=config, dtype=torch.float32, **resolved.load_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
     num_embeddings = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > num_embeddings:
         raise ValueError(
@@ -79,7 +86,7 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu") -> tupl
             f"the tokenizer in {resolved.tokenizer_dir} belongs to another model: put the model's own tokenizer files there"
         )
     model.to(device)
-    use_packed_attention(model, compute_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    use_packed_attention(model, compute_dtype=compute.torch_dtype())
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id

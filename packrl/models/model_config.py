@@ -43,6 +43,26 @@ def load_model_config(path: str) -> Any:
         ) from err
 
 
+def check_text_model(config: Any, path: str) -> None:
+    """Refuse a multimodal checkpoint (a vision tower beside the language model): packrl trains
+    causal LMs on text, and transformers would build only the text model from such a config,
+    leaving the checkpoint's ``model.language_model.*`` weights unused (a random policy).
+
+    Raises:
+        ValueError: the config has a ``vision_config``; the message names the text model type
+            that trains instead.
+    """
+    if getattr(config, "vision_config", None) is None:
+        return
+    text = getattr(config, "text_config", None)
+    text_type = getattr(text, "model_type", None)
+    instead = (f"a text-only checkpoint of the family (config.json with model_type {text_type!r}, e.g. the language model "
+               "saved alone as its *ForCausalLM class)") if text_type else "a text-only checkpoint of the family"
+    raise ValueError(f"model.path={path!r} is a multimodal checkpoint ({type(config).__name__}: a vision tower beside its "
+                     f"language model); packrl does not train multimodal checkpoints yet (packrl audit counts their image "
+                     f"tokens). Set model.path to {instead}")
+
+
 _STRETCHING = ("linear", "dynamic", "yarn")
 
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from packrl.hardware import ComputeDtype
+
 if TYPE_CHECKING:
     from packrl.config.schema import RolloutConfig, RunConfig
     from packrl.types import Response
@@ -172,6 +174,8 @@ class EngineContext:
         max_context_tokens: the model context, RoPE scaling included; prompt + response never exceed it.
         may_share_policy: the engine may generate on ``policy``'s own parameters (one process,
             float32); False when the policy will be sharded, so the engine must hold its own copy.
+        compute_dtype: the run's compute dtype (``model.dtype`` resolved for the machine,
+            `packrl.hardware.ComputeDtype`); the engine generates in it.
     """
 
     policy: Any
@@ -179,6 +183,7 @@ class EngineContext:
     cfg: RunConfig
     max_context_tokens: int
     may_share_policy: bool
+    compute_dtype: ComputeDtype = ComputeDtype("fp32", "fp32", "as set")
 
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]

@@ -68,7 +68,7 @@ from packrl.models.loading import disable_gradient_checkpointing
 from packrl.models.lora import is_lora, merged_copy
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, SamplingParams
-from packrl.rollout.kv_cache import appending_cache
+from packrl.rollout.kv_cache import appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.types import FinishReason, Response
 
@@ -213,6 +213,7 @@ class HFEngine:
         self.shares_policy = shares_policy
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = _pad_id(model, tokenizer, self.eos_ids)
+        self.cache_reuse = cache_reuse(model, _CACHE_KEY)
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
@@ -264,6 +265,10 @@ class HFEngine:
             if name not in params:
                 raise ValueError(f"the rollout engine's model has no parameter {name!r}; its weights come from another model")
             params[name].copy_(value)
+
+    def describe(self) -> str:
+        """One phrase for ``model.txt``: how this engine's cache works for this model (`CacheReuse`)."""
+        return self.cache_reuse.describe()
 
     def sleep(self) -> None:
         """Nothing to release: the KV cache lives only inside `generate`."""
@@ -329,13 +334,14 @@ class HFEngine:
         rows = _Rows(len(batch), params.return_logprobs)
         alive = torch.arange(len(batch))  # batch rows still generating, in cache order
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        cache = self._new_cache(ids, mask, batch)
+        cache = self._new_cache(ids, mask, batch) if self.cache_reuse.reuses else None
         cap = max(r.cap for r in batch)
+        round_tokens = self.ROUND_TOKENS if self.cache_reuse.reuses else cap
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
-            kwargs = self._generate_kwargs(params, max_new_tokens=min(self.ROUND_TOKENS, cap - rows.steps),
+            kwargs = self._generate_kwargs(params, max_new_tokens=min(round_tokens, cap - rows.steps),
                                            generators=[generators[int(row)] for row in alive])
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({_CACHE_KEY: cache} if cache is not None else {}))
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({self.cache_reuse.argument: cache} if cache is not None else {}))
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
             logprobs = _token_logprobs(out.logits, new, params.logprob_temperature) if params.return_logprobs else None
             rows.add(alive, new.cpu(), logprobs, pad_id=self.pad_id)
@@ -347,9 +353,10 @@ class HFEngine:
             keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
             if len(keep) == 0:
                 break
-            cache = getattr(out, _CACHE_KEY)  # the same object when the engine made it
+            assert self.cache_reuse.reuses, "a batch without a reusable cache generates in one round"
+            cache = getattr(out, _CACHE_KEY)  # the same object the engine made
             if len(keep) < len(alive):
-                cache.batch_select_indices(keep.to(device))
+                select_rows(cache, keep.to(device))
             alive = alive[keep]
             ids = out.sequences[keep.to(device)]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], new.shape[1])], dim=1)[keep.to(device)]
@@ -362,12 +369,7 @@ class HFEngine:
         ]
 
     def _new_cache(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request]) -> Any:
-        """A batch's KV cache (`KV_CACHE`), each group's prompt prefilled once (`_shared_prefill`);
-        None for the few architectures transformers gives a cache of their own kind (RWKV, xLSTM,
-        ...): ``generate`` then builds it and every row prefills its own prompt."""
-        supports = getattr(type(self.model), "_supports_default_dynamic_cache", None)
-        if supports is not None and not supports():
-            return None
+        """A batch's KV cache (`KV_CACHE`), each group's prompt prefilled once (`_shared_prefill`)."""
         cache = self.KV_CACHE(self.model.config)
         self._shared_prefill(ids, mask, batch, cache)
         return cache
@@ -390,8 +392,9 @@ class HFEngine:
         rows = torch.tensor(firsts, device=ids.device)
         prefix_mask = mask[rows, :-1]
         positions = (prefix_mask.cumsum(-1) - 1).masked_fill_(prefix_mask == 0, 1)
-        self.model(input_ids=ids[rows, :-1], attention_mask=prefix_mask, position_ids=positions, use_cache=True, **{_CACHE_KEY: cache})
-        cache.batch_select_indices(owner)  # one copy per row
+        self.model(input_ids=ids[rows, :-1], attention_mask=prefix_mask, position_ids=positions, use_cache=True,
+                   **{self.cache_reuse.argument: cache})
+        select_rows(cache, owner)  # one copy per row
 
     def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int, generators: Sequence[torch.Generator]) -> dict[str, Any]:
         """Arguments for `model.generate`: the requested sampling (row i's noise from
@@ -519,10 +522,11 @@ def _token_logprobs(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, t
 @ROLLOUT_ENGINES.register("hf")
 def build_hf_engine(context: EngineContext) -> HFEngine:
     """The ``hf`` engine (`packrl.registry.ROLLOUT_ENGINES`): `HFEngine` on the policy's own
-    parameters when it may share them and ``model.dtype=fp32``, else on a copy of the weights in
-    the compute dtype (`rollout_copy`), refreshed by `HFEngine.load_weights` after every update."""
-    cfg = context.cfg
-    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else (None if context.may_share_policy else torch.float32)
+    parameters when it may share them and the compute dtype is the parameters' own (fp32, fp64),
+    else on a copy of the weights in the compute dtype (`rollout_copy`), refreshed by
+    `HFEngine.load_weights` after every update."""
+    cfg, compute = context.cfg, context.compute_dtype
+    dtype = compute.torch_dtype() if compute.autocast or not context.may_share_policy else None
     model = rollout_copy(context.policy, dtype)
     return HFEngine(model, context.tokenizer, max_context_tokens=context.max_context_tokens,
                     max_num_seqs=cfg.rollout.max_num_seqs, shares_policy=model is context.policy)

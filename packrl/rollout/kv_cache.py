@@ -16,11 +16,18 @@ Shapes: ``b`` rows · ``h`` KV heads · ``L`` cached positions · ``C >= L`` buf
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+try:  # transformers >= 5.x: conv, SSM and linear-attention layers keep per-row states, not keys and values
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # pragma: no cover - older transformers: no such layers
+    LinearAttentionCacheLayerMixin = None  # type: ignore[assignment,misc]
 
 
 class AppendingLayer(DynamicLayer):
@@ -103,3 +110,81 @@ def appending_cache(config: Any) -> DynamicCache:
         cache.layer_class_to_replicate = AppendingLayer
     cache.layers = [AppendingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def can_select_rows(cache: Any) -> bool:
+    """Whether `select_rows` can keep or repeat rows of ``cache``: a transformers `Cache` made of
+    layers, or any cache with its own ``batch_select_indices``."""
+    return hasattr(cache, "layers") or hasattr(cache, "batch_select_indices")
+
+
+def select_rows(cache: Any, indices: torch.Tensor) -> None:
+    """Keep (or repeat) rows ``indices`` [b'] int64 of every layer of ``cache``, in that order.
+
+    Attention layers select their keys and values (`AppendingLayer` its buffers); conv, SSM and
+    linear-attention layers (transformers' `LinearAttentionCacheLayerMixin`: LFM2, Jamba, Mamba,
+    Qwen3-Next, Qwen3.5) their conv and recurrent states, row for row; a layer with both (a
+    "hybrid" layer) both. transformers' own `Cache.batch_select_indices` reaches only the first
+    kind (it has no row selection for the second).
+
+    Raises:
+        ValueError: the cache has no layers and no ``batch_select_indices`` (`can_select_rows`).
+    """
+    if not hasattr(cache, "layers"):
+        if not hasattr(cache, "batch_select_indices"):
+            raise ValueError(f"a {type(cache).__name__} cannot select rows; check can_select_rows first")
+        cache.batch_select_indices(indices)
+        return
+    for layer in cache.layers:
+        stateful = LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+        if stateful:
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, indices)  # index_select of every initialised state
+        if not stateful or isinstance(layer, DynamicLayer):
+            layer.batch_select_indices(indices.to(layer.keys.device) if getattr(layer, "keys", None) is not None else indices)
+
+
+@dataclass(frozen=True)
+class CacheReuse:
+    """Whether the HF engine may build a batch's cache itself and keep it across generate calls.
+
+    Attributes:
+        reuses: the engine makes the cache (`appending_cache`), prefills each shared prompt once
+            and lets finished rows leave it between rounds; False: one generate call per batch on
+            the cache the model builds for itself, every row prefilling its own prompt.
+        argument: the name under which the model's forward and ``generate`` take the cache.
+        reason: why not, when ``reuses`` is False ("" otherwise).
+    """
+
+    reuses: bool
+    argument: str = "past_key_values"
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One phrase for ``model.txt``."""
+        if self.reuses:
+            return "generation: engine-made KV cache (shared-prompt prefill, finished rows leave between rounds)"
+        return f"generation: one generate call per batch on the model's own cache ({self.reason})"
+
+
+def cache_reuse(model: Any, argument: str = "past_key_values") -> CacheReuse:
+    """Decide `CacheReuse` for ``model`` (a transformers causal LM).
+
+    A cache can be carried from one ``generate`` call into the next only if it says how many
+    positions it holds (``generate`` feeds only the positions after them). Attention layers record
+    that; a cache of conv/SSM states alone does not, so a pure Mamba model would prefill its whole
+    sequence again on top of its states (5e-4 nats off the trainer's log-probs on a tiny random
+    model) and gets one call per batch. transformers also gives some architectures (RWKV, xLSTM,
+    Mamba under another argument name) a cache of their own kind; those get one call too.
+    """
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    arch = type(model).__name__
+    if supports is not None and not supports():
+        return CacheReuse(False, argument, f"transformers gives {arch} a cache of its own kind")
+    layers = DynamicCache(config=model.config).layers
+    if layers and not any(isinstance(layer, DynamicLayer) for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        return CacheReuse(False, argument, f"its cache holds only recurrent states ({', '.join(kinds)}), which do not "
+                                            "record how many positions they have seen")
+    if argument not in inspect.signature(model.forward).parameters:
+        return CacheReuse(False, argument, f"{arch}'s forward takes no {argument}")
+    return CacheReuse(True, argument)

@@ -8,7 +8,8 @@ max_model_len              ``data.max_prompt_tokens + rollout.max_response_token
 max_num_seqs               ``rollout.max_num_seqs``
 max_num_batched_tokens     vLLM's own with chunked prefill; ``max_model_len`` when
                            ``enable_chunked_prefill=false`` (vLLM needs a whole prompt per step then)
-dtype                      ``model.dtype`` (``bfloat16`` / ``float32``)
+dtype                      ``model.dtype`` as resolved for the machine (``bfloat16`` / ``float32``;
+                           ``auto`` follows `packrl.hardware.resolve_dtype`; ``fp64`` is refused)
 seed                       ``train.seed``
 kv_cache_memory_bytes      the KV cache of ``max_num_seqs`` sequences of ``max_model_len`` tokens,
                            unless ``gpu_memory_utilization``, ``kv_cache_memory_bytes`` or
@@ -61,10 +62,16 @@ def max_model_len(cfg: RunConfig, max_context_tokens: int | None = None) -> int:
     return total if max_context_tokens is None else min(total, max_context_tokens)
 
 
-def derived_args(cfg: RunConfig, max_context_tokens: int | None = None) -> dict[str, Any]:
+def derived_args(cfg: RunConfig, max_context_tokens: int | None = None, dtype: str | None = None) -> dict[str, Any]:
     """The engine arguments packrl sets from the config (`_SOURCES` names where each comes from;
-    ``model`` and ``tokenizer`` are set when the engine starts)."""
-    return {"dtype": DTYPES[cfg.model.dtype], "max_model_len": max_model_len(cfg, max_context_tokens),
+    ``model`` and ``tokenizer`` are set when the engine starts).
+
+    Args:
+        dtype: the compute dtype's name as resolved for the machine (``bf16``, ``fp32``); default
+            ``model.dtype`` itself, None under ``auto`` (resolved only where the engine runs).
+    """
+    name = dtype or cfg.model.dtype
+    return {"dtype": DTYPES.get(name), "max_model_len": max_model_len(cfg, max_context_tokens),
             "max_num_seqs": cfg.rollout.max_num_seqs, "seed": cfg.train.seed, "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm"}
 
@@ -76,7 +83,8 @@ def kv_cache_bytes(cfg: RunConfig, kv_bytes_per_token: int, max_context_tokens: 
     return cfg.rollout.max_num_seqs * tokens * kv_bytes_per_token
 
 
-def engine_args(cfg: RunConfig, *, model_dir: str, max_context_tokens: int, kv_bytes_per_token: int, cuda: bool) -> dict[str, Any]:
+def engine_args(cfg: RunConfig, *, model_dir: str, max_context_tokens: int, kv_bytes_per_token: int, cuda: bool,
+                dtype: str) -> dict[str, Any]:
     """Every argument of ``vllm.LLM``: derived, then ``rollout.engine_kwargs`` (checked by
     `config_problems` not to contradict them).
 
@@ -85,9 +93,10 @@ def engine_args(cfg: RunConfig, *, model_dir: str, max_context_tokens: int, kv_b
         max_context_tokens: the model context (RoPE scaling included).
         kv_bytes_per_token: K and V bytes per token over all layers, in the compute dtype.
         cuda: the engine runs on a GPU (sleep mode on, CUDA graphs as vLLM decides).
+        dtype: the resolved compute dtype (``bf16`` or ``fp32``; `packrl.hardware.resolve_dtype`).
     """
     extra = dict(cfg.rollout.engine_kwargs)
-    args: dict[str, Any] = {"model": model_dir, "tokenizer": model_dir, **derived_args(cfg, max_context_tokens)}
+    args: dict[str, Any] = {"model": model_dir, "tokenizer": model_dir, **derived_args(cfg, max_context_tokens, dtype)}
     if extra.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in extra:
         args["max_num_batched_tokens"] = args["max_model_len"]
     sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & extra.keys() or (not cuda and os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
@@ -108,14 +117,18 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
     extra = dict(cfg.rollout.engine_kwargs)
     known = _engine_arg_names()
     out = []
+    if cfg.model.dtype == "fp64":
+        out.append(ConfigProblem("model.dtype", "fp64", "is not a dtype vLLM runs (bfloat16, float16, float32)",
+                                 "set model.dtype=fp32 (or auto), or rollout.engine=hf for a float64 run", keys=("model.dtype", "rollout.engine")))
     for key in sorted(set(extra) - known):
         close = difflib.get_close_matches(key, sorted(known), n=1)
         fix = f"did you mean rollout.engine_kwargs.{close[0]}?" if close else "see vllm.EngineArgs for the arguments vLLM takes"
         out.append(ConfigProblem(f"rollout.engine_kwargs.{key}", extra[key], "is not a vLLM engine argument", fix))
     derived = derived_args(cfg)
     for key in sorted(set(extra) & set(_SOURCES)):
-        if key in ("model", "tokenizer") or extra[key] != derived[key]:
-            wanted = "" if key in ("model", "tokenizer") else f" = {derived[key]!r}"
+        if key in ("model", "tokenizer") or extra[key] != derived[key]:  # under model.dtype=auto any dtype contradicts it
+            wanted = "" if key in ("model", "tokenizer") else f" = {derived[key]!r}" if derived[key] is not None else \
+                " (auto: bfloat16 or float32 by the machine)"
             out.append(ConfigProblem(
                 f"rollout.engine_kwargs.{key}", extra[key], f"contradicts what packrl derives from {_SOURCES[key]}{wanted}",
                 f"remove rollout.engine_kwargs.{key} (packrl sets it) or change {_SOURCES[key]}",

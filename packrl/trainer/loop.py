@@ -138,6 +138,8 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
         run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
         with open_worker_group(cfg, run.dir, workers) as workers:
+            if workers.plan.compute_dtype.warning:
+                logger.warning("%s", workers.plan.compute_dtype.warning)
             run.note("model.txt", workers.model_summary)
             budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
             run.note("budgets.txt", f"{budgets.plan()}\n{workers.plan.summary()}\n  {workers.packing.describe()}")

@@ -30,6 +30,7 @@ import torch
 
 from packrl.algos.loss_agg import aggregate_loss
 from packrl.config.schema import RunConfig
+from packrl.hardware import ComputeDtype
 from packrl.models.attention import PackedAttention, packed_forward
 from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack, pack_sequences
@@ -64,7 +65,7 @@ class ValueModel(torch.nn.Module):
                  seed: int = 0):
         super().__init__()
         self.model, self.config, self.attention = decoder, config, attention
-        self.value_head = torch.nn.Linear(config.hidden_size, 1)
+        self.value_head = torch.nn.Linear(config.hidden_size, 1, dtype=next(decoder.parameters()).dtype)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             self.value_head.weight.copy_(torch.randn(self.value_head.weight.shape, generator=generator) * head_std)
@@ -75,12 +76,13 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, pack: Pack) -> torch.Tensor:
         """V of the state after each token of ``pack``, each sequence seeing only itself.
-        Shape [K], float32."""
+        Shape [K], float32 (float64 for a float64 model, ``model.dtype=fp64``)."""
         hidden = packed_forward(self, pack, self.attention)  # [K, H]
-        return self.value_head(hidden).squeeze(-1).float()
+        values = self.value_head(hidden).squeeze(-1)
+        return values if values.dtype == torch.float64 else values.float()
 
 
-def load_critic(cfg: RunConfig, device: torch.device) -> ValueModel:
+def load_critic(cfg: RunConfig, device: torch.device, compute_dtype: ComputeDtype | None = None) -> ValueModel:
     """The value model: ``critic.model.path`` (or ``model.path``) loaded as the policy is
     (`packrl.models.loading.load_policy`: float32 master weights, packed attention, gradient
     checkpointing as ``model.gradient_checkpointing``; never LoRA), its LM head dropped.
@@ -91,7 +93,7 @@ def load_critic(cfg: RunConfig, device: torch.device) -> ValueModel:
     from packrl.models.loading import load_policy
 
     model_cfg = replace(cfg.model, path=cfg.critic.model.path or cfg.model.path, lora=replace(cfg.model.lora, rank=0))
-    causal_lm, _ = load_policy(model_cfg, device=device)
+    causal_lm, _ = load_policy(model_cfg, device=device, compute_dtype=compute_dtype)
     critic = ValueModel(causal_lm.get_decoder(), causal_lm.config, cfg.model.packed_attention, seed=cfg.train.seed).to(device)
     return critic.train()
 

@@ -12,7 +12,8 @@ every memory feature works the same under both:
   load (`packrl.models.loading.load_policy`);
 - ``model.activation_offload``: the update's forwards save their activations through
   `ActivationOffload` (`update_context`), on every rank;
-- ``model.dtype=bf16``: forwards under autocast; the engine generates on its own bf16 copy.
+- ``model.dtype`` (resolved for the machine: `BatchPlan.compute_dtype`): bf16 runs forwards under
+  autocast and the engine generates on its own bf16 copy; fp64 loads float64 parameters.
 
 The controller (`packrl.distributed.group.WorkerGroup`) plans every pass and sends each worker
 its part; a worker executes and returns results in its plan's order.
@@ -123,7 +124,7 @@ class PolicyWorker:
 
             torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
             quiet_libraries()
-        self._dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
+        self._dtype = plan.compute_dtype.torch_dtype() if plan.compute_dtype.autocast else None
         self.offloaded_bytes = 0
 
     def listen(self) -> tuple[str, int] | None:
@@ -141,7 +142,7 @@ class PolicyWorker:
         cfg, strategy = self.cfg, self.strategy
         strategy.join(address)
         if model is None:
-            model, tokenizer = load_policy(cfg.model, device=strategy.device)
+            model, tokenizer = load_policy(cfg.model, device=strategy.device, compute_dtype=self.plan.compute_dtype)
         if cfg.model.lora.rank > 0 and not is_lora(model):
             raise ValueError(f"model.lora.rank={cfg.model.lora.rank} but the model given has no LoRA adapters; load it with "
                              "packrl.models.loading.load_policy (which applies model.lora), or set model.lora.rank=0")
@@ -152,7 +153,8 @@ class PolicyWorker:
         if size > 1 and not packing.packs:
             raise ValueError(f"trainer.sequence_parallel_size={size} splits packs across ranks, but "
                              f"{packing.describe()}; set trainer.sequence_parallel_size=1 for this model")
-        summary = f"{describe_policy(model, cfg, max_context)}; {strategy.describe()}; {packing.describe()}"
+        summary = (f"{describe_policy(model, cfg, max_context)}; {self.plan.compute_dtype.describe()}; {strategy.describe()}; "
+                   f"{packing.describe()}")
         logger.info("%s", summary)
         if cfg.model.activation_offload and strategy.device.type != "cuda":
             logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
@@ -160,11 +162,13 @@ class PolicyWorker:
         self.reference = load_reference(model) if self.plan.has_reference else None
         factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
         self.engine = factory(EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=max_context,
-                                           may_share_policy=strategy.may_share_policy))
+                                           may_share_policy=strategy.may_share_policy, compute_dtype=self.plan.compute_dtype))
         if not isinstance(self.engine, RolloutEngine):
             missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(self.engine, m, None))]
             raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(self.engine).__name__} without "
                              f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
+        if callable(getattr(self.engine, "describe", None)):
+            summary += f"; {self.engine.describe()}"
         if cfg.rollout.multi_turn.enabled:
             self.engine = multi_turn_engine(self.engine, tokenizer, cfg, max_context)
         strategy.wrap(model)
@@ -180,7 +184,7 @@ class PolicyWorker:
         self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
         self.critic = None
         if self.plan.has_critic:
-            self.critic = load_critic(cfg, strategy.device)
+            self.critic = load_critic(cfg, strategy.device, self.plan.compute_dtype)
             summary += (f"; critic: {sum(p.numel() for p in self.critic.parameters()):,} parameters from "
                         f"{cfg.critic.model.path or cfg.model.path} (value head starts at 0)")
             strategy.wrap(self.critic)
@@ -204,7 +208,7 @@ class PolicyWorker:
         return {"actor": actor, "ref": ref, "critic": None}
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Autocast to ``model.dtype`` (nothing for ``fp32``)."""
+        """Autocast to the compute dtype (nothing for ``fp32`` and ``fp64``, which the parameters hold)."""
         if self._dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.strategy.device.type, dtype=self._dtype)

@@ -87,7 +87,7 @@ def test_the_memory_estimate_counts_the_critic():
                                                num_key_value_heads=2, vocab_size=1000))
     plain = estimate_memory(load_config("demo", []), shape)
     with_critic = estimate_memory(load_config("demo", ["algorithm.adv_estimator=gae"]), shape)
-    part = "critic (float32 weights + AdamW states)"
+    part = "critic (weights + AdamW states)"
     assert plain.parts[part] == 0 and with_critic.parts[part] == 12 * shape.num_params
     assert with_critic.phases["update"] - plain.phases["update"] == 12 * shape.num_params
 

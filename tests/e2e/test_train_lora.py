@@ -16,7 +16,7 @@ from packrl.distributed.local import local_group
 from packrl.models.loading import load_policy
 from packrl.trainer.loop import train
 from packrl.types import PromptBatch, Response, RolloutBatch
-from tests.conftest import SMOLLM_DIR, logprobs_of
+from tests.conftest import SMOLLM_DIR, score_of
 from tests.e2e.test_train_tiny import tokenizer  # noqa: F401  (fixture; also registers reward test_letter_e)
 
 
@@ -85,13 +85,14 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer):  # noqa: F81
     assert torch.equal(twin_weight, merged.detach().to(torch.bfloat16))
     assert not torch.equal(twin_weight, layer.base_layer.weight.detach().to(torch.bfloat16))
 
-    # the reference log-probs are the base model's
+    # the reference log-probs are the base model's, bit for bit: scored with the packs the worker
+    # group uses (shared prompts), the two passes multiply the same operands in the same order
     rollout = _rollout()
     base_model, _ = load_policy(load_config("demo", [f"model.path={model_dir}"]).model)
-    expected = logprobs_of(base_model, rollout, cfg, worker.autocast)
+    expected = score_of(base_model, rollout, cfg, worker.autocast, share_prompts=workers.share_prompts)[0]
     for a, b in zip(workers.compute_logprobs(rollout, "ref").logprobs, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    trained = logprobs_of(model, rollout, cfg, worker.autocast)
+    trained = score_of(model, rollout, cfg, worker.autocast, share_prompts=workers.share_prompts)[0]
     assert max((a - b).abs().max() for a, b in zip(trained, expected)) > 0
 
     # the checkpoint holds the adapter alone and restores it exactly
@@ -104,7 +105,7 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer):  # noqa: F81
     assert restored_group.load_checkpoint(checkpoint)["step"] == 2
     for (name, a), b in zip(model.state_dict().items(), restored.model.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
-    again = logprobs_of(restored.model, rollout, cfg, restored.autocast)
+    again = score_of(restored.model, rollout, cfg, restored.autocast, share_prompts=workers.share_prompts)[0]
     for a, b in zip(again, trained, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(restored.engine.model.parameters(), worker.engine.model.parameters(), strict=True):
