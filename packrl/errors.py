@@ -17,6 +17,9 @@ class ConfigProblem:
         fix: what to change, naming the dotted key(s).
         keys: every key the problem depends on (``key`` first); a relation between two keys
             lists both, so it is dropped when one of them did not parse.
+        machine: the problem is this machine's, not the config's (a package the config needs is
+            not installed here); a command that only translates or prints a config (``packrl
+            verl --dry-run``) warns instead of failing.
     """
 
     key: str
@@ -24,6 +27,7 @@ class ConfigProblem:
     message: str
     fix: str
     keys: tuple[str, ...] = ()
+    machine: bool = False
 
     def __str__(self) -> str:
         return f"{self.key}={self.value!r}: {self.message}; fix: {self.fix}"

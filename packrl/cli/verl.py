@@ -51,6 +51,10 @@ def _cmd_verl(args: argparse.Namespace) -> int:
     cfg, problems, _ = check_config(translation.preset, translation.overrides)
     print(translation.command())
     print(translation.report())
+    if args.dry_run:  # a translation made here for another machine: what this one lacks is only a warning
+        for problem in [p for p in problems if p.machine]:
+            print(f"packrl verl: warning: {problem} (the translation is printed anyway; training needs it)", file=sys.stderr)
+        problems = [p for p in problems if not p.machine]
     if problems:
         lines = [f"packrl verl: the translated config has {len(problems)} problem(s):"]
         for problem in problems:

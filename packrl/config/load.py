@@ -105,6 +105,18 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def nearest_key(key: str, keys: list[str]) -> str | None:
+    """The valid key a mistyped ``key`` most likely meant: one that ends in the same name (in the
+    same section first, e.g. ``rollout.max_turns`` -> ``rollout.multi_turn.max_turns``), else
+    the closest spelling of the whole dotted key; None when nothing is close."""
+    leaf, section = key.rsplit(".", 1)[-1], key.split(".", 1)[0]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    if same_leaf:
+        return min(same_leaf, key=lambda k: (k.split(".", 1)[0] != section, len(k)))
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
 def _convert(hint: Any, value: Any) -> Any:
     """Return ``value`` as type ``hint`` or raise TypeError with what was expected."""
     origin = typing.get_origin(hint)
@@ -164,8 +176,8 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
     for key in data:
         if key not in names:
             full = f"{prefix}{key}"
-            close = difflib.get_close_matches(full, _all_keys(RunConfig), n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]}?" if close else f"valid keys here: {', '.join(sorted(names))}"
+            close = nearest_key(full, _all_keys(RunConfig))
+            hint = f"did you mean {close}?" if close else f"valid keys here: {', '.join(sorted(names))}"
             problems.append(ConfigProblem(full, data[key], "unknown key", hint))
     kwargs = {}
     for name in names & data.keys():

@@ -36,10 +36,23 @@ def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class ConsoleLogger:
-    """The progress bar on stderr, at the number of the step last logged."""
+    """The progress bar on stderr, at the number of the step last logged. The bar is drawn when
+    the steps begin (`start`, or the first `log`), after the run's notes (model.txt, budgets.txt),
+    so no multi-line note is ever written while a bar holds the terminal's last line."""
 
     def __init__(self, total_steps: int):
-        self.bar = tqdm(total=total_steps, desc="packrl", unit="step", dynamic_ncols=True, file=sys.stderr)
+        self.total_steps = total_steps
+        self._bar: Any = None
+
+    @property
+    def bar(self) -> Any:
+        if self._bar is None:
+            self._bar = tqdm(total=self.total_steps, desc="packrl", unit="step", dynamic_ncols=True, file=sys.stderr)
+        return self._bar
+
+    def start(self, done_steps: int = 0) -> None:
+        """Draw the bar, at ``done_steps`` (a resumed run starts past 0)."""
+        self.bar.update(done_steps - self.bar.n)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.set_postfix(
@@ -50,7 +63,8 @@ class ConsoleLogger:
         self.bar.update(step - self.bar.n)  # the step's own number: a resumed run starts past 0
 
     def close(self) -> None:
-        self.bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
 
 class TensorBoardLogger:

@@ -261,13 +261,15 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
     import json
 
     from packrl.models.resolve import resolve_model
-    from packrl.models.model_config import load_model_config
+    from packrl.models.model_config import check_text_model, load_model_config
 
     fix = "set model.path to a model dir, .gguf file or hub id"
     try:
         model_config = load_model_config(cfg.model.path)
+        check_text_model(model_config, cfg.model.path)
     except ValueError as err:
-        return None, [ConfigProblem("model.path", cfg.model.path, str(err), fix)]
+        multimodal = "multimodal" in str(err)
+        return None, [ConfigProblem("model.path", cfg.model.path, str(err), "a text-only checkpoint (see the message)" if multimodal else fix)]
     config_json = resolve_model(cfg.model.path, weights=False).model_dir / "config.json"
     if config_json.is_file():
         raw = json.loads(config_json.read_text())

@@ -28,6 +28,11 @@ caller passes, one per prompt (`GumbelMaxSampler`): response g of prompt b depen
 Prefill once per group: the G samples of a prompt are adjacent rows of a batch, so the prompt's
 KV cache (all but its last token) is computed once per distinct prompt and copied to its rows
 before the first decode step (`HFEngine._shared_prefill`); vLLM's prefix cache does the same.
+Rows are copied and dropped with `packrl.rollout.kv_cache.select_rows`, which also moves the conv
+and recurrent states of hybrid models' non-attention layers. A model whose cache holds only such
+states (pure Mamba) or is of its own kind generates each batch in one call on the cache the model
+builds itself, without the shared prefill (`packrl.rollout.kv_cache.cache_reuse`; model.txt says
+which).
 
 Speed: a batch generates in rounds of `HFEngine.ROUND_TOKENS` tokens and rows that finished leave
 the batch and its KV cache between rounds, so later rounds decode only the rows still running

@@ -10,6 +10,12 @@ filled part. A buffer is reallocated (one copy) only when it is full, growing by
 generate in a median 27.2 s against 30.8 s with transformers' cache (1.13x; 1.06x in another run;
 `bench/bench_kv_cache.py`).
 
+Hybrid models (LFM2, Jamba, Qwen3-Next, Qwen3.5) keep conv and recurrent states per row in their
+cache's other layers; `select_rows` moves those with their rows too (transformers' own
+``batch_select_indices`` stops at keys and values). A cache of states alone (pure Mamba) cannot
+say how many positions it holds, so it is never carried from one ``generate`` call into the
+next (`cache_reuse`).
+
 Shapes: ``b`` rows · ``h`` KV heads · ``L`` cached positions · ``C >= L`` buffer capacity ·
 ``d`` head dim.
 """

@@ -113,7 +113,8 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
     setting repeated with another value; ``max_num_batched_tokens < max_model_len`` with chunked
     prefill off (vLLM could not schedule a whole prompt)."""
     if importlib.util.find_spec("vllm") is None:
-        return [ConfigProblem("rollout.engine", "vllm", "needs the vllm package, which is not installed", INSTALL_HINT)]
+        return [ConfigProblem("rollout.engine", "vllm", "needs the vllm package, which is not installed here", INSTALL_HINT,
+                              machine=True)]
     extra = dict(cfg.rollout.engine_kwargs)
     known = _engine_arg_names()
     out = []

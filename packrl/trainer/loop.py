@@ -89,7 +89,9 @@ def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: Prom
     dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
     sample = sampling_stage(cfg, sampler, workers)  # one round, or rounds until the batch is full (filter_groups)
     total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
-    for step in range(_resume(cfg, run, workers, sampler) + 1, total + 1):
+    done = _resume(cfg, run, workers, sampler)
+    run.start_steps(done)  # the progress bar appears now, below the run's notes
+    for step in range(done + 1, total + 1):
         seed_everything(cfg.train.seed * 1_000_003 + step)
         sampling = SamplingParams.from_config(cfg.rollout, max_response_tokens=schedule.at(step),
                                               return_logprobs=workers.plan.return_logprobs)

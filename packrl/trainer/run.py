@@ -116,6 +116,13 @@ class Run:
     def write_json(self, name: str, data: Any) -> None:
         (self.dir / name).write_text(json.dumps(data, indent=2, default=lambda o: asdict(o)))
 
+    def start_steps(self, done_steps: int) -> None:
+        """The steps begin after ``done_steps`` completed ones: loggers that draw (the console's
+        progress bar) start drawing."""
+        for sink in self.loggers:
+            if callable(getattr(sink, "start", None)):
+                sink.start(done_steps)
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl and pass the metrics to every logger."""
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}

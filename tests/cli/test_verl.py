@@ -181,6 +181,22 @@ def test_dry_run_prints_the_command_conversions_and_resolved_config(capsys):
     assert "ignored (verl keys packrl does not use):" in out and "resolved config:" in out and "max_tokens_per_microbatch: 61440" in out
 
 
+def test_a_dry_run_for_vllm_on_a_machine_without_it_prints_the_translation_and_warns(capsys, monkeypatch):
+    """People translate on a laptop for a GPU cluster: vLLM missing here is a warning for a dry
+    run and stays an error for a run that trains."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    vllm = [*GRPO, *SMALL[:-1], "trainer.total_training_steps=3"]  # rollout.name=vllm, as written for the cluster
+    assert main(["verl", "--dry-run", *vllm]) == 0
+    out, err = capsys.readouterr()
+    assert "rollout.engine=vllm" in out and "resolved config:" in out
+    assert "warning: rollout.engine='vllm': needs the vllm package, which is not installed here" in err
+    assert main(["verl", *vllm]) == 2
+    assert "needs the vllm package, which is not installed here" in capsys.readouterr().err
+
+
 def test_cli_refuses_unknown_keys_and_names_verl_sources_of_packrl_problems(capsys):
     assert main(["verl", "--dry-run", *GRPO, "data.max_prompt_lenght=9"]) == 2
     assert "did you mean data.max_prompt_length?" in capsys.readouterr().err

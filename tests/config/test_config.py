@@ -71,6 +71,25 @@ def test_misplaced_key_suggests_the_right_section():
     assert "data.max_prompt_tokens" in str(err.value)
 
 
+@pytest.mark.parametrize(("typed", "meant"), [
+    ("rollout.max_turns", "rollout.multi_turn.max_turns"),      # the right name one section down
+    ("train.max_prompt_tokens", "data.max_prompt_tokens"),      # the right name in another section
+    ("rollout.max_respons_tokens", "rollout.max_response_tokens"),  # a misspelling
+])
+def test_an_unknown_key_names_the_key_it_most_likely_meant(typed, meant):
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", [f"{typed}=3"])
+    assert err.value.problems[0].fix == f"did you mean {meant}?"
+
+
+def test_model_dtype_defaults_to_auto_and_no_preset_pins_bf16():
+    from packrl.config.load import preset_names
+
+    assert load_config(None, []).model.dtype == "auto"
+    for preset in preset_names():
+        assert load_config(preset, []).model.dtype == "auto", preset
+
+
 def test_relation_problems_are_not_reported_for_keys_that_did_not_parse():
     with pytest.raises(ConfigError) as err:
         load_config("demo", ["data.max_prompt_tokens=lots"])

@@ -100,7 +100,7 @@ def test_multi_turn_without_the_call_stop_string_is_noted(model_dir):
 
 @pytest.mark.parametrize("workers, hint", [(1, True), (2, False)])
 def test_a_device_smaller_than_the_weights_says_so(model_dir, workers, hint):
-    report = preflight("demo", [f"model.path={model_dir}", f"trainer.num_workers={workers}"], device_memory_gib=0.01)
+    report = preflight("demo", [f"model.path={model_dir}", f"trainer.num_workers={workers}", "model.dtype=bf16"], device_memory_gib=0.01)
     problem = next(p for p in report.problems if p.key == "train.max_tokens_per_microbatch")
     assert "the weights and runtime alone need" in problem.fix
     assert ("model.dtype=fp32 to drop the bf16 rollout engine copy" in problem.fix) is hint  # FSDP2 keeps a copy either way
@@ -130,12 +130,12 @@ def test_lora_count_matches_peft():
 
 def test_estimate_responds_to_each_memory_feature():
     config = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    base = load_config("demo")
+    base = load_config("demo", ["model.dtype=bf16"])  # the bf16 layout, whatever this CPU would choose
     shape = ModelShape.from_config(config, base.model.lora)
     est = lambda cfg: estimate_memory(cfg, ModelShape.from_config(config, cfg.model.lora), tokens_per_microbatch=4096)  # noqa: E731
     plain = est(base)
-    ckpt = est(load_config("demo", ["model.gradient_checkpointing=true"]))
-    lora = est(load_config("demo", ["model.lora.rank=4"]))
+    ckpt = est(load_config("demo", ["model.dtype=bf16", "model.gradient_checkpointing=true"]))
+    lora = est(load_config("demo", ["model.dtype=bf16", "model.lora.rank=4"]))
     fp32 = est(load_config("demo", ["model.dtype=fp32"]))
     assert ckpt.parts["activations"] * 2 < plain.parts["activations"]
     assert lora.parts["gradients"] * 10 < plain.parts["gradients"]
@@ -158,6 +158,42 @@ def test_estimate_reads_the_strategy_layout():
     assert one.parts["rollout engine copy"] == 0 and two.parts["rollout engine copy"] == 4 * shape.num_params
     assert one.parts["gathered parameters (FSDP2)"] == 0 < two.parts["gathered parameters (FSDP2)"] < 4 * shape.num_params
     assert two.parts["activations"] == one.parts["activations"]
+
+
+def test_fp64_doubles_the_float32_parts_and_auto_follows_the_device():
+    from packrl.hardware import resolve_for_device
+
+    shape = ModelShape.from_config(_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4), None)
+    fp32, fp64 = (estimate_memory(load_config("demo", [f"model.dtype={d}"]), shape, tokens_per_microbatch=1024) for d in ("fp32", "fp64"))
+    for part in ("parameters", "gradients", "optimizer states (AdamW)", "activations", "logits chunk"):
+        assert fp64.parts[part] > fp32.parts[part] and fp64.parts[part] <= 2 * fp32.parts[part], part
+    auto = estimate_memory(load_config("demo"), shape, tokens_per_microbatch=1024)
+    resolved = estimate_memory(load_config("demo", [f"model.dtype={resolve_for_device('auto', 'cpu').name}"]), shape,
+                               tokens_per_microbatch=1024)
+    assert auto.parts == resolved.parts
+
+
+def test_preflight_says_which_dtype_it_estimated_and_why(model_dir):
+    report = preflight("demo", [f"model.path={model_dir}"])
+    assert any(n.startswith("compute dtype ") and "(model.dtype=auto: " in n for n in report.notes)
+
+
+def test_an_attention_free_model_is_estimated_and_a_multimodal_one_refused_by_name(tmp_path):
+    """Mamba has no attention heads (no KV cache); a multimodal checkpoint would load only its
+    text model with fresh weights, so it is refused, naming the text model that trains."""
+    import transformers
+
+    transformers.MambaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, state_size=8, max_position_embeddings=512
+                             ).save_pretrained(tmp_path / "mamba")
+    report = preflight("demo", [f"model.path={tmp_path / 'mamba'}"])
+    assert report.ok, [str(p) for p in report.problems]
+    assert report.memory.parts["rollout KV cache"] == 0 and any("packing: off" in n for n in report.notes)
+    if not hasattr(transformers, "Qwen3_5Config"):
+        pytest.skip("this transformers has no Qwen3.5")
+    transformers.Qwen3_5Config().save_pretrained(tmp_path / "vl")
+    problems = preflight("demo", [f"model.path={tmp_path / 'vl'}"]).problems
+    assert len(problems) == 1 and "is a multimodal checkpoint (Qwen3_5Config" in problems[0].message
+    assert "model_type 'qwen3_5_text'" in problems[0].message
 
 
 def test_model_config_without_context_is_named(tmp_path):
