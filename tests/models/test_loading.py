@@ -366,3 +366,28 @@ def test_alias_from_pypi_package(offline, monkeypatch, gguf_logits, smollm_token
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, gguf_logits, atol=1e-4, rtol=0)
     assert load_model_config(ALIAS).num_hidden_layers == 30
+
+
+def test_fp64_loads_float64_parameters(offline, tmp_path, smollm_dir):
+    d = _tiny_model_dir(tmp_path / "tiny", smollm_dir)
+    model, _ = load_policy(ModelConfig(path=str(d), dtype="fp64"))
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+
+
+def test_a_multimodal_checkpoint_is_refused_before_training_naming_the_text_model(offline, tmp_path, smollm_dir):
+    """transformers would build only the text model of a Qwen3.5 checkpoint, with fresh weights:
+    a run is refused before any weight loads, naming the text-only model type that trains."""
+    import transformers
+
+    from packrl.config import load_config
+    from packrl.trainer.loop import train
+
+    if not hasattr(transformers, "Qwen3_5Config"):
+        pytest.skip("this transformers has no Qwen3.5")
+    d = tmp_path / "vl"
+    transformers.Qwen3_5Config().save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm_dir / name, d / name)
+    cfg = load_config("demo", [f"model.path={d}", f"train.out_dir={tmp_path / 'run'}", "data.val_files=[]"])
+    with pytest.raises(ValueError, match=r"is a multimodal checkpoint \(Qwen3_5Config.*model_type 'qwen3_5_text'"):
+        train(cfg)
