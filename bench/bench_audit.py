@@ -11,6 +11,9 @@ Wall time is measured around each subprocess here (``wall_s``) and also read fro
 Then the trainer's prompt lengths: `PromptDataset.build` over the same rows with the same
 tokenizer and config gives `prompt_length_percentiles`, whose p99 must equal the audit's.
 
+The JSON also names the host (``host``, `bench.common.machine`); ``dtype`` is null, as nothing
+here computes with a model.
+
 Command (about 10 s on 2 idle CPU cores)::
 
     python bench/bench_audit.py
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import GSM8K_TRAIN, SMOLLM_DIR  # noqa: E402
+from bench.common import GSM8K_TRAIN, SMOLLM_DIR, emit  # noqa: E402
 
 GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,7 +74,7 @@ def main() -> None:
         "max_prompt_tokens": cold["config"]["data.max_prompt_tokens"],
         "num_overlong": cold["num_overlong"],
     }
-    print(json.dumps(result, indent=1))
+    emit(result, dtype=None, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Every method gets the same integer workloads ``a*L + L^2`` with ``a = 6 * 576`` 
 Methods: packrl ``karmarkar_karp`` + ``refine_partition``; packrl ``balance_ranks`` (the same
 partition plus micro-batch planning under an 8,192-token cap); verl with ``equal_size`` False and
 True. verl runs in its own interpreter (``--verl-python``), which times only the partition call.
-Prints one JSON object on stdout. Run from the repository root:
+Prints one JSON object on stdout, naming the host (``host``; ``dtype`` is null: no model compute).
+Run from the repository root:
 
     python bench/bench_balance.py
 """
@@ -139,7 +140,7 @@ def main() -> None:
         verl_worker()
         return
     sys.path.insert(0, str(REPO))
-    from bench.common import sample_lengths
+    from bench.common import emit, sample_lengths
 
     print("tokenizing GSM8K lengths...", file=sys.stderr)
     gsm8k = [p + r for p, r in sample_lengths(NUM_SEQUENCES, seed=0)]
@@ -149,9 +150,8 @@ def main() -> None:
         results[name] = scenario(lengths, verl_python)
         if results[name]["verl_equal_size_false"]["imbalance"] is None:
             verl_python = None  # reported once; later scenarios skip verl
-    print(json.dumps({"scenario": results, "num_sequences": NUM_SEQUENCES, "num_ranks": NUM_RANKS,
-                      "max_tokens": MAX_TOKENS, "linear_coef": LINEAR_COEF,
-                      "command": "python bench/bench_balance.py"}, indent=2))
+    emit({"scenario": results, "num_sequences": NUM_SEQUENCES, "num_ranks": NUM_RANKS, "max_tokens": MAX_TOKENS,
+          "linear_coef": LINEAR_COEF, "command": "python bench/bench_balance.py"}, dtype=None)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ Two measures, each alternating the two arms ``--repeats`` times after a warm-up
 
 Also printed: ``pack_s``, the seconds `packed_linears` takes to pack the engine's model and
 restore it (what every packed ``generate`` call adds). Printed: one JSON object with every time,
-the medians and ``plain_over_packed`` for both::
+the medians and ``plain_over_packed`` for both, the host (``host``) and the dtype (``dtype``: bf16,
+as set).
+
+This benchmark is about bf16 by design (oneDNN's packed bf16 weights), so it keeps
+``model.dtype=bf16`` on every machine. On a CPU without native bf16 (no AVX512_BF16 or AMX) its
+figures measure emulated bf16, tens of times slower; the JSON then says so in ``note``::
 
     python bench/bench_decode.py [--model PATH] [--prompts 4] [--n 4] [--prompt-tokens 110] [--steps 48] [--response-tokens 256] [--repeats 3]
 """
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -31,10 +35,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import SMOLLM_DIR, check_positive, require_shared  # noqa: E402
+from bench.common import SMOLLM_DIR, check_positive, emit, emulated_bf16_note, require_shared  # noqa: E402
 
 THREADS = 2
 ARMS = ("plain", "packed")
+DTYPE = "bf16"  # by design: the packed arm multiplies oneDNN-packed bf16 weights
 
 
 def decode_steps(model, rows: int, prompt_tokens: int, steps: int, pack: bool):
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from bench.bench_rollout import prompts
     from packrl.config import load_config
+    from packrl.hardware import resolve_for_device
     from packrl.models.loading import load_policy
     from packrl.registry import ROLLOUT_ENGINES
     from packrl.rollout.engine import EngineContext, SamplingParams
@@ -82,10 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(THREADS)
     rows = args.prompts * args.n
-    cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_num_seqs={rows}", "model.dtype=bf16"])
-    model, tokenizer = load_policy(cfg.model)
+    cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_num_seqs={rows}", f"model.dtype={DTYPE}"])
+    compute = resolve_for_device(cfg.model.dtype, "cpu")  # the engine's bf16 rollout copy needs it (the default is fp32)
+    model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     context = EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=model_context_tokens(model.config)[0],
-                            may_share_policy=True)
+                            may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     if not packs(engine.model):
         raise SystemExit("this torch build cannot run packed bf16 Linear layers on the CPU (packrl.rollout.packed_linear.packs)")
@@ -124,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
         "generate_s": gen_s, "response_tokens": gen_tokens, "median_generate_s": median_s,
         "generate_s_per_1k_response_tokens": per_1k,
         "generate_plain_over_packed": round(per_1k["plain"] / per_1k["packed"], 3),
+        **emulated_bf16_note("the engine's decode on packed vs plain bf16 weights"),
     }
-    print(json.dumps(report, indent=2))
+    emit(report, dtype=DTYPE, device="cpu")
     return report
 
 

@@ -7,7 +7,8 @@ land in generation and the update; every third kill waits for the next checkpoin
 inside it, leaving a `.tmp-step_N` folder), then starts it again, until a run finishes. Checks
 after every restart: the run resumes from the newest complete checkpoint (its `resumed.txt`),
 never from a `.tmp-step_N` folder, and no resume fails on a corrupt checkpoint; at the end
-metrics.jsonl holds steps 1..N exactly once, in order. Prints one JSON object.
+metrics.jsonl holds steps 1..N exactly once, in order. Prints one JSON object, naming the host
+(``host``) and the tiny run's dtype (``dtype``: fp32, as `tests/diagnostics/tiny_run.py` sets it).
 
 Command (repository root; about 2 minutes)::
 
@@ -27,6 +28,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.common import emit  # noqa: E402
+
+TINY_RUN_DTYPE = "fp32"  # tests/diagnostics/tiny_run.py's BASE sets model.dtype=fp32
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -100,7 +105,7 @@ def main() -> None:
         "continuous": steps == list(range(1, args.steps + 1)),
         "checkpoints_left": sorted(p.name for p in (run_dir / "checkpoints").iterdir()), "log": log, "run_dir": str(run_dir),
     }
-    print(json.dumps(result, indent=1))
+    emit(result, dtype=TINY_RUN_DTYPE, indent=1)
     if not result["continuous"]:
         raise SystemExit("metrics.jsonl steps are not 1..N exactly once")
 

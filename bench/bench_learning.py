@@ -7,9 +7,14 @@ this easy task has a bug. With ``--preset arithmetic_tool`` (multi-turn, calcula
 prints the tool-use rate (``multi_turn/tool_use_rate``) over the first and last 5 steps and in
 greedy validation before and after.
 
+``--dtype`` sets ``model.dtype`` (default ``auto``: bf16 where this machine multiplies bf16
+natively, else fp32; `packrl.hardware.resolve_dtype`); set it there, not as a ``model.dtype=``
+override. Every mode's JSON names the host (``host``) and the dtype (``dtype``: requested,
+resolved, why).
+
 Command (about 10 minutes on 2 CPU cores for demo)::
 
-    python bench/bench_learning.py [--preset demo] [--steps 30] [key=value ...]
+    python bench/bench_learning.py [--preset demo] [--steps 30] [--dtype auto] [key=value ...]
 
 With ``--vs-gae`` it trains the preset twice, as configured (GRPO in ``demo``) and as PPO with a
 critic (``algorithm.adv_estimator=gae`` plus the ``--gae`` overrides), validating every
@@ -20,7 +25,8 @@ reward, log-prob, value and update time, ``timing_s/step``; validation excluded)
 With ``--vs-trl`` (demo preset only) it compares learning per second of training with TRL 1.16's
 ``GRPOTrainer`` on held-out 2-digit arithmetic::
 
-    python bench/bench_learning.py --vs-trl [--steps 30] [--val-every 5] [--trl-micro-batch 4] data.arithmetic.digits=2
+    python bench/bench_learning.py --vs-trl [--steps 30] [--val-every 5] [--trl-micro-batch 4] [--dtype auto] \\
+        data.arithmetic.digits=2
 
 The packrl arm is a ``--vs-gae`` arm: greedy validation before training, every ``--val-every``
 steps and at the end; its training time W is the sum of its ``timing_s/step``. The TRL arm then
@@ -36,7 +42,9 @@ memory until then); saving is outside the timed steps. Then, in this process, pa
 scores every saved model (``model.path=<saved dir>`` plus the same overrides): the same held-out
 rows, greedy decoding and scorer, so one evaluator measures both arms. TRL's accuracy before
 training is that of its saved step-0 model, which checks the save and reload (it should equal
-packrl's).
+packrl's). Both arms and the scoring run one dtype: ``--dtype`` resolved once in this process
+(`packrl.hardware.resolve_dtype`), given to packrl as ``model.dtype=bf16|fp32`` and to TRL as
+``bf16=True|False`` (bench/bench_trl_step.py's settings table).
 
 Printed per arm: held-out accuracy before training, at equal wall time (``equal_wall_s``, the
 shorter arm's training time: the arm's last validation at or before it) and at its end, the curve
@@ -44,21 +52,21 @@ shorter arm's training time: the arm's last validation at or before it) and at i
 reward over steps 1-5 and the last 5 (TRL: the mean of its reward function's values in each step).
 
 Measured (``--vs-trl --steps 30 --val-every 10``, shared GGUF model, ``data.arithmetic.digits=2``,
-idle machine): packrl trained 30 steps in 335 s (median step 10.1 s) and went 14.1% -> 35.9% /
-54.7% / 62.5% held-out accuracy at steps 10 / 20 / 30 (148 / 251 / 335 s). TRL, given those 335 s,
-ran 10 steps (median step 32.3 s) and its step-10 model scored 39.1%; the step it was in when the
-time ran out ended at 359 s (11 steps, 42.2%). At equal wall time: **62.5% vs 39.1%**. Reward,
-steps 1-5 -> last 5: packrl 0.019 -> 0.450, TRL 0.025 -> 0.138 (steps 7-11). An earlier run on a
-busier host, where four packrl steps shared the cores with other work, took TRL to 30 steps:
-51.6% at step 30 vs packrl's 51.6% at step 20 and 59.4% at step 30, so per step the two learn
-alike and packrl's lead is its shorter steps.
+idle machine, bf16: then the demo preset's ``model.dtype``): packrl trained 30 steps in 335 s
+(median step 10.1 s) and went 14.1% -> 35.9% / 54.7% / 62.5% held-out accuracy at steps 10 / 20 /
+30 (148 / 251 / 335 s). TRL, given those 335 s, ran 10 steps (median step 32.3 s) and its step-10
+model scored 39.1%; the step it was in when the time ran out ended at 359 s (11 steps, 42.2%). At
+equal wall time: **62.5% vs 39.1%**. Reward, steps 1-5 -> last 5: packrl 0.019 -> 0.450, TRL
+0.025 -> 0.138 (steps 7-11). An earlier run on a busier host, where four packrl steps shared the
+cores with other work, took TRL to 30 steps: 51.6% at step 30 vs packrl's 51.6% at step 20 and
+59.4% at step 30, so per step the two learn alike and packrl's lead is its shorter steps.
 
-Caveats. The two sample different responses (TRL generates under bf16 autocast over float32
-weights, packrl on a bf16 copy of them), so their rewards and curves also differ by chance; one
-seed each. TRL's micro-batch (``--trl-micro-batch``, default 4 sequences, its fastest in
-bench/bench_trl_step.py) changes its speed, not its update: each optimizer step takes B*n
-sequences either way. Both arms run 2 torch threads; only training time counts (not model
-loading, validation or saving), and any other load on the CPU skews it.
+Caveats. The two sample different responses (in bf16 TRL generates under bf16 autocast over
+float32 weights, packrl on a bf16 copy of them; in fp32 both on the float32 weights), so their
+rewards and curves also differ by chance; one seed each. TRL's micro-batch (``--trl-micro-batch``,
+default 4 sequences, its fastest in bench/bench_trl_step.py) changes its speed, not its update:
+each optimizer step takes B*n sequences either way. Both arms run 2 torch threads; only training
+time counts (not model loading, validation or saving), and any other load on the CPU skews it.
 """
 
 from __future__ import annotations
@@ -73,7 +81,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.bench_trl_step import THREADS, packrl_config, prompt_schedule, run_worker, trl_trainer  # noqa: E402
+from bench.bench_trl_step import (  # noqa: E402
+    DTYPES, THREADS, packrl_config, prompt_schedule, resolve_arms_dtype, run_worker, trl_trainer)
+from bench.common import emit  # noqa: E402
 from packrl.config import load_config  # noqa: E402
 from packrl.distributed.local import local_group  # noqa: E402
 from packrl.trainer.loop import train  # noqa: E402
@@ -92,10 +102,15 @@ def main() -> None:
                         help="interpreter of the venv with trl==1.16.0 (see bench/bench_trl_step.py)")
     parser.add_argument("--trl-micro-batch", type=int, default=4, help="TRL per_device_train_batch_size (sequences)")
     parser.add_argument("--val-every", type=int, default=5, help="validation interval of the --vs-gae / --vs-trl arms")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="model.dtype (auto: bf16 where this machine multiplies bf16 natively, else fp32); "
+                             "with --vs-trl resolved once for both arms (TRL's bf16= follows it)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # directory the TRL arm saves its models into
     parser.add_argument("--trl-budget-s", type=float, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the preset")
     args = parser.parse_args()
+    if any(o.startswith("model.dtype=") for o in args.overrides):
+        parser.error("set the compute dtype with --dtype, not a model.dtype= override")
     if (args.vs_trl or args.trl_worker) and args.preset != "demo":
         parser.error("--vs-trl compares the demo preset only (the settings table of bench/bench_trl_step.py)")
     if args.trl_worker:
@@ -108,7 +123,8 @@ def main() -> None:
         compare_gae(args)
         return
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
-    cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}", *args.overrides])
+    cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}",
+                                    f"model.dtype={args.dtype}", *args.overrides])
     start = time.perf_counter()
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
@@ -125,8 +141,9 @@ def main() -> None:
                  "val_tool_use_rate_after": lines[-1].get("val/multi_turn/tool_use_rate"),
                  "malformed_calls_first_5": statistics.mean(line["multi_turn/malformed_calls"] for line in lines[:5]),
                  "malformed_calls_last_5": statistics.mean(line["multi_turn/malformed_calls"] for line in lines[-5:])}
-    print(json.dumps({
-        "command": "python bench/bench_learning.py " + " ".join(f"--preset {args.preset} --steps {args.steps}".split() + args.overrides),
+    emit({
+        "command": "python bench/bench_learning.py " + " ".join(
+            f"--preset {args.preset} --steps {args.steps} --dtype {args.dtype}".split() + args.overrides),
         "steps": args.steps,
         "reward_mean_steps_1_5": first,
         "reward_mean_last_5": last,
@@ -139,7 +156,7 @@ def main() -> None:
         "reward_per_step": [round(s, 4) for s in scores],
         "wall_s": round(time.perf_counter() - start, 1),
         "run_dir": str(run_dir),
-    }, indent=2))
+    }, dtype=args.dtype)
 
 
 def _arm(preset: str, steps: int, val_every: int, overrides: list[str]) -> dict:
@@ -176,15 +193,16 @@ def _summary(arm: dict, wall: float) -> dict:
 
 def compare_gae(args: argparse.Namespace) -> None:
     """Both arms, then each one's reward rise and accuracy at the shorter arm's training time."""
-    arms = {"grpo": _arm(args.preset, args.steps, args.val_every, args.overrides),
-            "ppo_gae": _arm(args.preset, args.steps, args.val_every, [*args.overrides, "algorithm.adv_estimator=gae", *args.gae])}
+    overrides = [f"model.dtype={args.dtype}", *args.overrides]
+    arms = {"grpo": _arm(args.preset, args.steps, args.val_every, overrides),
+            "ppo_gae": _arm(args.preset, args.steps, args.val_every, [*overrides, "algorithm.adv_estimator=gae", *args.gae])}
     wall = min(arm["train_s"] for arm in arms.values())
     report = {"command": "python bench/bench_learning.py --vs-gae " + " ".join(
-        [f"--preset {args.preset} --steps {args.steps} --val-every {args.val_every}", *args.overrides]
+        [f"--preset {args.preset} --steps {args.steps} --val-every {args.val_every} --dtype {args.dtype}", *args.overrides]
         + (["--gae", *args.gae] if args.gae else [])), "equal_wall_s": round(wall, 1)}
     for name, arm in arms.items():
         report[name] = _summary(arm, wall) | {"run_dir": arm["run_dir"]}
-    print(json.dumps(report, indent=2))
+    emit(report, dtype=args.dtype)
 
 
 def _trl_saver(budget_s: float, val_every: int, save):
@@ -228,7 +246,8 @@ def _trl_saver(budget_s: float, val_every: int, save):
 def trl_worker(args: argparse.Namespace) -> None:
     """The TRL arm (run by ``--trl-python``): TRL's GRPOTrainer on the packrl arm's model, prompts
     in the same order, reward and hyperparameters, for ``--steps`` steps or until its step times
-    add up to ``--trl-budget-s``; saves the policy and packrl's tokenizer into ``--trl-worker``."""
+    add up to ``--trl-budget-s``; saves the policy and packrl's tokenizer into ``--trl-worker``.
+    ``--dtype`` is the parent's resolved one (``bf16`` or ``fp32``): TRL's ``bf16=`` follows it."""
     import torch
     from importlib.metadata import version
 
@@ -237,7 +256,7 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(THREADS)
     out = Path(args.trl_worker)
-    cfg = packrl_config("demo", args.steps, str(out / "trainer"), args.overrides)
+    cfg = packrl_config("demo", args.steps, str(out / "trainer"), args.overrides, dtype=args.dtype)
     tokenizer = load_tokenizer(resolve_model(cfg.model.path), cfg.model.path)
     scores: list[float] = []
     saves: list[dict] = []
@@ -255,7 +274,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({
         "scores": scores, "step_s": saver.step_s, "train_s": saver.elapsed, "saves": sorted(saves, key=lambda s: s["step"]),
         "versions": {name: version(name) for name in ("torch", "transformers", "trl")},
-        "param_dtype": str(next(trainer.model.parameters()).dtype)}), flush=True)
+        "param_dtype": str(next(trainer.model.parameters()).dtype), "bf16": bool(trainer.args.bf16)}), flush=True)
 
 
 def _score(preset: str, overrides: list[str], model_dir: str) -> float:
@@ -269,22 +288,28 @@ def _score(preset: str, overrides: list[str], model_dir: str) -> float:
 
 def compare_trl(args: argparse.Namespace) -> None:
     """The packrl arm, then the TRL arm for the packrl arm's training time, each saved TRL model
-    scored by packrl's evaluator; both arms' reward rise and accuracy at equal training time."""
+    scored by packrl's evaluator; both arms' reward rise and accuracy at equal training time. The
+    dtype is resolved once, here (`resolve_arms_dtype`): packrl's arm and the scoring get it as
+    ``model.dtype``, TRL's as ``bf16=``."""
     import torch
 
     torch.set_num_threads(THREADS)
-    packrl = _arm(args.preset, args.steps, args.val_every, args.overrides)
+    dtype = resolve_arms_dtype(args.dtype)
+    overrides = [f"model.dtype={dtype}", *args.overrides]
+    packrl = _arm(args.preset, args.steps, args.val_every, overrides)
     with tempfile.TemporaryDirectory(prefix="packrl-vs-trl-") as out:
         res = run_worker([args.trl_python, str(Path(__file__).resolve()), "--trl-worker", out, "--trl-budget-s", repr(packrl["train_s"]),
-                          "--steps", str(args.steps), "--val-every", str(args.val_every),
+                          "--steps", str(args.steps), "--val-every", str(args.val_every), "--dtype", dtype,
                           "--trl-micro-batch", str(args.trl_micro_batch), *args.overrides], "trl")
-        curve = [(s["train_s"], _score(args.preset, args.overrides, s["path"])) for s in res["saves"]]
+        curve = [(s["train_s"], _score(args.preset, overrides, s["path"])) for s in res["saves"]]
     trl = {"scores": res["scores"], "step_s": res["step_s"], "train_s": res["train_s"], "curve": curve}
     wall = min(packrl["train_s"], trl["train_s"])
-    cfg = packrl_config("demo", args.steps, tempfile.gettempdir(), args.overrides)
+    cfg = packrl_config("demo", args.steps, tempfile.gettempdir(), args.overrides, dtype=dtype)
     report = {"command": "python bench/bench_learning.py --vs-trl " + " ".join(
-        [f"--steps {args.steps} --val-every {args.val_every} --trl-micro-batch {args.trl_micro_batch}", *args.overrides]),
+        [f"--steps {args.steps} --val-every {args.val_every} --trl-micro-batch {args.trl_micro_batch} --dtype {args.dtype}",
+         *args.overrides]),
         "versions": res["versions"], "torch_threads": THREADS,
+        "arms_dtype": {"packrl": f"model.dtype={dtype}", "trl": f"bf16={res['bf16']}"},
         "config": {"model": cfg.model.path, "digits": cfg.data.arithmetic.digits, "B": cfg.data.batch_size, "n": cfg.rollout.n,
                    "max_response_tokens": cfg.rollout.max_response_tokens, "lr": cfg.train.lr,
                    "val_rows": cfg.data.max_val_rows, "trl_micro_batch": args.trl_micro_batch},
@@ -292,7 +317,7 @@ def compare_trl(args: argparse.Namespace) -> None:
         "packrl": _summary(packrl, wall) | {"run_dir": packrl["run_dir"]},
         "trl": _summary(trl, wall) | {"saved_steps": [s["step"] for s in res["saves"]], "param_dtype": res["param_dtype"],
                                       "process_wall_s": res["process_wall_s"]}}
-    print(json.dumps(report, indent=2))
+    emit(report, dtype=args.dtype)
 
 
 if __name__ == "__main__":

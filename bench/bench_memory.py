@@ -7,9 +7,11 @@ subprocess builds the `demo` preset's worker group on SmolLM2-135M-Instruct (the
 a synthetic batch of 4 sequences filling exactly one micro-batch (a quarter prompt, three
 quarters response). The measured peak is the process's peak RSS (``VmHWM``) over that update,
 reset just before it through ``/proc/self/clear_refs``; everything resident counts (runtime,
-weights, the bf16 rollout copy, gradients, AdamW moments allocated at the first step,
-activations). The estimate is `packrl.inspect.memory.estimate_memory`'s update phase for the same
-config, from the model's config alone.
+weights, the rollout copy in bf16 (in fp32 the engine shares the policy's weights), gradients,
+AdamW moments allocated at the first step, activations). The estimate is
+`packrl.inspect.memory.estimate_memory`'s update phase for the same config, from the model's
+config alone. ``--dtype`` sets ``model.dtype`` for both (default ``auto``: bf16 where this machine
+multiplies bf16 natively, else fp32; `packrl.hardware.resolve_dtype`).
 
 Also reported: the activation part (peak at T minus peak at 256 tokens, same variant) and the
 gradient + optimizer-state bytes counted from the tensors after the step. Checks:
@@ -18,9 +20,10 @@ gradient + optimizer-state bytes counted from the tensors after the step. Checks
 - gradient checkpointing cuts the activation part at the largest size by >= 2x;
 - LoRA cuts gradient + optimizer-state bytes by >= 10x.
 
+The final JSON names the host (``host``) and the dtype (``dtype``: requested, resolved, why).
 Command (repository root, about 6 minutes on 2 idle CPU cores)::
 
-    python bench/bench_memory.py [--tokens 1024 2048 4096] [--variants plain gc lora16] [--model PATH]
+    python bench/bench_memory.py [--tokens 1024 2048 4096] [--variants plain gc lora16] [--model PATH] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.common import emit  # noqa: E402
+
 VARIANTS = {"plain": [], "gc": ["model.gradient_checkpointing=true"], "lora16": ["model.lora.rank=16", "model.lora.alpha=32"]}
 COMMON = ["algorithm.kl_coef=0", "train.mini_batch_size=null", "train.ppo_epochs=1"]
 FLOOR_TOKENS = 256
@@ -108,12 +114,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["plain", "gc", "lora16"])
     parser.add_argument("--model", default=None, help="model.path (default: the demo preset's)")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="model.dtype (auto: bf16 where this machine multiplies bf16 natively, else fp32)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(int(args.worker[0]), args.worker[1:])))
         return
-    model = [f"model.path={args.model}"] if args.model else []
+    model = [*([f"model.path={args.model}"] if args.model else []), f"model.dtype={args.dtype}"]
     rows = []
     for variant in args.variants:
         overrides = [*model, *VARIANTS[variant]]
@@ -126,7 +134,7 @@ def main() -> None:
                          "grad_and_optimizer_bytes": m["grad_and_optimizer_bytes"], "num_trainable_params": m["num_trainable_params"]})
             print(f"{variant:<8}{tokens:>6} tokens  measured {m['peak_bytes'] / 2**30:6.3f} GiB  estimate {est / 2**30:6.3f} GiB  "
                   f"ratio {est / m['peak_bytes']:.3f}  activation part {(m['peak_bytes'] - floor) / 2**30:6.3f} GiB", flush=True)
-    print(json.dumps({"rows": rows, "checks": _checks(rows, max(args.tokens))}, indent=2))
+    emit({"rows": rows, "checks": _checks(rows, max(args.tokens))}, dtype=args.dtype)
 
 
 def _checks(rows: list[dict], largest: int) -> dict:

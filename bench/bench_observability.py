@@ -12,7 +12,9 @@ weights and seed, so every run generates the same responses; the arms alternate 
 per run the wall time of the whole ``train()`` call (files included), the step times
 (``perf/time_per_step``) and the mean response length (equal across runs when they did the same
 work); ``ratio`` = total wall on / total wall off (target <= 1.05) and ``ratio_step`` = the same
-for the step times alone.
+for the step times alone. The JSON also names the host (``host``) and the compute dtype
+(``dtype``: ``model.dtype`` as configured, ``auto`` unless an override sets it, and what it
+resolved to here).
 
 Command (3 one-step runs per arm; about 2 minutes on 2 idle CPU cores)::
 
@@ -25,14 +27,17 @@ import argparse
 import copy
 import importlib.util
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from packrl.config import load_config
-from packrl.distributed.local import local_group
-from packrl.models.loading import load_policy
-from packrl.trainer.loop import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import emit  # noqa: E402
+from packrl.config import load_config  # noqa: E402
+from packrl.distributed.local import local_group  # noqa: E402
+from packrl.models.loading import load_policy  # noqa: E402
+from packrl.trainer.loop import train  # noqa: E402
 
 ON = ["train.dump_rollouts=true", "train.trace=true"]
 OFF = ["train.dump_rollouts=false", "train.trace=false", "train.loggers=[console]"]
@@ -52,7 +57,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="packrl-observability-"))
     base = ["data.val_files=[]", f"train.total_steps={args.steps}", *args.overrides]
     arms = {"off": OFF, "on": _on_overrides()}
-    model, tokenizer = load_policy(load_config("demo", base).model)
+    base_model = load_config("demo", base).model
+    model, tokenizer = load_policy(base_model)
     initial = copy.deepcopy(model.state_dict())
     runs: list[dict] = []
     for r in range(args.rounds):
@@ -69,11 +75,11 @@ def main() -> None:
                          "response_length_mean": [x["response_length/mean"] for x in lines]})
     total = {arm: sum(x["wall_s"] for x in runs if x["arm"] == arm) for arm in arms}
     steps = {arm: sum(sum(x["step_s"]) for x in runs if x["arm"] == arm) for arm in arms}
-    print(json.dumps({
+    emit({
         "bench": "observability", "steps_per_run": args.steps, "rounds": args.rounds, "on": arms["on"],
         "runs": runs, "total_on_s": round(total["on"], 3), "total_off_s": round(total["off"], 3),
         "ratio": round(total["on"] / total["off"], 4), "ratio_step": round(steps["on"] / steps["off"], 4), "target": 1.05,
-    }, indent=2))
+    }, dtype=base_model.dtype)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,20 @@ Reported: real tokens/s per variant (real tokens = sum L_i), each packed path's 
 padded (target for ``varlen``: >= 1.5), pad fraction measured from the tensors actually fed to
 the model (pad positions / positions processed), micro-batch counts, and the summed log-prob of
 each variant as a sanity check that all compute the same quantity. The headline ratio is also
-given per repeat and on process CPU time, to show how much background load moved it.
+given per repeat and on process CPU time, to show how much background load moved it. The JSON
+also names the host (``host``) and the dtype of the model's weights (``dtype``: ``--dtype``,
+default ``auto``: bf16 where this CPU multiplies bf16 natively, else fp32, as
+`packrl.hardware.resolve_dtype` resolves ``model.dtype=auto``; bf16 on a CPU without it is
+emulated and tens of times slower).
 
 The default batch is 24 sequences (~6,400 real tokens): with 32 and a full-batch warm-up a run
 took ~12 minutes on 2 shared CPU cores, mostly in the two K^2-mask paths (``block_mask``,
 ``position_ids``). The layer count stays at 30 so the attention/linear/LM-head mix is the real one.
 
-Command (defaults: 24 sequences, bf16, 30 layers, 2 repeats; ~5 minutes on 2 idle CPU cores)::
+Command (defaults: 24 sequences, ``--dtype auto``, 30 layers, 2 repeats; ~5 minutes in bf16 on 2
+idle CPU cores)::
 
-    python bench/bench_packing.py
+    python bench/bench_packing.py [--dtype auto|bf16|fp32]
 
 Shared prompts (``--group-size G``): ``num_sequences / G`` prompts with G responses each (GSM8K
 prompt and response lengths, or ``--prompt-tokens`` / ``--response-tokens`` fixed), packed under
@@ -44,8 +49,8 @@ scored), so the ratio is the speed-up (target at G = 4 on GSM8K lengths: >= 1.25
     python bench/bench_packing.py --group-size 16 --num-sequences 32
     python bench/bench_packing.py --group-size 4 --num-sequences 16 --prompt-tokens 1024 --response-tokens 128 --max-tokens 8192
 
-Measured on 2 idle CPU cores (``--repeats 3``, ``--repeats 2`` for the long prompts), median
-wall time, unshared -> shared:
+Measured in bf16 on 2 idle CPU cores (``--repeats 3``, ``--repeats 2`` for the long prompts),
+median wall time, unshared -> shared:
 
 - ``--group-size 4 --num-sequences 32``: 8,651 -> 5,516 positions, 32.9 -> 25.3 s, ratio 1.30
   (per repeat 1.33 / 1.23 / 1.43);
@@ -59,7 +64,6 @@ So ``train.share_prompts`` is on by default where the attention path can run it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -69,7 +73,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import check_positive, sample_lengths, smollm_model  # noqa: E402
+from bench.common import check_positive, emit, sample_lengths, smollm_model  # noqa: E402
+from packrl.hardware import resolve_for_device  # noqa: E402
 from packrl.models.logprobs import pack_logprobs  # noqa: E402
 from packrl.seqlen.microbatch import plan_microbatches  # noqa: E402
 from packrl.seqlen.packing import pack_sequences, pack_shared  # noqa: E402
@@ -189,7 +194,7 @@ def shared_report(args: argparse.Namespace) -> dict:
     ratio = median["unshared"] / median["shared"]
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": f"SmolLM2-135M shapes, random init, {args.num_layers} layers, {args.dtype}",
+        "model": f"SmolLM2-135M shapes, random init, {args.num_layers} layers, {_dtype_name(args.dtype)}",
         "group_size": args.group_size, "num_sequences": len(prompts), "sequence_tokens": sequence_tokens,
         "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
         "response_tokens_mean": statistics.mean(len(r) for r in responses),
@@ -201,8 +206,13 @@ def shared_report(args: argparse.Namespace) -> dict:
         "throughput_ratio_shared_vs_unshared": round(ratio, 3),
         "target": "shared/unshared >= 1.25 at group size 4 on GSM8K lengths",
     }
-    print(json.dumps(report, indent=2))
+    emit(report, dtype=args.dtype, device="cpu")
     return report
+
+
+def _dtype_name(requested: str) -> str:
+    """What ``--dtype`` resolves to on this CPU (``bf16`` or ``fp32``), as `smollm_model` resolves it."""
+    return resolve_for_device(requested, "cpu").name
 
 
 def timed(model: torch.nn.Module, step: Step) -> tuple[float, float, tuple[float, int, int]]:
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-sequences", type=int, default=24, help="sequences in the batch")
     parser.add_argument("--seed", type=int, default=0, help="seed for lengths and token ids")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="weights' dtype (auto: bf16 where this CPU multiplies bf16 natively, else fp32)")
     parser.add_argument("--num-layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per variant after one warm-up")
     parser.add_argument("--padded-microbatch", type=int, default=8, help="sequences per padded micro-batch")
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     cpu_ratios = {f"{name}/padded": round(statistics.median(cpu["padded"]) / statistics.median(cpu[name]), 3) for name in packed}
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "model": f"SmolLM2-135M shapes, random init, {args.num_layers} layers, {args.dtype}",
+        "model": f"SmolLM2-135M shapes, random init, {args.num_layers} layers, {_dtype_name(args.dtype)}",
         "torch_threads": torch.get_num_threads(),
         "num_sequences": len(seqs),
         "real_tokens": real_tokens,
@@ -303,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target": "varlen/padded >= 1.5",
         "target_met": ratios.get("varlen/padded", 0.0) >= 1.5,
     }
-    print(json.dumps(report, indent=2))
+    emit(report, dtype=args.dtype, device="cpu")
     return report
 
 

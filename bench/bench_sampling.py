@@ -3,6 +3,9 @@
 per vocabulary entry and row, the sampler it replaced) and ``softmax`` + ``torch.multinomial``,
 on the same float32 scores, in one run.
 
+The engine samples from float32 scores whatever ``model.dtype`` is, so this benchmark runs fp32
+on every machine; its JSON names the host (``host``) and the dtype (``dtype``: fp32).
+
 Command (seconds)::
 
     python bench/bench_sampling.py [--rows 32] [--vocab 49152] [--repeats 20]
@@ -14,7 +17,6 @@ step, one-level 66.8 ms (ratio 9.2), multinomial 67.4 ms; a second run 7.7 / 57.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import check_positive  # noqa: E402
+from bench.common import check_positive, emit  # noqa: E402
 from packrl.rollout.hf_engine import gumbel_argmax, two_level_gumbel_max  # noqa: E402
 
 
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         ms[name] = round(1000 * statistics.median(times), 2)
     report = {"command": " ".join(["python", "bench/bench_sampling.py", *sys.argv[1:]]), "rows": args.rows, "vocab": args.vocab,
               "ms_per_step": ms, "one_level_over_two_level": round(ms["one_level_gumbel"] / ms["two_level_gumbel"], 2)}
-    print(json.dumps(report, indent=2))
+    emit(report, dtype="fp32", device="cpu")
     return report
 
 

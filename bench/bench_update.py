@@ -18,6 +18,11 @@ token for the LM head (only response tokens are scored), and causal attention 6 
 per sequence (QK^T and AV, forward and backward, half the square). The matmul rate is the best of
 bf16 matmuls of the model's own shapes (tokens x hidden x intermediate) and a 2048^3 square one.
 
+The update runs in bf16 (``model.dtype=bf16``) on every machine, by design: the figure is its
+fraction of the bf16 matmul rate. The JSON names the host (``host``) and the dtype (``dtype``:
+bf16, as set); on a CPU without native bf16 (no AVX512_BF16 or AMX) both the update and the rate
+are emulated bf16, tens of times slower, and ``note`` says so.
+
 Command (about 5 minutes on 2 CPU cores)::
 
     python bench/bench_update.py [--num-sequences 16] [--max-tokens 4096] [--repeats 3]
@@ -55,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -65,7 +69,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import check_positive, matmul_times, sample_lengths, smollm_model  # noqa: E402
+from bench.common import check_positive, emit, emulated_bf16_note, matmul_times, sample_lengths, smollm_model  # noqa: E402
 from packrl.config import load_config  # noqa: E402
 from packrl.models.compile import CompiledLayers, active  # noqa: E402
 from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "achieved_gflops": round(flops / seconds / 1e9, 1),
                        "fraction_of_matmul_rate": round(flops / seconds / rate, 3), **_profile(lambda: update(arm), flops, rate)}
     report["compiled_speedup"] = round(report["eager"]["update_s"] / report["compiled"]["update_s"], 2)
-    print(json.dumps(report, indent=2))
+    report |= emulated_bf16_note("the update (bf16 autocast) and the matmul rate it is compared with")
+    emit(report, dtype="bf16", device="cpu")
     return report
 
 

@@ -11,7 +11,9 @@ rank has its own device and the shares run truly in parallel.
 
 Prints one JSON object: per arm the wall time of ``train()`` (Ray start-up and model loading
 included), the median step time and median per-stage times over steps 2.., and
-``ratio_step`` = median step time with 2 workers / with 1 (the per-stage ratios alongside).
+``ratio_step`` = median step time with 2 workers / with 1 (the per-stage ratios alongside); also
+the host (``host``) and the compute dtype (``dtype``: ``model.dtype`` as configured, ``auto``
+unless an override sets it, and what it resolved to here).
 
 Command (about 4 minutes on 2 idle CPU cores)::
 
@@ -23,12 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from packrl.config import load_config
-from packrl.trainer.loop import train
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import emit  # noqa: E402
+from packrl.config import load_config  # noqa: E402
+from packrl.trainer.loop import train  # noqa: E402
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "step")
 
@@ -61,8 +66,9 @@ def main() -> None:
         one = _arm(1, args.steps, args.overrides, Path(tmp))
         two = _arm(2, args.steps, args.overrides, Path(tmp))
     ratios = {stage: round(two["median_s"][stage] / max(one["median_s"][stage], 1e-9), 3) for stage in STAGES}
-    print(json.dumps({"one_process": one, "two_workers": two, "ratio_step": ratios["step"], "ratio_by_stage": ratios,
-                      "same_work": one["response_length_mean"] == two["response_length_mean"]}, indent=1))
+    emit({"one_process": one, "two_workers": two, "ratio_step": ratios["step"], "ratio_by_stage": ratios,
+          "same_work": one["response_length_mean"] == two["response_length_mean"]},
+         dtype=load_config("demo", args.overrides).model.dtype, indent=1)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,9 @@ _ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_
 BF16_SLOWDOWN = ("bf16 matmuls ran 48x slower than float32 on an AVX2-only CPU (1.3 vs 63 GFLOP/s, a 1024x576 @ 576x1536 "
                  "matmul) and a demo step took 291 s instead of 20-31 s")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4, "fp64": 8}
+# the CPU flags worth recording (/proc/cpuinfo names, x86 and aarch64)
+_RECORDED_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "asimd", "sve", "sve2", "bf16", "i8mm"})
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ def _cpu_info() -> tuple[str, frozenset[str]]:
         if key in ("model name", "cpu model", "hardware") and not model:
             model = value.strip()
         elif key in ("flags", "features") and not flags:
-            flags = frozenset(value.lower().split())
+            flags = frozenset(value.lower().split()) & _RECORDED_FLAGS
     return model, flags
 
 
@@ -261,4 +264,5 @@ def host_record() -> dict[str, Any]:
 
     host = probe_host()
     choice = resolve_dtype("auto", host)
-    return host.to_dict() | {"torch": torch.__version__, "auto_dtype": choice.name, "auto_dtype_reason": choice.reason}
+    return host.to_dict() | {"num_threads": torch.get_num_threads(), "torch": torch.__version__, "auto_dtype": choice.name,
+                             "auto_dtype_reason": choice.reason}

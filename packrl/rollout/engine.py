@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from packrl.hardware import ComputeDtype
+from packrl.hardware import ComputeDtype, resolve_dtype
 
 if TYPE_CHECKING:
     from packrl.config.schema import RolloutConfig, RunConfig
@@ -175,7 +175,8 @@ class EngineContext:
         may_share_policy: the engine may generate on ``policy``'s own parameters (one process,
             float32); False when the policy will be sharded, so the engine must hold its own copy.
         compute_dtype: the run's compute dtype (``model.dtype`` resolved for the machine,
-            `packrl.hardware.ComputeDtype`); the engine generates in it.
+            `packrl.hardware.ComputeDtype`, as `BatchPlan.compute_dtype` holds it); the engine
+            generates in it. None: resolved from ``cfg`` on this machine (`dtype`).
     """
 
     policy: Any
@@ -183,7 +184,11 @@ class EngineContext:
     cfg: RunConfig
     max_context_tokens: int
     may_share_policy: bool
-    compute_dtype: ComputeDtype = ComputeDtype("fp32", "fp32", "as set")
+    compute_dtype: ComputeDtype | None = None
+
+    def dtype(self) -> ComputeDtype:
+        """The compute dtype the engine generates in (see ``compute_dtype``)."""
+        return self.compute_dtype or resolve_dtype(self.cfg.model.dtype)
 
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]

@@ -530,7 +530,7 @@ def build_hf_engine(context: EngineContext) -> HFEngine:
     parameters when it may share them and the compute dtype is the parameters' own (fp32, fp64),
     else on a copy of the weights in the compute dtype (`rollout_copy`), refreshed by
     `HFEngine.load_weights` after every update."""
-    cfg, compute = context.cfg, context.compute_dtype
+    cfg, compute = context.cfg, context.dtype()
     dtype = compute.torch_dtype() if compute.autocast or not context.may_share_policy else None
     model = rollout_copy(context.policy, dtype)
     return HFEngine(model, context.tokenizer, max_context_tokens=context.max_context_tokens,

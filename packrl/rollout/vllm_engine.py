@@ -201,14 +201,14 @@ def build_vllm_engine(context: EngineContext) -> VLLMEngine:
         logger.warning("rollout.return_logprobs (or algorithm.rollout_correction) with rollout.top_k/top_p under vllm: the "
                        "engine reports log-probs of the truncated distribution, the trainer scores the full one; "
                        "training/rollout_probs_diff_* and the rollout-correction ratios include the gap")
-    dtype = context.compute_dtype.torch_dtype()
+    dtype = context.dtype().torch_dtype()
     model_dir = write_policy(policy, context.tokenizer, dtype)
     config = policy.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
     args = engine_args(cfg, model_dir=str(model_dir), max_context_tokens=context.max_context_tokens, kv_bytes_per_token=kv_bytes,
-                       cuda=cuda, dtype=context.compute_dtype.name)
+                       cuda=cuda, dtype=context.dtype().name)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to one thread
     from vllm import LLM
