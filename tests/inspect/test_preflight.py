@@ -82,7 +82,7 @@ def test_memory_that_does_not_fit_recommends_the_largest_micro_batch(model_dir):
 def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
     from packrl.rollout.vllm_settings import kv_cache_bytes
 
-    report = preflight("demo", [f"model.path={model_dir}", "rollout.engine=vllm", "rollout.max_num_seqs=4"])
+    report = preflight("demo", [f"model.path={model_dir}", "rollout.engine=vllm", "rollout.max_num_seqs=4", "model.dtype=bf16"])
     note = next(n for n in report.notes if n.startswith("vllm engine:"))
     cfg = load_config("demo", [f"model.path={model_dir}", "rollout.max_num_seqs=4"])
     shape = ModelShape.from_config(_config(), None)

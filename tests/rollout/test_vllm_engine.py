@@ -210,7 +210,7 @@ def test_derived_settings_follow_the_budgets():
     from packrl.rollout.vllm_settings import engine_args, kv_cache_bytes
 
     cfg = load_config("demo", [*CONFIG, "rollout.engine_kwargs.enable_chunked_prefill=false"])  # checked without vLLM
-    args = engine_args(cfg, model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False)
+    args = engine_args(cfg, model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False, dtype="fp32")
     assert args["max_model_len"] == 40  # the context binds before prompt + response = 48
     assert args["max_num_batched_tokens"] == 40 and args["max_num_seqs"] == 8 and args["dtype"] == "float32"
     assert args["kv_cache_memory_bytes"] == kv_cache_bytes(cfg, 100, 40) == 8 * 128 * 100
@@ -231,7 +231,7 @@ def test_demo_preset_trains_two_steps_with_vllm(tmp_path):
     for line in lines:
         reasons = sum(line[f"response/finish_reason/{r}"] for r in ("eos", "stop", "length", "context", "abort"))
         assert reasons == pytest.approx(1.0) and line["response_length/max"] <= 64
-        assert 0.0 <= line["training/rollout_probs_diff_mean"] < 0.05  # bf16 engine vs bf16-autocast trainer
+        assert 0.0 <= line["training/rollout_probs_diff_mean"] < 0.05  # engine and trainer in the resolved dtype (bf16 or fp32)
     shutil.rmtree(run_dir / "checkpoints")
 
 
