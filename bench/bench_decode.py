@@ -26,6 +26,8 @@ figures measure emulated bf16, tens of times slower; the JSON then says so in ``
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import contextlib
 import os
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     from packrl.models.loading import load_policy
     from packrl.registry import ROLLOUT_ENGINES
     from packrl.rollout.engine import EngineContext, SamplingParams
-    from packrl.rollout.hf_engine import rollout_copy
+    from packrl.rollout.weights import rollout_copy
     from packrl.rollout.packed_linear import packed_linears, packs
     from packrl.seqlen.budgets import model_context_tokens
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
             ms, logprobs = decode_steps(engine.model, rows, args.prompt_tokens, args.steps, pack=arm == "packed")
             step_ms[arm].append(round(ms, 1))
             logprob_error[arm] = round(float((logprobs - reference).abs().max()), 4)
-            engine.PACK_LINEARS = arm == "packed"
+            engine.options = replace(engine.options, pack_linears=arm == "packed")
             start = time.perf_counter()
             groups = engine.generate(ids, params, list(range(len(ids))))
             gen_s[arm].append(round(time.perf_counter() - start, 2))

@@ -16,6 +16,8 @@ dtype (``dtype``: requested, resolved, why) it ran::
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import os
 import statistics
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens: dict[str, set[tuple]] = {name: set() for name in caches}
     for _ in range(args.repeats):
         for name, cache in caches.items():
-            engine.KV_CACHE = cache
+            engine.options = replace(engine.options, kv_cache=cache)
             start = time.perf_counter()
             groups = engine.generate(ids, params, seeds)
             seconds[name].append(round(time.perf_counter() - start, 2))

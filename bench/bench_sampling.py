@@ -1,5 +1,5 @@
 """Sampling cost per decode step in the HF engine: packrl's two-level Gumbel-max
-(`packrl.rollout.hf_engine.GumbelMaxSampler`) against one-level Gumbel-max (one exponential draw
+(`packrl.rollout.sampling.GumbelMaxSampler`) against one-level Gumbel-max (one exponential draw
 per vocabulary entry and row, the sampler it replaced) and ``softmax`` + ``torch.multinomial``,
 on the same float32 scores, in one run.
 
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import check_positive, emit  # noqa: E402
-from packrl.rollout.hf_engine import gumbel_argmax, two_level_gumbel_max  # noqa: E402
+from packrl.rollout.sampling import gumbel_argmax, two_level_gumbel_max  # noqa: E402
 
 
 def multinomial(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

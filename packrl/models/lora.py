@@ -125,7 +125,7 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     `merged_weights`.
     """
     twin = copy.deepcopy(model).merge_and_unload()
-    twin.requires_grad_(True)  # as the base model had them; see packrl.rollout.hf_engine.rollout_copy
+    twin.requires_grad_(True)  # as the base model had them; see packrl.rollout.weights.rollout_copy
     return twin
 
 

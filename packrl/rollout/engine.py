@@ -193,3 +193,35 @@ class EngineContext:
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]
 """``factory(context) -> engine``, registered in `packrl.registry.ROLLOUT_ENGINES`."""
+
+
+# Helpers every engine shares: per-request seeds, the EOS and pad ids of a model and tokenizer.
+
+
+def request_seed(prompt_seed: int, sample_index: int) -> int:
+    """The sampling seed of sample ``sample_index`` of a prompt whose seed is ``prompt_seed``."""
+    return (prompt_seed * 1_000_003 + sample_index) % (1 << 63)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a response: the model's ``generation_config.eos_token_id`` (int or
+    list) and the tokenizer's EOS."""
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = set(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
+    ids.add(getattr(tokenizer, "eos_token_id", None))
+    ids.discard(None)
+    if not ids:
+        raise ValueError(
+            "neither the tokenizer nor model.generation_config names an EOS token id, so no response could end with "
+            "finish reason 'eos'; set tokenizer.eos_token or model.generation_config.eos_token_id"
+        )
+    return frozenset(int(i) for i in ids)
+
+
+def pad_id(model: Any, tokenizer: Any, eos_ids: frozenset[int]) -> int:
+    """The tokenizer's pad id, else the model's, else the smallest EOS id. Padding never reaches
+    a response: left pads are masked out and columns after a row's end are cut."""
+    for pad in (getattr(tokenizer, "pad_token_id", None), getattr(getattr(model, "generation_config", None), "pad_token_id", None)):
+        if pad is not None:
+            return int(pad)
+    return min(eos_ids)

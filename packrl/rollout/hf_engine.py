@@ -34,27 +34,26 @@ states (pure Mamba) or is of its own kind generates each batch in one call on th
 builds itself, without the shared prefill (`packrl.rollout.kv_cache.cache_reuse`; model.txt says
 which).
 
-Speed: a batch generates in rounds of `HFEngine.ROUND_TOKENS` tokens and rows that finished leave
+Speed: a batch generates in rounds of ``HFEngineOptions.round_tokens`` tokens and rows that finished leave
 the batch and its KV cache between rounds, so later rounds decode only the rows still running
 (on an earlier 2-core host the demo preset's 32 requests took 4.6 s this way against 6.5 s when
 every row decoded until the longest ended). The KV cache appends each step's keys and values in
 place (`packrl.rollout.kv_cache`) rather than concatenating the whole cache at every step. On the
 CPU, bf16 Linear layers run on weights packed into oneDNN's layout once per call
-(`packrl.rollout.packed_linear`, ``PACK_LINEARS``) rather than reordered at every matmul; calls
-capped below ``PACK_MIN_TOKENS`` new tokens, too short to repay the packing, skip it.
+(`packrl.rollout.packed_linear`, ``HFEngineOptions.pack_linears``) rather than reordered at every
+matmul; calls capped below ``pack_min_tokens`` new tokens, too short to repay the packing, skip it.
 
 ``rollout_logprobs`` are ``log_softmax(logits / temperature)`` of the sampled token, from the raw
 logits (``output_logits=True``) before top-k/top-p filtering: the distribution the trainer scores.
 Greedy responses report them at temperature 1. transformers keeps these logits for one round:
-``b * ROUND_TOKENS * V`` float32 values (64 x 16 x 49,152 is 201 MB).
+``b * round_tokens * V`` float32 values (64 x 16 x 49,152 is 201 MB).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,13 +67,12 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from packrl.models.attention import PACKRL_SDPA
-from packrl.models.loading import disable_gradient_checkpointing
-from packrl.models.lora import is_lora, merged_copy
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineContext, SamplingParams
+from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, pad_id, request_seed
 from packrl.rollout.kv_cache import appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
+from packrl.rollout.sampling import GumbelMaxSampler
+from packrl.rollout.weights import rollout_copy
 from packrl.types import FinishReason, Response
 
 # Generation settings that would add a logits processor or a stopping rule beyond the requested
@@ -93,71 +91,6 @@ _CACHE_KEY = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields_
 _NEVER = 1 << 62  # "no event" step index, larger than any response
 
 
-class GumbelMaxSampler(LogitsProcessor):
-    """Turns greedy decoding into exact sampling: Gumbel-max (Gumbel 1954, Maddison et al. 2014)
-    over the (temperature-, top-k- and top-p-processed) scores in two levels, and returns scores
-    whose argmax is the drawn token (0 there, -inf elsewhere).
-
-    The vocabulary is cut into blocks of `_GUMBEL_BLOCK` entries. A block is drawn by Gumbel-max
-    over the blocks' log-masses (``logsumexp`` of their scores), then an entry of that block by
-    Gumbel-max over its scores: P(block) x P(entry | block) = softmax(scores)[entry], exactly.
-    Filtered (-inf) scores are never drawn. A row draws ``V / 256 + 256`` exponentials a step
-    instead of ``V``: on 2 CPU cores over a 49,152-token vocabulary and 32 rows, 7.3 ms per
-    decode step against 66.8 ms for one Gumbel draw per score and 67.4 ms for ``softmax`` +
-    ``torch.multinomial`` (`bench/bench_sampling.py`). Like one-level Gumbel-max, and unlike
-    inverting the cumulative distribution, a draw changes only when two perturbed scores nearly
-    tie, so weights that differ by rounding (one process against several ranks) keep drawing the
-    same tokens.
-
-    Each row draws from its own generator (``generators[i]`` for row ``i`` of the scores), so a
-    response depends on its request's seed alone, not on which other rows share its batch: the
-    same prompts give the same responses whether one process generates them all or several
-    data-parallel workers each generate a share (as with vLLM's per-request seeds).
-    """
-
-    def __init__(self, generators: Sequence[torch.Generator]) -> None:
-        self.generators = list(generators)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        assert len(self.generators) == scores.shape[0], "one generator per decoding row"
-        tokens = two_level_gumbel_max(scores.float(), self.generators)
-        return torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, tokens.unsqueeze(1), 0.0)
-
-
-_GUMBEL_BLOCK = 256  # vocabulary entries per block of `two_level_gumbel_max`
-
-
-def two_level_gumbel_max(scores: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Per row, a draw from ``softmax(scores)`` (`GumbelMaxSampler`), row ``i``'s noise from
-    ``generators[i]``.
-
-    Args:
-        scores: Shape [b, V], float32; -inf = never drawn; each row has a finite score.
-        generators: b generators on the scores' device.
-
-    Returns:
-        Shape [b], int64, token ids.
-    """
-    rows, vocab = scores.shape
-    blocks = torch.nn.functional.pad(scores, (0, -vocab % _GUMBEL_BLOCK), value=float("-inf")).view(rows, -1, _GUMBEL_BLOCK)
-    block = gumbel_argmax(torch.logsumexp(blocks, dim=-1), generators)  # [b]
-    entries = blocks[torch.arange(rows, device=scores.device), block]  # [b, block]
-    return block * _GUMBEL_BLOCK + gumbel_argmax(entries, generators)
-
-
-def gumbel_argmax(scores: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """``argmax(scores + Gumbel(0, 1))`` per row [b, n] -> [b], row i's noise from generators[i]."""
-    noise = torch.empty_like(scores)
-    for row, generator in zip(noise, generators):
-        row.exponential_(generator=generator)
-    return (scores - noise.log_()).argmax(dim=-1)  # log(Exp(1)) = -Gumbel(0, 1)
-
-
-def request_seed(prompt_seed: int, sample_index: int) -> int:
-    """The sampling seed of sample ``sample_index`` of a prompt whose seed is ``prompt_seed``."""
-    return (prompt_seed * 1_000_003 + sample_index) % (1 << 63)
-
-
 @dataclass(frozen=True, slots=True)
 class _Request:
     """One response to generate: which prompt, which sample of its group, and its cap in tokens."""
@@ -168,6 +101,26 @@ class _Request:
     cap: int
     cap_reason: FinishReason
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class HFEngineOptions:
+    """How the HF engine generates; every field has the measured default.
+
+    Attributes:
+        round_tokens: new tokens per ``generate`` call before finished rows leave the batch.
+        kv_cache: model config -> the empty KV cache of a batch (`appending_cache`).
+        pack_linears: run bf16 CPU Linear layers on weights packed for oneDNN while generating
+            (`packrl.rollout.packed_linear`).
+        pack_min_tokens: calls capped below this many new tokens run the plain layers: packing
+            costs 0.11-0.12 s a call for SmolLM2-135M and saved about 9 ms of a 16-row decode
+            step (`bench/bench_decode.py`: pack_s; 79.1 vs 70.2 ms).
+    """
+
+    round_tokens: int = 16
+    kv_cache: Callable[[Any], Any] = field(default=appending_cache)
+    pack_linears: bool = True
+    pack_min_tokens: int = 32
 
 
 class HFEngine:
@@ -183,18 +136,11 @@ class HFEngine:
         autocast_dtype: run generation under ``torch.autocast`` with this dtype (e.g.
             ``torch.bfloat16``); None = the model's own dtype.
         shares_policy: ``model`` is the policy being trained, so `load_weights` has nothing to do.
+        options: how it generates (`HFEngineOptions`).
 
     Raises:
         ValueError: a size is < 1, or neither the tokenizer nor the model names an EOS id.
     """
-
-    ROUND_TOKENS = 16  # new tokens per generate call before finished rows leave the batch
-    KV_CACHE = staticmethod(appending_cache)  # model config -> empty KV cache of a batch
-    PACK_LINEARS = True  # bf16 CPU Linear layers on pre-packed weights while generating (packed_linear)
-    # Packing costs 0.11-0.12 s a call for SmolLM2-135M and saved about 9 ms of a 16-row decode
-    # step (bench/bench_decode.py: pack_s; 79.1 vs 70.2 ms): calls capped below this many new
-    # tokens run the plain layers.
-    PACK_MIN_TOKENS = 32
 
     def __init__(
         self,
@@ -205,7 +151,10 @@ class HFEngine:
         max_num_seqs: int,
         autocast_dtype: torch.dtype | None = None,
         shares_policy: bool = False,
+        options: HFEngineOptions = HFEngineOptions(),
     ) -> None:
+        if options.round_tokens < 1:
+            raise ValueError(f"HFEngineOptions.round_tokens={options.round_tokens} must be >= 1")
         if max_context_tokens < 1:
             raise ValueError(f"max_context_tokens={max_context_tokens} must be >= 1; pass the model context (see packrl.seqlen.Budgets)")
         if max_num_seqs < 1:
@@ -215,9 +164,10 @@ class HFEngine:
         self.max_context_tokens = max_context_tokens
         self.max_num_seqs = max_num_seqs
         self.autocast_dtype = autocast_dtype
+        self.options = options
         self.shares_policy = shares_policy
         self.eos_ids = eos_ids(model, tokenizer)
-        self.pad_id = _pad_id(model, tokenizer, self.eos_ids)
+        self.pad_id = pad_id(model, tokenizer, self.eos_ids)
         self.cache_reuse = cache_reuse(model, _CACHE_KEY)
 
     def generate(
@@ -246,7 +196,7 @@ class HFEngine:
         requests = self._requests(prompt_ids, params, seeds)
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
         out: list[list[Response | None]] = [[None] * params.n for _ in prompt_ids]
-        pack = self.PACK_LINEARS and params.max_response_tokens >= self.PACK_MIN_TOKENS
+        pack = self.options.pack_linears and params.max_response_tokens >= self.options.pack_min_tokens
         with self._generation_mode(min(self.max_num_seqs, len(requests)), pack=pack):
             for start in range(0, len(order), self.max_num_seqs):
                 batch = [requests[i] for i in order[start:start + self.max_num_seqs]]
@@ -323,7 +273,7 @@ class HFEngine:
     def _generate_batch(self, batch: list[_Request], params: SamplingParams) -> list[Response]:
         """Left-pad one batch, generate in rounds, and cut each response at its own end.
 
-        Generation runs in rounds of at most `ROUND_TOKENS` new tokens over one KV cache. After
+        Generation runs in rounds of at most ``options.round_tokens`` new tokens over one KV cache. After
         each round, rows that are done (EOS, a stop string, or their own cap) leave the batch and
         the cache (`Cache.batch_select_indices`), so the remaining rounds decode only the rows
         still running: a decode step costs about 20 ms + 3 ms per row for the 135M shape on 2
@@ -341,7 +291,7 @@ class HFEngine:
         ids, mask = input_ids.to(device), attention_mask.to(device)
         cache = self._new_cache(ids, mask, batch) if self.cache_reuse.reuses else None
         cap = max(r.cap for r in batch)
-        round_tokens = self.ROUND_TOKENS if self.cache_reuse.reuses else cap
+        round_tokens = self.options.round_tokens if self.cache_reuse.reuses else cap
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
             kwargs = self._generate_kwargs(params, max_new_tokens=min(round_tokens, cap - rows.steps),
@@ -374,8 +324,8 @@ class HFEngine:
         ]
 
     def _new_cache(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request]) -> Any:
-        """A batch's KV cache (`KV_CACHE`), each group's prompt prefilled once (`_shared_prefill`)."""
-        cache = self.KV_CACHE(self.model.config)
+        """A batch's KV cache (``options.kv_cache``), each group's prompt prefilled once (`_shared_prefill`)."""
+        cache = self.options.kv_cache(self.model.config)
         self._shared_prefill(ids, mask, batch, cache)
         return cache
 
@@ -535,53 +485,3 @@ def build_hf_engine(context: EngineContext) -> HFEngine:
     model = rollout_copy(context.policy, dtype)
     return HFEngine(model, context.tokenizer, max_context_tokens=context.max_context_tokens,
                     max_num_seqs=cfg.rollout.max_num_seqs, shares_policy=model is context.policy)
-
-
-def rollout_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
-    """The model generation runs on: ``model`` itself for ``dtype=None``, else a copy in ``dtype``.
-
-    Under autocast every decode step would re-cast all float32 weights; a bf16 copy, refreshed
-    after each optimizer step, generates about twice as fast on CPU for one extra bf16 copy of
-    the weights (0.27 GB for 135M parameters). For a LoRA model the copy is a plain model
-    holding the merged weights ``W + (alpha / r) B A`` (`packrl.models.lora.merged_copy`), so
-    decoding pays no adapter matmuls; in float32 the peft model itself generates, adapters
-    included. The copy never checkpoints activations and never runs packs.
-    """
-    if dtype is None:
-        return model
-    twin = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
-    disable_gradient_checkpointing(twin)
-    for param in twin.parameters():  # buffers (RoPE frequencies) stay float32, as in training
-        param.data = param.data.to(dtype)
-    twin.config.dtype = dtype
-    if twin.config._attn_implementation == PACKRL_SDPA:
-        twin.set_attn_implementation("sdpa")
-    # requires_grad stays True (generation runs under no_grad and no optimizer holds the copy):
-    # with frozen weights, torch's matmul turns the prefill's LM head on the last position's
-    # strided hidden states into a batched matmul over a b-fold expanded copy of the
-    # V x H weight (1.8 GB and about 1 s for 32 rows of SmolLM2-135M).
-    return twin.eval()
-
-
-def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
-    """Every id that ends a response: the model's ``generation_config.eos_token_id`` (int or
-    list) and the tokenizer's EOS."""
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = set(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
-    ids.add(getattr(tokenizer, "eos_token_id", None))
-    ids.discard(None)
-    if not ids:
-        raise ValueError(
-            "neither the tokenizer nor model.generation_config names an EOS token id, so no response could end with "
-            "finish reason 'eos'; set tokenizer.eos_token or model.generation_config.eos_token_id"
-        )
-    return frozenset(int(i) for i in ids)
-
-
-def _pad_id(model: torch.nn.Module, tokenizer: Any, eos_ids: frozenset[int]) -> int:
-    """The tokenizer's pad id, else the model's, else the smallest EOS id. Padding never reaches
-    a response: left pads are masked out and columns after a row's end are cut."""
-    for pad in (getattr(tokenizer, "pad_token_id", None), getattr(getattr(model, "generation_config", None), "pad_token_id", None)):
-        if pad is not None:
-            return int(pad)
-    return min(eos_ids)

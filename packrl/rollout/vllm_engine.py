@@ -46,7 +46,7 @@ import torch
 
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, SamplingParams
-from packrl.rollout.hf_engine import eos_ids, request_seed
+from packrl.rollout.engine import eos_ids, request_seed
 from packrl.rollout.vllm_settings import INSTALL_HINT, engine_args
 from packrl.types import FinishReason, Response
 

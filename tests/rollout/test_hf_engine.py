@@ -6,6 +6,8 @@ A tiny random Llama (vocab 97) with a character-level tokenizer: ids 0..3 are <p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import dataclasses
 import string
 from collections import Counter
@@ -246,7 +248,7 @@ def test_sampling_params_reject_bad_values_naming_the_key(kwargs, key):
 def test_gumbel_max_sampler_draws_from_the_softmax():
     """The token the sampler singles out is a draw from softmax(scores): frequencies over 40,000
     draws match the probabilities (filtered -inf scores are never drawn)."""
-    from packrl.rollout.hf_engine import GumbelMaxSampler
+    from packrl.rollout.sampling import GumbelMaxSampler
 
     scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf")]])
     generators = [torch.Generator().manual_seed(i) for i in range(40_000)]
@@ -262,7 +264,7 @@ def test_gumbel_max_sampler_draws_from_the_softmax():
 def test_two_level_gumbel_max_draws_across_blocks_from_the_softmax(vocab):
     """Block, then entry: the two levels together draw from softmax(scores) over a vocabulary of
     several blocks (one partial), with filtered tokens and a whole filtered block never drawn."""
-    from packrl.rollout.hf_engine import two_level_gumbel_max
+    from packrl.rollout.sampling import two_level_gumbel_max
 
     gen = torch.Generator().manual_seed(vocab)
     scores = torch.randn(vocab, generator=gen)
@@ -315,11 +317,11 @@ def test_finished_rows_leave_the_batch_and_rounds_change_nothing(tokenizer):
     firsts = Counter(r.response_ids[t] for g in ref for r in g for t in (2, 5, 9))
     model.generation_config.eos_token_id = [EOS, *[t for t, _ in firsts.most_common(3)]]
     one_round = _engine(model, tokenizer)
-    one_round.ROUND_TOKENS = 10_000
+    one_round.options = replace(one_round.options, round_tokens=10_000)
     want = one_round.generate(prompts, params)
     rows = _record_decode_rows(model)
     rounds = _engine(model, tokenizer)
-    rounds.ROUND_TOKENS = 2
+    rounds.options = replace(rounds.options, round_tokens=2)
     got = rounds.generate(prompts, params)
     lengths = sorted(len(g[0].response_ids) for g in want)
     assert lengths[0] < lengths[-1], "the rows should end at different steps"
@@ -332,7 +334,7 @@ def test_finished_rows_leave_the_batch_and_rounds_change_nothing(tokenizer):
 
 def test_stop_strings_across_round_boundaries(tokenizer):
     engine = _engine(tiny_llama(), tokenizer)
-    engine.ROUND_TOKENS = 1
+    engine.options = replace(engine.options, round_tokens=1)
     prompts = _prompts([5, 8, 3])
     params = SamplingParams(temperature=0.0, max_response_tokens=24, return_logprobs=True)
     ref = engine.generate(prompts, params)
@@ -384,6 +386,6 @@ def test_a_model_with_a_cache_of_its_own_kind_generates_as_before(tokenizer, mon
     want = _engine(model, tokenizer).generate(prompts, params, [1, 2, 3])
     monkeypatch.setattr(type(model), "_supports_default_dynamic_cache", classmethod(lambda cls: False))
     engine = _engine(model, tokenizer)
-    engine.KV_CACHE = lambda config: pytest.fail("this model gets no engine-made cache")
+    engine.options = replace(engine.options, kv_cache=lambda config: pytest.fail("this model gets no engine-made cache"))
     got = engine.generate(prompts, params, [1, 2, 3])
     assert [[r.response_ids for r in g] for g in got] == [[r.response_ids for r in g] for g in want]

@@ -12,6 +12,8 @@ carried into a second generate call (it re-prefills on top of its own states) by
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from types import SimpleNamespace
 
 import pytest
@@ -45,10 +47,10 @@ def _model(family: str):
 def test_engine_logprobs_equal_each_sequence_scored_alone(family):
     model = _model(family)
     engine = HFEngine(model, TOKENIZER, max_context_tokens=512, max_num_seqs=8)
-    engine.ROUND_TOKENS = 8  # several rounds within 48 tokens
+    engine.options = replace(engine.options, round_tokens=8)  # several rounds within 48 tokens
     out = engine.generate(PROMPTS, SamplingParams(n=3, max_response_tokens=48, return_logprobs=True), seeds=[1, 2, 3])
     lengths = sorted(len(r.response_ids) for group in out for r in group)
-    assert lengths[0] < lengths[-1] and lengths[-1] > 2 * engine.ROUND_TOKENS, "rows must leave the batch across rounds"
+    assert lengths[0] < lengths[-1] and lengths[-1] > 2 * engine.options.round_tokens, "rows must leave the batch across rounds"
     worst = 0.0
     for prompt, group in zip(PROMPTS, out):
         for response in group:

@@ -4,13 +4,16 @@ and nothing changed where it does not apply."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.profiler import profile
 
-from packrl.rollout.hf_engine import HFEngine, rollout_copy
+from packrl.rollout.hf_engine import HFEngine
+from packrl.rollout.weights import rollout_copy
 from packrl.rollout.packed_linear import packed_linears, packs
 from packrl.rollout.engine import SamplingParams
 from tests.conftest import tiny_llama
@@ -83,7 +86,7 @@ def test_a_float32_input_meets_the_plain_layer_and_its_dtype_error():
 def test_the_engine_generates_on_packed_layers_when_asked_and_long_enough(pack, min_tokens, used):
     policy = tiny_llama(vocab=512)
     engine = HFEngine(rollout_copy(policy, torch.bfloat16), TOKENIZER, max_context_tokens=64, max_num_seqs=4)
-    engine.PACK_LINEARS, engine.PACK_MIN_TOKENS = pack, min_tokens
+    engine.options = replace(engine.options, pack_linears=pack, pack_min_tokens=min_tokens)
     with profile() as prof:
         groups = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, temperature=1.0, max_response_tokens=4), [1, 2])
     assert all(len(r.response_ids) >= 1 for g in groups for r in g)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from packrl.rollout.hf_engine import HFEngine, rollout_copy
+from packrl.rollout.hf_engine import HFEngine
+from packrl.rollout.weights import rollout_copy
 from tests.conftest import tiny_llama
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
