@@ -22,7 +22,7 @@ def open_worker_group(cfg: RunConfig, run_dir: Path, given: WorkerGroup | None =
     if given is not None:
         yield given
         return
-    from packrl.inspect.disk import check_disk_space, checkpoint_bytes
+    from packrl.worker.checkpoint import check_disk_space, checkpoint_bytes
 
     check_disk_space(run_dir, checkpoint_bytes(cfg), lora=cfg.model.lora.rank > 0)  # before any weight loads
     if cfg.trainer.num_workers == 1:

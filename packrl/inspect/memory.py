@@ -76,8 +76,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from packrl.config.schema import LoraConfig, RunConfig
+from packrl.config.schema import RunConfig
 from packrl.hardware import ComputeDtype, resolve_for_device
+from packrl.models.model_config import ModelShape
 from packrl.worker.strategy import weight_layout
 
 GIB = 1 << 30
@@ -86,107 +87,6 @@ CUDA_RUNTIME_BYTES = int(0.75 * GIB)
 _RESIDUAL_BYTES = 4
 _OFFLOADED = ("parameters", "reference model", "critic (weights + AdamW states)", "gradients",
               "optimizer states (AdamW)")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What the memory estimate needs to know about a model.
-
-    Attributes:
-        num_params: unique parameters (tied embeddings counted once).
-        num_matmul_params: parameters of the decoder layers' Linear modules (the weights cast
-            per matmul under autocast).
-        num_lora_params: adapter parameters for the configured LoRA (0 when off).
-        num_lora_modules: Linear modules that get an adapter (0 when LoRA is off).
-        largest_param: elements of the largest single parameter.
-        hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
-        vocab_size: the architecture (``H, I, L, h, g, d, V``).
-    """
-
-    num_params: int
-    num_matmul_params: int
-    num_lora_params: int
-    num_lora_modules: int
-    largest_param: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-    @classmethod
-    def from_config(cls, model_config: Any, lora: LoraConfig | None = None, path: str = "") -> ModelShape:
-        """Instantiate the architecture on torch's ``meta`` device (no memory, no weights) and
-        count its parameters and LoRA targets. An attention-free model (Mamba) has
-        ``num_heads = num_kv_heads = head_dim = 0``: no KV cache, and its layers' activations are
-        counted by the MLP term over its ``intermediate_size`` (an approximation).
-
-        Raises:
-            ValueError: a multimodal checkpoint (`packrl.models.model_config.check_text_model`),
-                the architecture cannot be built from the config, or ``model.lora.target_modules``
-                matches no Linear module (the message lists them).
-        """
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from packrl.models.model_config import check_text_model
-
-        check_text_model(model_config, path)
-        try:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(model_config)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"cannot build the model architecture from its config ({type(model_config).__name__}): {err}") from err
-        params = {id(p): p for p in model.parameters()}
-        head = model.get_output_embeddings()
-        linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
-        lora_params, lora_modules = 0, 0
-        if lora is not None and lora.rank > 0:
-            targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules)]
-            if not targets:
-                names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
-                raise ValueError(
-                    f"model.lora.target_modules={lora.target_modules} matches no Linear module of the model; "
-                    f"its Linear modules are named {', '.join(names)} (or use [all-linear])"
-                )
-            lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
-            lora_modules = len(targets)
-        hidden = _attr(model_config, "hidden_size")
-        heads = _attr(model_config, "num_attention_heads") if getattr(model_config, "num_attention_heads", None) is not None else 0
-        return cls(
-            num_params=sum(p.numel() for p in params.values()),
-            num_matmul_params=sum(m.weight.numel() for _, m in linears),
-            num_lora_params=lora_params,
-            num_lora_modules=lora_modules,
-            largest_param=max(p.numel() for p in params.values()),
-            hidden_size=hidden,
-            intermediate_size=getattr(model_config, "intermediate_size", None) or 4 * hidden,
-            num_layers=_attr(model_config, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
-            head_dim=(getattr(model_config, "head_dim", None) or hidden // heads) if heads else 0,
-            vocab_size=_attr(model_config, "vocab_size"),
-        )
-
-    def kv_bytes_per_token(self, compute_bytes: int) -> int:
-        """Bytes one token's keys and values take over all layers: ``2 L g d c``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * compute_bytes
-
-
-def _attr(config: Any, key: str) -> int:
-    value = getattr(config, key, None)
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"the model config has {key}={value!r}, not a positive integer; the memory estimate needs it")
-    return value
-
-
-def _lora_targets(name: str, targets: list[str]) -> bool:
-    """peft's matching of a module name against ``target_modules`` (exact or dotted suffix)."""
-    if targets == ["all-linear"]:
-        return True
-    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora_rank: int = 0) -> int:

@@ -100,7 +100,7 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
     from transformers import LlamaConfig
 
     from packrl.distributed import open_worker_group
-    from packrl.inspect.disk import checkpoint_bytes
+    from packrl.worker.checkpoint import checkpoint_bytes
     from packrl.worker import policy
 
     LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
