@@ -158,7 +158,7 @@ ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss",
                          {"ppo_clip": "packrl.algos.policy_losses", "gspo": "packrl.algos.policy_losses",
                           "clip_cov": "packrl.algos.cov_losses", "kl_cov": "packrl.algos.cov_losses"},
-                         checks={"gspo": "packrl.config.algorithm_variants:gspo_problems"})
+                         checks={"gspo": "packrl.config.relations:gspo_problems"})
 """``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
 
 ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",

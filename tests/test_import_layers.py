@@ -1,10 +1,12 @@
-"""No import circle between packrl modules or between packrl folders, computed from the source.
+"""No import circle between packrl modules or between packrl folders, and no import of a layer
+above the importer's, computed from the source.
 
 Every ``import`` / ``from ... import`` of a packrl name counts, at module level or inside a
-function (a lazy import still ties the two modules together), except those under
-``if TYPE_CHECKING:``, which only a type checker runs. A folder's edges are the union of its
-modules' edges; the top-level modules (``packrl.types``, ``packrl.errors``, ...) are folders of
-their own.
+function (a lazy import still ties the two modules together) and under ``if TYPE_CHECKING:``
+(a type-only import is still a dependency of knowledge: renaming the imported name breaks the
+importer). A folder's edges are the union of its modules' edges; the top-level modules
+(``packrl.types``, ``packrl.errors``, ...) are folders of their own. The layer order is the one
+docs/design.md states ("Layers, bottom to top"), read from that page.
 """
 
 from __future__ import annotations
@@ -21,15 +23,6 @@ ROOT = Path(packrl.__file__).parent
 def _module_name(path: Path) -> str:
     parts = ["packrl", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
 
 
 def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
@@ -50,9 +43,8 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_lines(tree)
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or node.lineno in skip:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for name in _imported(node, module, path.name == "__init__.py"):
                 while name and name not in files and "." in name:
@@ -120,3 +112,36 @@ def test_the_check_sees_a_circle():
     folders = {"packrl.a": {"packrl.b"}, "packrl.b": {"packrl.a"}}
     assert cycles(folders) == [["packrl.a", "packrl.b"]]
     assert import_graph()["packrl.trainer.loop"] >= {"packrl.distributed.group", "packrl.config.schema"}
+
+
+def design_layers() -> dict[str, int]:
+    """``packrl.<folder or module>`` -> its layer, bottom 0, from docs/design.md's "Layers, bottom
+    to top" sentence (groups separated by ``->``, names in backticks)."""
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    sentence = " ".join(text.split("Layers, bottom to top:", 1)[1].split(". ", 1)[0].split())
+    return {f"packrl.{name.strip(' `')}": rank for rank, group in enumerate(sentence.split("->"))
+            for name in group.split(",")}
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    layers = design_layers()
+    assert {"packrl.errors", "packrl.seqlen", "packrl.config", "packrl.cli"} <= set(layers)
+    upward = []
+    for module, imported in import_graph().items():
+        for other in imported:
+            source, target = _folder(module), _folder(other)
+            if source in layers and target in layers and layers[target] > layers[source]:
+                upward.append(f"{module} -> {other}")
+    assert upward == [], upward
+
+
+def test_every_folder_has_a_layer():
+    folders = {_folder(module) for module in import_graph()} - {"packrl", "packrl._lazy"}
+    assert folders <= set(design_layers()), sorted(folders - set(design_layers()))
+
+
+def test_the_runtime_never_imports_the_pre_run_tools():
+    """inspect/ (audit, preflight, memory estimate) is for before a run: only the CLI imports it."""
+    users = {module for module, imported in import_graph().items()
+             if any(_folder(other) == "packrl.inspect" for other in imported) and _folder(module) not in ("packrl.inspect", "packrl.cli")}
+    assert users == set(), users

@@ -16,22 +16,22 @@ def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     print(to_yaml(cfg), end="")
     if args.budgets:
+        from packrl.config.budgets import budget_problems, budgets_of, budgets_of_model, budgets_table
         from packrl.config.plan import BatchPlan
         from packrl.models.model_config import apply_rope_scaling, load_model_config
-        from packrl.seqlen import Budgets
 
         print()
         unknown_context = None
         try:
-            budgets = Budgets.from_model_config(cfg, apply_rope_scaling(load_model_config(cfg.model.path), cfg.model.rope_scaling))
+            budgets = budgets_of_model(cfg, apply_rope_scaling(load_model_config(cfg.model.path), cfg.model.rope_scaling))
         except ValueError as err:
-            budgets, unknown_context = Budgets.from_config(cfg, max_context_tokens=None), err
-        print(budgets.plan())
+            budgets, unknown_context = budgets_of(cfg, max_context_tokens=None), err
+        print(budgets_table(budgets))
         print(BatchPlan.from_config(cfg).summary())
         if unknown_context is not None:
             print(f"model context unknown, so prompt + response <= context was NOT checked: {unknown_context}", file=sys.stderr)
             return 2
-        return 0 if not budgets.problems() else 2
+        return 0 if not budget_problems(budgets) else 2
     return 0
 
 

@@ -1,6 +1,7 @@
 """Typed run configuration: dataclass schema, YAML presets, dotlist overrides."""
 
 from packrl.config.load import check_config, load_config, preset_names, to_yaml
+from packrl.config.relations import config_problems
 from packrl.errors import ConfigError, ConfigProblem
 from packrl.config.schema import (
     AlgorithmConfig,
@@ -21,6 +22,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "check_config",
+    "config_problems",
     "load_config",
     "preset_names",
     "to_yaml",

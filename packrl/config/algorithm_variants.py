@@ -10,14 +10,12 @@ module imports no torch: ``packrl config`` stays light.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from packrl.errors import ConfigProblem
-
-if TYPE_CHECKING:
-    from packrl.config.schema import AlgorithmConfig, RunConfig
 
 RolloutIsLevel = Literal["token"]
 RolloutRsLevel = Literal["geometric"]
@@ -26,8 +24,8 @@ COV_LOSSES: tuple[str, ...] = ("clip_cov", "kl_cov")
 """Policy losses whose token selection is computed on the controller from the old log-probs
 (so the old-log-prob pass runs for them, `packrl.config.plan.BatchPlan.needs_old_logprobs`)."""
 
-_COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
-_COV_DEFAULTS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}
+COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
+"""The ``algorithm.*`` keys only Clip-Cov or only KL-Cov reads (their defaults: `AlgorithmConfig`'s fields)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,9 +132,15 @@ def _no_effect(key: str, value: Any, why: str, fix: str) -> ConfigProblem:
     return ConfigProblem(key, value, f"has no effect: {why}", fix)
 
 
-def algorithm_variant_problems(algo: AlgorithmConfig, prefix: str = "algorithm") -> list[ConfigProblem]:
+def algorithm_variant_problems(algo: Any, prefix: str = "algorithm") -> list[ConfigProblem]:
     """Ranges of the Clip-Cov / KL-Cov keys, keys the chosen ``policy_loss`` does not read (set
-    away from their defaults), and the nested rollout-correction and entropy-filter sections."""
+    away from their defaults), and the nested rollout-correction and entropy-filter sections.
+
+    Args:
+        algo: the ``algorithm`` section (`packrl.config.schema.AlgorithmConfig`, which calls this
+            from its own check; typed loosely so that this module, which the schema imports,
+            does not import it back).
+    """
     out = algo.rollout_correction.problems(f"{prefix}.rollout_correction") + algo.entropy_filter.problems(f"{prefix}.entropy_filter")
     for name in ("clip_cov_ratio", "kl_cov_ratio"):
         value = getattr(algo, name)
@@ -149,34 +153,14 @@ def algorithm_variant_problems(algo: AlgorithmConfig, prefix: str = "algorithm")
                                  keys=(f"{prefix}.clip_cov_lb", f"{prefix}.clip_cov_ub")))
     if not 0.0 <= algo.ppo_kl_coef < math.inf:
         out.append(ConfigProblem(f"{prefix}.ppo_kl_coef", algo.ppo_kl_coef, "must be a finite number >= 0", f"set {prefix}.ppo_kl_coef=0.1"))
-    for loss, keys in _COV_KEYS.items():
+    defaults = {f.name: f.default for f in dataclasses.fields(algo)}
+    for loss, keys in COV_KEYS.items():
         if algo.policy_loss == loss:
             continue
         for key in keys:
-            if getattr(algo, key) != _COV_DEFAULTS[key]:
+            if getattr(algo, key) != defaults[key]:
                 out.append(ConfigProblem(f"{prefix}.{key}", getattr(algo, key),
                                          f"has no effect: only algorithm.policy_loss={loss} reads it (it is {algo.policy_loss})",
                                          f"set {prefix}.policy_loss={loss} or remove {prefix}.{key}",
                                          keys=(f"{prefix}.{key}", f"{prefix}.policy_loss")))
-    return out
-
-
-def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
-    """Settings under which GSPO's per-sequence mean log-ratio would not be local to one
-    micro-batch on one rank (`packrl.algos.policy_losses.gspo`): sequence parallelism splits a
-    sequence over ranks, and the rolling window trains one trajectory as several sequences.
-    Registered as the config check of ``algorithm.policy_loss=gspo``."""
-    out = []
-    size = cfg.trainer.sequence_parallel_size
-    if size > 1:
-        out.append(ConfigProblem("algorithm.policy_loss", "gspo", f"needs each sequence on one rank; trainer.sequence_parallel_size={size} "
-                                 "splits sequences over ranks, so the sequence's mean log-ratio is not local",
-                                 "set trainer.sequence_parallel_size=1 or algorithm.policy_loss=ppo_clip",
-                                 keys=("algorithm.policy_loss", "trainer.sequence_parallel_size")))
-    mt = cfg.rollout.multi_turn
-    if mt.enabled and mt.context_policy == "rolling":
-        out.append(ConfigProblem("algorithm.policy_loss", "gspo", "needs one sequence per response; rollout.multi_turn.context_policy="
-                                 "rolling trains a trajectory as several step-wise samples, so its mean log-ratio is not local",
-                                 "set rollout.multi_turn.context_policy=end (or error), or algorithm.policy_loss=ppo_clip",
-                                 keys=("algorithm.policy_loss", "rollout.multi_turn.context_policy")))
     return out

@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from packrl.config.relations import config_problems
 from packrl.config.schema import RunConfig
 from packrl.errors import ConfigError, ConfigProblem
 from packrl.registry import CONFIG_REGISTRIES, import_plugins
@@ -248,7 +249,7 @@ def check_config(
     problems: list[ConfigProblem] = []
     bad: set[str] = set()
     cfg = _build(RunConfig, data, "", problems, bad)
-    problems += [p for p in cfg.problems() if not bad.intersection(p.involved_keys)]
+    problems += [p for p in config_problems(cfg) if not bad.intersection(p.involved_keys)]
     problems += _registry_problems(cfg, bad)
     unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
     return cfg, list(unique.values()), bad

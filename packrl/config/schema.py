@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from packrl.config.critic import CriticConfig, critic_problems
+from packrl.config.critic import CriticConfig
 from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig, algorithm_variant_problems
+from packrl.config.curriculum import schedule_problems
 from packrl.errors import ConfigProblem, check_positive
-from packrl.seqlen.curriculum import overlong_buffer_problems, schedule_problems
 
 OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -727,88 +727,10 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
-    def _multi_turn_problems(self) -> list[ConfigProblem]:
-        """Multi-turn settings while multi-turn is off (they would have no effect)."""
-        mt, key = self.rollout.multi_turn, "rollout.multi_turn"
-        if not mt.enabled:
-            changed = [f.name for f in dataclasses.fields(mt) if f.name != "tools" and getattr(mt, f.name) != f.default]
-            return [ConfigProblem(f"{key}.{name}", getattr(mt, name), f"has no effect: multi-turn is off ({key}.tools is empty)",
-                                  f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
-        return []  # the relations to the other budgets: `packrl.seqlen.Budgets`
-
-    def _share_prompts_problems(self) -> list[ConfigProblem]:
-        """``train.share_prompts=true`` where it cannot run (known from the config alone)."""
-        if self.train.share_prompts is not True:
-            return []
-        if self.model.packed_attention == "position_ids":
-            return [ConfigProblem("train.share_prompts", True, "has no effect with model.packed_attention=position_ids (transformers' "
-                                  "position-id detection cannot let a response see its prompt segment)",
-                                  "set model.packed_attention=varlen (or block_mask), or train.share_prompts=false",
-                                  keys=("train.share_prompts", "model.packed_attention"))]
-        if self.trainer.sequence_parallel_size > 1:
-            return [ConfigProblem("train.share_prompts", True, "has no effect under sequence parallelism (a pack is split over ranks)",
-                                  "set train.share_prompts=false or trainer.sequence_parallel_size=1",
-                                  keys=("train.share_prompts", "trainer.sequence_parallel_size"))]
-        return []
-
-    def problems(self) -> list[ConfigProblem]:
-        """Field checks of every section, then the relations among budgets (without the model
-        context, which needs the model config: see `packrl.seqlen.Budgets`) and batch sizes."""
-        from packrl.seqlen.budgets import Budgets
-
+    def section_problems(self) -> list[ConfigProblem]:
+        """Every section's own checks (its fields alone). The relations between sections are
+        `packrl.config.relations.config_problems`, which calls this first."""
         out: list[ConfigProblem] = []
         for name in ("model", "data", "rollout", "reward", "train", "algorithm", "critic", "trainer"):
             out += getattr(self, name).problems(name)
-        out += critic_problems(self)
-        out += self._share_prompts_problems()
-        out += Budgets.from_config(self, max_context_tokens=None).problems()
-        out += self._multi_turn_problems()
-        mini = self.train.mini_batch_size
-        if mini is not None and mini >= 1 and self.data.batch_size >= 1 and self.data.batch_size % mini:
-            out.append(ConfigProblem(
-                "train.mini_batch_size", mini, f"does not divide data.batch_size={self.data.batch_size}",
-                "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"),
-            ))
-        workers = self.trainer.num_workers
-        data_parallel = workers // max(1, self.trainer.sequence_parallel_size)
-        per_step = (mini or self.data.batch_size) * self.rollout.n
-        if data_parallel > 1 and per_step >= 1 and per_step < data_parallel:
-            out.append(ConfigProblem(
-                "trainer.num_workers", workers, f"makes {data_parallel} data-parallel ranks, more than the {per_step} sequences of "
-                "a mini-batch (train.mini_batch_size or data.batch_size, times rollout.n); every rank needs at least one",
-                "lower trainer.num_workers or raise the batch",
-                keys=("trainer.num_workers", "train.mini_batch_size", "data.batch_size", "rollout.n"),
-            ))
-        if self.trainer.sequence_parallel_size > 1 and self.model.packed_attention != "varlen":
-            out.append(ConfigProblem(
-                "trainer.sequence_parallel_size", self.trainer.sequence_parallel_size,
-                f"splits packs through the varlen attention path, not model.packed_attention={self.model.packed_attention}",
-                "set model.packed_attention=varlen", keys=("trainer.sequence_parallel_size", "model.packed_attention"),
-            ))
-        if self.model.param_offload and workers == 1:
-            out.append(ConfigProblem("model.param_offload", True, "offloads FSDP2 shards, but trainer.num_workers=1 runs one "
-                                     "process without FSDP2", "set trainer.num_workers >= 2 (one per GPU), or model.param_offload=false",
-                                     keys=("model.param_offload", "trainer.num_workers")))
-        blocker = self.model.compile_blocker(workers)
-        if self.model.compile is True and blocker:
-            out.append(ConfigProblem("model.compile", True, f"cannot run with {blocker}", "set model.compile=null (on where it can "
-                                     "run) or false", keys=("model.compile", "trainer.num_workers", "model.gradient_checkpointing")))
-        if workers > 1 and self.model.lora.rank > 0:
-            out.append(ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={self.model.lora.rank}) yet",
-                                     "set trainer.num_workers=1 for LoRA runs", keys=("trainer.num_workers", "model.lora.rank")))
-        if self.rollout.n == 1 and self.algorithm.adv_estimator in ("grpo", "rloo"):
-            out.append(ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {self.algorithm.adv_estimator} (one response per group)",
-                                     "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
-        out += self.algorithm.filter_groups.relation_problems("algorithm.filter_groups", self.rollout.n)
-        if self.algorithm.kl_in_reward and self.algorithm.kl_coef == 0:
-            out.append(ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
-                                     "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false", keys=("algorithm.kl_in_reward", "algorithm.kl_coef")))
-        buffer = self.reward.overlong_buffer_tokens
-        if buffer > self.rollout.max_response_tokens:
-            out.append(ConfigProblem(
-                "reward.overlong_buffer_tokens", buffer, f"> rollout.max_response_tokens={self.rollout.max_response_tokens}",
-                "set reward.overlong_buffer_tokens below the response budget",
-                keys=("reward.overlong_buffer_tokens", "rollout.max_response_tokens"),
-            ))
-        out += overlong_buffer_problems(self.rollout.max_response_tokens_schedule, self.rollout.max_response_tokens, buffer)
         return out

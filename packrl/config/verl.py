@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 from packrl.config.verl_keys import (ACTOR, ANY, AR, DEFAULTS, REF, ROLLOUT, VLLM_PASSED, IgnoredKey, Mapping, Translation,
                                      VerlOverride, format_value, nearest_key, parse_override, rule_of)
+from packrl.config.algorithm_variants import COV_KEYS
 from packrl.errors import ConfigError, ConfigProblem
 
 PRESET = "gsm8k"
@@ -47,7 +48,6 @@ _MISSING = object()
 
 _KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 _LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
-_COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
 _ESTIMATORS = ("gae", "grpo", "rloo")
 _LOGGERS = ("console", "wandb", "tensorboard", "mlflow")
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"}
@@ -548,7 +548,7 @@ def _actor_loss(c: _Context) -> None:
                  f"set {mode_key}=vanilla (or gspo, clip_cov, kl_cov), or register the loss in a trainer.plugins file")
     else:
         c.set("algorithm.policy_loss", _LOSS_MODES[mode], mode_key, conversion="vanilla -> ppo_clip" if mode == "vanilla" else "")
-    for loss, names in _COV_KEYS.items():
+    for loss, names in COV_KEYS.items():
         keys = [f"{ACTOR}.policy_loss.{n}" for n in names]
         if c.ignore_unless(mode == loss, keys, f"read only by loss_mode={loss} ({mode_key}={mode})"):
             for verl_key, name in zip(keys, names):

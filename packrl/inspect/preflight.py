@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
+from packrl.config.budgets import budget_problems, budgets_of, budgets_table
 from packrl.hardware import probe_host, resolve_for_device
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 from packrl.models.isolation import config_packing
@@ -80,7 +81,7 @@ class PreflightReport:
     def to_text(self) -> str:
         lines = []
         if self.budgets is not None:
-            lines += [self.budgets.plan(), ""]
+            lines += [budgets_table(self.budgets), ""]
         if self.memory is not None:
             lines += [self.memory.table(), ""]
         if self.device_memory_bytes is not None and self.memory is None:
@@ -132,7 +133,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
         model_config, problem = _read_model_config(cfg)
         problems += problem
     problems += _critic_path_problems(cfg)
-    budgets = Budgets.from_config(cfg, max_context_tokens=None)
+    budgets = budgets_of(cfg, max_context_tokens=None)
     rope = None
     rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
     if model_config is not None:
@@ -144,9 +145,9 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             problems.append(ConfigProblem(key, value, str(err), "see the message: use a model whose config.json sets "
                                           "max_position_embeddings, or set model.rope_scaling.type=none"))
         else:
-            budgets = Budgets.from_config(cfg, context, factor)
+            budgets = budgets_of(cfg, context, factor)
             rope = _rope_proposal(budgets, base)
-            problems += [_with_rope_fix(p, rope) for p in budgets.problems() if not bad.intersection(p.involved_keys)]
+            problems += [_with_rope_fix(p, rope) for p in budget_problems(budgets) if not bad.intersection(p.involved_keys)]
             if rope is not None:
                 notes.append(f"set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
                              f"for a model context of {rope['max_context_tokens']:,} tokens (base {base:,})")

@@ -10,6 +10,7 @@ from packrl._lazy import lazy_exports
 
 _EXPORTS = {
     "Budgets": "budgets",
+    "BudgetViolation": "budgets",
     "model_context_tokens": "budgets",
     "ResponseBudgetSchedule": "curriculum",
     "PolicyResult": "prompt_policy",

@@ -1,7 +1,7 @@
 """A length curriculum: the response budget as a function of the training step.
 
-``rollout.max_response_tokens_schedule`` lists stages ``[first_step, max_response_tokens]``;
-a stage holds from its first step until the step before the next stage's. The budget of a step
+The config's ``rollout.max_response_tokens_schedule`` lists stages ``[first_step,
+max_response_tokens]`` (read and checked in `packrl.config.budgets`); a stage holds from its first step until the step before the next stage's. The budget of a step
 depends on the step number alone, so a run resumed at step k samples with step k's budget, as
 the uninterrupted run did. ``rollout.max_response_tokens`` is the largest stage: every setting
 sized once for the whole run (the model-context and micro-batch relations, vLLM's
@@ -20,15 +20,30 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from packrl.errors import ConfigProblem
-
-if TYPE_CHECKING:
-    from packrl.config.schema import RolloutConfig
-
-KEY = "rollout.max_response_tokens_schedule"
 METRIC = "rollout/max_response_tokens"
+
+
+def stage_errors(stages: tuple[tuple[int, int], ...]) -> list[str]:
+    """Every rule ``stages`` breaks, in words (empty when it is a schedule): at least one stage,
+    the first starting at step 1, first steps strictly increasing, budgets >= 1.
+
+    | stages               | errors                                   |
+    |----------------------|------------------------------------------|
+    | ((1, 6), (3, 12))    | (none)                                   |
+    | ((2, 6),)            | stage 1 starts at step 2; the first      |
+    |                      | stage must start at step 1               |
+    """
+    if not stages:
+        return ["a schedule needs at least one stage"]
+    out = []
+    if stages[0][0] != 1:
+        out.append(f"stage 1 starts at step {stages[0][0]}; the first stage must start at step 1")
+    for i in range(1, len(stages)):
+        if stages[i][0] <= stages[i - 1][0]:
+            out.append(f"stage {i + 1} starts at step {stages[i][0]}, not after stage {i}'s step {stages[i - 1][0]}")
+    out += [f"stage {i + 1} has a budget of {budget} tokens, not >= 1" for i, (_, budget) in enumerate(stages) if budget < 1]
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,26 +55,20 @@ class ResponseBudgetSchedule:
             1, budgets in tokens. One stage = a constant budget (no curriculum).
 
     Raises:
-        ValueError: ``stages`` break those rules (`schedule_problems` explains which).
+        ValueError: ``stages`` break those rules (`stage_errors` says which).
     """
 
     stages: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
-        problems = schedule_problems([list(s) for s in self.stages], max(b for _, b in self.stages) if self.stages else 1)
-        if problems:
-            raise ValueError("; ".join(str(p) for p in problems))
+        errors = stage_errors(self.stages)
+        if errors:
+            raise ValueError(f"not a response budget schedule: {'; '.join(errors)}")
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig) -> ResponseBudgetSchedule:
-        """The schedule of ``rollout.max_response_tokens_schedule``, or one stage of
-        ``rollout.max_response_tokens`` when it is null.
-
-        Raises:
-            ValueError: the schedule is malformed (a loaded config has been checked already).
-        """
-        raw = rollout.max_response_tokens_schedule
-        return cls(tuple((int(s), int(b)) for s, b in raw) if raw else ((1, rollout.max_response_tokens),))
+    def constant(cls, max_response_tokens: int) -> ResponseBudgetSchedule:
+        """One stage: ``max_response_tokens`` from step 1 on (no curriculum)."""
+        return cls(((1, max_response_tokens),))
 
     @property
     def max_response_tokens(self) -> int:
@@ -110,62 +119,3 @@ class ResponseBudgetSchedule:
     def describe(self) -> str:
         """One line for the budget table: ``steps 1-2: 6; steps 3+: 12`` (tokens)."""
         return "; ".join(f"{self.steps(i)}: {budget:,}" for i, (_, budget) in enumerate(self.stages))
-
-
-def schedule_problems(raw: Any, max_response_tokens: int, key: str = KEY) -> list[ConfigProblem]:
-    """Every way ``raw`` (the value of ``rollout.max_response_tokens_schedule``) is not a schedule.
-
-    Rules: a non-empty list of ``[first_step, max_response_tokens]`` pairs of integers; the
-    first stage starts at step 1; first steps strictly increase; budgets are >= 1; the largest
-    budget equals ``rollout.max_response_tokens`` (the one budget every run-wide setting is sized
-    for). None (off) has no problems.
-    """
-    if raw is None:
-        return []
-    fix = f"write {key}=[[1,256],[101,512]] (stage first step, response tokens), or null for no curriculum"
-    if not isinstance(raw, (list, tuple)) or not raw:
-        return [ConfigProblem(key, raw, "must be a non-empty list of [first_step, max_response_tokens] pairs", fix)]
-    out = []
-    for i, stage in enumerate(raw):
-        if not (isinstance(stage, (list, tuple)) and len(stage) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in stage)):
-            out.append(ConfigProblem(key, raw, f"stage {i + 1} is {stage!r}, not a [first_step, max_response_tokens] pair of integers", fix))
-    if out:
-        return out
-    starts, budgets = [s for s, _ in raw], [b for _, b in raw]
-    if starts[0] != 1:
-        out.append(ConfigProblem(key, raw, f"stage 1 starts at step {starts[0]}; the first stage must start at step 1",
-                                 f"set {key}[0][0]=1"))
-    for i in range(1, len(starts)):
-        if starts[i] <= starts[i - 1]:
-            out.append(ConfigProblem(key, raw, f"stage {i + 1} starts at step {starts[i]}, not after stage {i}'s step {starts[i - 1]}; "
-                                     "first steps must strictly increase", f"order the stages of {key} by first step, each once"))
-    for i, budget in enumerate(budgets):
-        if budget < 1:
-            out.append(ConfigProblem(key, raw, f"stage {i + 1} has max_response_tokens={budget}, must be >= 1",
-                                     f"set {key}[{i}][1] to a positive number of tokens"))
-    if budgets and max(budgets) != max_response_tokens and max(budgets) >= 1:
-        out.append(ConfigProblem(
-            key, raw, f"its largest stage budget {max(budgets):,} differs from rollout.max_response_tokens={max_response_tokens:,}, "
-            "which must be the largest stage (the run's engine, memory and micro-batch budgets are sized for it)",
-            f"set rollout.max_response_tokens={max(budgets)} (or make the largest stage {max_response_tokens})",
-            keys=(key, "rollout.max_response_tokens")))
-    return out
-
-
-def overlong_buffer_problems(raw: Any, max_response_tokens: int, overlong_buffer_tokens: int) -> list[ConfigProblem]:
-    """A problem for each stage shorter than ``reward.overlong_buffer_tokens``.
-
-    The DAPO overlong ramp covers the last ``overlong_buffer_tokens`` of the current stage's
-    budget (`packrl.reward.overlong`), so it must fit inside every stage. None when ``raw`` is
-    None or malformed (`schedule_problems` reports that).
-    """
-    if raw is None or overlong_buffer_tokens < 1 or schedule_problems(raw, max_response_tokens):
-        return []
-    schedule = ResponseBudgetSchedule(tuple((start, budget) for start, budget in raw))
-    return [ConfigProblem(
-        "reward.overlong_buffer_tokens", overlong_buffer_tokens,
-        f"> the budget of {schedule.label(i)} of {KEY}; the overlong ramp covers the last "
-        "reward.overlong_buffer_tokens of each stage's budget, so it must fit the smallest",
-        f"set reward.overlong_buffer_tokens <= {schedule.min_response_tokens:,} or raise that stage's budget ({KEY}[{i}][1])",
-        keys=("reward.overlong_buffer_tokens", KEY),
-    ) for i, (_, budget) in enumerate(raw) if overlong_buffer_tokens > budget]

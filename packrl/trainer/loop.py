@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from packrl.config.budgets import budgets_of, budgets_table, response_schedule, validate_budgets
 from packrl.config.schema import RunConfig
 from packrl.data.dataset import PromptDataset, PromptSampler
 from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_metrics, rollout_mismatch_metrics, score_metrics
@@ -26,8 +27,6 @@ from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer
 from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
-from packrl.seqlen.budgets import Budgets
-from packrl.seqlen.curriculum import ResponseBudgetSchedule
 from packrl.trainer.batch import build_train_batch
 from packrl.worker.checkpoint import resume_candidates
 from packrl.trainer.run import Run, due, seed_everything
@@ -84,7 +83,7 @@ def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampl
 def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
     """Steps after the last completed one up to ``train.total_steps``, each logged (and checkpointed when due)."""
     sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-    schedule = ResponseBudgetSchedule.from_config(cfg.rollout)  # the response budget of each step (length curriculum)
+    schedule = response_schedule(cfg.rollout)  # the response budget of each step (length curriculum)
     tracer = build_tracer(cfg.train.trace, run.dir)
     dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
     sample = sampling_stage(cfg, sampler, workers)  # one round, or rounds until the batch is full (filter_groups)
@@ -143,7 +142,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
             if workers.plan.compute_dtype.warning:
                 logger.warning("%s", workers.plan.compute_dtype.warning)
             run.note("model.txt", workers.model_summary)
-            budgets = Budgets.from_config(cfg, workers.max_context_tokens, workers.rope_factor).validate()
-            run.note("budgets.txt", f"{budgets.plan()}\n{workers.plan.summary()}\n  {workers.packing.describe()}")
+            budgets = validate_budgets(budgets_of(cfg, workers.max_context_tokens, workers.rope_factor))
+            run.note("budgets.txt", f"{budgets_table(budgets)}\n{workers.plan.summary()}\n  {workers.packing.describe()}")
             _train_steps(cfg, run, workers, train_set, val_set)
     return run.dir

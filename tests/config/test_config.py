@@ -6,18 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from packrl.config import ConfigError, RunConfig, load_config, preset_names, to_yaml
+from packrl.config import ConfigError, RunConfig, config_problems, load_config, preset_names, to_yaml
 
 
 @pytest.mark.parametrize("preset", preset_names())
 def test_every_preset_loads_and_validates(preset):
     cfg = load_config(preset)
     assert isinstance(cfg, RunConfig)
-    assert cfg.problems() == []
+    assert config_problems(cfg) == []
 
 
 def test_defaults_are_valid():
-    assert RunConfig().problems() == []
+    assert config_problems(RunConfig()) == []
 
 
 def test_overrides_apply_with_yaml_types():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from packrl.config.budgets import budget_problems, budgets_table
 from packrl.config.schema import ModelConfig, RopeScalingConfig
 from packrl.models.loading import load_policy
 from packrl.models.logprobs import pack_logprobs
@@ -82,7 +83,7 @@ def test_yarn_at_load_doubles_the_context_and_scores_past_the_original_one(tiny_
     assert model_context_tokens(apply_rope_scaling(load_model_config(str(tiny_dir)), cfg.rope_scaling)) == (128, 2.0)
     budgets = Budgets(max_prompt_tokens=60, max_response_tokens=60, max_context_tokens=128, max_tokens_per_microbatch=128,
                       max_tokens_per_logprob_microbatch=128, rope_factor=2.0)
-    assert not budgets.problems() and "(RoPE factor 2)" in budgets.plan()
+    assert not budget_problems(budgets) and "(RoPE factor 2)" in budgets_table(budgets)
     g = torch.Generator().manual_seed(0)
     pack = pack_sequences([torch.randint(3, 49152, (120,), generator=g), torch.randint(3, 49152, (9,), generator=g)])
     with torch.no_grad():

@@ -136,12 +136,12 @@ def test_step_samples_are_the_requests_and_cover_every_policy_token_once(smollm_
 @pytest.mark.parametrize("policy", ["error", "end", "rolling"])
 def test_the_context_policy_sets_the_longest_sequence(policy):
     from packrl.config import load_config
-    from packrl.seqlen.budgets import Budgets
+    from packrl.config.budgets import budget_problems, budgets_of
 
     cfg = load_config("arithmetic_tool", [f"rollout.multi_turn.context_policy={policy}", "rollout.max_response_tokens=4000",
                                           "train.max_tokens_per_microbatch=8192"])
-    budgets = Budgets.from_config(cfg, 2048)
-    problems = budgets.problems()
+    budgets = budgets_of(cfg, 2048)
+    problems = budget_problems(budgets)
     if policy == "error":
         assert any("model context" in str(p) for p in problems)
     else:

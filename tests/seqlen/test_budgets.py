@@ -7,6 +7,7 @@ import json
 import pytest
 
 from packrl.config import ConfigError, load_config
+from packrl.config.budgets import budget_problems, budgets_of_model, budgets_table, validate_budgets
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 from tests.conftest import SMOLLM_DIR
 
@@ -50,8 +51,8 @@ def test_missing_context_is_a_clear_error(bad):
 
 
 def test_valid_budgets_and_plan():
-    b = _budgets().validate()
-    plan = b.plan()
+    b = validate_budgets(_budgets())
+    plan = budgets_table(b)
     assert b.max_sequence_tokens == 1024
     for text in ("data.max_prompt_tokens", "rollout.max_response_tokens", "train.max_tokens_per_microbatch",
                  "8,192", "holds 4 x the longest sequence", "all relations hold"):
@@ -60,23 +61,23 @@ def test_valid_budgets_and_plan():
 
 def test_every_broken_relation_is_reported():
     b = _budgets(max_context_tokens=1000, max_tokens_per_microbatch=900, max_tokens_per_logprob_microbatch=1000)
-    keys = [p.key for p in b.problems()]
+    keys = [p.key for p in budget_problems(b)]
     assert keys == ["rollout.max_response_tokens", "train.max_tokens_per_microbatch", "train.max_tokens_per_logprob_microbatch"]
     with pytest.raises(ConfigError) as err:
-        b.validate()
+        validate_budgets(b)
     assert "1,024 > model context 1,000" in str(err.value)
-    assert "PROBLEM" in b.plan()
+    assert "PROBLEM" in budgets_table(b)
 
 
 @pytest.mark.parametrize("field", ["max_prompt_tokens", "max_response_tokens", "max_tokens_per_microbatch"])
 @pytest.mark.parametrize("value", [0, -5])
 def test_non_positive_budgets(field, value):
-    problems = _budgets(**{field: value}).problems()
+    problems = budget_problems(_budgets(**{field: value}))
     assert len(problems) == 1 and problems[0].value == value and "must be >= 1" in problems[0].message
 
 
 def test_from_model_config():
     cfg = load_config("demo")
-    b = Budgets.from_model_config(cfg, {"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2}})
+    b = budgets_of_model(cfg, {"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2}})
     assert (b.max_context_tokens, b.rope_factor) == (4096, 2.0)
     assert b.max_prompt_tokens == cfg.data.max_prompt_tokens

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from packrl.config import config_problems
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import (AlgorithmConfig, DataConfig, FilterGroupsConfig, RewardConfig, RolloutConfig, RunConfig,
                                   TrainConfig, TrainerConfig)
@@ -166,7 +167,7 @@ def test_resuming_the_sampler_after_a_step_draws_the_same_rounds():
 
 
 def _problems(cfg: RunConfig) -> list[str]:
-    return [str(p) for p in cfg.problems() if p.key.startswith("algorithm.filter_groups")]
+    return [str(p) for p in config_problems(cfg) if p.key.startswith("algorithm.filter_groups")]
 
 
 def test_config_refuses_a_filter_that_cannot_act():

@@ -13,7 +13,7 @@ from packrl.config.load import check_config
 from packrl.diagnostics.report import write_report
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.multi_turn import TurnLimits
-from packrl.seqlen.budgets import Budgets
+from packrl.config.budgets import budget_problems, budgets_of, budgets_table, response_schedule
 from packrl.seqlen.curriculum import ResponseBudgetSchedule
 from tests.diagnostics.tiny_run import tiny_run
 
@@ -54,7 +54,7 @@ def test_steps_count_from_one_and_stages_are_described():
 def test_without_a_schedule_every_step_has_the_response_budget():
     cfg, problems, _ = check_config("demo", ["rollout.max_response_tokens=64"])
     assert not _about(problems, KEY)
-    schedule = ResponseBudgetSchedule.from_config(cfg.rollout)
+    schedule = response_schedule(cfg.rollout)
     assert schedule.stages == ((1, 64),) and schedule.at(10_000) == 64
 
 
@@ -85,12 +85,12 @@ def test_every_stage_must_fit_the_model_context_and_the_problem_names_the_stage(
     cfg, problems, _ = check_config("demo", ["data.max_prompt_tokens=100", "rollout.max_response_tokens=64",
                                              f"{KEY}=[[1,16],[3,40],[5,64]]", "train.max_tokens_per_microbatch=4096"])
     assert not _about(problems, KEY)
-    found = [str(p) for p in Budgets.from_config(cfg, max_context_tokens=130).problems()]
+    found = [str(p) for p in budget_problems(budgets_of(cfg, max_context_tokens=130))]
     assert len(found) == 2, found  # 100 + 16 fits 130; 100 + 40 and 100 + 64 do not
     assert found[0].startswith(f"{KEY}=[3, 40]: in stage 2 (steps 3-4, 40 tokens)") and "= 140 > model context 130" in found[0]
     assert found[1].startswith(f"{KEY}=[5, 64]: in stage 3 (steps 5+, 64 tokens)") and "= 164 > model context 130" in found[1]
     assert f"{KEY}[2][1]" in found[1]
-    assert not Budgets.from_config(cfg, max_context_tokens=164).problems()
+    assert not budget_problems(budgets_of(cfg, max_context_tokens=164))
 
 
 def test_every_stage_must_fit_the_micro_batch_budgets_at_config_load():
@@ -108,14 +108,14 @@ def test_the_overlong_buffer_must_fit_the_smallest_stage():
 
 def test_the_budget_table_lists_the_stages():
     cfg, _, _ = check_config("demo", ["rollout.max_response_tokens=64", f"{KEY}=[[1,16],[3,64]]"])
-    plan = Budgets.from_config(cfg, max_context_tokens=2048).plan()
+    plan = budgets_table(budgets_of(cfg, max_context_tokens=2048))
     assert "(the largest stage)" in plan and KEY in plan and "steps 1-2: 16; steps 3+: 64" in plan
     assert "all relations hold" in plan
 
 
 def test_sampling_params_take_the_steps_budget():
     cfg, _, _ = check_config("demo", ["rollout.max_response_tokens=64", f"{KEY}=[[1,16],[3,64]]"])
-    schedule = ResponseBudgetSchedule.from_config(cfg.rollout)
+    schedule = response_schedule(cfg.rollout)
     assert SamplingParams.from_config(cfg.rollout, max_response_tokens=schedule.at(2)).max_response_tokens == 16
     assert SamplingParams.from_config(cfg.rollout).max_response_tokens == 64  # validation: the largest stage
 

@@ -1,0 +1,223 @@
+"""Cross-field rules: the one home of every check that relates two or more config sections.
+
+A rule is a small named function ``rule(cfg) -> list[ConfigProblem]``, each problem naming the
+key, the value seen, the limit and the fix, with every key it depends on in ``keys`` (so a
+problem is dropped when one of them did not parse). `RULES` lists them in the order their
+problems are reported; `config_problems` runs each section's own checks, then every rule.
+
+Adding a rule: write the function below, add it to `RULES`, and test it through
+`packrl.config.check_config`. A registered part's own config check (``checks=`` in
+`packrl.registry`) is a rule of the same shape that runs only when the part is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from packrl.config.budgets import budget_problems, budgets_of
+from packrl.config.critic import CriticConfig
+from packrl.config.curriculum import overlong_buffer_problems
+from packrl.config.schema import RunConfig
+from packrl.errors import ConfigProblem
+
+Rule = Callable[[RunConfig], list[ConfigProblem]]
+
+
+def token_budgets(cfg: RunConfig) -> list[ConfigProblem]:
+    """The relations among the token budgets, without the model context (the model config gives
+    it before step 1: `packrl.config.budgets.budgets_of_model`)."""
+    return budget_problems(budgets_of(cfg, max_context_tokens=None))
+
+
+def multi_turn_off(cfg: RunConfig) -> list[ConfigProblem]:
+    """Multi-turn settings while multi-turn is off (they would have no effect)."""
+    mt, key = cfg.rollout.multi_turn, "rollout.multi_turn"
+    if mt.enabled:
+        return []  # the relations to the other budgets: `token_budgets`
+    changed = [f.name for f in dataclasses.fields(mt) if f.name != "tools" and getattr(mt, f.name) != f.default]
+    return [ConfigProblem(f"{key}.{name}", getattr(mt, name), f"has no effect: multi-turn is off ({key}.tools is empty)",
+                          f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
+
+
+def shared_prompts(cfg: RunConfig) -> list[ConfigProblem]:
+    """``train.share_prompts=true`` where it cannot run (known from the config alone)."""
+    if cfg.train.share_prompts is not True:
+        return []
+    if cfg.model.packed_attention == "position_ids":
+        return [ConfigProblem("train.share_prompts", True, "has no effect with model.packed_attention=position_ids (transformers' "
+                              "position-id detection cannot let a response see its prompt segment)",
+                              "set model.packed_attention=varlen (or block_mask), or train.share_prompts=false",
+                              keys=("train.share_prompts", "model.packed_attention"))]
+    if cfg.trainer.sequence_parallel_size > 1:
+        return [ConfigProblem("train.share_prompts", True, "has no effect under sequence parallelism (a pack is split over ranks)",
+                              "set train.share_prompts=false or trainer.sequence_parallel_size=1",
+                              keys=("train.share_prompts", "trainer.sequence_parallel_size"))]
+    return []
+
+
+def mini_batches(cfg: RunConfig) -> list[ConfigProblem]:
+    """``train.mini_batch_size`` divides ``data.batch_size``."""
+    mini, batch = cfg.train.mini_batch_size, cfg.data.batch_size
+    if mini is None or mini < 1 or batch < 1 or batch % mini == 0:
+        return []
+    return [ConfigProblem("train.mini_batch_size", mini, f"does not divide data.batch_size={batch}",
+                          "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"))]
+
+
+def ranks_have_work(cfg: RunConfig) -> list[ConfigProblem]:
+    """Every data-parallel rank gets at least one sequence of each mini-batch."""
+    workers = cfg.trainer.num_workers
+    data_parallel = workers // max(1, cfg.trainer.sequence_parallel_size)
+    per_step = (cfg.train.mini_batch_size or cfg.data.batch_size) * cfg.rollout.n
+    if not (data_parallel > 1 and 1 <= per_step < data_parallel):
+        return []
+    return [ConfigProblem(
+        "trainer.num_workers", workers, f"makes {data_parallel} data-parallel ranks, more than the {per_step} sequences of "
+        "a mini-batch (train.mini_batch_size or data.batch_size, times rollout.n); every rank needs at least one",
+        "lower trainer.num_workers or raise the batch", keys=("trainer.num_workers", "train.mini_batch_size", "data.batch_size", "rollout.n"),
+    )]
+
+
+def sequence_parallel_attention(cfg: RunConfig) -> list[ConfigProblem]:
+    """Sequence parallelism splits packs through the varlen attention path only."""
+    size, attention = cfg.trainer.sequence_parallel_size, cfg.model.packed_attention
+    if size <= 1 or attention == "varlen":
+        return []
+    return [ConfigProblem("trainer.sequence_parallel_size", size, f"splits packs through the varlen attention path, not "
+                          f"model.packed_attention={attention}", "set model.packed_attention=varlen",
+                          keys=("trainer.sequence_parallel_size", "model.packed_attention"))]
+
+
+def parameter_offload(cfg: RunConfig) -> list[ConfigProblem]:
+    """``model.param_offload`` offloads FSDP2 shards, which one process does not have."""
+    if not (cfg.model.param_offload and cfg.trainer.num_workers == 1):
+        return []
+    return [ConfigProblem("model.param_offload", True, "offloads FSDP2 shards, but trainer.num_workers=1 runs one process without FSDP2",
+                          "set trainer.num_workers >= 2 (one per GPU), or model.param_offload=false",
+                          keys=("model.param_offload", "trainer.num_workers"))]
+
+
+def compiled_layers(cfg: RunConfig) -> list[ConfigProblem]:
+    """``model.compile=true`` where compiled layers cannot run (`ModelConfig.compile_blocker`)."""
+    blocker = cfg.model.compile_blocker(cfg.trainer.num_workers)
+    if cfg.model.compile is not True or not blocker:
+        return []
+    return [ConfigProblem("model.compile", True, f"cannot run with {blocker}", "set model.compile=null (on where it can run) or false",
+                          keys=("model.compile", "trainer.num_workers", "model.gradient_checkpointing"))]
+
+
+def lora_workers(cfg: RunConfig) -> list[ConfigProblem]:
+    """LoRA runs in one process."""
+    workers, rank = cfg.trainer.num_workers, cfg.model.lora.rank
+    if workers <= 1 or rank <= 0:
+        return []
+    return [ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={rank}) yet",
+                          "set trainer.num_workers=1 for LoRA runs", keys=("trainer.num_workers", "model.lora.rank"))]
+
+
+def group_size(cfg: RunConfig) -> list[ConfigProblem]:
+    """Group-relative estimators need two responses per prompt, as does dynamic sampling."""
+    out = cfg.algorithm.filter_groups.relation_problems("algorithm.filter_groups", cfg.rollout.n)
+    estimator = cfg.algorithm.adv_estimator
+    if cfg.rollout.n == 1 and estimator in ("grpo", "rloo"):
+        out.insert(0, ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {estimator} (one response per group)",
+                                    "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
+    return out
+
+
+def kl_in_reward(cfg: RunConfig) -> list[ConfigProblem]:
+    """In-reward KL needs a KL coefficient."""
+    if not (cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0):
+        return []
+    return [ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
+                          "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false", keys=("algorithm.kl_in_reward", "algorithm.kl_coef"))]
+
+
+def overlong_buffer(cfg: RunConfig) -> list[ConfigProblem]:
+    """The DAPO overlong buffer fits the response budget, and every curriculum stage."""
+    buffer, budget = cfg.reward.overlong_buffer_tokens, cfg.rollout.max_response_tokens
+    out = []
+    if buffer > budget:
+        out.append(ConfigProblem("reward.overlong_buffer_tokens", buffer, f"> rollout.max_response_tokens={budget}",
+                                 "set reward.overlong_buffer_tokens below the response budget",
+                                 keys=("reward.overlong_buffer_tokens", "rollout.max_response_tokens")))
+    return out + overlong_buffer_problems(cfg.rollout.max_response_tokens_schedule, budget, buffer)
+
+
+def critic(cfg: RunConfig) -> list[ConfigProblem]:
+    """A critic the run cannot use, or critic settings without a critic."""
+    section, estimator = cfg.critic, cfg.algorithm.adv_estimator
+    if estimator == "gae" and section.enable is False:
+        return [ConfigProblem("critic.enable", False, "algorithm.adv_estimator=gae needs the critic's values",
+                              "set critic.enable=true (or null), or choose another algorithm.adv_estimator",
+                              keys=("critic.enable", "algorithm.adv_estimator"))]
+    if not section.enabled(estimator):
+        return _without_critic(cfg)
+    out = []
+    if cfg.trainer.sequence_parallel_size > 1:
+        out.append(ConfigProblem("critic.enable", True, "the critic does not run under sequence parallelism yet",
+                                 "set trainer.sequence_parallel_size=1 for PPO with a critic",
+                                 keys=("critic.enable", "trainer.sequence_parallel_size")))
+    budget = section.max_tokens_per_microbatch
+    budgets = budgets_of(cfg)
+    if budget is not None and budget >= 1 and not budgets.context_bounded:  # the actor's update-budget relation, for the critic's
+        longest = budgets.max_sequence_tokens
+        if budget < longest:
+            out.append(ConfigProblem("critic.max_tokens_per_microbatch", budget, f"is smaller than the longest possible sequence "
+                                     f"data.max_prompt_tokens + rollout.max_response_tokens = {longest:,}",
+                                     f"raise critic.max_tokens_per_microbatch to >= {longest:,} or leave it null "
+                                     "(train.max_tokens_per_microbatch)"))
+    if section.warmup_steps >= cfg.train.total_steps:
+        out.append(ConfigProblem("critic.warmup_steps", section.warmup_steps, f"leaves no step of train.total_steps="
+                                 f"{cfg.train.total_steps} for the actor", "lower critic.warmup_steps or raise train.total_steps"))
+    return out
+
+
+def _without_critic(cfg: RunConfig) -> list[ConfigProblem]:
+    """Critic settings changed from their defaults, and GAE's knobs, in a run without a critic."""
+    section, estimator, default = cfg.critic, cfg.algorithm.adv_estimator, CriticConfig()
+    changed = [f.name for f in dataclasses.fields(section) if f.name != "enable" and getattr(section, f.name) != getattr(default, f.name)]
+    keys = ["model.path" if name == "model" else name for name in changed]
+    out = [ConfigProblem(f"critic.{key}", section.model.path if key == "model.path" else getattr(section, key),
+                         "has no effect: this run has no critic",
+                         f"set algorithm.adv_estimator=gae (or critic.enable=true), or remove critic.{key}") for key in keys]
+    for name in ("gamma", "lam"):  # the built-in outcome estimators read neither
+        if estimator in ("grpo", "rloo") and getattr(cfg.algorithm, name) != 1.0:
+            out.append(ConfigProblem(f"algorithm.{name}", getattr(cfg.algorithm, name), f"has no effect with "
+                                     f"algorithm.adv_estimator={estimator} (GAE reads it)",
+                                     f"set algorithm.adv_estimator=gae or remove algorithm.{name}"))
+    return out
+
+
+def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """Settings under which GSPO's per-sequence mean log-ratio would not be local to one
+    micro-batch on one rank (`packrl.algos.policy_losses.gspo`): sequence parallelism splits a
+    sequence over ranks, and the rolling window trains one trajectory as several sequences.
+    Registered as the config check of ``algorithm.policy_loss=gspo`` (`packrl.registry`)."""
+    out = []
+    size = cfg.trainer.sequence_parallel_size
+    if size > 1:
+        out.append(ConfigProblem("algorithm.policy_loss", "gspo", f"needs each sequence on one rank; trainer.sequence_parallel_size={size} "
+                                 "splits sequences over ranks, so the sequence's mean log-ratio is not local",
+                                 "set trainer.sequence_parallel_size=1 or algorithm.policy_loss=ppo_clip",
+                                 keys=("algorithm.policy_loss", "trainer.sequence_parallel_size")))
+    mt = cfg.rollout.multi_turn
+    if mt.enabled and mt.context_policy == "rolling":
+        out.append(ConfigProblem("algorithm.policy_loss", "gspo", "needs one sequence per response; rollout.multi_turn.context_policy="
+                                 "rolling trains a trajectory as several step-wise samples, so its mean log-ratio is not local",
+                                 "set rollout.multi_turn.context_policy=end (or error), or algorithm.policy_loss=ppo_clip",
+                                 keys=("algorithm.policy_loss", "rollout.multi_turn.context_policy")))
+    return out
+
+
+RULES: tuple[Rule, ...] = (
+    critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
+    parameter_offload, compiled_layers, lora_workers, group_size, kl_in_reward, overlong_buffer,
+)
+"""Every cross-field rule, in the order their problems are reported."""
+
+
+def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """Every section's own problems, then every rule's (`RULES`)."""
+    return cfg.section_problems() + [problem for rule in RULES for problem in rule(cfg)]
