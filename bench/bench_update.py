@@ -5,7 +5,7 @@ fraction of the bf16 matmul rate measured in the same run, and where the update'
 Measured: a random model with SmolLM2-135M's shapes and one GSM8K-shaped batch (``--num-sequences``
 sequences, lengths drawn from GSM8K's prompt and reference-answer lengths), planned under
 ``--max-tokens`` per micro-batch exactly as the trainer plans it, run through
-`packrl.worker.actor.run_microbatches` (the policy loss, its aggregation, the entropy and the
+`packrl.worker.actor.actor_microbatches` (the policy loss, its aggregation, the entropy and the
 metrics) and one `optimizer_step`, in two arms that alternate: eager (``model.compile=false``) and
 compiled decoder layers (``model.compile=true``, `packrl.models.compile`). Each arm's time is the
 median over ``--repeats`` runs after a warm-up (the compiled arm's compiles); one more run per arm
@@ -74,7 +74,8 @@ from packrl.config import load_config  # noqa: E402
 from packrl.models.compile import CompiledLayers, active  # noqa: E402
 from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch  # noqa: E402
-from packrl.worker.actor import MicrobatchLoss, Optimization, ResponseSums, adamw, SkipCounter, optimizer_step, run_microbatches  # noqa: E402
+from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches  # noqa: E402
+from packrl.worker.optim import Optimization, optimizer_step  # noqa: E402
 
 GROUPS = {"matmul": ("mm", "addmm", "bmm", "matmul", "linear"), "attention": ("scaled_dot_product", "attention"),
           "casts and copies": ("_to_copy", "copy_", "to", "clone", "contiguous", "cat"),
@@ -152,14 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
                        max_tokens=args.max_tokens, balance=True, loss_scale_factor=512)
     minibatch = plan.minibatches[0]
     loss = MicrobatchLoss.from_config(cfg)
-    optimizer = adamw(list(model.parameters()), lr=1e-6, weight_decay=0.0)
-    opt = Optimization(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), SkipCounter(3), 1.0)
+    opt = Optimization.build(list(model.parameters()), lr=1e-6, weight_decay=0.0, warmup_steps=0, max_consecutive_skips=3, grad_clip=1.0)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
     arms = {"eager": None, "compiled": CompiledLayers(model)}  # model.compile=false / true
 
     def update(arm: str) -> None:
         with active(arms[arm]):
-            run_microbatches(model, batch, minibatch.microbatches(0), den=minibatch.denominators, loss=loss, context=autocast,
+            actor_microbatches(model, batch, minibatch.microbatches(0), den=minibatch.denominators, loss=loss, context=autocast,
                              sums=ResponseSums.zeros(len(batch.rollout)))
         optimizer_step(model, opt)
 

@@ -51,7 +51,8 @@ def score_of(model, rollout, cfg, context=None, share_prompts: bool = False) -> 
     import contextlib
 
     from packrl.seqlen.update_plan import PromptSharing, plan_ranks
-    from packrl.worker.actor import PackForward, compute_logprobs
+    from packrl.worker.actor import compute_logprobs
+    from packrl.worker.packs import PackForward
 
     sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if share_prompts else None
     plan = plan_ranks(rollout.sequence_lengths(), 1, cfg.train.max_tokens_per_logprob_microbatch, balance=True,
@@ -69,14 +70,14 @@ def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
 
 def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
-    (`packrl.worker.actor.run_microbatches`) as planned for ``num_ranks`` simulated ranks (each
+    (`packrl.worker.actor.actor_microbatches`) as planned for ``num_ranks`` simulated ranks (each
     rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
     Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
     import contextlib
 
     from packrl.config.plan import BatchPlan
     from packrl.seqlen.update_plan import PromptSharing, groups_of, plan_update
-    from packrl.worker.actor import MicrobatchLoss, ResponseSums, run_microbatches
+    from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches
 
     plan = BatchPlan.from_config(cfg)
     rollout = batch.rollout
@@ -92,7 +93,7 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
     sums = ResponseSums.zeros(len(batch.rollout))
     total = 0.0
     for rank in range(num_ranks):
-        totals = run_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
+        totals = actor_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
                                   context=context or contextlib.nullcontext, sums=sums)
         metrics = totals.metrics
         algo = cfg.algorithm

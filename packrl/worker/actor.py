@@ -1,23 +1,19 @@
-"""The actor's two jobs on packed, token-budgeted micro-batches: score log-probs and update.
+"""The actor's two jobs on packed, token-budgeted micro-batches: score log-probs, and its loss
+for the update loop (`packrl.worker.update`).
 
 Shapes: ``N`` sequences · ``R_i`` response tokens of sequence i · ``K`` tokens in a pack.
 
-Both jobs run the micro-batches the controller planned (`packrl.seqlen.update_plan`), pack each
-into one row, and read response tokens back by position: in a pack, sequence i's response
-occupies its last ``R_i`` tokens, and `pack_logprobs` puts log p(x_k | x_<k) at k. The update
-normalises every loss term by the mini-batch's denominators, counted once on the controller, so
-the gradient does not depend on the micro-batch split or the rank count (invariant 4). The
-policy loss is looked up by name (``algorithm.policy_loss``, `packrl.registry.POLICY_LOSSES`).
+Both run the micro-batches the controller planned (`packrl.seqlen.update_plan`), one pack each,
+reading response tokens back by position (`packrl.worker.packs`). The policy loss is looked up
+by name (``algorithm.policy_loss``, `packrl.registry.POLICY_LOSSES`); its aggregation, the KL
+term and the entropy bonus divide by the mini-batch's denominators (invariant 4).
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import warnings
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,91 +26,15 @@ from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
 from packrl.models import ulysses
-from packrl.models.logprobs import pack_logprobs
 from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.denominators import LossDenominators
-from packrl.seqlen.packing import Pack, pack_sequences, pack_shared
+from packrl.seqlen.packing import Pack
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
-
-logger = logging.getLogger(__name__)
-
-Context = Callable[[], AbstractContextManager]
-
-
-@dataclass(frozen=True, slots=True)
-class PackForward:
-    """How a pack's log-probs are computed (`pack_logprobs`): the same for every pass.
-
-    Attributes:
-        attention: ``model.packed_attention``.
-        chunk_tokens: ``train.logits_chunk_tokens``.
-        temperature: ``rollout.temperature`` (the trainer scores what the engine sampled).
-        share_prompts: write a group's prompt once per pack (``train.share_prompts``, where the
-            model's attention path can: `packrl.models.attention.supports_shared_prompts`).
-    """
-
-    attention: str
-    chunk_tokens: int
-    temperature: float
-    share_prompts: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig, share_prompts: bool = False) -> PackForward:
-        return cls(cfg.model.packed_attention, cfg.train.logits_chunk_tokens, cfg.rollout.temperature, share_prompts)
-
-    def pack(self, rollout: RolloutBatch, indices: Sequence[int], device: torch.device) -> Pack:
-        """The micro-batch ``indices`` of ``rollout`` as one pack: a group's prompt written once
-        when prompts are shared (`packrl.seqlen.packing.pack_shared`), else every sequence whole."""
-        if self.share_prompts:
-            return pack_shared([rollout.prompt_ids_of(i) for i in indices], [rollout.responses[i].response_ids for i in indices],
-                               indices).to(device)
-        return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices).to(device)
-
-    def __call__(self, model: torch.nn.Module, pack: Pack, needed: torch.Tensor, entropy_grad: bool = False) -> Any:
-        return pack_logprobs(model, pack, attention=self.attention, chunk_tokens=self.chunk_tokens,
-                             temperature=self.temperature, entropy_grad=entropy_grad, needed=needed)
-
-
-def sequence_ids(rollout: RolloutBatch, i: int) -> torch.Tensor:
-    """Prompt + response ids of sequence i. Shape [T_i], int64."""
-    return torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids, dtype=torch.long)
-
-
-def _response_parts(pack: Pack, values: torch.Tensor, rollout: RolloutBatch) -> list[torch.Tensor]:
-    """The last R_i entries of each packed sequence's per-token ``values`` ([K])."""
-    return [part[len(part) - len(rollout.responses[i].response_ids):] for i, part in zip(pack.indices, pack.unpack(values))]
-
-
-def scatter_response(pack: Pack, rollout: RolloutBatch, per_seq: Sequence[torch.Tensor] | dict[int, torch.Tensor],
-                      fill: float | bool) -> torch.Tensor:
-    """Lay per-response values ([R_i] each, indexed like the rollout) over the pack: each
-    response fills the last R_i tokens of its sequence's own segment; prompt tokens (shared or
-    not) get ``fill``. Returns Shape [K]."""
-    device = pack.input_ids.device
-    template = per_seq[pack.indices[0]]  # the dtype every part takes
-    parts = []
-    for length, owner in zip(pack.seq_lens, pack.segment_owners()):
-        if owner < 0:  # a shared prompt segment
-            parts.append(template.new_full((length,), fill, device=device))
-        else:  # the sequence's own segment: its response is the last R_i tokens
-            values = per_seq[pack.indices[owner]].to(device)
-            parts.append(torch.cat([values.new_full((length - len(values),), fill), values]))
-    return torch.cat(parts)
-
-
-def _response_positions(pack: Pack, rollout: RolloutBatch) -> torch.Tensor:
-    """True at every response token of the pack. Shape [K], bool."""
-    ones = {i: torch.ones(len(rollout.responses[i].response_ids), dtype=torch.bool) for i in pack.indices}
-    return scatter_response(pack, rollout, ones, False)
-
-
-def _rollout_logprobs(pack: Pack, rollout: RolloutBatch) -> torch.Tensor | None:
-    """The engine's log-probs laid over the pack (Shape [K], float32), or None when a response lacks them."""
-    values = {i: rollout.responses[i].rollout_logprobs for i in pack.indices}
-    if any(v is None for v in values.values()):
-        return None
-    return scatter_response(pack, rollout, {i: torch.tensor(v, dtype=torch.float32) for i, v in values.items()}, 0.0)
+from packrl.worker.optim import Optimization
+from packrl.worker.packs import PackForward, response_parts, response_positions, rollout_logprobs_over, scatter_response, sequence_counts
+from packrl.worker.strategy import Parallel
+from packrl.worker.update import Context, Step, StepTotals, run_microbatches, run_update, step_metrics
 
 
 def _idle_forward(model: torch.nn.Module) -> torch.Tensor:
@@ -149,50 +69,15 @@ def compute_logprobs(model: torch.nn.Module, rollout: RolloutBatch, microbatches
                 _idle_forward(model)
                 continue
             pack = forward.pack(rollout, indices, device)
-            result = forward(model, pack, _response_positions(pack, rollout))
+            result = forward(model, pack, response_positions(pack, rollout))
             sp = ulysses.active()
             if sp is not None:  # each rank holds the log-probs its tokens predict: sum the shards
                 sp.all_reduce(result.token_logprobs)
                 sp.all_reduce(result.entropy)
-            for lp, ent in zip(_response_parts(pack, result.token_logprobs, rollout), _response_parts(pack, result.entropy, rollout)):
+            for lp, ent in zip(response_parts(pack, result.token_logprobs, rollout), response_parts(pack, result.entropy, rollout)):
                 out.append((lp.float().cpu(), ent.float().cpu()))
     model.train(was_training)
     return out
-
-
-@dataclass
-class StepTotals:
-    """What one optimizer step leaves on one rank: metrics summed over its micro-batches (each
-    already a share of a mini-batch value, so ranks add up too) and the packs' shape."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-    num_microbatches: int = 0
-    max_microbatch_tokens: int = 0
-    max_rank_tokens: int = 0
-    num_positions: int = 0
-    num_real_tokens: int = 0
-    num_shared_tokens_saved: int = 0
-    pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    """Metric sums still on the device, read back once by `finish`."""
-
-    def add(self, metrics: dict[str, torch.Tensor | float]) -> None:
-        """Add one micro-batch's metrics: tensors are summed where they are (no device sync), numbers at once."""
-        for name, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                value = value.detach()
-                self.pending[name] = self.pending[name] + value if name in self.pending else value
-            else:
-                self.metrics[name] = self.metrics.get(name, 0.0) + float(value)
-
-    def finish(self) -> StepTotals:
-        """Read the device sums back to the host, one copy per optimizer step; returns self."""
-        if self.pending:
-            names = list(self.pending)
-            values = torch.stack([self.pending[n].double().reshape(()) for n in names]).cpu().tolist()
-            for name, value in zip(names, values):
-                self.metrics[name] = self.metrics.get(name, 0.0) + value
-            self.pending = {}
-        return self
 
 
 @dataclass
@@ -261,16 +146,6 @@ class MicrobatchLoss:
         return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg, share_prompts))
 
 
-def sequence_counts(pack: Pack, batch: TrainBatch, full_mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """The loss tokens of each packed sequence as ``seq-mean-token-mean`` divides by them, Shape
-    [S], float: counted from ``full_mask`` (Shape [K], bool, the whole micro-batch's loss tokens),
-    or for step-wise samples their trajectory's count (`TrainBatch.trajectory_loss_tokens`), since
-    the trajectory is the sequence the seq-mean modes average over."""
-    if batch.trajectory_loss_tokens is None:
-        return torch.zeros(len(pack.indices), device=full_mask.device).index_add_(0, seq_ids, full_mask.float())
-    return torch.tensor([float(batch.trajectory_loss_tokens[i]) for i in pack.indices], device=full_mask.device)
-
-
 def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, den: LossDenominators, loss: MicrobatchLoss,
                     totals: StepTotals, sums: ResponseSums) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss: the policy loss (times the truncated
@@ -279,7 +154,7 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     ``algorithm.loss_agg_mode``, plus ``kl_coef`` x the KL to the reference (unless it is in the
     reward), minus ``entropy_coeff`` x the entropy. Adds the micro-batch's metrics to ``totals``."""
     algo, rollout = loss.algo, batch.rollout
-    out = loss.forward(model, pack, _response_positions(pack, rollout), entropy_grad=algo.entropy_coeff > 0)
+    out = loss.forward(model, pack, response_positions(pack, rollout), entropy_grad=algo.entropy_coeff > 0)
     full_mask = scatter_response(pack, rollout, batch.loss_masks, False)
     mask = full_mask & out.has_logprob  # under sequence parallelism: the tokens this rank's hidden states predict
     seq_ids = pack.sequence_ids()
@@ -290,7 +165,7 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     extras = {name: scatter_response(pack, rollout, values, 0) for name, values in batch.extras.items()}
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
-                              rollout_logprobs=_rollout_logprobs(pack, rollout), extras=extras)
+                              rollout_logprobs=rollout_logprobs_over(pack, rollout), extras=extras)
     result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
     token_loss = weighted_token_loss(result.token_loss, extras)  # x the truncated importance weights, when set
     pg = aggregate_loss(token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
@@ -338,94 +213,33 @@ def _checked(result: Any, logprobs: torch.Tensor, name: str) -> PolicyLossOutput
     return result
 
 
-@dataclass(frozen=True)
-class Parallel:
-    """What the parallelism strategy adds to the micro-batch loop.
-
-    Attributes:
-        grad_sync: called with True before a mini-batch's last backward and False before the
-            others (FSDP's ``set_requires_gradient_sync``: gradients reduced once per mini-batch);
-            None in one process.
-        loss_scale: multiplies the loss before the backward (the rank count under FSDP, whose
-            reduce-scatter averages gradients over ranks); metrics are not scaled.
-    """
-
-    grad_sync: Callable[[bool], None] | None = None
-    loss_scale: float = 1.0
-
-
-def run_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
-                     loss: MicrobatchLoss, context: Context, sums: ResponseSums, tracer: NullTracer = NullTracer(),
-                     parallel: Parallel = Parallel()) -> StepTotals:
-    """Forward and backward each micro-batch; gradients accumulate in ``model``.
-
-    Args:
-        microbatches: sequence indices per micro-batch; an empty one (a data-parallel rank with
-            fewer sequences) runs a one-token forward and a zero backward, so every rank runs the
-            same number of passes.
-        den: the mini-batch's global denominators (all ranks together).
-        context: each forward's context (autocast, activation offload).
-    """
-    if den.num_tokens == 0:
-        logger.warning("a mini-batch has no loss tokens (all masked, e.g. algorithm.truncated=mask with every "
-                       "response truncated); it contributes no gradient: raise rollout.max_response_tokens")
+def actor_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
+                       loss: MicrobatchLoss, context: Context, sums: ResponseSums, tracer: NullTracer = NullTracer(),
+                       parallel: Parallel = Parallel()) -> StepTotals:
+    """One mini-batch's micro-batches of the actor forward and backward
+    (`packrl.worker.update.run_microbatches` with `microbatch_loss`); gradients accumulate in
+    ``model``, per-response sums in ``sums``."""
     device = next(model.parameters()).device
-    totals = StepTotals()
-    for k, indices in enumerate(microbatches):
-        if parallel.grad_sync is not None:
-            parallel.grad_sync(k == len(microbatches) - 1)
-        if not indices:
-            with context():
-                idle = _idle_forward(model).sum() * 0.0
-            idle.backward()
-            continue
-        pack = loss.forward.pack(batch.rollout, indices, device)
-        sp = ulysses.active()
-        before = (sp.all_to_all_s, sp.num_exchanges) if sp is not None else None
-        with tracer.microbatch(num_sequences=len(indices), num_tokens=pack.num_tokens, num_positions=pack.input_ids.numel()):
-            with context():
-                share = microbatch_loss(model, pack, batch, den=den, loss=loss, totals=totals, sums=sums)
-            (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()  # outside autocast, as torch recommends
-        if sp is not None:
-            tracer.all_to_all(sp.all_to_all_s - before[0], sp.num_exchanges - before[1])
-    return totals.finish()
+    return run_microbatches(model, microbatches, den=den, loss=_loss_fn(model, batch, loss, sums),
+                            pack=lambda indices: loss.forward.pack(batch.rollout, indices, device), idle=partial(_idle_forward, model),
+                            context=context, tracer=tracer, parallel=parallel)
 
 
-@dataclass
-class SkipCounter:
-    """Optimizer steps skipped because the gradient norm was not finite (a NaN/inf loss makes it
-    so): in total, and in a row across training steps.
+def actor_update(model: torch.nn.Module, batch: TrainBatch, plan: UpdatePlan, *, rank: int, loss: MicrobatchLoss, opt: Optimization,
+                 context: Context, tracer: NullTracer = NullTracer(), parallel: Parallel = Parallel()) -> UpdateStats:
+    """Rank ``rank``'s part of ``plan`` for the actor (`packrl.worker.update.run_update` with
+    `microbatch_loss`)."""
+    device = next(model.parameters()).device
+    sums = ResponseSums.zeros(len(batch.rollout))
+    steps = run_update(model, plan, rank=rank, loss=_loss_fn(model, batch, loss, sums),
+                       pack=lambda indices: loss.forward.pack(batch.rollout, indices, device), idle=partial(_idle_forward, model),
+                       opt=opt, context=context, tracer=tracer, parallel=parallel)
+    return UpdateStats(steps, sums.finish(), opt.skips.total)
 
-    Raises (from `record`):
-        ValueError: ``max_consecutive`` skips in a row (``train.max_consecutive_skips``).
-    """
 
-    max_consecutive: int
-    total: int = 0
-    consecutive: int = 0
-
-    def record(self, grad_norm: float) -> bool:
-        """Count one optimizer step; return True when it must be skipped."""
-        if math.isfinite(grad_norm):
-            self.consecutive = 0
-            return False
-        self.total += 1
-        self.consecutive += 1
-        logger.warning("gradient norm is %s: optimizer step skipped (%d in a row, %d in total)", grad_norm, self.consecutive, self.total)
-        if self.consecutive >= self.max_consecutive:
-            raise ValueError(
-                f"{self.consecutive} optimizer steps in a row had a non-finite gradient (train.max_consecutive_skips="
-                f"{self.max_consecutive}); the run stopped. Lower train.lr, set train.grad_clip, or check the rewards for NaN"
-            )
-        return True
-
-    def state_dict(self) -> dict[str, int]:
-        """``{skipped_steps, consecutive_skips}``, saved with each checkpoint."""
-        return {"skipped_steps": self.total, "consecutive_skips": self.consecutive}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue counting from a checkpoint's `state_dict` (absent keys count as 0)."""
-        self.total, self.consecutive = int(state.get("skipped_steps", 0)), int(state.get("consecutive_skips", 0))
+def _loss_fn(model: torch.nn.Module, batch: TrainBatch, loss: MicrobatchLoss, sums: ResponseSums) -> Any:
+    """`microbatch_loss` as the update loop's ``loss(pack, denominators, totals)``."""
+    return lambda pack, den, totals: microbatch_loss(model, pack, batch, den=den, loss=loss, totals=totals, sums=sums)
 
 
 @dataclass
@@ -434,77 +248,11 @@ class UpdateStats:
     norm and learning rate, the per-response sums, the skip count so far and the bytes of saved
     activations the update moved to host memory (``model.activation_offload``)."""
 
-    steps: list[tuple[StepTotals, float, float]]
+    steps: list[Step]
     sums: ResponseSums
     skipped_steps: int
     offloaded_bytes: int = 0
     all_to_all_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Optimization:
-    """The optimizer side of an update: optimizer, LR schedule, skip counter, and the settings."""
-
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    skips: SkipCounter
-    grad_clip: float
-
-
-def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW (Loshchilov & Hutter 2019) over ``params``, fused where torch has a fused kernel for
-    their device and dtype (CPU, CUDA; FSDP2's DTensor shards included), else ``foreach``. The
-    fused kernel is one pass over the parameters; on CPU torch's default is a loop over tensors
-    (``bench/bench_update.py``). The update rule is the same."""
-    fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
-    fused = all(p.device.type in fused_devices and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None, foreach=None if fused else True)
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """``torch.nn.utils.clip_grad_norm_`` that also takes FSDP2 shards offloaded to host memory
-    (``model.param_offload``): their total norm is a CPU DTensor whose reduction over ranks must
-    run on the mesh's device (NCCL reduces device tensors only), so it moves there first.
-    Returns the total norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    mesh = getattr(grads[0], "device_mesh", None) if grads else None
-    if mesh is None or grads[0].device.type == mesh.device_type:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm(grads).to(mesh.device_type)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
-def optimizer_step(model: torch.nn.Module, opt: Optimization) -> tuple[float, float]:
-    """Clip the gradient norm to ``train.grad_clip`` (global over ranks: DTensor), step the
-    optimizer unless the norm is not finite, step the schedule, zero the gradients.
-    Returns ``(grad_norm, lr)``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = clip_grad_norm(params, opt.grad_clip if opt.grad_clip > 0 else float("inf"))
-    lr = opt.optimizer.param_groups[0]["lr"]
-    if not opt.skips.record(grad_norm):
-        opt.optimizer.step()
-    with warnings.catch_warnings():  # a skipped step still advances the schedule, as verl's does
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-        opt.scheduler.step()
-    opt.optimizer.zero_grad(set_to_none=True)
-    return grad_norm, lr
-
-
-def run_update(model: torch.nn.Module, batch: TrainBatch, plan: UpdatePlan, *, rank: int, loss: MicrobatchLoss, opt: Optimization,
-               context: Context, tracer: NullTracer = NullTracer(), parallel: Parallel = Parallel()) -> UpdateStats:
-    """Rank ``rank``'s part of ``plan``: ``num_epochs`` passes over the mini-batches, each its
-    micro-batches' forwards and backwards and one optimizer step (`optimizer_step`)."""
-    sums = ResponseSums.zeros(len(batch.rollout))
-    steps: list[tuple[StepTotals, float, float]] = []
-    model.train()
-    for _ in range(plan.num_epochs):
-        for minibatch in plan.minibatches:
-            totals = run_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
-                                      context=context, sums=sums, tracer=tracer, parallel=parallel)
-            steps.append((totals, *optimizer_step(model, opt)))
-    return UpdateStats(steps, sums.finish(), opt.skips.total)
 
 
 def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response_tokens: int) -> dict[str, float]:
@@ -531,16 +279,12 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         reference, else ``old_logprobs - logprobs``).
     """
     first = ranks[0]
-    count = len(first.steps)
     totals = [t for r in ranks for t, _, _ in r.steps]
-    names = sorted({name for t in totals for name in t.metrics})
     lengths = [len(r.response_ids) for r in batch.rollout.responses]
     positions = sum(t.num_positions for t in totals)
     out = ResponseSums.merged([r.sums for r in ranks]).metrics(lengths, max_response_tokens)
-    out |= {name: sum(t.metrics.get(name, 0.0) for t in totals) / count for name in names}
+    out |= step_metrics([r.steps for r in ranks], "actor")
     out |= {
-        "actor/grad_norm": sum(g for _, g, _ in first.steps) / count,
-        "actor/lr": first.steps[-1][2],
         "train/skipped_steps": float(first.skipped_steps),
         "seqlen/num_microbatches": float(max(sum(t.num_microbatches for t, _, _ in r.steps) for r in ranks)),
         "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t in totals)),

@@ -21,9 +21,9 @@ rank count (invariant 4), as the actor's loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,9 +36,10 @@ from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack, pack_sequences
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
-from packrl.worker.actor import Optimization, PackForward, adamw, Parallel, SkipCounter, StepTotals, optimizer_step, scatter_response, sequence_counts
-
-Context = Callable[[], AbstractContextManager]
+from packrl.worker.optim import Optimization
+from packrl.worker.packs import PackForward, scatter_response, sequence_counts
+from packrl.worker.strategy import Parallel
+from packrl.worker.update import Context, Step, StepTotals, run_microbatches, run_update, step_metrics
 
 CRITIC_FILE = "critic.pt"
 """The critic's weights, optimizer, schedule and skip counter inside a checkpoint folder."""
@@ -195,60 +196,48 @@ def critic_microbatch_loss(critic: ValueModel, pack: Pack, batch: TrainBatch, *,
 
 @dataclass
 class CriticStats:
-    """What one rank's critic update leaves: per optimizer step its totals, gradient norm and learning rate."""
+    """What one rank's critic update leaves: its optimizer steps (`packrl.worker.update.Step`)."""
 
-    steps: list[tuple[StepTotals, float, float]]
+    steps: list[Step]
 
 
-def run_critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *, rank: int, opt: Optimization, context: Context,
-                      cliprange: float, mode: str, forward: PackForward, parallel: Parallel = Parallel()) -> CriticStats:
-    """Rank ``rank``'s part of ``plan`` for the critic: every mini-batch's micro-batches forward
-    and backward, one optimizer step each (`packrl.worker.actor.optimizer_step`)."""
-    steps = []
-    critic.train()
-    for _ in range(plan.num_epochs):
-        for minibatch in plan.minibatches:
-            totals = critic_microbatches(critic, batch, minibatch.microbatches(rank), den=minibatch.denominators, context=context,
-                                         cliprange=cliprange, mode=mode, forward=forward, parallel=parallel)
-            steps.append((totals, *optimizer_step(critic, opt)))
+def critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *, rank: int, opt: Optimization, context: Context,
+                  cliprange: float, mode: str, forward: PackForward, parallel: Parallel = Parallel()) -> CriticStats:
+    """Rank ``rank``'s part of ``plan`` for the critic (`packrl.worker.update.run_update` with
+    `critic_microbatch_loss`)."""
+    device = next(critic.parameters()).device
+    steps = run_update(critic, plan, rank=rank, loss=_loss_fn(critic, batch, cliprange, mode),
+                       pack=lambda indices: forward.pack(batch.rollout, indices, device), idle=partial(_idle_forward, critic),
+                       opt=opt, context=context, parallel=parallel)
     return CriticStats(steps)
 
 
 def critic_microbatches(critic: ValueModel, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
                         context: Context, cliprange: float, mode: str, forward: PackForward,
                         parallel: Parallel = Parallel()) -> StepTotals:
-    """Forward and backward each micro-batch of one mini-batch (gradients accumulate in
-    ``critic``); an empty one (a rank with fewer sequences) runs a one-token forward and a zero backward."""
+    """One mini-batch's micro-batches of the critic forward and backward
+    (`packrl.worker.update.run_microbatches`); gradients accumulate in ``critic``."""
     device = next(critic.parameters()).device
-    totals = StepTotals()
-    for k, indices in enumerate(microbatches):
-        if parallel.grad_sync is not None:
-            parallel.grad_sync(k == len(microbatches) - 1)
-        with context():
-            share = (critic_microbatch_loss(critic, forward.pack(batch.rollout, indices, device), batch, den=den, cliprange=cliprange,
-                                            mode=mode, totals=totals)
-                     if indices else _idle_forward(critic).sum() * 0.0)
-        (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()
-    return totals.finish()
+    return run_microbatches(critic, microbatches, den=den, loss=_loss_fn(critic, batch, cliprange, mode),
+                            pack=lambda indices: forward.pack(batch.rollout, indices, device), idle=partial(_idle_forward, critic),
+                            context=context, parallel=parallel)
+
+
+def _loss_fn(critic: ValueModel, batch: TrainBatch, cliprange: float, mode: str) -> Any:
+    """`critic_microbatch_loss` as the update loop's ``loss(pack, denominators, totals)``."""
+    return lambda pack, den, totals: critic_microbatch_loss(critic, pack, batch, den=den, cliprange=cliprange, mode=mode, totals=totals)
 
 
 def critic_metrics(ranks: Sequence[CriticStats]) -> dict[str, float]:
     """``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean`` (mini-batch values summed
     over micro-batches and ranks, averaged over optimizer steps), ``critic/grad_norm`` and
-    ``critic/lr`` (verl's names)."""
-    first = ranks[0]
-    count = len(first.steps)
-    totals = [t for r in ranks for t, _, _ in r.steps]
-    names = sorted({name for t in totals for name in t.metrics})
-    out = {name: sum(t.metrics.get(name, 0.0) for t in totals) / count for name in names}
-    return out | {"critic/grad_norm": sum(g for _, g, _ in first.steps) / count, "critic/lr": first.steps[-1][2]}
+    ``critic/lr`` (verl's names; `packrl.worker.update.step_metrics`)."""
+    return step_metrics([r.steps for r in ranks], "critic")
 
 
 def critic_optimization(critic: ValueModel, cfg: RunConfig) -> Optimization:
     """AdamW at ``critic.lr`` (``train.weight_decay``), the actor's warm-up schedule shape, the
-    actor's skip rule, and ``critic.grad_clip``."""
-    optimizer = adamw([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr, weight_decay=cfg.train.weight_decay)
-    warmup = cfg.train.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    return Optimization(optimizer=optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
-                        grad_clip=cfg.critic.grad_clip)
+    actor's skip rule, and ``critic.grad_clip`` (`packrl.worker.optim.Optimization.build`)."""
+    return Optimization.build([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr,
+                              weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
+                              max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.critic.grad_clip)

@@ -44,10 +44,11 @@ from packrl.rollout.multi_turn import multi_turn_engine
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
-from packrl.worker.actor import MicrobatchLoss, Optimization, adamw, SkipCounter, UpdateStats, compute_logprobs, run_update
+from packrl.worker.actor import MicrobatchLoss, UpdateStats, actor_update, compute_logprobs
+from packrl.worker.optim import Optimization
 from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint
-from packrl.worker.critic import (CRITIC_FILE, CriticStats, compute_values, critic_optimization, load_critic, load_critic_weights,
-                                  run_critic_update)
+from packrl.worker.critic import (CRITIC_FILE, CriticStats, compute_values, critic_optimization, critic_update, load_critic,
+                                  load_critic_weights)
 from packrl.worker.strategy import FSDP2, SingleProcess
 
 logger = logging.getLogger(__name__)
@@ -174,11 +175,10 @@ class PolicyWorker:
         strategy.wrap(model)
         if self.reference is not None and self.reference is not model:
             strategy.wrap(self.reference)
-        self.optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        warmup = cfg.train.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        self.opt = Optimization(optimizer=self.optimizer, scheduler=scheduler, skips=SkipCounter(cfg.train.max_consecutive_skips),
-                                grad_clip=cfg.train.grad_clip)
+        self.opt = Optimization.build([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                      weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
+                                      max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.train.grad_clip)
+        self.optimizer = self.opt.optimizer
         self.compiled = self._compile(model, self.reference)
         share, phrase = shares_prompts(cfg, model, packing)
         self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
@@ -274,7 +274,7 @@ class PolicyWorker:
         if sp is not None:
             sp.all_to_all_s = 0.0
         with self.strategy.sequence_parallel(), active(self.compiled["actor"]):
-            stats = run_update(self.model, batch, plan, rank=self.strategy.dp_rank, loss=self.loss, opt=self.opt,
+            stats = actor_update(self.model, batch, plan, rank=self.strategy.dp_rank, loss=self.loss, opt=self.opt,
                                context=self.update_context, tracer=recorder, parallel=self.strategy.parallel(self.model))
         stats.offloaded_bytes = self.offloaded_bytes
         stats.all_to_all_s = 0.0 if sp is None else sp.all_to_all_s
@@ -290,10 +290,10 @@ class PolicyWorker:
         return result
 
     def update_critic(self, batch: TrainBatch, plan: UpdatePlan) -> CriticStats:
-        """This rank's part of ``plan`` for the critic (`packrl.worker.critic.run_critic_update`)."""
+        """This rank's part of ``plan`` for the critic (`packrl.worker.critic.critic_update`)."""
         assert self.critic is not None, "the controller updates the critic only when the run has one"
         with active(self.compiled["critic"]):
-            return run_critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
+            return critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
                                      context=self.autocast, cliprange=self.cfg.critic.cliprange_value,
                                      mode=self.cfg.algorithm.loss_agg_mode, forward=self.loss.forward,
                                      parallel=self.strategy.parallel(self.critic))

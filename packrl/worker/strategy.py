@@ -31,7 +31,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -41,11 +41,26 @@ if TYPE_CHECKING:
     import torch
 
     from packrl.config.schema import RunConfig
-    from packrl.worker.actor import Parallel
 
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank that never joins a collective fails the run instead of hanging it
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """What the parallelism strategy adds to the micro-batch loop.
+
+    Attributes:
+        grad_sync: called with True before a mini-batch's last backward and False before the
+            others (FSDP's ``set_requires_gradient_sync``: gradients reduced once per mini-batch);
+            None in one process.
+        loss_scale: multiplies the loss before the backward (the rank count under FSDP, whose
+            reduce-scatter averages gradients over ranks); metrics are not scaled.
+    """
+
+    grad_sync: Callable[[bool], None] | None = None
+    loss_scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +127,6 @@ class SingleProcess:
         """Nothing to wrap."""
 
     def parallel(self, model: torch.nn.Module) -> Parallel:
-        from packrl.worker.actor import Parallel
-
         return Parallel()
 
     def after_no_grad(self, model: torch.nn.Module) -> None:
@@ -258,8 +271,6 @@ class FSDP2:
         enable_fsdp_forward(model)
 
     def parallel(self, model: torch.nn.Module) -> Parallel:
-        from packrl.worker.actor import Parallel
-
         return Parallel(grad_sync=model.set_requires_gradient_sync, loss_scale=float(self.world_size))
 
     def after_no_grad(self, model: torch.nn.Module) -> None:

@@ -81,7 +81,7 @@ def test_compile_where_it_cannot_run_is_refused_unless_left_to_packrl():
 def test_the_compiled_critic_gives_the_eager_values():
     import contextlib
 
-    from packrl.worker.actor import PackForward
+    from packrl.worker.packs import PackForward
     from packrl.worker.critic import ValueModel, compute_values
 
     lm = tiny_llama()

@@ -14,7 +14,7 @@ import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES
 from packrl.seqlen.update_plan import groups_of, plan_update
-from packrl.worker.actor import PackForward
+from packrl.worker.packs import PackForward
 from packrl.worker.critic import ValueModel, compute_values, critic_microbatches
 from tests.conftest import tiny_llama
 from tests.invariance.test_loss_invariance import BUDGETS, WHOLE, _batch

@@ -3,7 +3,7 @@ micro-batches or ranks, for every loss aggregation mode.
 
 The split is the real one: the update plan (`packrl.seqlen.update_plan.plan_update`) for 1 and 2
 ranks under two micro-batch budgets, run through the update's own micro-batch path
-(`packrl.worker.actor.run_microbatches`: the registered policy loss, the KL term and the entropy
+(`packrl.worker.actor.actor_microbatches`: the registered policy loss, the KL term and the entropy
 bonus), ranks simulated one after the other with their gradients summed as an all-reduce SUM does.
 The model runs in float64 so that a 1e-6 relative check tests the aggregation, not float32
 summation order (float32 packs of different widths differ by ~1e-7 before any loss is taken).

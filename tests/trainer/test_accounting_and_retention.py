@@ -35,7 +35,7 @@ def test_keep_last_must_be_positive(value):
 
 
 def test_skip_counter_counts_and_stops_after_max_consecutive(caplog):
-    from packrl.worker.actor import SkipCounter
+    from packrl.worker.optim import SkipCounter
 
     skips = SkipCounter(max_consecutive=3)
     assert skips.record(1.5) is False
@@ -49,7 +49,7 @@ def test_skip_counter_counts_and_stops_after_max_consecutive(caplog):
 
 
 def test_skip_counter_state_round_trips():
-    from packrl.worker.actor import SkipCounter
+    from packrl.worker.optim import SkipCounter
 
     skips = SkipCounter(max_consecutive=5)
     skips.record(float("nan")), skips.record(1.0), skips.record(float("inf"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from packrl.worker.actor import adamw
+from packrl.worker.optim import adamw
 
 
 def test_adamw_is_fused_on_cpu_and_steps_as_the_default_implementation():

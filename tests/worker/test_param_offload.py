@@ -11,7 +11,7 @@ from packrl.config import ConfigError, load_config
 from packrl.config.plan import BatchPlan
 from packrl.inspect.memory import GIB, ModelShape, estimate_memory
 from packrl.inspect.preflight import preflight
-from packrl.worker.actor import Optimization, SkipCounter, adamw, clip_grad_norm, optimizer_step
+from packrl.worker.optim import Optimization, SkipCounter, adamw, clip_grad_norm, optimizer_step
 from packrl.worker.policy import PolicyWorker
 from packrl.worker.strategy import FSDP2, weight_layout
 from tests.conftest import tiny_llama
