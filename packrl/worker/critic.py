@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,10 +33,12 @@ from packrl.algos.loss_agg import aggregate_loss
 from packrl.config.schema import RunConfig
 from packrl.hardware import ComputeDtype
 from packrl.models.attention import PackedAttention, packed_forward
+from packrl.models.compile import CompiledLayers, active
 from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack, pack_sequences
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import RolloutBatch, TrainBatch
+from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule
 from packrl.worker.optim import Optimization
 from packrl.worker.packs import PackForward, scatter_response, sequence_counts
 from packrl.worker.strategy import Parallel
@@ -241,3 +244,77 @@ def critic_optimization(critic: ValueModel, cfg: RunConfig) -> Optimization:
     return Optimization.build([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr,
                               weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
                               max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.critic.grad_clip)
+
+
+@dataclass
+class CriticRole:
+    """The critic a worker holds (PPO with a value model, `BatchPlan.has_critic`): its model, its
+    optimization and its compiled twin, and what it does: values, its update, its checkpoint state.
+
+    Attributes:
+        model: the value model, wrapped by the worker's strategy.
+        opt: AdamW at ``critic.lr`` (`critic_optimization`).
+        compiled: the compiled twin of its decoder layers (``model.compile``), or None.
+        cliprange: ``critic.cliprange_value``.
+        loss_agg_mode: ``algorithm.loss_agg_mode``.
+        lr: ``critic.lr``, applied again when a checkpoint is restored.
+        source: where its backbone came from (``critic.model.path`` or ``model.path``).
+    """
+
+    model: ValueModel
+    opt: Optimization
+    compiled: CompiledLayers | None
+    cliprange: float
+    loss_agg_mode: str
+    lr: float
+    source: str
+
+    @classmethod
+    def build(cls, cfg: RunConfig, strategy: Any, compute_dtype: ComputeDtype, *, compile_layers: bool) -> CriticRole:
+        """Load the value model (`load_critic`), wrap it with ``strategy``, then its optimizer and
+        (with ``compile_layers``) its compiled twin, in that order (the optimizer sees the wrapped
+        parameters)."""
+        model = load_critic(cfg, strategy.device, compute_dtype)
+        strategy.wrap(model)
+        return cls(model, critic_optimization(model, cfg), CompiledLayers(model) if compile_layers else None,
+                   cfg.critic.cliprange_value, cfg.algorithm.loss_agg_mode, cfg.critic.lr, cfg.critic.model.path or cfg.model.path)
+
+    def describe(self) -> str:
+        """The phrase of the run's model summary."""
+        return f"critic: {sum(p.numel() for p in self.model.parameters()):,} parameters from {self.source} (value head starts at 0)"
+
+    def values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]], *, context: Context,
+               forward: PackForward) -> list[tuple[torch.Tensor, float]]:
+        """`compute_values` of this rank's micro-batches, compiled layers on when there are any."""
+        with active(self.compiled):
+            return compute_values(self.model, rollout, microbatches, context=context, forward=forward)
+
+    def update(self, batch: TrainBatch, plan: UpdatePlan, *, rank: int, context: Context, forward: PackForward,
+               parallel: Parallel) -> CriticStats:
+        """`critic_update` of this rank's part of ``plan``."""
+        with active(self.compiled):
+            return critic_update(self.model, batch, plan, rank=rank, opt=self.opt, context=context, cliprange=self.cliprange,
+                                 mode=self.loss_agg_mode, forward=forward, parallel=parallel)
+
+    def state(self, weights: dict[str, torch.Tensor] | None) -> dict:
+        """Full weights (``weights``, gathered by the strategy, or this process's), optimizer,
+        schedule and skip counter: the contents of `CRITIC_FILE`."""
+        return {"weights": self.model.state_dict() if weights is None else weights,
+                "optimizer": full_optimizer_state(self.model, self.opt.optimizer),
+                "scheduler": self.opt.scheduler.state_dict(), "skips": self.opt.skips.state_dict()}
+
+    def load(self, path: Path) -> None:
+        """Restore from ``path``'s `CRITIC_FILE`.
+
+        Raises:
+            ValueError: the checkpoint has no critic (a run without one wrote it) or one that does not fit.
+        """
+        file = path / CRITIC_FILE
+        if not file.is_file():
+            raise ValueError(f"{path} holds no critic ({CRITIC_FILE}): it was written by a run without one; resume it "
+                             "with its own algorithm.adv_estimator / critic.enable, or start a new run")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        load_critic_weights(self.model, state["weights"])
+        load_optimizer_and_schedule(self.model, self.opt.optimizer, self.opt.scheduler,
+                                    {"optimizer": state["optimizer"], "scheduler": state["scheduler"]}, self.lr, file)
+        self.opt.skips.load_state_dict(state.get("skips", {}))

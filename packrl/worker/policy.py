@@ -33,23 +33,21 @@ import torch
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer, RemoteSpan, SpanRecorder
-from packrl.models.attention import supports_shared_prompts
-from packrl.models.compile import CompiledLayers, active
+from packrl.models.compile import active
 from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference
-from packrl.models.lora import base_policy, is_lora, parameter_counts
-from packrl.registry import ROLLOUT_ENGINES, import_plugins
-from packrl.rollout.engine import EngineContext, RolloutEngine, SamplingParams
-from packrl.rollout.multi_turn import multi_turn_engine
+from packrl.models.lora import base_policy, is_lora
+from packrl.registry import import_plugins
+from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
 from packrl.worker.actor import MicrobatchLoss, UpdateStats, actor_update, compute_logprobs
-from packrl.worker.optim import Optimization
 from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint
-from packrl.worker.critic import (CRITIC_FILE, CriticStats, compute_values, critic_optimization, critic_update, load_critic,
-                                  load_critic_weights)
-from packrl.worker.strategy import FSDP2, SingleProcess
+from packrl.worker.critic import CRITIC_FILE, CriticRole, CriticStats
+from packrl.worker.optim import Optimization
+from packrl.worker.parts import WorkerParts, build_engine, compiled_layers, shares_prompts
+from packrl.worker.strategy import FSDP2, SingleProcess, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +116,7 @@ class PolicyWorker:
         if failures:
             raise ValueError(f"trainer.plugins: cannot import {failures[0][0]!r} ({failures[0][1]}); fix it or remove it")
         self.cfg, self.plan = cfg, plan
-        self.strategy = SingleProcess() if world_size == 1 else FSDP2(
+        self.strategy: Strategy = SingleProcess() if world_size == 1 else FSDP2(
             rank, world_size, loopback, plan.sequence_parallel_size, param_offload=cfg.model.param_offload)
         if world_size > 1:  # a process of its own (a Ray actor): its library bars off too, as in the controller's run
             from packrl.models.quiet import quiet_libraries
@@ -133,79 +131,73 @@ class PolicyWorker:
         return self.strategy.listen()
 
     def setup(self, address: tuple[str, int] | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None) -> WorkerInfo:
-        """Join the process group, load the policy (or take ``model`` and ``tokenizer``, as loaded
-        by `load_policy`), build the reference, the engine and the optimizer.
+        """Join the process group, then build the worker's parts (`packrl.worker.parts`) in the
+        order that matters: the policy (or ``model`` and ``tokenizer`` as `load_policy` returns
+        them), its packing check, the reference, the engine (before wrapping: it copies whole
+        weights), the strategy's wrapping, the optimizer, compiled twins, the loss, the critic.
 
         Raises:
-            ValueError: ``model.lora.rank > 0`` with a model that has no adapters; any error of
-                `load_policy`.
+            ValueError: ``model.lora.rank > 0`` with a model that has no adapters; packs split over
+                sequence-parallel ranks for a model whose packs are not exact; any error of
+                `load_policy` or of the engine's factory.
         """
-        cfg, strategy = self.cfg, self.strategy
+        cfg, strategy, plan = self.cfg, self.strategy, self.plan
         strategy.join(address)
+        model, tokenizer = self._policy(model, tokenizer)
+        max_context, rope_factor = model_context_tokens(model.config)
+        packing = self._packing(model)
+        if cfg.model.activation_offload and strategy.device.type != "cuda":
+            logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
+                           "copies them; set model.activation_offload=false", strategy.device.type)
+        reference = load_reference(model) if plan.has_reference else None
+        engine, engine_phrase = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
+                                             may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
+        strategy.wrap(model)
+        if reference is not None and reference is not model:
+            strategy.wrap(reference)
+        opt = Optimization.build([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                 weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
+                                 max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.train.grad_clip)
+        compiled = compiled_layers(cfg, model, reference)
+        share, phrase = shares_prompts(cfg, model, packing)
+        critic = (CriticRole.build(cfg, strategy, plan.compute_dtype, compile_layers=compiled["actor"] is not None)
+                  if plan.has_critic else None)
+        self.parts = WorkerParts(model, tokenizer, reference, engine, opt, compiled, MicrobatchLoss.from_config(cfg, share_prompts=share),
+                                 critic, packing, share, phrase, max_context, rope_factor, engine_phrase)
+        summary = self.parts.summary(cfg, plan.compute_dtype, strategy.describe())
+        logger.info("%s", summary)
+        return WorkerInfo(max_context, rope_factor, summary, packing, share)
+
+    def _policy(self, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any]:
+        """``model`` and ``tokenizer``, or the policy loaded as ``model.*`` asks (`load_policy`)."""
+        cfg = self.cfg
         if model is None:
-            model, tokenizer = load_policy(cfg.model, device=strategy.device, compute_dtype=self.plan.compute_dtype)
+            model, tokenizer = load_policy(cfg.model, device=self.strategy.device, compute_dtype=self.plan.compute_dtype)
         if cfg.model.lora.rank > 0 and not is_lora(model):
             raise ValueError(f"model.lora.rank={cfg.model.lora.rank} but the model given has no LoRA adapters; load it with "
                              "packrl.models.loading.load_policy (which applies model.lora), or set model.lora.rank=0")
-        self.model, self.tokenizer = model, tokenizer
-        max_context, rope_factor = model_context_tokens(model.config)
-        packing = check_packing(model, cfg.model.packed_attention)
+        return model, tokenizer
+
+    def _packing(self, model: torch.nn.Module) -> PackingCheck:
+        """Whether packs are exact for ``model`` (`check_packing`); sequence parallelism needs them."""
+        packing = check_packing(model, self.cfg.model.packed_attention)
         size = self.plan.sequence_parallel_size
         if size > 1 and not packing.packs:
             raise ValueError(f"trainer.sequence_parallel_size={size} splits packs across ranks, but "
                              f"{packing.describe()}; set trainer.sequence_parallel_size=1 for this model")
-        summary = (f"{describe_policy(model, cfg, max_context)}; {self.plan.compute_dtype.describe()}; {strategy.describe()}; "
-                   f"{packing.describe()}")
-        logger.info("%s", summary)
-        if cfg.model.activation_offload and strategy.device.type != "cuda":
-            logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
-                           "copies them; set model.activation_offload=false", strategy.device.type)
-        self.reference = load_reference(model) if self.plan.has_reference else None
-        factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
-        self.engine = factory(EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=max_context,
-                                           may_share_policy=strategy.may_share_policy, compute_dtype=self.plan.compute_dtype))
-        if not isinstance(self.engine, RolloutEngine):
-            missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(self.engine, m, None))]
-            raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(self.engine).__name__} without "
-                             f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
-        if callable(getattr(self.engine, "describe", None)):
-            summary += f"; {self.engine.describe()}"
-        if cfg.rollout.multi_turn.enabled:
-            self.engine = multi_turn_engine(self.engine, tokenizer, cfg, max_context)
-        strategy.wrap(model)
-        if self.reference is not None and self.reference is not model:
-            strategy.wrap(self.reference)
-        self.opt = Optimization.build([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                      weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
-                                      max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.train.grad_clip)
-        self.optimizer = self.opt.optimizer
-        self.compiled = self._compile(model, self.reference)
-        share, phrase = shares_prompts(cfg, model, packing)
-        self.loss = MicrobatchLoss.from_config(cfg, share_prompts=share)
-        self.critic = None
-        if self.plan.has_critic:
-            self.critic = load_critic(cfg, strategy.device, self.plan.compute_dtype)
-            summary += (f"; critic: {sum(p.numel() for p in self.critic.parameters()):,} parameters from "
-                        f"{cfg.critic.model.path or cfg.model.path} (value head starts at 0)")
-            strategy.wrap(self.critic)
-            self.critic_opt = critic_optimization(self.critic, cfg)
-            self.compiled["critic"] = CompiledLayers(self.critic) if self.compiled["actor"] is not None else None
-        summary += f"; compiled layers: {'off' if self.compiled['actor'] is None else 'on'}"
-        summary += f"; shared prompts: {phrase}"  # last, as the run's model summary ends
-        return WorkerInfo(max_context, rope_factor, summary, packing, share)
+        return packing
 
-    def _compile(self, model: torch.nn.Module, reference: torch.nn.Module | None) -> dict[str, CompiledLayers | None]:
-        """``model.compile``: compiled decoder layers per role (None: that role runs eagerly). Null
-        compiles where it can run (`ModelConfig.compile_blocker`) and says so in train.log where
-        it cannot; true is refused at config load there."""
-        blocker = self.cfg.model.compile_blocker(self.cfg.trainer.num_workers)
-        if self.cfg.model.compile is None and blocker:
-            logger.info("model.compile: off, %s", blocker)
-        if self.cfg.model.compile is False or blocker:
-            return {"actor": None, "ref": None, "critic": None}
-        actor = CompiledLayers(model)
-        ref = None if reference is None else actor if reference is model else CompiledLayers(reference)
-        return {"actor": actor, "ref": ref, "critic": None}
+    # The parts, by name (set up by `setup`).
+    model = property(lambda self: self.parts.model)
+    tokenizer = property(lambda self: self.parts.tokenizer)
+    reference = property(lambda self: self.parts.reference)
+    engine = property(lambda self: self.parts.engine)
+    opt = property(lambda self: self.parts.opt)
+    optimizer = property(lambda self: self.parts.opt.optimizer)
+    loss = property(lambda self: self.parts.loss)
+    compiled = property(lambda self: self.parts.compiled)
+    critic = property(lambda self: None if self.parts.critic is None else self.parts.critic.model)
+    """The critic's value model, or None (its role: ``parts.critic``)."""
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype (nothing for ``fp32`` and ``fp64``, which the parameters hold)."""
@@ -282,62 +274,34 @@ class PolicyWorker:
         return stats, ([] if tracer is not None else recorder.spans)
 
     def compute_values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, float]]:
-        """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.compute_values`)."""
-        assert self.critic is not None, "the controller asks for values only when the run has a critic"
-        with active(self.compiled["critic"]):
-            result = compute_values(self.critic, rollout, microbatches, context=self.autocast, forward=self.loss.forward)
-        self.strategy.after_no_grad(self.critic)
+        """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.CriticRole.values`)."""
+        critic = self.parts.critic
+        assert critic is not None, "the controller asks for values only when the run has a critic"
+        result = critic.values(rollout, microbatches, context=self.autocast, forward=self.loss.forward)
+        self.strategy.after_no_grad(critic.model)
         return result
 
     def update_critic(self, batch: TrainBatch, plan: UpdatePlan) -> CriticStats:
-        """This rank's part of ``plan`` for the critic (`packrl.worker.critic.critic_update`)."""
-        assert self.critic is not None, "the controller updates the critic only when the run has one"
-        with active(self.compiled["critic"]):
-            return critic_update(self.critic, batch, plan, rank=self.strategy.dp_rank, opt=self.critic_opt,
-                                     context=self.autocast, cliprange=self.cfg.critic.cliprange_value,
-                                     mode=self.cfg.algorithm.loss_agg_mode, forward=self.loss.forward,
-                                     parallel=self.strategy.parallel(self.critic))
-
-    def _critic_state(self) -> dict | None:
-        """The critic's full weights, optimizer, schedule and skip counter (a collective under FSDP2)."""
-        if self.critic is None:
-            return None
-        weights = self.strategy.full_weights(self.critic)
-        return {"weights": self.critic.state_dict() if weights is None else weights,
-                "optimizer": full_optimizer_state(self.critic, self.critic_opt.optimizer),
-                "scheduler": self.critic_opt.scheduler.state_dict(), "skips": self.critic_opt.skips.state_dict()}
-
-    def _load_critic(self, path: Path) -> None:
-        """Restore the critic from ``path``'s `CRITIC_FILE`.
-
-        Raises:
-            ValueError: the checkpoint has no critic (a run without one wrote it) or one that does not fit.
-        """
-        if self.critic is None:
-            return
-        file = path / CRITIC_FILE
-        if not file.is_file():
-            raise ValueError(f"{path} holds no critic ({CRITIC_FILE}): it was written by a run without one; resume it "
-                             "with its own algorithm.adv_estimator / critic.enable, or start a new run")
-        state = torch.load(file, map_location="cpu", weights_only=False)
-        load_critic_weights(self.critic, state["weights"])
-        load_optimizer_and_schedule(self.critic, self.critic_opt.optimizer, self.critic_opt.scheduler,
-                                    {"optimizer": state["optimizer"], "scheduler": state["scheduler"]}, self.cfg.critic.lr, file)
-        self.critic_opt.skips.load_state_dict(state.get("skips", {}))
+        """This rank's part of ``plan`` for the critic (`packrl.worker.critic.CriticRole.update`)."""
+        critic = self.parts.critic
+        assert critic is not None, "the controller updates the critic only when the run has one"
+        return critic.update(batch, plan, rank=self.strategy.dp_rank, context=self.autocast, forward=self.loss.forward,
+                             parallel=self.strategy.parallel(critic.model))
 
     def save_checkpoint(self, run_dir: str | Path, step: int, trainer_state: dict) -> str | None:
         """Write ``run_dir/checkpoints/step_N`` (full weights and full optimizer state, gathered on
         every rank under FSDP2; written by rank 0). Returns its path on the writer, else None."""
         weights = self.strategy.full_weights(self.model)
         optimizer = full_optimizer_state(self.model, self.optimizer)
-        critic = self._critic_state()
+        critic = self.parts.critic
+        critic_state = None if critic is None else critic.state(self.strategy.full_weights(critic.model))
         path = None
         if self.strategy.is_writer:
             path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer,
                                    optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
                                    trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()},
                                    keep_last=self.cfg.train.keep_last, state_dict=weights,
-                                   extra_files={CRITIC_FILE: critic} if critic is not None else None)
+                                   extra_files={CRITIC_FILE: critic_state} if critic_state is not None else None)
         self.strategy.barrier()
         return None if path is None else str(path)
 
@@ -353,66 +317,14 @@ class PolicyWorker:
         self.strategy.load_weights(self.model, path)
         load_optimizer_and_schedule(self.model, self.optimizer, self.opt.scheduler, optimizer_state, self.cfg.train.lr, path)
         self.opt.skips.load_state_dict(state.get("skips", {}))
-        self._load_critic(path)
+        if self.parts.critic is not None:
+            self.parts.critic.load(path)
         self.engine.load_weights(self.strategy.rollout_weights(self.model))
         return state
 
     def close(self) -> None:
         """Close the rollout engine and leave the process group (FSDP2)."""
-        engine = getattr(self, "engine", None)  # None when setup never ran
-        if engine is not None:
-            engine.close()
+        parts = getattr(self, "parts", None)  # None when setup never ran
+        if parts is not None:
+            parts.engine.close()
         self.strategy.close()
-
-
-def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> tuple[bool, str]:
-    """``train.share_prompts`` (true, or null = wherever it can run) where it can run: packs at all,
-    no sequence parallelism, and an attention path that lets a segment see its prompt
-    (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null.
-
-    Returns:
-        ``(on, phrase)``: the phrase (``"on"`` or ``"off (why)"``) ends the run's model summary.
-    """
-    if cfg.train.share_prompts is False:
-        return False, "off (train.share_prompts=false)"
-    why = None
-    if not packing.packs:
-        why = "this model trains one sequence per micro-batch (its packs are not exact)"
-    elif cfg.trainer.sequence_parallel_size > 1:
-        why = "sequence parallelism splits packs across ranks"
-    elif not supports_shared_prompts(model, cfg.model.packed_attention):
-        why = (f"model.packed_attention={cfg.model.packed_attention} runs {model.config._attn_implementation!r}, which cannot let a "
-               "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
-    if why is not None:
-        if cfg.train.share_prompts:
-            logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
-        else:
-            logger.info("train.share_prompts: off, %s", why)
-        return False, f"off ({why})"
-    if cfg.rollout.n == 1:
-        if cfg.train.share_prompts:
-            logger.warning("train.share_prompts=true with rollout.n=1: a group has one response, so only a prompt that repeats "
-                           "in a micro-batch is written once; set rollout.n > 1 for shared prompts to save tokens")
-        return True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)"
-    return True, "on (a group's prompt once per pack)"
-
-
-def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:
-    """One line on the policy for the start of a run: parameters (trainable of total) and the
-    memory features in force, e.g. ``policy: 4,884,480 trainable of 139,399,488 parameters
-    (3.50%); LoRA rank 16, alpha 32 on 210 Linear layers; ...``."""
-    trainable, total = parameter_counts(model)
-    lora = "off (full fine-tuning)"
-    if is_lora(model):
-        from peft.tuners.lora import LoraLayer
-
-        num_layers = sum(isinstance(module, LoraLayer) for module in model.modules())
-        adapter = model.peft_config["default"]
-        lora = f"rank {adapter.r}, alpha {adapter.lora_alpha:g} on {num_layers} Linear layers"
-    checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
-    rope = cfg.model.rope_scaling
-    scaling = "none" if rope.type == "none" else f"{rope.type} x{rope.factor:g}"
-    return (f"policy: {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%); "
-            f"LoRA {lora}; gradient checkpointing {'on' if checkpointing else 'off'}; "
-            f"activation offload {'on' if cfg.model.activation_offload else 'off'}; RoPE scaling {scaling} "
-            f"(model context {max_context_tokens:,} tokens)")

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +97,79 @@ def default_device() -> torch.device:
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Strategy(Protocol):
+    """How one policy worker holds the policy in its process: what `SingleProcess` and `FSDP2`
+    both implement, and what `packrl.worker.policy.PolicyWorker` asks of its strategy.
+
+    Attributes:
+        rank / world_size: this process's rank and the rank count.
+        dp_rank: its data-parallel rank (its share of every batch).
+        sp: its sequence-parallel group (`packrl.models.ulysses.SequenceParallel`), or None.
+        device: where it computes.
+        may_share_policy: the rollout engine may generate on the policy's own parameters.
+        is_writer: this rank writes checkpoints.
+    """
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    sp: Any
+    device: torch.device
+    may_share_policy: bool
+
+    @property
+    def is_writer(self) -> bool: ...
+
+    def listen(self) -> tuple[str, int] | None:
+        """Open the rendezvous (rank 0 of several) and return its address; None without one."""
+        ...
+
+    def join(self, address: tuple[str, int] | None) -> None:
+        """Join the process group at ``address`` (rank 0's `listen`)."""
+        ...
+
+    def sequence_parallel(self) -> contextlib.AbstractContextManager:
+        """The context of every pass: this rank's sequence-parallel group active, when it has one."""
+        ...
+
+    def wrap(self, model: torch.nn.Module) -> None:
+        """Shard ``model`` (FSDP2) or leave it whole; before its optimizer is made."""
+        ...
+
+    def parallel(self, model: torch.nn.Module) -> Parallel:
+        """The gradient sync and loss scale of the update loop for ``model``."""
+        ...
+
+    def after_no_grad(self, model: torch.nn.Module) -> None:
+        """After a no-grad pass: reshard what the pass gathered."""
+        ...
+
+    def rollout_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` of every parameter, for the rollout engine."""
+        ...
+
+    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole state dict gathered on every rank for a checkpoint (a collective); None when
+        the model's own state dict is whole."""
+        ...
+
+    def load_weights(self, model: torch.nn.Module, path: Path) -> None:
+        """Load a checkpoint's weights into ``model`` (sharding them under FSDP2)."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        ...
+
+    def close(self) -> None:
+        """Leave the process group."""
+        ...
+
+    def describe(self) -> str:
+        """The strategy's phrase of the run's model summary."""
+        ...
 
 
 class SingleProcess:

@@ -123,7 +123,7 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
 
     from packrl.models.attention import use_packed_attention
     from packrl.models.isolation import PackingCheck
-    from packrl.worker.policy import shares_prompts
+    from packrl.worker.parts import shares_prompts
 
     model = tiny_llama(attn="sdpa")
     use_packed_attention(model)
@@ -132,7 +132,7 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     assert shares_prompts(load_config("demo"), model, packs) == (True, "on (a group's prompt once per pack)")
     assert shares_prompts(load_config("demo", ["train.share_prompts=false"]), model, packs) == (False, "off (train.share_prompts=false)")
     position_ids = load_config("demo", ["model.packed_attention=position_ids"])  # no error under null
-    with caplog.at_level(logging.INFO, logger="packrl.worker.policy"):
+    with caplog.at_level(logging.INFO, logger="packrl.worker.parts"):
         on, phrase = shares_prompts(position_ids, model, packs)
     assert not on and phrase.startswith("off (model.packed_attention=position_ids")
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.INFO]
@@ -142,6 +142,6 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.WARNING]
     caplog.clear()
     single = load_config("demo", ["train.share_prompts=true", "rollout.n=1", "algorithm.adv_estimator=gae"])
-    with caplog.at_level(logging.INFO, logger="packrl.worker.policy"):
+    with caplog.at_level(logging.INFO, logger="packrl.worker.parts"):
         assert shares_prompts(single, model, packs) == (True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)")
     assert [r.levelno for r in caplog.records if "rollout.n=1" in r.getMessage()] == [logging.WARNING]

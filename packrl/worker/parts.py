@@ -1,0 +1,158 @@
+"""The parts a policy worker holds, each made by a named builder, and the one-line summary of them
+(``model.txt``). `PolicyWorker.setup` calls the builders in the order that matters: the engine
+copies the policy's weights before the strategy wraps them, the optimizer sees the wrapped
+parameters, compiled twins are made of wrapped layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from packrl.config.schema import RunConfig
+from packrl.hardware import ComputeDtype
+from packrl.models.attention import supports_shared_prompts
+from packrl.models.compile import CompiledLayers
+from packrl.models.isolation import PackingCheck
+from packrl.models.lora import is_lora, parameter_counts
+from packrl.registry import ROLLOUT_ENGINES
+from packrl.rollout.engine import EngineContext, RolloutEngine
+from packrl.rollout.multi_turn import multi_turn_engine
+from packrl.worker.actor import MicrobatchLoss
+from packrl.worker.critic import CriticRole
+from packrl.worker.optim import Optimization
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerParts:
+    """Everything a worker builds at set-up (`PolicyWorker.setup`).
+
+    Attributes:
+        model / tokenizer: the policy (a peft model with LoRA), wrapped by the strategy.
+        reference: the frozen reference policy (the policy itself under LoRA), or None.
+        engine: the rollout engine (wrapped by `MultiTurnEngine` with tools).
+        opt: the actor's optimization (`packrl.worker.optim.Optimization`).
+        compiled: compiled decoder layers of the actor and the reference (``model.compile``), None where off.
+        loss: how a micro-batch's policy loss is formed.
+        critic: the critic role, or None.
+        packing: whether a micro-batch may hold several sequences.
+        share_prompts / share_phrase: whether packs write a group's prompt once, and why (`shares_prompts`).
+        max_context_tokens / rope_factor: the model context (RoPE scaling included) and its factor.
+        engine_phrase: how the engine generates, for the summary ("" when it does not say).
+    """
+
+    model: Any
+    tokenizer: Any
+    reference: Any
+    engine: Any
+    opt: Optimization
+    compiled: dict[str, CompiledLayers | None]
+    loss: MicrobatchLoss
+    critic: CriticRole | None
+    packing: PackingCheck
+    share_prompts: bool
+    share_phrase: str
+    max_context_tokens: int
+    rope_factor: float
+    engine_phrase: str = ""
+
+    def summary(self, cfg: RunConfig, compute_dtype: ComputeDtype, strategy: str) -> str:
+        """One line for ``model.txt``; it ends with the shared-prompts phrase."""
+        parts = [describe_policy(self.model, cfg, self.max_context_tokens), compute_dtype.describe(), strategy, self.packing.describe()]
+        parts += [self.engine_phrase] if self.engine_phrase else []
+        parts += [self.critic.describe()] if self.critic is not None else []
+        parts += [f"compiled layers: {'off' if self.compiled['actor'] is None else 'on'}", f"shared prompts: {self.share_phrase}"]
+        return "; ".join(parts)
+
+
+def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tokens: int, may_share_policy: bool,
+                 compute_dtype: ComputeDtype) -> tuple[Any, str]:
+    """The configured rollout engine for ``policy`` (``rollout.engine``, wrapped for tools by
+    `packrl.rollout.multi_turn.multi_turn_engine`) and its summary phrase. Before the strategy
+    wraps the policy: an engine copies whole weights.
+
+    Raises:
+        ValueError: the factory returned an object without the engine contract's methods.
+    """
+    factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
+    engine = factory(EngineContext(policy=policy, tokenizer=tokenizer, cfg=cfg, max_context_tokens=max_context_tokens,
+                                   may_share_policy=may_share_policy, compute_dtype=compute_dtype))
+    if not isinstance(engine, RolloutEngine):
+        missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(engine, m, None))]
+        raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(engine).__name__} without "
+                         f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
+    phrase = engine.describe() if callable(getattr(engine, "describe", None)) else ""
+    if cfg.rollout.multi_turn.enabled:
+        engine = multi_turn_engine(engine, tokenizer, cfg, max_context_tokens)
+    return engine, phrase
+
+
+def compiled_layers(cfg: RunConfig, model: Any, reference: Any) -> dict[str, CompiledLayers | None]:
+    """``model.compile``: compiled decoder layers per role (None: that role runs eagerly). Null
+    compiles where it can run (`ModelConfig.compile_blocker`) and says so in train.log where it
+    cannot; true is refused at config load there. Of wrapped layers."""
+    blocker = cfg.model.compile_blocker(cfg.trainer.num_workers)
+    if cfg.model.compile is None and blocker:
+        logger.info("model.compile: off, %s", blocker)
+    if cfg.model.compile is False or blocker:
+        return {"actor": None, "ref": None}
+    actor = CompiledLayers(model)
+    return {"actor": actor, "ref": None if reference is None else actor if reference is model else CompiledLayers(reference)}
+
+
+def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> tuple[bool, str]:
+    """``train.share_prompts`` (true, or null = wherever it can run) where it can run: packs at all,
+    no sequence parallelism, and an attention path that lets a segment see its prompt
+    (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null.
+
+    Returns:
+        ``(on, phrase)``: the phrase (``"on"`` or ``"off (why)"``) ends the run's model summary.
+    """
+    if cfg.train.share_prompts is False:
+        return False, "off (train.share_prompts=false)"
+    why = None
+    if not packing.packs:
+        why = "this model trains one sequence per micro-batch (its packs are not exact)"
+    elif cfg.trainer.sequence_parallel_size > 1:
+        why = "sequence parallelism splits packs across ranks"
+    elif not supports_shared_prompts(model, cfg.model.packed_attention):
+        why = (f"model.packed_attention={cfg.model.packed_attention} runs {model.config._attn_implementation!r}, which cannot let a "
+               "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
+    if why is not None:
+        if cfg.train.share_prompts:
+            logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
+        else:
+            logger.info("train.share_prompts: off, %s", why)
+        return False, f"off ({why})"
+    if cfg.rollout.n == 1:
+        if cfg.train.share_prompts:
+            logger.warning("train.share_prompts=true with rollout.n=1: a group has one response, so only a prompt that repeats "
+                           "in a micro-batch is written once; set rollout.n > 1 for shared prompts to save tokens")
+        return True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)"
+    return True, "on (a group's prompt once per pack)"
+
+
+def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:
+    """One line on the policy for the start of a run: parameters (trainable of total) and the
+    memory features in force, e.g. ``policy: 4,884,480 trainable of 139,399,488 parameters
+    (3.50%); LoRA rank 16, alpha 32 on 210 Linear layers; ...``."""
+    trainable, total = parameter_counts(model)
+    lora = "off (full fine-tuning)"
+    if is_lora(model):
+        from peft.tuners.lora import LoraLayer
+
+        num_layers = sum(isinstance(module, LoraLayer) for module in model.modules())
+        adapter = model.peft_config["default"]
+        lora = f"rank {adapter.r}, alpha {adapter.lora_alpha:g} on {num_layers} Linear layers"
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+    rope = cfg.model.rope_scaling
+    scaling = "none" if rope.type == "none" else f"{rope.type} x{rope.factor:g}"
+    return (f"policy: {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%); "
+            f"LoRA {lora}; gradient checkpointing {'on' if checkpointing else 'off'}; "
+            f"activation offload {'on' if cfg.model.activation_offload else 'off'}; RoPE scaling {scaling} "
+            f"(model context {max_context_tokens:,} tokens)")
