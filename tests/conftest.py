@@ -47,16 +47,17 @@ def smollm_tokenizer():
 
 def score_of(model, rollout, cfg, context=None, share_prompts: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Log-probs and entropy of every response of ``rollout`` under ``model``, planned and restored
-    to rollout order as the worker group does for one rank (`packrl.seqlen.update_plan.plan_ranks`)."""
+    to rollout order as the worker group does for one rank (`packrl.seqlen.update_plan.PassPlanner.scoring`)."""
     import contextlib
 
-    from packrl.seqlen.update_plan import PromptSharing, plan_ranks
+    from dataclasses import replace
+
+    from packrl.config.plan import BatchPlan
     from packrl.worker.actor import compute_logprobs
     from packrl.worker.packs import PackForward
 
-    sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if share_prompts else None
-    plan = plan_ranks(rollout.sequence_lengths(), 1, cfg.train.max_tokens_per_logprob_microbatch, balance=True,
-                      budget_key="train.max_tokens_per_logprob_microbatch", sharing=sharing)
+    planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=share_prompts), num_ranks=1)
+    plan = planner.scoring(rollout.sequence_lengths(), [rollout.prompt_ids_of(i) for i in range(len(rollout))])
     forward = PackForward.from_config(cfg, share_prompts)
     values = plan.restore([compute_logprobs(model, rollout, plan.ranks[0].microbatches, forward=forward,
                                            context=context or contextlib.nullcontext)])
@@ -70,24 +71,23 @@ def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
 
 def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
-    (`packrl.worker.actor.actor_microbatches`) as planned for ``num_ranks`` simulated ranks (each
+    (`packrl.worker.actor.actor_microbatches`) as the controller's planner plans it
+    (`packrl.seqlen.update_plan.PassPlanner.update`) for ``num_ranks`` simulated ranks (each
     rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
     Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
     import contextlib
 
+    from dataclasses import replace
+
     from packrl.config.plan import BatchPlan
-    from packrl.seqlen.update_plan import PromptSharing, groups_of, plan_update
+    from packrl.seqlen.update_plan import groups_of
     from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches
 
-    plan = BatchPlan.from_config(cfg)
+    planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=share_prompts), num_ranks=num_ranks, num_epochs=1)
     rollout = batch.rollout
     groups = groups_of(len(rollout), rollout.group_size) if groups is None else groups
-    sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if share_prompts else None
-    update = plan_update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
-                         groups=groups, mini_batch_prompts=plan.mini_batch_prompts, num_epochs=1,
-                         num_ranks=num_ranks, max_tokens=cfg.train.max_tokens_per_microbatch,
-                         balance=cfg.train.balance_microbatches, loss_scale_factor=plan.loss_scale_factor, units=units,
-                         sharing=sharing)
+    update = planner.update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
+                            [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=groups, units=units)
     loss = MicrobatchLoss.from_config(cfg, share_prompts)
     minibatch = update.minibatches[0]
     sums = ResponseSums.zeros(len(batch.rollout))

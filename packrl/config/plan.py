@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from packrl.config.algorithm_variants import COV_LOSSES
 from packrl.config.schema import RunConfig
 from packrl.hardware import ComputeDtype, Host, resolve_dtype
+from packrl.seqlen.update_plan import PassPlanner
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,14 @@ class BatchPlan:
             log-probs ("" when ``needs_old_logprobs`` is False).
         compute_dtype: ``model.dtype`` resolved for the machine (`packrl.hardware.resolve_dtype`:
             ``auto`` becomes bf16 or fp32), with the reason and any warning.
+        max_tokens_per_microbatch: the actor's update budget per rank (``train.max_tokens_per_microbatch``).
+        max_tokens_per_logprob_microbatch: the no-grad passes' budget per rank
+            (``train.max_tokens_per_logprob_microbatch``; log-probs and values).
+        critic_tokens_per_microbatch: the critic's update budget per rank
+            (``critic.max_tokens_per_microbatch``, or the actor's).
+        balance_microbatches: ``train.balance_microbatches``.
+        max_response_tokens: ``rollout.max_response_tokens`` (the largest curriculum stage).
+        critic_warmup_steps: steps at the start in which only the critic trains (``critic.warmup_steps``).
     """
 
     num_prompts: int
@@ -63,6 +72,12 @@ class BatchPlan:
     adv_estimator: str = "grpo"
     old_logprobs_reason: str = ""
     compute_dtype: ComputeDtype = ComputeDtype("fp32", "fp32", "as set")
+    max_tokens_per_microbatch: int = 2048
+    max_tokens_per_logprob_microbatch: int = 4096
+    critic_tokens_per_microbatch: int = 2048
+    balance_microbatches: bool = True
+    max_response_tokens: int = 512
+    critic_warmup_steps: int = 0
 
     @classmethod
     def from_config(cls, cfg: RunConfig, host: Host | None = None) -> BatchPlan:
@@ -95,6 +110,24 @@ class BatchPlan:
             adv_estimator=algo.adv_estimator,
             old_logprobs_reason="; ".join(reasons),
             compute_dtype=resolve_dtype(cfg.model.dtype, host),
+            max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
+            max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
+            critic_tokens_per_microbatch=cfg.critic.max_tokens_per_microbatch or cfg.train.max_tokens_per_microbatch,
+            balance_microbatches=cfg.train.balance_microbatches,
+            max_response_tokens=cfg.rollout.max_response_tokens,
+            critic_warmup_steps=cfg.critic.warmup_steps if cfg.critic.enabled(cfg.algorithm.adv_estimator) else 0,
+        )
+
+    def planner(self, *, packed: bool, share_prompts: bool) -> PassPlanner:
+        """The controller's planner of every pass (`packrl.seqlen.update_plan.PassPlanner`), given
+        what the workers found at set-up: whether packs are exact for the model (``packed``) and
+        whether packs write a group's prompt once (``share_prompts``)."""
+        return PassPlanner(
+            num_ranks=self.data_parallel_size, sequence_parallel_size=self.sequence_parallel_size,
+            logprob_tokens=self.max_tokens_per_logprob_microbatch, update_tokens=self.max_tokens_per_microbatch,
+            critic_tokens=self.critic_tokens_per_microbatch, balance=self.balance_microbatches, packed=packed,
+            share_prompts=share_prompts, mini_batch_prompts=self.mini_batch_prompts, num_epochs=self.num_epochs,
+            loss_scale_factor=self.loss_scale_factor,
         )
 
     @property

@@ -32,12 +32,12 @@ import torch
 
 from packrl.algos.policy_losses import prepare_update
 from packrl.config.plan import BatchPlan
-from packrl.config.schema import RunConfig
+from packrl.config.schema import AlgorithmConfig
 from packrl.diagnostics.trace import NullTracer
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.seqlen.stepwise import StepSamples, step_samples
-from packrl.seqlen.update_plan import PromptSharing, UpdatePlan, groups_of, plan_ranks, plan_update
+from packrl.seqlen.update_plan import UpdatePlan, groups_of
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
 from packrl.worker.critic import critic_metrics
@@ -95,19 +95,24 @@ def draw_seeds(num_prompts: int) -> list[int]:
 class WorkerGroup:
     """The policy workers as the training loop sees them.
 
+    Every pass is planned by one `packrl.seqlen.update_plan.PassPlanner` (``planner``), built from
+    the run's `BatchPlan` and what the workers found at set-up; the group reads no other setting
+    but the ``algorithm`` section a policy loss's ``prepare`` takes.
+
     Args:
-        cfg: the run's config.
-        plan: its derived sizes (`BatchPlan`), the one the workers were built with.
+        plan: the run's derived sizes and budgets (`BatchPlan`), the one the workers were built with.
+        algorithm: the ``algorithm`` config section (`packrl.algos.policy_losses.prepare_update`).
         tokenizer: the policy's tokenizer (decodes responses for rewards and dumps).
         transport: how the workers are reached.
         info: what the workers reported at set-up (`WorkerInfo`).
     """
 
-    def __init__(self, cfg: RunConfig, *, plan: BatchPlan, tokenizer: Any, transport: Transport, info: WorkerInfo):
-        self.cfg, self.plan, self.tokenizer, self.transport = cfg, plan, tokenizer, transport
+    def __init__(self, *, plan: BatchPlan, algorithm: AlgorithmConfig, tokenizer: Any, transport: Transport, info: WorkerInfo):
+        self.plan, self.algorithm, self.tokenizer, self.transport = plan, algorithm, tokenizer, transport
         self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
         self.packing = info.packing
         self.share_prompts = info.share_prompts
+        self.planner = plan.planner(packed=info.packing.packs, share_prompts=info.share_prompts)
         self._linked = False
 
     @property
@@ -144,13 +149,10 @@ class WorkerGroup:
         that pass does not run (no reference; the actor's when the update is on-policy)."""
         if (role == "ref" and not self.plan.has_reference) or (role == "actor" and not self.plan.needs_old_logprobs):
             return None
-        key = "train.max_tokens_per_logprob_microbatch"
         size = self.plan.sequence_parallel_size
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
-        ranks = plan_ranks(scored.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch * size,
-                           balance=self.cfg.train.balance_microbatches, budget_key=key, packed=self.packing.packs,
-                           sharing=self._sharing(scored))
+        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored))
         shared = self.transport.share(scored)
         results = self.transport.call("compute_logprobs", self._spread([(shared, role, p.microbatches) for p in ranks.ranks]))
         values = ranks.restore(results[::size])  # a sequence-parallel group's workers return the same values
@@ -160,10 +162,6 @@ class WorkerGroup:
             logprobs, entropy = steps.stitch(logprobs, lengths), steps.stitch(entropy, lengths)
         return LogprobResult(logprobs, entropy, tuple(mb for p in ranks.ranks for mb in p.microbatches))
 
-    def _sharing(self, rollout: RolloutBatch) -> PromptSharing | None:
-        """Which sequences share a prompt, when packs write it once (``train.share_prompts``)."""
-        return PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))]) if self.share_prompts else None
-
     def compute_values(self, rollout: RolloutBatch) -> ValueEstimates | None:
         """The critic's values of every response (`packrl.worker.critic.compute_values`), planned
         like the log-prob passes (``train.max_tokens_per_logprob_microbatch``); None without a critic."""
@@ -171,11 +169,10 @@ class WorkerGroup:
             return None
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
-        ranks = plan_ranks(scored.sequence_lengths(), self.num_ranks, self.cfg.train.max_tokens_per_logprob_microbatch,
-                           balance=self.cfg.train.balance_microbatches, budget_key="train.max_tokens_per_logprob_microbatch",
-                           packed=self.packing.packs, sharing=self._sharing(scored))
+        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored))
         shared = self.transport.share(scored)
-        values = ranks.restore(self.transport.call("compute_values", [(shared, p.microbatches) for p in ranks.ranks]))
+        size = self.plan.sequence_parallel_size
+        values = ranks.restore(self.transport.call("compute_values", self._spread([(shared, p.microbatches) for p in ranks.ranks]))[::size])
         per_token, bootstrap = tuple(v for v, _ in values), [b for _, b in values]
         if steps is None:
             return ValueEstimates(per_token, torch.tensor(bootstrap, dtype=torch.float32))
@@ -186,39 +183,33 @@ class WorkerGroup:
         returns ``critic/*`` metrics (`packrl.worker.critic.critic_metrics`), none without a critic."""
         if not self.plan.has_critic:
             return {}
-        budget = self.cfg.critic.max_tokens_per_microbatch or self.cfg.train.max_tokens_per_microbatch
-        trained, plan, _ = self._planned(batch, budget)
+        trained, plan, _ = self._planned(batch, critic=True)
         results = self.transport.call("update_critic", [(self.transport.share(trained), plan)] * self.transport.num_ranks)
         return critic_metrics(results)
 
-    def _planned(self, batch: TrainBatch, max_tokens: int) -> tuple[TrainBatch, UpdatePlan, StepSamples | None]:
+    def _planned(self, batch: TrainBatch, critic: bool = False) -> tuple[TrainBatch, UpdatePlan, StepSamples | None]:
         """The batch an update trains (the step-wise samples' batch when turns were dropped,
-        `packrl.seqlen.stepwise`), its plan under ``max_tokens`` per micro-batch, and the samples (None: whole responses)."""
+        `packrl.seqlen.stepwise`), its plan (the actor's, or with ``critic`` the critic's budget),
+        and the samples (None: whole responses)."""
         steps = step_samples(batch.rollout)
         if steps is None:
-            return batch, self.plan_update(batch, max_tokens=max_tokens), None
+            return batch, self.plan_update(batch, critic=critic), None
         trained = steps.train_batch(batch)
-        return trained, self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of), max_tokens=max_tokens), steps
+        return trained, self.plan_update(trained, list(steps.prompt_of), list(steps.trajectory_of), critic=critic), steps
 
     def plan_update(self, batch: TrainBatch, groups: list[int] | None = None, units: list[int] | None = None,
-                    max_tokens: int | None = None) -> UpdatePlan:
-        """The step's `UpdatePlan`: mini-batches of ``train.mini_batch_size`` prompts, each split
-        over the ranks under ``train.max_tokens_per_microbatch``, with global denominators.
-        ``groups`` / ``units``: the prompt and the trajectory of each sequence of a step-wise
-        samples' batch (`packrl.seqlen.update_plan.plan_update`); default: whole responses.
-        ``max_tokens``: the per-rank micro-batch budget (default ``train.max_tokens_per_microbatch``).
+                    critic: bool = False) -> UpdatePlan:
+        """The step's `UpdatePlan` (`PassPlanner.update`): mini-batches of ``train.mini_batch_size``
+        prompts, each split over the ranks under the actor's (or the critic's) micro-batch budget,
+        with global denominators. ``groups`` / ``units``: the prompt and the trajectory of each
+        sequence of a step-wise samples' batch; default: whole responses.
 
         Raises:
             ValueError: a sequence over the micro-batch budget (named by index).
         """
         groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
-        return plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], units=units,
-                           sharing=self._sharing(batch.rollout),
-                           groups=groups, mini_batch_prompts=self.plan.mini_batch_prompts,
-                           num_epochs=self.plan.num_epochs, num_ranks=self.num_ranks,
-                           max_tokens=(max_tokens or self.cfg.train.max_tokens_per_microbatch) * self.plan.sequence_parallel_size,
-                           balance=self.cfg.train.balance_microbatches,
-                           loss_scale_factor=self.plan.loss_scale_factor, packed=self.packing.packs)
+        return self.planner.update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], _prompts(batch.rollout),
+                                   groups=groups, units=units, critic=critic)
 
     def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer(), step: int = 1) -> dict[str, float]:
         """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,
@@ -228,12 +219,12 @@ class WorkerGroup:
         and the metrics of the policy loss's ``prepare`` (`packrl.algos.policy_losses.prepare_update`).
         At a ``step`` within ``critic.warmup_steps`` the actor does not train: ``{"critic/warmup": 1.0}``.
         ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
-        if step <= self.cfg.critic.warmup_steps and self.plan.has_critic:
+        if step <= self.plan.critic_warmup_steps:
             return {"critic/warmup": 1.0}  # only the critic trains yet (critic.warmup_steps)
-        trained, plan, steps = self._planned(batch, self.cfg.train.max_tokens_per_microbatch)
+        trained, plan, steps = self._planned(batch)
         # a loss that chooses tokens over whole mini-batches (Clip-Cov, KL-Cov) does it here, once,
         # seeded by the step's seed (the loop reseeds torch every step)
-        trained, prepared = prepare_update(trained, [mb.sequences for mb in plan.minibatches], self.cfg.algorithm, torch.initial_seed())
+        trained, prepared = prepare_update(trained, [mb.sequences for mb in plan.minibatches], self.algorithm, torch.initial_seed())
         shared = self.transport.share(trained)
         own = tracer if self.transport.in_process else None
         results = self.transport.call("update", [(shared, plan, own)] * self.transport.num_ranks)
@@ -246,7 +237,7 @@ class WorkerGroup:
             for key, name in self.transport.trace_links().items():
                 tracer.link(key, name)
             self._linked = True
-        metrics = update_metrics([stats for stats, _ in results], batch, self.cfg.rollout.max_response_tokens) | prepared
+        metrics = update_metrics([stats for stats, _ in results], batch, self.plan.max_response_tokens) | prepared
         metrics |= {"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {}
         metrics |= {"seqlen/num_step_samples": float(len(trained.rollout))} if steps is not None else {}
         return metrics | ({"seqlen/sequence_parallel_size": float(self.plan.sequence_parallel_size)}
@@ -269,6 +260,11 @@ class WorkerGroup:
     def close(self, graceful: bool = True) -> None:
         """Release the workers; ``graceful=False`` after a failure (a rank may be inside a collective)."""
         self.transport.close(graceful)
+
+
+def _prompts(rollout: RolloutBatch) -> list[tuple[int, ...]]:
+    """Each sequence's prompt ids (what `PassPlanner` shares)."""
+    return [rollout.prompt_ids_of(i) for i in range(len(rollout))]
 
 
 def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:

@@ -52,4 +52,4 @@ def local_group(cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer:
     plan = BatchPlan.from_config(cfg)
     worker = PolicyWorker(cfg, plan)
     info = worker.setup(model=model, tokenizer=tokenizer)
-    return WorkerGroup(cfg, plan=plan, tokenizer=worker.tokenizer, transport=InProcess(worker), info=info)
+    return WorkerGroup(plan=plan, algorithm=cfg.algorithm, tokenizer=worker.tokenizer, transport=InProcess(worker), info=info)

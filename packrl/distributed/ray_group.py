@@ -221,4 +221,5 @@ def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
         raise
     logger.info("%d workers ready: %d data-parallel x %d sequence-parallel ranks (rendezvous %s:%d)", len(actors),
                 plan.data_parallel_size, plan.sequence_parallel_size, *address)
-    return WorkerGroup(cfg, plan=plan, tokenizer=tokenizer, transport=RayActors(actors, run_dir, owns_ray), info=infos[0])
+    return WorkerGroup(plan=plan, algorithm=cfg.algorithm, tokenizer=tokenizer, transport=RayActors(actors, run_dir, owns_ray),
+                       info=infos[0])

@@ -205,3 +205,63 @@ def groups_of(num_sequences: int, group_size: int) -> list[int]:
     """The prompt of each of ``num_sequences`` whole responses, ``group_size`` per prompt."""
     assert num_sequences % group_size == 0, "whole groups"
     return [i // group_size for i in range(num_sequences)]
+
+
+@dataclass(frozen=True)
+class PassPlanner:
+    """How the controller plans every pass of a step, in one value: the log-prob and value passes
+    (`plan_ranks`) and the actor's and the critic's updates (`plan_update`). Built once from the
+    run's `packrl.config.plan.BatchPlan` and what the workers found at set-up (whether packs are
+    exact, whether prompts are shared); the worker group, the tests and the benchmarks plan with it.
+
+    Attributes:
+        num_ranks: data-parallel ranks (each takes a share of every batch).
+        sequence_parallel_size: ranks that split one pack; every micro-batch budget below is per
+            rank, so a pack holds this many times as many tokens.
+        logprob_tokens: real tokens per no-grad micro-batch per rank (log-prob and value passes).
+        update_tokens: real tokens per actor update micro-batch per rank.
+        critic_tokens: real tokens per critic update micro-batch per rank.
+        balance: balance micro-batches by cost (``train.balance_microbatches``).
+        packed: a micro-batch may hold several sequences (False: one each, packs not exact).
+        share_prompts: packs write a group's prompt once (`PromptSharing`).
+        mini_batch_prompts / num_epochs / loss_scale_factor: as `plan_update` takes them.
+    """
+
+    num_ranks: int
+    sequence_parallel_size: int
+    logprob_tokens: int
+    update_tokens: int
+    critic_tokens: int
+    balance: bool
+    packed: bool
+    share_prompts: bool
+    mini_batch_prompts: int
+    num_epochs: int
+    loss_scale_factor: int
+
+    LOGPROB_KEY = "train.max_tokens_per_logprob_microbatch"
+
+    def sharing(self, prompts: Sequence[Sequence[int]]) -> PromptSharing | None:
+        """Which sequences share a prompt (``prompts``: each sequence's prompt ids), when packs write it once."""
+        return PromptSharing.of(prompts) if self.share_prompts else None
+
+    def scoring(self, lengths: Sequence[int], prompts: Sequence[Sequence[int]]) -> RankPlan:
+        """The log-prob or value pass over sequences of ``lengths`` tokens: each rank's micro-batches.
+
+        Raises:
+            ValueError: a sequence over the log-prob budget (named by index).
+        """
+        return plan_ranks(lengths, self.num_ranks, self.logprob_tokens * self.sequence_parallel_size, balance=self.balance,
+                          budget_key=self.LOGPROB_KEY, packed=self.packed, sharing=self.sharing(prompts))
+
+    def update(self, lengths: Sequence[int], loss_tokens: Sequence[int], prompts: Sequence[Sequence[int]], *, groups: Sequence[int],
+               units: Sequence[int] | None = None, critic: bool = False) -> UpdatePlan:
+        """The actor's update (or with ``critic`` the critic's): `plan_update` under its budget.
+
+        Raises:
+            ValueError: a sequence over the micro-batch budget (named by index).
+        """
+        tokens = self.critic_tokens if critic else self.update_tokens
+        return plan_update(lengths, loss_tokens, groups=groups, mini_batch_prompts=self.mini_batch_prompts, num_epochs=self.num_epochs,
+                           num_ranks=self.num_ranks, max_tokens=tokens * self.sequence_parallel_size, balance=self.balance,
+                           loss_scale_factor=self.loss_scale_factor, packed=self.packed, units=units, sharing=self.sharing(prompts))

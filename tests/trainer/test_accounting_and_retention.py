@@ -180,8 +180,8 @@ def test_generation_is_retried_once_then_names_the_rows():
 
     def group(failures: int) -> WorkerGroup:
         cfg = load_config("demo")
-        return WorkerGroup(cfg, plan=BatchPlan.from_config(cfg), tokenizer=None, transport=InProcess(Worker(failures)),
-                           info=WorkerInfo(512, 1.0, "test"))
+        return WorkerGroup(plan=BatchPlan.from_config(cfg), algorithm=cfg.algorithm, tokenizer=None,
+                           transport=InProcess(Worker(failures)), info=WorkerInfo(512, 1.0, "test"))
 
     out = group(failures=1).generate(prompts, SamplingParams(n=2, max_response_tokens=4))
     assert len(out) == 4 and len(attempts) == 2
