@@ -64,6 +64,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -71,8 +72,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import check_positive, emit, emulated_bf16_note, matmul_times, sample_lengths, smollm_model  # noqa: E402
 from packrl.config import load_config  # noqa: E402
+from packrl.config.plan import BatchPlan  # noqa: E402
 from packrl.models.compile import CompiledLayers, active  # noqa: E402
-from packrl.seqlen.update_plan import groups_of, plan_update  # noqa: E402
+from packrl.seqlen.update_plan import groups_of  # noqa: E402
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch  # noqa: E402
 from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches  # noqa: E402
 from packrl.worker.optim import Optimization, optimizer_step  # noqa: E402
@@ -148,9 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
     model.train()
     batch = _batch(args.num_sequences, args.seed, model.config.vocab_size)
     cfg = load_config("demo", [f"train.max_tokens_per_microbatch={args.max_tokens}", "data.batch_size=16", "rollout.n=2"])
-    plan = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
-                       groups=groups_of(len(batch.rollout), 1), mini_batch_prompts=len(batch.rollout), num_epochs=1, num_ranks=1,
-                       max_tokens=args.max_tokens, balance=True, loss_scale_factor=512)
+    rollout = batch.rollout  # the controller's planner: one rank, every sequence its own group, one mini-batch
+    planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=False), mini_batch_prompts=len(rollout))
+    plan = planner.update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
+                          [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=groups_of(len(rollout), 1))
     minibatch = plan.minibatches[0]
     loss = MicrobatchLoss.from_config(cfg)
     opt = Optimization.build(list(model.parameters()), lr=1e-6, weight_decay=0.0, warmup_steps=0, max_consecutive_skips=3, grad_clip=1.0)
