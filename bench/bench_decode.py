@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     from packrl.hardware import resolve_for_device
     from packrl.models.loading import load_policy
     from packrl.registry import ROLLOUT_ENGINES
-    from packrl.rollout.engine import EngineContext, SamplingParams
+    from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
     from packrl.rollout.weights import rollout_copy
     from packrl.rollout.packed_linear import packed_linears, packs
     from packrl.seqlen.budgets import model_context_tokens
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_num_seqs={rows}", f"model.dtype={DTYPE}"])
     compute = resolve_for_device(cfg.model.dtype, "cpu")  # the engine's bf16 rollout copy needs it (the default is fp32)
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
-    context = EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=model_context_tokens(model.config)[0],
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg), max_context_tokens=model_context_tokens(model.config)[0],
                             may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     if not packs(engine.model):

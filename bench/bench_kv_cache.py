@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     from packrl.hardware import resolve_for_device
     from packrl.models.loading import load_policy
     from packrl.registry import ROLLOUT_ENGINES
-    from packrl.rollout.engine import EngineContext, SamplingParams
+    from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
     from packrl.rollout.kv_cache import appending_cache
     from packrl.seqlen.budgets import model_context_tokens
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"warning: {compute.warning}", file=sys.stderr)
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     ids = prompts(tokenizer, cfg, args.prompts)
-    context = EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=model_context_tokens(model.config)[0],
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg), max_context_tokens=model_context_tokens(model.config)[0],
                             may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     params = SamplingParams(n=args.n, temperature=1.0, max_response_tokens=args.response_tokens, return_logprobs=True)

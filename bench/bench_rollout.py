@@ -76,7 +76,7 @@ def run_engine(name: str, model_path: str, counts: list[int], response_tokens: i
     from packrl.hardware import resolve_for_device
     from packrl.models.loading import load_policy
     from packrl.registry import ROLLOUT_ENGINES
-    from packrl.rollout.engine import EngineContext, SamplingParams
+    from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
     from packrl.seqlen.budgets import model_context_tokens
 
     count = max(counts)
@@ -86,7 +86,7 @@ def run_engine(name: str, model_path: str, counts: list[int], response_tokens: i
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     ids = prompts(tokenizer, cfg, count)
     params = SamplingParams(n=1, temperature=1.0, max_response_tokens=response_tokens)
-    context = EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=model_context_tokens(model.config)[0],
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg), max_context_tokens=model_context_tokens(model.config)[0],
                             may_share_policy=True, compute_dtype=compute)
     start = time.perf_counter()
     engine = ROLLOUT_ENGINES.lookup(name)(context)

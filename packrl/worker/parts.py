@@ -19,7 +19,7 @@ from packrl.models.compile import CompiledLayers
 from packrl.models.isolation import PackingCheck
 from packrl.models.lora import is_lora, parameter_counts
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineContext, RolloutEngine
+from packrl.rollout.engine import EngineContext, EngineOptions, RolloutEngine
 from packrl.rollout.multi_turn import multi_turn_engine
 from packrl.worker.actor import MicrobatchLoss
 from packrl.worker.critic import CriticRole
@@ -80,8 +80,8 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tok
         ValueError: the factory returned an object without the engine contract's methods.
     """
     factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
-    engine = factory(EngineContext(policy=policy, tokenizer=tokenizer, cfg=cfg, max_context_tokens=max_context_tokens,
-                                   may_share_policy=may_share_policy, compute_dtype=compute_dtype))
+    engine = factory(EngineContext(policy=policy, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+                                   max_context_tokens=max_context_tokens, may_share_policy=may_share_policy, compute_dtype=compute_dtype))
     if not isinstance(engine, RolloutEngine):
         missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(engine, m, None))]
         raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(engine).__name__} without "

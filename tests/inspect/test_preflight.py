@@ -80,6 +80,7 @@ def test_memory_that_does_not_fit_recommends_the_largest_micro_batch(model_dir):
 
 
 def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
+    from packrl.rollout.engine import EngineOptions
     from packrl.rollout.vllm_settings import kv_cache_bytes
 
     report = preflight("demo", [f"model.path={model_dir}", "rollout.engine=vllm", "rollout.max_num_seqs=4", "model.dtype=bf16"])
@@ -88,7 +89,7 @@ def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
     shape = ModelShape.from_config(_config(), None)
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     assert f"max_model_len={cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens:,}" in note and "max_num_seqs=4" in note
-    assert f"KV cache {kv_cache_bytes(cfg, per_token) / GIB:.2f} GiB" in note and f"({per_token:,} bytes per token)" in note
+    assert f"KV cache {kv_cache_bytes(EngineOptions.from_config(cfg), per_token) / GIB:.2f} GiB" in note and f"({per_token:,} bytes per token)" in note
 
 
 def test_multi_turn_without_the_call_stop_string_is_noted(model_dir):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from packrl.config import ConfigError, load_config
-from packrl.rollout.engine import EngineContext, SamplingParams
+from packrl.hardware import resolve_dtype
+from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
 from tests.conftest import SHARED, SMOLLM_DIR, logprobs_of
 
 GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,7 +92,8 @@ def _engines(tokenizer, model, cfg):
     from packrl.rollout.hf_engine import HFEngine
     from packrl.rollout.vllm_engine import build_vllm_engine
 
-    engine = build_vllm_engine(EngineContext(policy=model, tokenizer=tokenizer, cfg=cfg, max_context_tokens=512, may_share_policy=True))
+    engine = build_vllm_engine(EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+                                             max_context_tokens=512, may_share_policy=True, compute_dtype=resolve_dtype(cfg.model.dtype)))
     return engine, HFEngine(model, tokenizer, max_context_tokens=512, max_num_seqs=8)
 
 
@@ -178,7 +180,7 @@ def test_weights_follow_an_update_exactly_as_the_hf_engine(tokenizer):
         responses = tuple(Response(tuple(torch.randint(3, 4000, (n,), generator=g).tolist()), "eos") for n in (9, 5, 12, 7))
         rewards = torch.tensor([1.0, 0.0, 0.5, -1.0])
         batch, _ = build_train_batch(ScoredBatch(RolloutBatch(prompts, 2, responses), rewards, rewards), None, None,
-                                     groups["hf"].cfg.algorithm)
+                                     groups["hf"].algorithm)
         for group in groups.values():
             group.update(batch)
         after = {name: [r.response_ids for r in g.generate(prompts, greedy).responses] for name, g in groups.items()}
@@ -210,10 +212,10 @@ def test_derived_settings_follow_the_budgets():
     from packrl.rollout.vllm_settings import engine_args, kv_cache_bytes
 
     cfg = load_config("demo", [*CONFIG, "rollout.engine_kwargs.enable_chunked_prefill=false"])  # checked without vLLM
-    args = engine_args(cfg, model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False, dtype="fp32")
+    args = engine_args(EngineOptions.from_config(cfg), model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False, dtype="fp32")
     assert args["max_model_len"] == 40  # the context binds before prompt + response = 48
     assert args["max_num_batched_tokens"] == 40 and args["max_num_seqs"] == 8 and args["dtype"] == "float32"
-    assert args["kv_cache_memory_bytes"] == kv_cache_bytes(cfg, 100, 40) == 8 * 128 * 100
+    assert args["kv_cache_memory_bytes"] == kv_cache_bytes(EngineOptions.from_config(cfg), 100, 40) == 8 * 128 * 100
     assert args["enforce_eager"] and not args["enable_sleep_mode"] and args["logprobs_mode"] == "processed_logprobs"
 
 
