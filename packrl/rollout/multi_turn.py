@@ -39,12 +39,15 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packrl.rollout.engine import RolloutEngine, SamplingParams
 from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
 from packrl.types import Response, Trajectory
+
+if TYPE_CHECKING:
+    from packrl.config.schema import MultiTurnConfig
 
 TRUNCATION_MARKER = "...(truncated)..."
 """Stands where a long tool answer was cut (its tokens count in ``max_tool_response_tokens``)."""
@@ -358,16 +361,21 @@ class MultiTurnEngine:
         self.engine.close()
 
 
-def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, cfg: Any, max_context_tokens: int) -> MultiTurnEngine:
-    """``engine`` serving the multi-turn rollouts ``cfg.rollout.multi_turn`` describes (a `RunConfig`).
+def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, mt: MultiTurnConfig, *, max_prompt_tokens: int,
+                      max_response_tokens: int, max_context_tokens: int) -> MultiTurnEngine:
+    """``engine`` serving the multi-turn rollouts the section ``rollout.multi_turn`` describes.
+
+    Args:
+        mt: the `MultiTurnConfig` section; its unset per-turn and trajectory limits default to
+            ``max_response_tokens`` and ``max_prompt_tokens + max_response_tokens`` (tokens).
+        max_context_tokens: the model's context (tokens), which no trajectory may outgrow.
 
     Raises:
         ValueError: the chat template cannot render tool messages token-exactly (`ToolRenderer`).
     """
-    mt = cfg.rollout.multi_turn
-    response = cfg.rollout.max_response_tokens
+    response = max_response_tokens
     limits = TurnLimits(max_tokens_per_turn=mt.max_tokens_per_turn or response, max_response_tokens=response,
-                        max_trajectory_tokens=mt.max_trajectory_tokens or cfg.data.max_prompt_tokens + response,
+                        max_trajectory_tokens=mt.max_trajectory_tokens or max_prompt_tokens + response,
                         max_context_tokens=max_context_tokens)
     renderer = ToolRenderer(tokenizer, mt.tool_role)
     return MultiTurnEngine(engine, tokenizer, tools=mt.tools, max_turns=mt.max_turns, limits=limits,

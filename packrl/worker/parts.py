@@ -88,7 +88,8 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tok
                          f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
     phrase = engine.describe() if callable(getattr(engine, "describe", None)) else ""
     if cfg.rollout.multi_turn.enabled:
-        engine = multi_turn_engine(engine, tokenizer, cfg, max_context_tokens)
+        engine = multi_turn_engine(engine, tokenizer, cfg.rollout.multi_turn, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                   max_response_tokens=cfg.rollout.max_response_tokens, max_context_tokens=max_context_tokens)
     return engine, phrase
 
 
