@@ -51,7 +51,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 ENTROPY_COEF = 0.01
 
 
-def make_inputs(num_tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(num_tokens: int, hidden_size: int, vocab: int, dtype: torch.dtype,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [T, H], weight [V, H], labels [T] int64); hidden and weight require grad."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype).requires_grad_()
@@ -60,7 +61,8 @@ def make_inputs(num_tokens: int, hidden_size: int, vocab: int, dtype: torch.dtyp
     return hidden, weight, labels
 
 
-def run_variant(variant: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_variant(variant: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward + backward of one variant; returns detached (log-probs, entropy). Grads land on the inputs."""
     if variant == "full":
         logprobs, entropy = full_logprobs(hidden, weight, labels)
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--variant", variant, *shared]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             runs[variant].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"round {r} {variant}: {runs[variant][-1]['peak_increment_mib']:.0f} MiB, {runs[variant][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+            last = runs[variant][-1]
+            print(f"round {r} {variant}: {last['peak_increment_mib']:.0f} MiB, {last['seconds']:.1f} s", file=sys.stderr, flush=True)
 
     peak = {v: max(run["peak_increment_mib"] for run in runs[v]) for v in VARIANTS}
     variants = {
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "variants": variants,
         "peak_ratio_vs_full": ratios,
-        "time_ratio_vs_full": {f"{v}/full": round(variants[v]["median_s"] / variants["full"]["median_s"], 3) for v in VARIANTS if v != "full"},
+        "time_ratio_vs_full": {f"{v}/full": round(variants[v]["median_s"] / variants["full"]["median_s"], 3)
+                               for v in VARIANTS if v != "full"},
         "time_ratio_compiled_vs_chunked": round(variants["chunked_compiled"]["median_s"] / variants["chunked"]["median_s"], 3),
         "target": "chunked/full peak <= 0.5; max abs diff < 1e-4",
         "target_met": ratios["chunked/full"] <= 0.5 and all(c["ok"] for c in check.values()),

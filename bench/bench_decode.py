@@ -21,12 +21,11 @@ This benchmark is about bf16 by design (oneDNN's packed bf16 weights), so it kee
 ``model.dtype=bf16`` on every machine. On a CPU without native bf16 (no AVX512_BF16 or AMX) its
 figures measure emulated bf16, tens of times slower; the JSON then says so in ``note``::
 
-    python bench/bench_decode.py [--model PATH] [--prompts 4] [--n 4] [--prompt-tokens 110] [--steps 48] [--response-tokens 256] [--repeats 3]
+    python bench/bench_decode.py [--model PATH] [--prompts 4] [--n 4] [--prompt-tokens 110] [--steps 48]
+                                 [--response-tokens 256] [--repeats 3]
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import argparse
 import contextlib
@@ -34,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     from packrl.models.loading import load_policy
     from packrl.registry import ROLLOUT_ENGINES
     from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
-    from packrl.rollout.weights import rollout_copy
     from packrl.rollout.packed_linear import packed_linears, packs
+    from packrl.rollout.weights import rollout_copy
     from packrl.seqlen.budgets import model_context_tokens
 
     torch.set_num_threads(THREADS)
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_num_seqs={rows}", f"model.dtype={DTYPE}"])
     compute = resolve_for_device(cfg.model.dtype, "cpu")  # the engine's bf16 rollout copy needs it (the default is fp32)
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
-    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg), max_context_tokens=model_context_tokens(model.config)[0],
-                            may_share_policy=True, compute_dtype=compute)
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+                            max_context_tokens=model_context_tokens(model.config)[0], may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     if not packs(engine.model):
         raise SystemExit("this torch build cannot run packed bf16 Linear layers on the CPU (packrl.rollout.packed_linear.packs)")

@@ -16,13 +16,12 @@ dtype (``dtype``: requested, resolved, why) it ran::
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import argparse
 import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,8 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"warning: {compute.warning}", file=sys.stderr)
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     ids = prompts(tokenizer, cfg, args.prompts)
-    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg), max_context_tokens=model_context_tokens(model.config)[0],
-                            may_share_policy=True, compute_dtype=compute)
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+                            max_context_tokens=model_context_tokens(model.config)[0], may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     params = SamplingParams(n=args.n, temperature=1.0, max_response_tokens=args.response_tokens, return_logprobs=True)
     seeds = list(range(len(ids)))

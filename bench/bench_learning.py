@@ -81,14 +81,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.bench_trl_step import (  # noqa: E402
-    DTYPES, THREADS, packrl_config, prompt_schedule, resolve_arms_dtype, run_worker, trl_trainer)
+from bench.bench_trl_step import DTYPES, THREADS, packrl_config, prompt_schedule, resolve_arms_dtype, run_worker, trl_trainer  # noqa: E402
 from bench.common import emit  # noqa: E402
 from packrl.config import load_config  # noqa: E402
+from packrl.data.dataset import PromptDataset  # noqa: E402
 from packrl.distributed.local import local_group  # noqa: E402
 from packrl.trainer.loop import train  # noqa: E402
 from packrl.trainer.validate import validate  # noqa: E402
-from packrl.data.dataset import PromptDataset  # noqa: E402
 
 
 def main() -> None:
@@ -248,8 +247,9 @@ def trl_worker(args: argparse.Namespace) -> None:
     in the same order, reward and hyperparameters, for ``--steps`` steps or until its step times
     add up to ``--trl-budget-s``; saves the policy and packrl's tokenizer into ``--trl-worker``.
     ``--dtype`` is the parent's resolved one (``bf16`` or ``fp32``): TRL's ``bf16=`` follows it."""
-    import torch
     from importlib.metadata import version
+
+    import torch
 
     from packrl.models.loading import load_tokenizer
     from packrl.models.resolve import resolve_model

@@ -86,7 +86,8 @@ def worker(tokens: int, overrides: list[str]) -> dict:
     metrics = workers.update(batch)
     peak = _rss_kib("VmHWM")
     trainable = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
-    states = sum(t.numel() * t.element_size() for s in worker.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    states = sum(t.numel() * t.element_size() for s in worker.optimizer.state.values() for t in s.values()
+                 if torch.is_tensor(t) and t.dim())
     assert metrics["seqlen/num_microbatches"] == 1, "the batch must fill exactly one micro-batch"
     return {"rss_before_bytes": before * 1024, "peak_bytes": peak * 1024, "grad_and_optimizer_bytes": 4 * trainable + states,
             "num_trainable_params": trainable}
@@ -94,8 +95,8 @@ def worker(tokens: int, overrides: list[str]) -> dict:
 
 def estimate(tokens: int, overrides: list[str]) -> int:
     from packrl.config import load_config
-    from packrl.models.model_config import load_model_config
     from packrl.inspect.memory import ModelShape, estimate_memory
+    from packrl.models.model_config import load_model_config
 
     cfg = load_config("demo", [*COMMON, f"train.max_tokens_per_microbatch={tokens}", *overrides])
     shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora)

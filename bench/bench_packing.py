@@ -223,7 +223,8 @@ def timed(model: torch.nn.Module, step: Step) -> tuple[float, float, tuple[float
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
-def build_steps(model: torch.nn.Module, seqs: list[torch.Tensor], args: argparse.Namespace, pad_id: int) -> tuple[dict[str, Step], dict[str, int]]:
+def build_steps(model: torch.nn.Module, seqs: list[torch.Tensor], args: argparse.Namespace,
+                pad_id: int) -> tuple[dict[str, Step], dict[str, int]]:
     steps = {"padded": padded_step(model, seqs, args.padded_microbatch, pad_id)}
     num_microbatches = {"padded": -(-len(seqs) // args.padded_microbatch)}
     for path in [p for p in args.paths.split(",") if p]:

@@ -86,8 +86,8 @@ def run_engine(name: str, model_path: str, counts: list[int], response_tokens: i
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     ids = prompts(tokenizer, cfg, count)
     params = SamplingParams(n=1, temperature=1.0, max_response_tokens=response_tokens)
-    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg), max_context_tokens=model_context_tokens(model.config)[0],
-                            may_share_policy=True, compute_dtype=compute)
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+                            max_context_tokens=model_context_tokens(model.config)[0], may_share_policy=True, compute_dtype=compute)
     start = time.perf_counter()
     engine = ROLLOUT_ENGINES.lookup(name)(context)
     out: dict = {"start_s": round(time.perf_counter() - start, 1), "num_params": sum(p.numel() for p in model.parameters()),

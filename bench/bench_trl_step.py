@@ -58,7 +58,8 @@ with the hf engine's Linear weights packed for oneDNN (`packrl.rollout.packed_li
 vs 90.7 s (ratio **0.38**; gen 20.7 s, update 15.1 s; warm-up 76.6 s) and, in a slower spell of
 the host, 42.4 vs 97.6 s (**0.44**; gen 26.6 s, update 16.5 s; warm-up 100.2 s); demo 12.1 vs
 40.9 s (**0.30**; gen 5.0 s, update 7.1 s). Before the packing, on an AMX host: gsm8k
-with the preset's ``model.compile=null`` (compiled layers) 35.6 vs 71.7 s (ratio **0.50**, short of 0.4; gen 21.1 s, update 14.5 s; the warm-up step, which compiles, 77.4 s); again after
+with the preset's ``model.compile=null`` (compiled layers) 35.6 vs 71.7 s (ratio **0.50**, short
+of 0.4; gen 21.1 s, update 14.5 s; the warm-up step, which compiles, 77.4 s); again after
 shared-prompt metadata became a tensor (no recompiles per pack layout), in a slower spell of the
 host, 41.4 vs 89.5 s (**0.46**; gen 25.9 s, update 15.9 s; warm-up 84.5 s); and before
 ``model.compile`` on the same host 40.5 vs 79.1 s (0.51; gen 24.0 s, update 16.5 s). On an earlier
@@ -327,8 +328,9 @@ def main() -> None:
                                        args.vllm_python)
         p, t = res["packrl"], res["trl"]
         report["settings"][setting] = {
-            "config": {"B": cfg.data.batch_size, "n": cfg.rollout.n, "max_response_tokens": cfg.rollout.max_response_tokens, "lr": cfg.train.lr,
-                       "data": cfg.data.train_files, "instruction": cfg.data.instruction, "trl_micro_batch": args.trl_micro_batch},
+            "config": {"B": cfg.data.batch_size, "n": cfg.rollout.n, "max_response_tokens": cfg.rollout.max_response_tokens,
+                       "lr": cfg.train.lr, "data": cfg.data.train_files, "instruction": cfg.data.instruction,
+                       "trl_micro_batch": args.trl_micro_batch},
             "packrl": p, "trl": t,
             "step_time_ratio_packrl_over_trl": round(p["step_s_median"] / t["step_s_median"], 3),
             "tokens_per_s_ratio_packrl_over_trl": round(p["tokens_per_s"] / t["tokens_per_s"], 3),

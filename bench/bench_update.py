@@ -101,7 +101,8 @@ def _batch(num_sequences: int, seed: int, vocab: int) -> TrainBatch:
     rollout = RolloutBatch(prompts, 1, responses)
     rewards = torch.zeros(len(pairs))
     advantages = tuple(torch.randn(r, generator=gen) for _, r in pairs)
-    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, tuple(torch.ones(r, dtype=torch.bool) for _, r in pairs), None, None)
+    masks = tuple(torch.ones(r, dtype=torch.bool) for _, r in pairs)
+    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, None, None)
 
 
 def model_flops(model: torch.nn.Module, batch: TrainBatch) -> float:

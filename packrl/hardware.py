@@ -163,8 +163,9 @@ def probe_host(device: str | None = None) -> Host:
         flags = frozenset(name for name, probe in (("amx_bf16", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
                           if getattr(torch.cpu, probe, lambda: False)())
     cuda = torch.cuda.is_available() if device in (None, "cuda") else False
-    common = dict(cpu_model=model or platform.processor(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                  cpu_flags=flags, onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"), num_threads=torch.get_num_threads())
+    common: dict[str, Any] = dict(cpu_model=model or platform.processor(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                                  cpu_flags=flags, onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                                  num_threads=torch.get_num_threads())
     if cuda:
         return Host(device="cuda", cuda_name=torch.cuda.get_device_name(), cuda_bf16=torch.cuda.is_bf16_supported(), **common)
     if device == "cuda":

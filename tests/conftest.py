@@ -49,7 +49,6 @@ def score_of(model, rollout, cfg, context=None, share_prompts: bool = False) -> 
     """Log-probs and entropy of every response of ``rollout`` under ``model``, planned and restored
     to rollout order as the worker group does for one rank (`packrl.seqlen.update_plan.PassPlanner.scoring`)."""
     import contextlib
-
     from dataclasses import replace
 
     from packrl.config.plan import BatchPlan
@@ -76,7 +75,6 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
     rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
     Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
     import contextlib
-
     from dataclasses import replace
 
     from packrl.config.plan import BatchPlan

@@ -80,11 +80,11 @@ def test_this_machine_is_read_and_recorded():
 
 
 def test_the_batch_plan_and_the_budgets_command_say_what_was_chosen_and_why():
-    from packrl.config import load_config
     from packrl.config.plan import BatchPlan
+    from packrl.config.schema import ModelConfig, RunConfig
 
-    plan = BatchPlan.from_config(load_config("demo", []), host=cpu("AVX2", AVX2))
+    plan = BatchPlan.from_config(RunConfig(), host=cpu("AVX2", AVX2))
     assert plan.compute_dtype.name == "fp32"
     assert "compute dtype             fp32 (model.dtype=auto: this CPU has no native bf16 (AVX2" in plan.summary()
-    warned = BatchPlan.from_config(load_config("demo", ["model.dtype=bf16"]), host=cpu("AVX2", AVX2)).summary()
+    warned = BatchPlan.from_config(RunConfig(model=ModelConfig(dtype="bf16")), host=cpu("AVX2", AVX2)).summary()
     assert "warning: model.dtype=bf16 where this CPU has no native bf16" in warned

@@ -146,7 +146,9 @@ def kl_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     diff = inputs.logprobs - inputs.old_logprobs
     pg = -inputs.advantages * torch.exp(diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     penalty = torch.where(chosen, inputs.cfg.ppo_kl_coef * diff.abs(), torch.zeros_like(diff))
-    return PolicyLossOutput(pg + penalty, None, {"actor/kl_cov_penalty": inputs.denominators.token_share(penalty.detach(), inputs.loss_mask)})
+    metrics: dict[str, torch.Tensor | float] = {
+        "actor/kl_cov_penalty": inputs.denominators.token_share(penalty.detach(), inputs.loss_mask)}
+    return PolicyLossOutput(pg + penalty, None, metrics)
 
 
 clip_cov.prepare = select_cov_tokens  # type: ignore[attr-defined]

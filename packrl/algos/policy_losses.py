@@ -142,5 +142,5 @@ def gspo(inputs: PolicyLossInputs) -> PolicyLossOutput:
     ratio = torch.exp(log_s)
     unclipped = -inputs.advantages * ratio
     clipped = -inputs.advantages * ratio.clamp(1.0 - inputs.cfg.clip_ratio_low, 1.0 + inputs.cfg.clip_ratio_high)
-    metrics = {"actor/gspo_seq_ratio_mean": inputs.denominators.token_share(ratio.detach(), mask)}
+    metrics: dict[str, torch.Tensor | float] = {"actor/gspo_seq_ratio_mean": inputs.denominators.token_share(ratio.detach(), mask)}
     return PolicyLossOutput(torch.maximum(unclipped, clipped), clipped > unclipped, metrics)

@@ -120,8 +120,8 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """The `packrl audit` command; returns the exit status (0 audited, 2 bad input)."""
-    from packrl.models.resolve import cache_root
     from packrl.inspect.audit import audit_sources
+    from packrl.models.resolve import cache_root
 
     start = time.perf_counter()
     sources, overrides = split_arguments([*args.data, *args.overrides])

@@ -1,4 +1,5 @@
-"""The `packrl` command: `packrl config`, `train`, `preflight`, `audit`, `report`, `view`, `verl` (run verl command lines) and `data` (write verl-schema data)."""
+"""The `packrl` command: `packrl config`, `train`, `preflight`, `audit`, `report`, `view`, `verl`
+(run verl command lines) and `data` (write verl-schema data)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,7 @@ import argparse
 import sys
 
 from packrl import __version__
-from packrl.cli import audit
-from packrl.cli import report
-from packrl.cli import view
+from packrl.cli import audit, report, view
 from packrl.config import ConfigError, load_config, preset_names, to_yaml
 
 

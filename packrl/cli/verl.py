@@ -1,7 +1,7 @@
 """`packrl verl KEY=VALUE ...`: run the packrl equivalent of a verl launch script.
 
 The overrides are verl's, as written after ``python3 -m verl.trainer.main_ppo`` (``key=value``,
-``+key=value``, ``++key=value``). `packrl.config.verl.translate` turns them into the ``gsm8k``
+``+key=value``, ``++key=value``). `packrl.compat.verl.translate` turns them into the ``gsm8k``
 preset plus packrl overrides; ``--dry-run`` prints that command, every mapping with its unit
 conversion, the verl keys packrl ignores with the reason, and the resolved config, and trains
 nothing. Exit status: 0 done, 2 a key verl does not have, a value packrl cannot honour, or a
@@ -40,8 +40,8 @@ def count_rows(files: list[str]) -> int | None:
 
 
 def _cmd_verl(args: argparse.Namespace) -> int:
+    from packrl.compat.verl import sources_of, train_files_of, translate
     from packrl.config import ConfigError, check_config, to_yaml
-    from packrl.config.verl import sources_of, train_files_of, translate
 
     try:
         translation = translate(args.overrides, num_train_rows=count_rows(train_files_of(args.overrides)))

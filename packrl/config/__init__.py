@@ -2,7 +2,6 @@
 
 from packrl.config.load import check_config, load_config, preset_names, to_yaml
 from packrl.config.relations import config_problems
-from packrl.errors import ConfigError, ConfigProblem
 from packrl.config.schema import (
     AlgorithmConfig,
     DataConfig,
@@ -11,6 +10,7 @@ from packrl.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from packrl.errors import ConfigError, ConfigProblem
 
 __all__ = [
     "AlgorithmConfig",

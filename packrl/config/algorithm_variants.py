@@ -85,7 +85,8 @@ class RolloutCorrectionConfig:
             return out
         if upper is None:
             out.append(ConfigProblem(f"{prefix}.rollout_rs", self.rollout_rs, f"needs {prefix}.rollout_rs_threshold (the upper bound)",
-                                     f"set {prefix}.rollout_rs_threshold=1.001", keys=(f"{prefix}.rollout_rs", f"{prefix}.rollout_rs_threshold")))
+                                     f"set {prefix}.rollout_rs_threshold=1.001",
+                                     keys=(f"{prefix}.rollout_rs", f"{prefix}.rollout_rs_threshold")))
         elif not 1.0 < upper < math.inf:
             out.append(ConfigProblem(f"{prefix}.rollout_rs_threshold", upper, "must be a finite number > 1 (a geometric-mean ratio)",
                                      f"set {prefix}.rollout_rs_threshold=1.001"))
@@ -152,7 +153,8 @@ def algorithm_variant_problems(algo: Any, prefix: str = "algorithm") -> list[Con
                                  f"set {prefix}.clip_cov_lb=1.0 and {prefix}.clip_cov_ub=5.0",
                                  keys=(f"{prefix}.clip_cov_lb", f"{prefix}.clip_cov_ub")))
     if not 0.0 <= algo.ppo_kl_coef < math.inf:
-        out.append(ConfigProblem(f"{prefix}.ppo_kl_coef", algo.ppo_kl_coef, "must be a finite number >= 0", f"set {prefix}.ppo_kl_coef=0.1"))
+        out.append(ConfigProblem(f"{prefix}.ppo_kl_coef", algo.ppo_kl_coef, "must be a finite number >= 0",
+                                 f"set {prefix}.ppo_kl_coef=0.1"))
     defaults = {f.name: f.default for f in dataclasses.fields(algo)}
     for loss, keys in COV_KEYS.items():
         if algo.policy_loss == loss:

@@ -3,8 +3,8 @@ the rest of the run are the rule `packrl.config.relations.critic`."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+
 from packrl.errors import ConfigProblem, check_positive
 
 
@@ -56,7 +56,8 @@ class CriticConfig:
             out += check_positive(f"{prefix}.max_tokens_per_microbatch", self.max_tokens_per_microbatch)
         for name in ("lr", "cliprange_value"):
             if getattr(self, name) <= 0:
-                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be > 0", f"set {prefix}.{name} to a positive number"))
+                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be > 0",
+                                         f"set {prefix}.{name} to a positive number"))
         if self.warmup_steps < 0:
             out.append(ConfigProblem(f"{prefix}.warmup_steps", self.warmup_steps, "must be >= 0", f"set {prefix}.warmup_steps=0"))
         if self.grad_clip < 0:

@@ -27,8 +27,10 @@ def schedule_problems(raw: Any, max_response_tokens: int, key: str = SCHEDULE_KE
         return [ConfigProblem(key, raw, "must be a non-empty list of [first_step, max_response_tokens] pairs", fix)]
     out = []
     for i, stage in enumerate(raw):
-        if not (isinstance(stage, (list, tuple)) and len(stage) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in stage)):
-            out.append(ConfigProblem(key, raw, f"stage {i + 1} is {stage!r}, not a [first_step, max_response_tokens] pair of integers", fix))
+        if not (isinstance(stage, (list, tuple)) and len(stage) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in stage)):
+            out.append(ConfigProblem(key, raw, f"stage {i + 1} is {stage!r}, not a [first_step, max_response_tokens] pair of integers",
+                                     fix))
     if out:
         return out
     starts, budgets = [s for s, _ in raw], [b for _, b in raw]

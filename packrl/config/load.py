@@ -17,7 +17,7 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import yaml
 from omegaconf import OmegaConf
@@ -58,7 +58,8 @@ def _read_preset(preset: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([ConfigProblem("preset", preset, "top level is not a mapping", "write sections such as `data:` at the top level")])
+        raise ConfigError([ConfigProblem("preset", preset, "top level is not a mapping",
+                                         "write sections such as `data:` at the top level")])
     return data
 
 
@@ -90,16 +91,19 @@ def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist([_literal_if_needed(o) for o in overrides]), resolve=False)
+        # a dotlist always builds a DictConfig with string keys, so its container is a dict[str, Any]
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([_literal_if_needed(o) for o in overrides]), resolve=False)
+        return cast(dict[str, Any], parsed)
     except OmegaConfBaseException as err:
-        raise ConfigError([ConfigProblem("overrides", overrides, f"could not parse: {err}", "write overrides as dotted.key=value")]) from err
+        raise ConfigError([ConfigProblem("overrides", overrides, f"could not parse: {err}",
+                                         "write overrides as dotted.key=value")]) from err
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             keys += _all_keys(hint, f"{prefix}{f.name}.")
         else:
             keys.append(f"{prefix}{f.name}")
@@ -178,12 +182,12 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
         if key not in names:
             full = f"{prefix}{key}"
             close = nearest_key(full, _all_keys(RunConfig))
-            hint = f"did you mean {close}?" if close else f"valid keys here: {', '.join(sorted(names))}"
-            problems.append(ConfigProblem(full, data[key], "unknown key", hint))
+            fix = f"did you mean {close}?" if close else f"valid keys here: {', '.join(sorted(names))}"
+            problems.append(ConfigProblem(full, data[key], "unknown key", fix))
     kwargs = {}
     for name in names & data.keys():
         hint, value, full = hints[name], data[name], f"{prefix}{name}"
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, f"{full}.", problems, bad)
             continue
         try:
@@ -192,8 +196,8 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
             expected = str(err)
             fix = f"set {full} to {expected.removeprefix('must be ')}" if expected.startswith("must be ") else f"set {full}=<value>"
             if typing.get_origin(hint) is Literal:
-                close = difflib.get_close_matches(str(value), [str(c) for c in typing.get_args(hint)], n=1)
-                fix = f"did you mean {full}={close[0]}?" if close else fix
+                matches = difflib.get_close_matches(str(value), [str(c) for c in typing.get_args(hint)], n=1)
+                fix = f"did you mean {full}={matches[0]}?" if matches else fix
             problems.append(ConfigProblem(full, value, str(err), fix))
             bad.add(full)
     return cls(**kwargs)

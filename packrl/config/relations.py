@@ -75,7 +75,8 @@ def ranks_have_work(cfg: RunConfig) -> list[ConfigProblem]:
     return [ConfigProblem(
         "trainer.num_workers", workers, f"makes {data_parallel} data-parallel ranks, more than the {per_step} sequences of "
         "a mini-batch (train.mini_batch_size or data.batch_size, times rollout.n); every rank needs at least one",
-        "lower trainer.num_workers or raise the batch", keys=("trainer.num_workers", "train.mini_batch_size", "data.batch_size", "rollout.n"),
+        "lower trainer.num_workers or raise the batch",
+        keys=("trainer.num_workers", "train.mini_batch_size", "data.batch_size", "rollout.n"),
     )]
 
 
@@ -131,7 +132,8 @@ def kl_in_reward(cfg: RunConfig) -> list[ConfigProblem]:
     if not (cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0):
         return []
     return [ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
-                          "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false", keys=("algorithm.kl_in_reward", "algorithm.kl_coef"))]
+                          "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false",
+                          keys=("algorithm.kl_in_reward", "algorithm.kl_coef"))]
 
 
 def overlong_buffer(cfg: RunConfig) -> list[ConfigProblem]:

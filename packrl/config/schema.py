@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from packrl.config.critic import CriticConfig
 from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig, algorithm_variant_problems
+from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
 from packrl.errors import ConfigProblem, check_positive
 
@@ -173,7 +174,8 @@ class ArithmeticConfig:
         out += check_positive(f"{prefix}.num_operands", self.num_operands)
         bad = set(self.operators) - set("+-*")
         if not self.operators or bad:
-            out.append(ConfigProblem(f"{prefix}.operators", self.operators, "must be a non-empty string of + - *", f"set {prefix}.operators=+-"))
+            out.append(ConfigProblem(f"{prefix}.operators", self.operators, "must be a non-empty string of + - *",
+                                     f"set {prefix}.operators=+-"))
         return out
 
 
@@ -226,7 +228,8 @@ class DataConfig:
         if self.max_val_rows is not None:
             out += check_positive(f"{prefix}.max_val_rows", self.max_val_rows)
         if not self.train_files:
-            out.append(ConfigProblem(f"{prefix}.train_files", self.train_files, "is empty", "set data.train_files to a file, task:arithmetic or a hub id"))
+            out.append(ConfigProblem(f"{prefix}.train_files", self.train_files, "is empty",
+                                     "set data.train_files to a file, task:arithmetic or a hub id"))
         return out + self.arithmetic.problems(f"{prefix}.arithmetic")
 
 
@@ -362,7 +365,8 @@ class RolloutConfig:
         if any(not stop for stop in self.stop):
             out.append(ConfigProblem(f"{prefix}.stop", self.stop, "holds an empty stop string", "remove it from rollout.stop"))
         if self.val_temperature < 0:
-            out.append(ConfigProblem(f"{prefix}.val_temperature", self.val_temperature, "must be >= 0", "set rollout.val_temperature=0 (greedy)"))
+            out.append(ConfigProblem(f"{prefix}.val_temperature", self.val_temperature, "must be >= 0",
+                                     "set rollout.val_temperature=0 (greedy)"))
         return out
 
 
@@ -396,7 +400,8 @@ class RewardConfig:
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = []
         if self.overlong_buffer_tokens < 0:
-            out.append(ConfigProblem(f"{prefix}.overlong_buffer_tokens", self.overlong_buffer_tokens, "must be >= 0", "set reward.overlong_buffer_tokens=0 (off)"))
+            out.append(ConfigProblem(f"{prefix}.overlong_buffer_tokens", self.overlong_buffer_tokens, "must be >= 0",
+                                     "set reward.overlong_buffer_tokens=0 (off)"))
         if not 0 <= self.overlong_penalty_factor < math.inf:
             out.append(ConfigProblem(f"{prefix}.overlong_penalty_factor", self.overlong_penalty_factor,
                                      "must be a finite number >= 0 (it is subtracted)", "set reward.overlong_penalty_factor=1.0"))
@@ -406,7 +411,7 @@ class RewardConfig:
 _LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
-def _logger_problems(key: str, loggers: list[str]) -> list[ConfigProblem]:
+def _logger_problems(key: str, loggers: Sequence[str]) -> list[ConfigProblem]:
     """A problem for each logger whose package is not importable (checked before any model loads)."""
     import importlib.util
 
@@ -506,8 +511,9 @@ class TrainConfig:
 
     loggers: list[LoggerName] = field(default_factory=lambda: ["console", "jsonl"])
     """Where step metrics go: `jsonl` (`RUN_DIR/metrics.jsonl`; written even when not listed, since
-    it is the run's record that `packrl report` and `packrl view` read), `console` (progress bar), `tensorboard` (`RUN_DIR/tensorboard`, needs the `tensorboard`
-    package), `wandb`, `mlflow` (need their packages and own settings)."""
+    it is the run's record that `packrl report` and `packrl view` read), `console` (progress bar),
+    `tensorboard` (`RUN_DIR/tensorboard`, needs the `tensorboard` package), `wandb`, `mlflow` (need
+    their packages and own settings)."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out: list[ConfigProblem] = []
@@ -528,7 +534,8 @@ class TrainConfig:
         if not 0 < self.lr < math.inf:
             out.append(ConfigProblem(f"{prefix}.lr", self.lr, "must be a finite number > 0", "set train.lr=1e-6"))
         if self.weight_decay < 0 or self.grad_clip < 0:
-            out.append(ConfigProblem(f"{prefix}.grad_clip", self.grad_clip, "grad_clip and weight_decay must be >= 0", "set train.grad_clip=1.0"))
+            out.append(ConfigProblem(f"{prefix}.grad_clip", self.grad_clip, "grad_clip and weight_decay must be >= 0",
+                                     "set train.grad_clip=1.0"))
         return out + _logger_problems(f"{prefix}.loggers", self.loggers)
 
 
@@ -666,7 +673,8 @@ class AlgorithmConfig:
                     keys=(f"{prefix}.loss_scale_factor", f"{prefix}.loss_agg_mode")))
         for name in ("clip_ratio_low", "clip_ratio_high", "kl_coef", "entropy_coeff"):
             if getattr(self, name) < 0:
-                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0", f"set {prefix}.{name} to a non-negative number"))
+                out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be >= 0",
+                                         f"set {prefix}.{name} to a non-negative number"))
         if self.clip_ratio_low >= 1:
             out.append(ConfigProblem(f"{prefix}.clip_ratio_low", self.clip_ratio_low, "must be < 1", "set algorithm.clip_ratio_low=0.2"))
         for name in ("gamma", "lam"):

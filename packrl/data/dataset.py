@@ -16,7 +16,7 @@ import logging
 import random
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from packrl.config.schema import DataConfig
 from packrl.data.prompts import (
@@ -27,8 +27,8 @@ from packrl.data.prompts import (
     load_examples,
     rendered_prompt_lengths,
 )
-from packrl.seqlen.stats import length_percentiles
 from packrl.seqlen.prompt_policy import PromptAccounting
+from packrl.seqlen.stats import length_percentiles
 from packrl.types import PromptBatch
 
 logger = logging.getLogger("packrl.data")
@@ -97,7 +97,8 @@ class PromptDataset:
         prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,
                                             policy="filter" if policy == "error" else policy)
         bad = {} if data_cfg.skip_bad_rows else rows.bad | {o.row: o.reason for o in outcomes if o.status == "rejected"}
-        overlong = {o.row: o.num_tokens for o in outcomes if o.status == "filtered"} if policy == "error" else {}
+        # a filtered outcome always records its prompt's token count (`apply_prompt_policy`)
+        overlong = {o.row: cast(int, o.num_tokens) for o in outcomes if o.status == "filtered"} if policy == "error" else {}
         if bad or overlong:
             _raise_bad_rows(bad, overlong, rows.origins, key, budget)
         dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins)
@@ -108,9 +109,10 @@ class PromptDataset:
             first = next(iter(dataset.duplicates.items()))
             # a built-in task draws its questions with replacement: repeats there are expected
             built_in = all(dataset.origins[row].source.startswith("task:") for row in dataset.duplicates)
-            logger.log(logging.INFO if built_in else logging.WARNING,"%s: %d row(s) repeat an earlier row's prompt and answer (first: row %d = row %d); they are kept "
-                           "and sampled as often as they appear (listed as duplicate_of in RUN_DIR/data_accounting.json)",
-                           key, len(dataset.duplicates), *first)
+            logger.log(logging.INFO if built_in else logging.WARNING,
+                       "%s: %d row(s) repeat an earlier row's prompt and answer (first: row %d = row %d); they are kept "
+                       "and sampled as often as they appear (listed as duplicate_of in RUN_DIR/data_accounting.json)",
+                       key, len(dataset.duplicates), *first)
         if not dataset.prompts:
             raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); {_fix_hint(dataset.accounting)}")
         if split == "train":

@@ -111,6 +111,7 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
             return f"field {name!r} is of type {type(value).__name__}, expected a string"
         if (broken := _invalid_unicode(value)) is not None:
             return f"field {name!r} {broken}"
+    assert isinstance(question, str) and isinstance(answer, str)  # the loop returned otherwise
     if not question.strip():
         return "empty question"
     ground_truth = clean_number(answer.rsplit("####", 1)[-1])

@@ -76,6 +76,7 @@ def verl_row(raw: Any, *, split: str, index: int) -> dict[str, Any] | str:
     for name, value in (("question", question), ("answer", answer)):
         if not isinstance(value, str):
             return f"missing field {name!r}" if value is None else f"field {name!r} is of type {type(value).__name__}, expected a string"
+    assert isinstance(question, str) and isinstance(answer, str)  # the loop returned otherwise
     if not question.strip():
         return "blank question"
     truth = extract_answer(answer)
@@ -145,7 +146,8 @@ def write_verl_gsm8k(source: Path, split: str, output: Path) -> SplitAccounting:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {', '.join(SPLITS)}")
     if not Path(source).is_file():
-        raise ValueError(f"--{split}: {str(source)!r} is not a file; give the GSM8K {split} .jsonl file (or --input-dir holding {split}.jsonl)")
+        raise ValueError(f"--{split}: {str(source)!r} is not a file; "
+                         f"give the GSM8K {split} .jsonl file (or --input-dir holding {split}.jsonl)")
     rows = load_rows(str(source), arithmetic=ArithmeticConfig(), seed=0, split="train", key=f"--{split}")
     written, skipped = [], []
     for index, raw in enumerate(rows):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -121,7 +122,7 @@ def build_loggers(cfg: RunConfig, run_dir: Path) -> list[MetricLogger]:
     Raises:
         ValueError: an unknown name (the config loader rejects those first).
     """
-    makers = {
+    makers: dict[str, Callable[[], MetricLogger]] = {
         "console": lambda: ConsoleLogger(cfg.train.total_steps),
         "tensorboard": lambda: TensorBoardLogger(run_dir, cfg),
         "wandb": lambda: WandbLogger(run_dir, cfg),

@@ -63,7 +63,8 @@ def multi_turn_metrics(rollout: RolloutBatch) -> dict[str, float]:
     out["multi_turn/malformed_calls"] = sum(t.num_malformed_calls for t in trajectories) / n
     out["multi_turn/tool_errors"] = sum(t.num_tool_errors for t in trajectories) / n
     out["multi_turn/tool_use_rate"] = sum(t.num_tool_calls > 0 for t in trajectories) / n
-    out["multi_turn/tokens_per_turn/mean"] = sum(t.tokens_of("assistant") for t in trajectories) / max(1, sum(t.num_turns for t in trajectories))
+    out["multi_turn/tokens_per_turn/mean"] = (sum(t.tokens_of("assistant") for t in trajectories)
+                                              / max(1, sum(t.num_turns for t in trajectories)))
     out["multi_turn/tool_response_tokens/mean"] = sum(t.tokens_of("tool") for t in trajectories) / n
     out["multi_turn/dropped_turns"] = sum(t.num_dropped_turns for t in trajectories) / n
     for why in TRAJECTORY_ENDINGS:
@@ -141,9 +142,9 @@ def rollout_mismatch_metrics(rollout: RolloutBatch, logprobs: Sequence[torch.Ten
         "training/rollout_probs_diff_max": flat.max().item(),
         "training/rollout_probs_diff_std": flat.std().item() if flat.numel() > 1 else 0.0,
     }
-    positions = torch.cat(positions)
+    flat_positions = torch.cat(positions)
     for lo, hi in length_buckets(max_response_tokens):
-        here = flat[(positions >= lo) & (positions < hi)]
+        here = flat[(flat_positions >= lo) & (flat_positions < hi)]
         if here.numel():
             out[f"training/rollout_probs_diff_mean/pos_{lo}-{hi}"] = here.mean().item()
     return out

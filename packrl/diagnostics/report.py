@@ -88,8 +88,8 @@ def load_run(run_dir: str | Path) -> RunData:
         raise ValueError(f"{str(run_dir)!r} has no metrics.jsonl, so it is not a packrl run (or no step finished yet); "
                          "give the train.out_dir of a `packrl train` run that completed at least one step")
     skipped: dict[str, int] = {}
-    metrics = [m | {"step": int(figs.as_number(m.get("step")))} for m in _read_jsonl(metrics_path, skipped)
-               if figs.as_number(m.get("step")) is not None]
+    metrics = [m | {"step": int(step)} for m in _read_jsonl(metrics_path, skipped)
+               if (step := figs.as_number(m.get("step"))) is not None]
     if not metrics:
         raise ValueError(f"{str(metrics_path)!r} holds no step record (0 lines with a 'step' key); "
                          "report on a run that completed at least one step")

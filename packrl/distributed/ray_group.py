@@ -118,7 +118,7 @@ def _single_machine_mode() -> None:
     except ImportError:
         return
     if hasattr(constants, "ENABLE_RAY_CLUSTER"):
-        constants.ENABLE_RAY_CLUSTER = False
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # importlib returns a plain ModuleType, which declares no such attribute
 
 
 def _check_resources(cfg: RunConfig, resources: dict[str, float]) -> None:

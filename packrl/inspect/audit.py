@@ -75,6 +75,7 @@ from packrl.data.examples import GSM8K_SOURCE, to_example
 from packrl.data.loaders import BadRow
 from packrl.data.prompts import account_rows, budget_examples, load_examples, rendered_prompt_lengths
 from packrl.inspect.audit_report import (
+    SCHEMA_VERSION,
     AuditReport,
     BadRowInfo,
     LengthStats,
@@ -82,11 +83,10 @@ from packrl.inspect.audit_report import (
     MultimodalStats,
     PolicyOutcome,
     SourceInfo,
-    SCHEMA_VERSION,
     SuggestedBudgets,
 )
 from packrl.inspect.images import image_size, image_tokens, split_content
-from packrl.seqlen.prompt_policy import POLICIES, RowOutcome
+from packrl.seqlen.prompt_policy import POLICIES, Policy, RowOutcome
 from packrl.seqlen.stats import length_percentiles
 
 if TYPE_CHECKING:
@@ -242,7 +242,8 @@ def _policy_outcome(policy: str, base: _Counts, overlong: Sequence[Example], cut
     """What ``policy`` does with the overlong rows (``cuts``: their outcomes under a truncating
     policy); every other row is as the base pass left it."""
     rows = [e.row for e in overlong]
-    common = {"policy": policy, "num_kept": base.kept, "num_rows_affected": len(rows), "rows": tuple(rows[: PolicyOutcome.MAX_ROWS])}
+    common: dict[str, Any] = {"policy": policy, "num_kept": base.kept, "num_rows_affected": len(rows),
+                              "rows": tuple(rows[: PolicyOutcome.MAX_ROWS])}
     if policy in ("filter", "error"):
         filtered = len(rows) if policy == "filter" else 0
         return PolicyOutcome(**common, num_truncated=0, num_filtered=filtered, num_rejected=base.rejected,
@@ -276,7 +277,7 @@ def _text_only_row(raw: Any) -> tuple[dict, list[dict]] | None:
     None when the row has no image part."""
     if not isinstance(raw, dict):
         return None
-    prompt = raw.get("prompt")
+    prompt: Any = raw.get("prompt")  # a list, or a numpy array when read from parquet
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
@@ -356,7 +357,7 @@ def _multimodal_stats(
 
 
 def _multimodal_policy(
-    policy: str, rows: list[_MultimodalRow], text: dict[int, int], budget: int, tokenizer: Any, *, num_rejected: int
+    policy: Policy, rows: list[_MultimodalRow], text: dict[int, int], budget: int, tokenizer: Any, *, num_rejected: int
 ) -> PolicyOutcome:
     """``policy`` on multimodal rows: images fixed, only text shortened, to ``budget - image tokens``."""
     over = [r for r in rows if text[r.example.row] + r.image_tokens > budget]
@@ -489,7 +490,7 @@ def audit_sources(
     _check_readable(loaded)
     report = audit_rows(loaded, tokenizer_loader(), cfg, progress=progress)
     report = replace(report, model=model, tokenizer=tokenizer_id, sources=_with_hashes(report.sources))
-    if key is not None and not report.read_image_files:
+    if cache_dir is not None and key is not None and not report.read_image_files:  # key is None iff cache_dir is
         _write_cache(cache_dir, key, report)
     return report.timed(time.perf_counter() - start)
 

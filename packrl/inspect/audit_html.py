@@ -57,7 +57,8 @@ def render_html(report: AuditReport) -> str:
               f"<p><code>data.max_prompt_tokens={s.max_prompt_tokens}</code> "
               f"<code>train.max_tokens_per_microbatch={s.max_tokens_per_microbatch}</code><br>{e(s.rule)}</p>",
               "<h2>Would stop packrl train</h2>",
-              "<ul>" + "".join(f"<li class='problem'>{e(p)}</li>" for p in report.problems) + "</ul>" if report.problems else "<p>nothing</p>",
+              ("<ul>" + "".join(f"<li class='problem'>{e(p)}</li>" for p in report.problems) + "</ul>"
+               if report.problems else "<p>nothing</p>"),
               f"<p>audited in {report.wall_s:.2f} s ({report.rows_per_s:,.0f} rows/s){', from the cache' if report.cached else ''}</p>",
               "</body></html>"]
     return "\n".join(parts)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from packrl.seqlen.stats import PERCENTILES, length_percentiles
+from packrl.seqlen.stats import length_percentiles
 
 SCHEMA_VERSION = 2
 """Version of the audit JSON (and its cache); raised whenever a key changes."""
@@ -99,7 +99,8 @@ class PolicyOutcome:
 
     @classmethod
     def from_dict(cls, policy: str, d: dict[str, Any]) -> PolicyOutcome:
-        return cls(policy=policy, **{k: (tuple(d[k]) if k == "rows" else d[k]) for k in _POLICY_KEYS})
+        fields: dict[str, Any] = {k: (tuple(d[k]) if k == "rows" else d[k]) for k in _POLICY_KEYS}
+        return cls(policy=policy, **fields)
 
 
 _POLICY_KEYS = ("num_kept", "num_truncated", "num_filtered", "num_rejected", "num_tokens_removed",
@@ -158,8 +159,9 @@ class MultimodalStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MultimodalStats:
+        image_tokens, text_tokens, total_tokens = (LengthStats.from_dict(d[k]) for k in ("image_tokens", "text_tokens", "total_tokens"))
         return cls(
-            d["num_rows"], d["num_images"], *(LengthStats.from_dict(d[k]) for k in ("image_tokens", "text_tokens", "total_tokens")),
+            d["num_rows"], d["num_images"], image_tokens, text_tokens, total_tokens,
             tuple(PolicyOutcome.from_dict(p, v) for p, v in d["policies"].items()),
             tuple(MultimodalRow(**r) for r in d["rows"]), tuple(BadRowInfo(**b) for b in d["bad_rows"]), d["training"],
         )
@@ -270,9 +272,11 @@ class AuditReport:
         s = self.suggested
         lines += ["", "suggested budgets"]
         if s.max_prompt_tokens is not None:
-            lines += [f"  data.max_prompt_tokens={s.max_prompt_tokens}", f"  train.max_tokens_per_microbatch={s.max_tokens_per_microbatch}"]
+            lines += [f"  data.max_prompt_tokens={s.max_prompt_tokens}",
+                      f"  train.max_tokens_per_microbatch={s.max_tokens_per_microbatch}"]
         lines += [f"  ({s.rule})", ""]
-        lines += ["would stop packrl train:"] + [f"  - {p}" for p in self.problems] if self.problems else ["would stop packrl train: nothing"]
+        lines += (["would stop packrl train:"] + [f"  - {p}" for p in self.problems] if self.problems
+                  else ["would stop packrl train: nothing"])
         source = "from the cache" if self.cached else "computed"
         lines.append(f"audited in {self.wall_s:.2f} s ({self.rows_per_s:,.0f} rows/s), {source}")
         return "\n".join(lines)

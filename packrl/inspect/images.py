@@ -32,7 +32,7 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 IMAGE_FACTOR = 28
 """Pixels per side of one image token: patch 14 x spatial merge 2 (Qwen2-VL)."""
@@ -152,7 +152,12 @@ def _read_size(data: bytes | None, path: Path | None) -> tuple[int, int]:
             "(or give width and height, in pixels, in each image part)"
         ) from err
     try:
-        with Image.open(io.BytesIO(data) if data is not None else path) as image:
+        if data is not None:
+            opened = Image.open(io.BytesIO(data))
+        else:
+            assert path is not None  # image_size raises before calling with neither
+            opened = Image.open(path)
+        with opened as image:
             return image.size
     except FileNotFoundError:
         raise ValueError(f"image file {str(path)!r} does not exist; fix the path or give width and height in the part") from None
@@ -161,5 +166,5 @@ def _read_size(data: bytes | None, path: Path | None) -> tuple[int, int]:
         raise ValueError(f"image {where} is not a readable image ({type(err).__name__}: {err})") from err
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -95,7 +95,8 @@ def activation_bytes_per_token_layer(shape: ModelShape, compute_bytes: int, lora
     The tensor-by-tensor count is in the module docstring. Returns bytes per token per layer.
     """
     c, r = compute_bytes, max(compute_bytes, _RESIDUAL_BYTES)  # float32 residual stream (float64 under fp64)
-    H, I, h, g, d = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    # the names of the module docstring's formulas (``I`` = intermediate size)
+    H, I, h, g, d = shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim  # noqa: E741
     casts = c if c < r else 0  # autocast casts exist only when the compute dtype is narrower
     norms = (1 if lora_rank else 2) * 2 * r * H  # a frozen norm weight needs no saved normalised output
     attention = c * (h + 2 * g) * d + 2 * c * h * d  # SDPA inputs, its output, o_proj's input
@@ -240,12 +241,14 @@ def max_fitting_tokens(cfg: RunConfig, shape: ModelShape, device_memory_bytes: i
     update phase fits ``device_memory_bytes``; 0 when even ``step`` tokens do not fit."""
     compute = compute_dtype or resolve_for_device(cfg.model.dtype, device)
     lo, hi = 0, 1
-    while estimate_memory(cfg, shape, device=device, tokens_per_microbatch=hi * step, compute_dtype=compute).phases["update"] <= device_memory_bytes:
+    while (estimate_memory(cfg, shape, device=device, tokens_per_microbatch=hi * step, compute_dtype=compute).phases["update"]
+           <= device_memory_bytes):
         lo, hi = hi, hi * 2
         if hi > 1 << 20:
             break
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        fits = estimate_memory(cfg, shape, device=device, tokens_per_microbatch=mid * step, compute_dtype=compute).phases["update"] <= device_memory_bytes
+        estimate = estimate_memory(cfg, shape, device=device, tokens_per_microbatch=mid * step, compute_dtype=compute)
+        fits = estimate.phases["update"] <= device_memory_bytes
         lo, hi = (mid, hi) if fits else (lo, mid)
     return lo * step

@@ -25,9 +25,9 @@ from typing import Any
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import budget_problems, budgets_of, budgets_table
 from packrl.hardware import probe_host, resolve_for_device
-from packrl.seqlen.budgets import Budgets, model_context_tokens
-from packrl.models.isolation import config_packing
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
+from packrl.models.isolation import config_packing
+from packrl.seqlen.budgets import Budgets, model_context_tokens
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
                        else "use a causal LM transformers can build from its config")
                 problems.append(ConfigProblem(key, cfg.model.path, str(err), fix))
             else:
-                problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err), "set model.lora.target_modules to names the model has"))
+                problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err),
+                                              "set model.lora.target_modules to names the model has"))
         else:
             compute = resolve_for_device(cfg.model.dtype, device)
             host = probe_host(device)
@@ -223,10 +224,11 @@ def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: s
     compute = resolve_for_device(cfg.model.dtype, device)
     kv_per_token = shape.kv_bytes_per_token(compute.num_bytes)
     context = budgets.max_context_tokens or budgets.max_sequence_tokens
-    args = engine_args(EngineOptions.from_config(cfg), model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token, cuda=device == "cuda",
-                       dtype=compute.name)
+    args = engine_args(EngineOptions.from_config(cfg), model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token,
+                       cuda=device == "cuda", dtype=compute.name)
     kv = args.get("kv_cache_memory_bytes")
-    sized = f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE"
+    sized = (f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv
+             else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE")
     batched = args.get("max_num_batched_tokens", "vLLM's default (chunked prefill)")
     return [f"vllm engine: max_model_len={args['max_model_len']:,}, max_num_seqs={args['max_num_seqs']}, "
             f"max_num_batched_tokens={batched}, dtype={args['dtype']}, {sized} for {args['max_num_seqs']} sequences of "
@@ -262,8 +264,8 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
     (2,048 for Llama) and every context check would rest on a guess."""
     import json
 
-    from packrl.models.resolve import resolve_model
     from packrl.models.model_config import check_text_model, load_model_config
+    from packrl.models.resolve import resolve_model
 
     fix = "set model.path to a model dir, .gguf file or hub id"
     try:
@@ -271,7 +273,8 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
         check_text_model(model_config, cfg.model.path)
     except ValueError as err:
         multimodal = "multimodal" in str(err)
-        return None, [ConfigProblem("model.path", cfg.model.path, str(err), "a text-only checkpoint (see the message)" if multimodal else fix)]
+        return None, [ConfigProblem("model.path", cfg.model.path, str(err),
+                                    "a text-only checkpoint (see the message)" if multimodal else fix)]
     config_json = resolve_model(cfg.model.path, weights=False).model_dir / "config.json"
     if config_json.is_file():
         raw = json.loads(config_json.read_text())

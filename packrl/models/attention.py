@@ -24,16 +24,22 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.utils import is_flash_attn_2_available
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.utils import is_flash_attn_2_available
 
 from packrl.seqlen.packing import Pack
+
+if TYPE_CHECKING:
+    # torch types a module's attributes beyond its own as ``Tensor | Module``; the model functions
+    # here view their model as the transformers model it is (a peft model forwards these
+    # attributes to the transformers model it wraps) through ``cast``
+    from transformers import PreTrainedModel
 
 PackedAttention = Literal["varlen", "block_mask", "position_ids"]
 PACKRL_SDPA = "packrl_sdpa"
@@ -126,7 +132,8 @@ def _bucket_plan(bounds: tuple[int, ...], prefix_of: tuple[int, ...], device: to
     by_prompt: dict[int, list[int]] = {}
     for seg, p in enumerate(prefix_of):
         by_prompt.setdefault(p, []).append(seg)
-    buckets, order = [], []
+    buckets: list[_Bucket] = []
+    order: list[range] = []
     for p, segs in by_prompt.items():
         lengths = [bounds[s + 1] - bounds[s] for s in segs]
         if p < 0:  # one call per unshared segment
@@ -153,6 +160,7 @@ def _bucket_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bucket:
     if bucket.span is not None:
         s, e = bucket.span
         return F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], is_causal=True, **sdpa)[0]
+    assert bucket.index is not None and bucket.valid is not None and bucket.prompt is not None, "a shared-prompt bucket"
     n, lmax = bucket.index.shape
     gather = lambda x: x.index_select(1, bucket.index.flatten()).unflatten(1, (n, lmax)).transpose(0, 1)  # noqa: E731  [n, h, Lmax, d]
     qb, kb, vb = gather(q), gather(k), gather(v)
@@ -180,26 +188,27 @@ def use_packed_attention(model: torch.nn.Module, compute_dtype: torch.dtype | No
     Returns:
         The model's attention implementation afterwards.
     """
-    if model.config._attn_implementation == "sdpa":
+    hf = cast("PreTrainedModel", model)
+    if hf.config._attn_implementation == "sdpa":
         param = next(model.parameters())
         half = (compute_dtype or param.dtype) in (torch.bfloat16, torch.float16)
         if param.is_cuda and half and is_flash_attn_2_available():
-            model.set_attn_implementation("flash_attention_2")
+            hf.set_attn_implementation("flash_attention_2")
         else:
-            model.set_attn_implementation(PACKRL_SDPA)
-    return model.config._attn_implementation
+            hf.set_attn_implementation(PACKRL_SDPA)
+    return hf.config._attn_implementation
 
 
 def supports_shared_prompts(model: torch.nn.Module, attention: str) -> bool:
     """Whether ``model`` runs packs with shared prompts (`packrl.seqlen.packing.pack_shared`):
     ``varlen`` through ``packrl_sdpa`` or ``block_mask`` through SDPA/eager. flash-attn's varlen
     kernel and transformers' position-id detection cannot express a segment that sees another."""
-    impl = model.config._attn_implementation
+    impl = cast("PreTrainedModel", model).config._attn_implementation
     return (attention == "varlen" and impl == PACKRL_SDPA) or (attention == "block_mask" and impl in _MASK_IMPLS)
 
 
 def _check_impl(model: torch.nn.Module, attention: str) -> str:
-    impl = model.config._attn_implementation
+    impl = cast("PreTrainedModel", model).config._attn_implementation
     if attention == "varlen" and impl not in (PACKRL_SDPA, *_FLASH):
         raise ValueError(
             f"model.packed_attention=varlen needs attn_implementation {PACKRL_SDPA!r} or flash_attention_2, "
@@ -207,7 +216,8 @@ def _check_impl(model: torch.nn.Module, attention: str) -> str:
             "packrl.models.attention.use_packed_attention(model), or set model.packed_attention=block_mask"
         )
     if attention == "block_mask" and impl not in _MASK_IMPLS:
-        raise ValueError(f"model.packed_attention=block_mask needs sdpa or eager attention, the model uses {impl!r}; set model.packed_attention=varlen")
+        raise ValueError(f"model.packed_attention=block_mask needs sdpa or eager attention, the model uses {impl!r}; "
+                         "set model.packed_attention=varlen")
     if attention == "position_ids" and impl not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(f"model.packed_attention=position_ids needs an attention with mask support, the model uses {impl!r}")
     if attention not in ("varlen", "block_mask", "position_ids"):
@@ -246,9 +256,9 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
         if pack.shares_prompts:
             kwargs["packrl_prefix_of"] = torch.tensor(pack.prefix_of)  # a tensor: compiled layers do not specialise on it
     elif attention == "block_mask":
-        dtype = torch.bool if impl != "eager" else model.dtype
+        dtype = torch.bool if impl != "eager" else cast("PreTrainedModel", model).dtype
         kwargs["attention_mask"] = pack.block_causal_mask(dtype).to(pack.input_ids.device)
-    decoder = model.get_decoder()
+    decoder = cast("PreTrainedModel", model).get_decoder()
     out = decoder(input_ids=pack.input_ids, **kwargs)
     return out.last_hidden_state[0]
 
@@ -266,8 +276,9 @@ def sharded_forward(model: torch.nn.Module, pack: Pack, sp: Any) -> torch.Tensor
     """
     from packrl.models.ulysses import PACKRL_ULYSSES, shard_pack_inputs
 
-    impl = model.config._attn_implementation
+    hf = cast("PreTrainedModel", model)
+    impl = hf.config._attn_implementation
     if impl != PACKRL_ULYSSES:
         raise ValueError(f"trainer.sequence_parallel_size > 1 needs the {PACKRL_ULYSSES!r} attention, the model uses {impl!r}; "
                          "the policy worker sets it up (packrl.worker.strategy.FSDP2)")
-    return model.get_decoder()(**shard_pack_inputs(pack, sp)).last_hidden_state[0]
+    return hf.get_decoder()(**shard_pack_inputs(pack, sp)).last_hidden_state[0]

@@ -23,9 +23,14 @@ and the budgets plan; ``packrl preflight`` says the same from the config alone (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from packrl.models.attention import PackedAttention
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOLERANCE = 1e-5  # relative; packed vs alone differ by ~1e-7 in float32 when every layer isolates the pack
@@ -70,7 +75,8 @@ class PackingCheck:
         measured = "" if self.max_diff is None else f"; self-check: packed vs alone hidden states differ by {self.max_diff:.2g} (relative)"
         if self.packs:
             return f"packing: on (every layer keeps a pack's sequences apart{measured})"
-        kinds = f"layer types {', '.join(self.stateful_types)} carry state along the sequence" if self.stateful_types else "packed rows are not exact"
+        kinds = (f"layer types {', '.join(self.stateful_types)} carry state along the sequence" if self.stateful_types
+                 else "packed rows are not exact")
         extra = f"; {self.detail}" if self.detail else ""
         return f"packing: off, one sequence per micro-batch ({kinds}{measured}{extra})"
 
@@ -82,7 +88,7 @@ def config_packing(config: Any) -> PackingCheck:
 
 
 @torch.no_grad()
-def check_packing(model: torch.nn.Module, attention: str) -> PackingCheck:
+def check_packing(model: torch.nn.Module, attention: PackedAttention) -> PackingCheck:
     """Decide for a loaded model: the config's layer types, then the self-check (two random
     sequences of `_CHECK_LENGTHS` tokens, packed vs alone, through `packed_forward` with
     ``attention``; the model's own dtype, no autocast; a few milliseconds for a 135M model).
@@ -97,7 +103,8 @@ def check_packing(model: torch.nn.Module, attention: str) -> PackingCheck:
     stateful = tuple(stateful_layer_types(model.config))
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
-    vocab = model.get_input_embeddings().num_embeddings
+    # torch types a module's attributes beyond its own as ``Tensor | Module``
+    vocab = cast(int, cast("PreTrainedModel", model).get_input_embeddings().num_embeddings)
     sequences = [torch.randint(0, vocab, (n,), generator=generator) for n in _CHECK_LENGTHS]
     was_training = model.training
     model.eval()

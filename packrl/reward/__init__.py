@@ -6,7 +6,6 @@ The reward modules are imported here so their functions are registered; `score_r
 """
 
 from packrl._lazy import lazy_exports
-
 from packrl.reward.gsm8k import SOLUTION_CLIP_CHARS, answers_match, extract_answer, gsm8k_reward
 from packrl.reward.math_verify import math_verify_reward
 from packrl.reward.overlong import soft_overlong_penalty

@@ -54,7 +54,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import (
@@ -296,9 +296,16 @@ class HFEngine:
         while len(alive) and rows.steps < cap:
             kwargs = self._generate_kwargs(params, max_new_tokens=min(round_tokens, cap - rows.steps),
                                            generators=[generators[int(row)] for row in alive])
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs, **({self.cache_reuse.argument: cache} if cache is not None else {}))
+            reused = {self.cache_reuse.argument: cache} if cache is not None else {}
+            # torch types a module's attributes as Tensor | Module; this is the transformers model's generate, which
+            # returns this dataclass for a decoder-only model under return_dict_in_generate (`_generate_kwargs`)
+            generate = cast(Callable[..., GenerateDecoderOnlyOutput], self.model.generate)
+            out = generate(input_ids=ids, attention_mask=mask, **kwargs, **reused)
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
-            logprobs = _token_logprobs(out.logits, new, params.logprob_temperature) if params.return_logprobs else None
+            logprobs = None
+            if params.return_logprobs:
+                assert out.logits is not None  # asked for with output_logits (`_generate_kwargs`)
+                logprobs = _token_logprobs(out.logits, new, params.logprob_temperature)
             rows.add(alive, new.cpu(), logprobs, pad_id=self.pad_id)
             stop = self._stop_steps(out.sequences.cpu(), ids.shape[1], params)
             done = [

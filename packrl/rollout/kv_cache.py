@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -58,6 +58,7 @@ class AppendingLayer(DynamicLayer):
         self._key_buffer[:, :, self._length:end] = key_states
         self._value_buffer[:, :, self._length:end] = value_states
         self._set_length(end)
+        assert self.keys is not None and self.values is not None  # views _set_length just took
         return self.keys, self.values
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
@@ -66,6 +67,7 @@ class AppendingLayer(DynamicLayer):
         keys = key_states.new_empty(rows, heads, capacity, key_states.shape[-1])
         values = value_states.new_empty(rows, heads, capacity, value_states.shape[-1])
         if self._length:
+            assert self.keys is not None and self.values is not None  # set whenever positions are cached
             keys[:, :, :self._length] = self.keys
             values[:, :, :self._length] = self.values
         self._key_buffer, self._value_buffer = keys, values
@@ -144,7 +146,8 @@ def select_rows(cache: Any, indices: torch.Tensor) -> None:
     for layer in cache.layers:
         stateful = LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
         if stateful:
-            LinearAttentionCacheLayerMixin.reorder_cache(layer, indices)  # index_select of every initialised state
+            # index_select of every initialised state; transformers annotates the legacy LongTensor type
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, cast(torch.LongTensor, indices))
         if not stateful or isinstance(layer, DynamicLayer):
             layer.batch_select_indices(indices.to(layer.keys.device) if getattr(layer, "keys", None) is not None else indices)
 

@@ -14,10 +14,11 @@ calls no tool, a turn is cut by a budget, the engine aborts, or ``max_turns`` tu
 Every request asks for ``min(max_tokens_per_turn, context left, trajectory left, response left)``
 tokens (`TurnLimits.request`); the response and per-turn limits are capped at the call's
 ``SamplingParams.max_response_tokens`` (a length curriculum's stage, `TurnLimits.within`). Below 1
-the trajectory ends with finish reason ``context`` and the engine is not called. A tool answer that does not fit the same limits is not appended and the
-trajectory ends with ``context``. The trajectory's finish reason is its last turn's, except that a
-turn cut where the model context bound is ``context``, and a trajectory whose last turn still
-calls a tool at ``max_turns`` is ``length``: cut by a budget, so truncated (invariant 7).
+the trajectory ends with finish reason ``context`` and the engine is not called. A tool answer
+that does not fit the same limits is not appended and the trajectory ends with ``context``. The
+trajectory's finish reason is its last turn's, except that a turn cut where the model context
+bound is ``context``, and a trajectory whose last turn still calls a tool at ``max_turns`` is
+``length``: cut by a budget, so truncated (invariant 7).
 
 Token-exact (invariant 5, turn by turn): every request is the trajectory's ids so far, and the
 trainer scores the prompt followed by exactly the ids appended here, so the policy tokens' log-probs
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from packrl.rollout.engine import RolloutEngine, SamplingParams
 from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
-from packrl.types import Response, Trajectory
+from packrl.types import FinishReason, Response, Trajectory
 
 if TYPE_CHECKING:
     from packrl.config.schema import MultiTurnConfig
@@ -91,7 +92,8 @@ class ToolRenderer:
         self._close_text = tokenizer.decode(list(self.close), skip_special_tokens=False)
         probe = tokenizer.decode(self.after_close(["packrl probe tool answer"]), skip_special_tokens=False)
         if "packrl probe tool answer" not in probe:  # checked now, not mid-run
-            raise ValueError(f"the chat template drops {role!r} messages; set rollout.multi_turn.tool_role to a role it renders (e.g. user)")
+            raise ValueError(f"the chat template drops {role!r} messages; "
+                             "set rollout.multi_turn.tool_role to a role it renders (e.g. user)")
 
     def _text(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs)
@@ -173,7 +175,7 @@ class _State:
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     segments: list[tuple[str, int]] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     ended_by: str = ""
     binding: str = "turn"
     num_tool_calls: int = 0
@@ -205,7 +207,7 @@ class _State:
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.segments.append((role, len(ids)))
 
-    def end(self, finish_reason: str, ended_by: str) -> None:
+    def end(self, finish_reason: FinishReason, ended_by: str) -> None:
         self.finish_reason, self.ended_by = finish_reason, ended_by
 
     def response(self, with_logprobs: bool) -> Response:

@@ -65,7 +65,9 @@ def packed_linears(model: torch.nn.Module, num_rows: int) -> Iterator[None]:
     patched: list[torch.nn.Linear] = []
     try:
         for layer in layers:
-            layer.forward = _packed_forward(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), max(1, num_rows)))
+            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), max(1, num_rows))
+            # an instance attribute shadowing the class's forward (deleted below), hence setattr
+            setattr(layer, "forward", _packed_forward(layer, packed))
             patched.append(layer)
         yield
     finally:

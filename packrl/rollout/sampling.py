@@ -7,6 +7,7 @@ Shapes: ``b`` decoding rows · ``V`` vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from transformers import LogitsProcessor
@@ -40,7 +41,8 @@ class GumbelMaxSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         assert len(self.generators) == scores.shape[0], "one generator per decoding row"
         tokens = two_level_gumbel_max(scores.float(), self.generators)
-        return torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, tokens.unsqueeze(1), 0.0)
+        drawn = torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, tokens.unsqueeze(1), 0.0)
+        return cast(torch.FloatTensor, drawn)  # LogitsProcessor's signature names the legacy FloatTensor type
 
 
 _GUMBEL_BLOCK = 256  # vocabulary entries per block of `two_level_gumbel_max`

@@ -40,15 +40,18 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineContext, SamplingParams
-from packrl.rollout.engine import eos_ids, request_seed
+from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, request_seed
 from packrl.rollout.vllm_settings import INSTALL_HINT, engine_args
 from packrl.types import FinishReason, Response
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +234,8 @@ def write_policy(policy: torch.nn.Module, tokenizer: Any, dtype: torch.dtype) ->
 
     from packrl.models.lora import is_lora, merged_weights
 
-    base = policy.get_base_model() if is_lora(policy) else policy
+    # torch types a module's attributes beyond its own as Tensor | Module: these are peft and transformers models
+    base = cast("PreTrainedModel", cast("PeftModel", policy).get_base_model() if is_lora(policy) else policy)
     named = merged_weights(policy) if is_lora(policy) else policy.named_parameters()
     state = {name: value.detach().to("cpu", dtype).contiguous() for name, value in named}
     tied = {n for n, p in base.named_parameters(remove_duplicate=False)} - {n for n, p in base.named_parameters()}

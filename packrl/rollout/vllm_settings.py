@@ -36,7 +36,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from packrl.errors import ConfigProblem
-
 from packrl.rollout.engine import EngineOptions
 
 if TYPE_CHECKING:
@@ -122,7 +121,8 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
     out = []
     if cfg.model.dtype == "fp64":
         out.append(ConfigProblem("model.dtype", "fp64", "is not a dtype vLLM runs (bfloat16, float16, float32)",
-                                 "set model.dtype=fp32 (or auto), or rollout.engine=hf for a float64 run", keys=("model.dtype", "rollout.engine")))
+                                 "set model.dtype=fp32 (or auto), or rollout.engine=hf for a float64 run",
+                                 keys=("model.dtype", "rollout.engine")))
     for key in sorted(set(extra) - known):
         close = difflib.get_close_matches(key, sorted(known), n=1)
         fix = f"did you mean rollout.engine_kwargs.{close[0]}?" if close else "see vllm.EngineArgs for the arguments vLLM takes"

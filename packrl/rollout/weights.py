@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from packrl.models.attention import PACKRL_SDPA
 from packrl.models.loading import disable_gradient_checkpointing
 from packrl.models.lora import is_lora, merged_copy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def rollout_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -23,7 +27,8 @@ def rollout_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.
     """
     if dtype is None:
         return model
-    twin = merged_copy(model) if is_lora(model) else copy.deepcopy(model)
+    # torch types a module's attributes beyond its own as Tensor | Module; this is a transformers model
+    twin = cast("PreTrainedModel", merged_copy(model) if is_lora(model) else copy.deepcopy(model))
     disable_gradient_checkpointing(twin)
     for param in twin.parameters():  # buffers (RoPE frequencies) stay float32, as in training
         param.data = param.data.to(dtype)

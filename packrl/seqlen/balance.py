@@ -22,9 +22,9 @@ from typing import TypeVar
 from packrl.seqlen.microbatch import (
     DEFAULT_LINEAR_COEF,
     MicrobatchPlan,
+    as_count,
     plan_microbatches,
     sequence_costs,
-    as_count,
     validate_lengths,
 )
 

@@ -1,9 +1,10 @@
 """A length curriculum: the response budget as a function of the training step.
 
 The config's ``rollout.max_response_tokens_schedule`` lists stages ``[first_step,
-max_response_tokens]`` (read and checked in `packrl.config.budgets`); a stage holds from its first step until the step before the next stage's. The budget of a step
-depends on the step number alone, so a run resumed at step k samples with step k's budget, as
-the uninterrupted run did. ``rollout.max_response_tokens`` is the largest stage: every setting
+max_response_tokens]`` (read and checked in `packrl.config.budgets`); a stage holds from its
+first step until the step before the next stage's. The budget of a step depends on the step
+number alone, so a run resumed at step k samples with step k's budget, as the uninterrupted run
+did. ``rollout.max_response_tokens`` is the largest stage: every setting
 sized once for the whole run (the model-context and micro-batch relations, vLLM's
 ``max_model_len``, the memory estimate, ``algorithm.loss_scale_factor``'s default, the length
 buckets) is sized for it and therefore holds for every stage.

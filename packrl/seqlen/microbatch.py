@@ -16,6 +16,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import SupportsIndex, cast
 
 DEFAULT_LINEAR_COEF = 6 * 576  # 6 * hidden_size of SmolLM2-135M; pass 6 * your model's hidden_size
 _DFS_NODE_LIMIT = 20_000  # exact search fallback per candidate count; FFD is the final fallback
@@ -64,7 +65,8 @@ def as_count(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{what}={value!r} must be an integer, not a bool")
     try:
-        return operator.index(value)
+        # operator.index itself raises TypeError for anything without __index__, handled below.
+        return operator.index(cast(SupportsIndex, value))
     except TypeError:
         raise ValueError(f"{what}={value!r} must be an integer") from None
 
@@ -172,7 +174,9 @@ def _improve(bins: list[list[int]], lengths: Sequence[int], costs: Sequence[floa
     bcost = [sum(costs[i] for i in b) for b in bins]
     for _ in range(max_rounds):
         top = max(range(len(bins)), key=bcost.__getitem__)
-        peak, best = bcost[top], None  # best = (new peak, move)
+        peak = bcost[top]
+        # (new peak, (other bin, item leaving top, item leaving other bin or None for a plain move))
+        best: tuple[float, tuple[int, int, int | None]] | None = None
         for o in range(len(bins)):
             if o == top:
                 continue
@@ -190,8 +194,8 @@ def _improve(bins: list[list[int]], lengths: Sequence[int], costs: Sequence[floa
                         best = (new, (o, x, y))
         if best is None:
             return
-        o, x, y = best[1]
-        for item, src, dst in ((x, top, o), (y, o, top)):
+        other, moved, swapped = best[1]
+        for item, src, dst in ((moved, top, other), (swapped, other, top)):
             if item is None:
                 continue
             bins[src].remove(item)

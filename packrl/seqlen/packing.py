@@ -114,9 +114,11 @@ class Pack:
         targets = has_previous.nonzero().squeeze(1)
         sources = targets - 1
         if self.shares_prompts:
-            segments = [s for s, p in enumerate(self.prefix_of) if p >= 0]
+            prefix_of = self.prefix_of
+            assert prefix_of is not None  # shares_prompts implies it
+            segments = [s for s, p in enumerate(prefix_of) if p >= 0]
             firsts = cu[torch.tensor(segments, device=device)]
-            heads = cu[torch.tensor([self.prefix_of[s] + 1 for s in segments], device=device)] - 1
+            heads = cu[torch.tensor([prefix_of[s] + 1 for s in segments], device=device)] - 1
             targets, order = torch.sort(torch.cat([targets, firsts]))
             sources = torch.cat([sources, heads])[order]
         return sources, targets

@@ -23,7 +23,7 @@ from packrl.seqlen.microbatch import as_count
 
 Status = Literal["kept", "truncated", "filtered", "rejected"]
 Policy = Literal["filter", "left", "right", "middle", "error"]
-POLICIES: tuple[str, ...] = ("filter", "left", "right", "middle", "error")
+POLICIES: tuple[Policy, ...] = ("filter", "left", "right", "middle", "error")
 _MAX_RENDERS = 12  # re-render attempts per overlong row; 1-3 are typical
 _REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes half a character to
 
@@ -271,7 +271,8 @@ def apply_prompt_policy(
     if isinstance(chats, (str, bytes)) or not isinstance(chats, Sequence):
         raise ValueError(f"chats must be a list of chats (one per row), got {type(chats).__name__}")
     if "add_generation_prompt" in (chat_template_kwargs or {}) or "tokenize" in (chat_template_kwargs or {}):
-        raise ValueError("chat_template_kwargs may not set add_generation_prompt or tokenize: prompts always end with the generation prompt")
+        raise ValueError("chat_template_kwargs may not set add_generation_prompt or tokenize: "
+                         "prompts always end with the generation prompt")
     if policy not in POLICIES:
         raise ValueError(f"data.overlong_prompt={policy!r} is not one of {', '.join(POLICIES)}")
     renderer = _Renderer(tokenizer, chat_template_kwargs)

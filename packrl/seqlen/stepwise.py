@@ -81,18 +81,19 @@ class StepSamples:
         """``batch`` (per trajectory) as the samples' batch: rewards, scores, advantages, loss
         masks, log-probs, values, returns and extras sliced to each sample's stretch;
         ``trajectory_loss_tokens`` set."""
-        def sliced(values: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
-            if values is None:
-                return None
+        def sliced(values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             return tuple(values[t][start:start + len(r.response_ids)]
                          for t, start, r in zip(self.trajectory_of, self.offsets, self.rollout.responses))
+
+        def maybe_sliced(values: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
+            return None if values is None else sliced(values)
 
         index = torch.tensor(self.trajectory_of, dtype=torch.long)
         scored = ScoredBatch(self.rollout, batch.scored.scores[index], batch.scored.rewards[index])
         counts = [int(m.sum()) for m in batch.loss_masks]
-        return TrainBatch(scored, sliced(batch.advantages), sliced(batch.loss_masks), sliced(batch.old_logprobs),
-                          sliced(batch.ref_logprobs), trajectory_loss_tokens=tuple(counts[t] for t in self.trajectory_of),
-                          values=sliced(batch.values), returns=sliced(batch.returns),
+        return TrainBatch(scored, sliced(batch.advantages), sliced(batch.loss_masks), maybe_sliced(batch.old_logprobs),
+                          maybe_sliced(batch.ref_logprobs), trajectory_loss_tokens=tuple(counts[t] for t in self.trajectory_of),
+                          values=maybe_sliced(batch.values), returns=maybe_sliced(batch.returns),
                           extras={name: sliced(values) for name, values in batch.extras.items()})
 
 

@@ -57,7 +57,9 @@ class PromptSharing:
         for i, n in enumerate(lengths):
             last = out[-1] if out else None
             shareable = last is not None and self.prompt_keys[last[0]] == self.prompt_keys[i] and n > self.prompt_tokens[i]
-            if shareable and all(lengths[j] > self.prompt_tokens[j] for j in last) and self.cost(last + [i], lengths) <= max_tokens:
+            # `last is not None` is implied by shareable; restated so the type checker narrows `last`
+            if (shareable and last is not None and all(lengths[j] > self.prompt_tokens[j] for j in last)
+                    and self.cost(last + [i], lengths) <= max_tokens):
                 last.append(i)
             else:
                 out.append([i])

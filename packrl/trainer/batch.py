@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 
 from packrl.algos.advantages import AdvantageInputs, check_advantages
-from packrl.algos.gae import gae_of
 from packrl.algos.entropy_filter import apply_entropy_filter
+from packrl.algos.gae import gae_of
 from packrl.algos.losses import kl_penalty
 from packrl.algos.rollout_correction import apply_rollout_correction
 from packrl.config.schema import AlgorithmConfig
@@ -72,16 +72,20 @@ def build_train_batch(
                               for old, ref, g in zip(old_logprobs, ref_logprobs, generated)])
         rewards = rewards - cfg.kl_coef * seq_kl
         metrics["critic/kl_in_reward/mean"] = seq_kl.mean().item()
+    critic_values = None if values is None else values.values
     inputs = AdvantageInputs(scored=scored, rewards=rewards, response_masks=generated, old_logprobs=old_logprobs,
-                             ref_logprobs=ref_logprobs, cfg=cfg, values=values and values.values, bootstrap_values=values and values.bootstrap)
+                             ref_logprobs=ref_logprobs, cfg=cfg, values=critic_values,
+                             bootstrap_values=None if values is None else values.bootstrap)
     advantages = check_advantages(ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator)(inputs), inputs)
-    returns = None if values is None else gae_of(inputs)[1]
-    metrics |= {} if values is None else value_metrics(values.values, returns, generated)
+    returns: tuple[torch.Tensor, ...] | None = None
+    if values is not None:
+        returns = gae_of(inputs)[1]
+        metrics |= value_metrics(values.values, returns, generated)
     masks = loss_masks(scored, cfg.truncated)
     metrics["seqlen/masked_tokens/truncated"] = float(sum(int((g & ~m).sum()) for g, m in zip(generated, masks)))
     masks, extras, filter_metrics = response_filters(scored, old_logprobs, old_entropy, masks, cfg)
     batch = TrainBatch(replace(scored, rewards=rewards), advantages, masks, old_logprobs, ref_logprobs,
-                       values=values and values.values, returns=returns, extras=extras)
+                       values=critic_values, returns=returns, extras=extras)
     return batch, metrics | filter_metrics
 
 
@@ -110,7 +114,7 @@ def value_metrics(values: tuple[torch.Tensor, ...], returns: tuple[torch.Tensor,
     r = torch.cat([x[m] for x, m in zip(returns, masks)]) if returns else torch.zeros(0)
     if v.numel() == 0:
         return {}
-    out = {}
+    out: dict[str, float] = {}
     for name, x in (("values", v), ("returns", r)):
         out |= {f"critic/{name}/mean": float(x.mean()), f"critic/{name}/max": float(x.max()), f"critic/{name}/min": float(x.min())}
     if r.numel() > 1:

@@ -28,10 +28,10 @@ from packrl.models.loading import load_policy_tokenizer
 from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
-from packrl.worker.checkpoint import resume_candidates
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.sampling import sampling_stage
 from packrl.trainer.validate import validate
+from packrl.worker.checkpoint import resume_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +105,16 @@ def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: Prom
             with stage_timer(timing, "values", spans):
                 values = workers.compute_values(rollout)  # None without a critic
             with stage_timer(timing, "adv", spans):
-                batch, adv_metrics = build_train_batch(scored, old and old.logprobs, ref and ref.logprobs, cfg.algorithm, values,
-                                                       old_entropy=old and old.entropy)
+                old_logprobs = None if old is None else old.logprobs
+                ref_logprobs = None if ref is None else ref.logprobs
+                batch, adv_metrics = build_train_batch(scored, old_logprobs, ref_logprobs, cfg.algorithm, values,
+                                                       old_entropy=None if old is None else old.entropy)
             with stage_timer(timing, "update_critic", spans):
                 critic_metrics = workers.update_critic(batch)  # {} without a critic
             with stage_timer(timing, "update_actor", spans):
                 update_metrics = workers.update(batch, tracer, step)
         metrics = schedule.metrics(step) | rollout_metrics(rollout) | score_metrics(batch) | adv_metrics | critic_metrics | update_metrics
-        metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old and old.logprobs, max_response)
+        metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old_logprobs, max_response)
         metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics() | sample_metrics
         if val_set is not None and due(step, cfg.train.val_every, total):
             metrics |= validate(workers, val_set, cfg)

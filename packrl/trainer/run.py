@@ -102,7 +102,7 @@ class Run:
         console = _ConsoleHandler(logging.WARNING)  # warnings also reach the terminal, above the progress bar
         console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         for h in (handler, console):
-            h._packrl_run = True  # type: ignore[attr-defined]
+            setattr(h, "_packrl_run", True)  # a marker, read back with getattr to detach the run's handlers
             root.addHandler(h)
         for library in libraries:
             library.addHandler(handler)
@@ -120,8 +120,9 @@ class Run:
         """The steps begin after ``done_steps`` completed ones: loggers that draw (the console's
         progress bar) start drawing."""
         for sink in self.loggers:
-            if callable(getattr(sink, "start", None)):
-                sink.start(done_steps)
+            start = getattr(sink, "start", None)  # optional: not part of the MetricLogger protocol
+            if callable(start):
+                start(done_steps)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl and pass the metrics to every logger."""

@@ -191,9 +191,8 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """The optimizer state keyed by parameter names, every tensor whole and on the CPU
     (`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` with a full state dict):
     the same layout from one process and from FSDP2 ranks (a collective there: call it on every rank)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     sharded = dist.is_available() and dist.is_initialized()
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=sharded))

@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from packrl.algos.loss_agg import aggregate_loss
-from packrl.config.schema import RunConfig
+from packrl.config.schema import LossAggMode, RunConfig
 from packrl.hardware import ComputeDtype
 from packrl.models.attention import PackedAttention, packed_forward
 from packrl.models.compile import CompiledLayers, active
@@ -113,7 +113,8 @@ def load_critic_weights(critic: ValueModel, weights: dict[str, torch.Tensor]) ->
 
     try:
         if isinstance(critic, FSDPModule):
-            set_model_state_dict(critic, weights, options=StateDictOptions(full_state_dict=True))
+            # torch annotates an invariant dict of the union of every state-dict value: a dict of tensors is one
+            set_model_state_dict(critic, cast("dict[str, Any]", weights), options=StateDictOptions(full_state_dict=True))
         else:
             critic.load_state_dict(weights)
     except (RuntimeError, KeyError) as err:
@@ -180,7 +181,7 @@ def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Ten
 
 
 def critic_microbatch_loss(critic: ValueModel, pack: Pack, batch: TrainBatch, *, den: LossDenominators, cliprange: float,
-                           mode: str, totals: StepTotals) -> torch.Tensor:
+                           mode: LossAggMode, totals: StepTotals) -> torch.Tensor:
     """This micro-batch's share of the mini-batch value loss (module docstring), with its metrics
     (``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``) added to ``totals``."""
     assert batch.values is not None and batch.returns is not None, "the critic trains on a batch with values and returns"
@@ -205,7 +206,7 @@ class CriticStats:
 
 
 def critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *, rank: int, opt: Optimization, context: Context,
-                  cliprange: float, mode: str, forward: PackForward, parallel: Parallel = Parallel()) -> CriticStats:
+                  cliprange: float, mode: LossAggMode, forward: PackForward, parallel: Parallel = Parallel()) -> CriticStats:
     """Rank ``rank``'s part of ``plan`` for the critic (`packrl.worker.update.run_update` with
     `critic_microbatch_loss`)."""
     device = next(critic.parameters()).device
@@ -216,7 +217,7 @@ def critic_update(critic: ValueModel, batch: TrainBatch, plan: UpdatePlan, *, ra
 
 
 def critic_microbatches(critic: ValueModel, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
-                        context: Context, cliprange: float, mode: str, forward: PackForward,
+                        context: Context, cliprange: float, mode: LossAggMode, forward: PackForward,
                         parallel: Parallel = Parallel()) -> StepTotals:
     """One mini-batch's micro-batches of the critic forward and backward
     (`packrl.worker.update.run_microbatches`); gradients accumulate in ``critic``."""
@@ -226,7 +227,7 @@ def critic_microbatches(critic: ValueModel, batch: TrainBatch, microbatches: Seq
                             context=context, parallel=parallel)
 
 
-def _loss_fn(critic: ValueModel, batch: TrainBatch, cliprange: float, mode: str) -> Any:
+def _loss_fn(critic: ValueModel, batch: TrainBatch, cliprange: float, mode: LossAggMode) -> Any:
     """`critic_microbatch_loss` as the update loop's ``loss(pack, denominators, totals)``."""
     return lambda pack, den, totals: critic_microbatch_loss(critic, pack, batch, den=den, cliprange=cliprange, mode=mode, totals=totals)
 
@@ -265,7 +266,7 @@ class CriticRole:
     opt: Optimization
     compiled: CompiledLayers | None
     cliprange: float
-    loss_agg_mode: str
+    loss_agg_mode: LossAggMode
     lr: float
     source: str
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from packrl.config.schema import RunConfig
+from packrl.config.schema import PackedAttention, RunConfig
 from packrl.models.logprobs import pack_logprobs
 from packrl.seqlen.packing import Pack, pack_sequences, pack_shared
 from packrl.types import RolloutBatch, TrainBatch
@@ -35,7 +35,7 @@ class PackForward:
             model's attention path can: `packrl.models.attention.supports_shared_prompts`).
     """
 
-    attention: str
+    attention: PackedAttention
     chunk_tokens: int
     temperature: float
     share_prompts: bool = False

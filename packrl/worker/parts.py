@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -17,13 +17,16 @@ from packrl.hardware import ComputeDtype
 from packrl.models.attention import supports_shared_prompts
 from packrl.models.compile import CompiledLayers
 from packrl.models.isolation import PackingCheck
-from packrl.models.lora import is_lora, parameter_counts
+from packrl.models.lora import adapter_config, is_lora, parameter_counts
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, EngineOptions, RolloutEngine
 from packrl.rollout.multi_turn import multi_turn_engine
 from packrl.worker.actor import MicrobatchLoss
 from packrl.worker.critic import CriticRole
 from packrl.worker.optim import Optimization
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tok
         missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(engine, m, None))]
         raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(engine).__name__} without "
                          f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
-    phrase = engine.describe() if callable(getattr(engine, "describe", None)) else ""
+    describe = getattr(engine, "describe", None)  # optional: not part of the engine contract
+    phrase = describe() if callable(describe) else ""
     if cfg.rollout.multi_turn.enabled:
         engine = multi_turn_engine(engine, tokenizer, cfg.rollout.multi_turn, max_prompt_tokens=cfg.data.max_prompt_tokens,
                                    max_response_tokens=cfg.rollout.max_response_tokens, max_context_tokens=max_context_tokens)
@@ -122,7 +126,8 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
     elif cfg.trainer.sequence_parallel_size > 1:
         why = "sequence parallelism splits packs across ranks"
     elif not supports_shared_prompts(model, cfg.model.packed_attention):
-        why = (f"model.packed_attention={cfg.model.packed_attention} runs {model.config._attn_implementation!r}, which cannot let a "
+        impl = cast("PreTrainedModel", model).config._attn_implementation  # torch types model.config as Tensor | Module
+        why = (f"model.packed_attention={cfg.model.packed_attention} runs {impl!r}, which cannot let a "
                "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
     if why is not None:
         if cfg.train.share_prompts:
@@ -148,7 +153,7 @@ def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: 
         from peft.tuners.lora import LoraLayer
 
         num_layers = sum(isinstance(module, LoraLayer) for module in model.modules())
-        adapter = model.peft_config["default"]
+        adapter = adapter_config(model)
         lora = f"rank {adapter.r}, alpha {adapter.lora_alpha:g} on {num_layers} Linear layers"
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
     rope = cfg.model.rope_scaling

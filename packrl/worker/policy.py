@@ -2,8 +2,9 @@
 and on every data-parallel rank.
 
 A worker holds the actor, the frozen reference policy (when `BatchPlan.has_reference`), the
-critic (when `BatchPlan.has_critic`: `packrl.worker.critic`), the rollout engine (``rollout.engine``), the optimizer, LR schedule and skip counter, the contexts
-its forwards run in, and the checkpoint I/O. Its parallelism strategy
+critic (when `BatchPlan.has_critic`: `packrl.worker.critic`), the rollout engine
+(``rollout.engine``), the optimizer, LR schedule and skip counter, the contexts its forwards run
+in, and the checkpoint I/O. Its parallelism strategy
 (`packrl.worker.strategy`: `SingleProcess` for one worker, `FSDP2` for each of several) supplies
 wrapping, gradient sync, loss scaling, the rollout-weights gather and the state-dict I/O, so
 every memory feature works the same under both:
@@ -271,7 +272,10 @@ class PolicyWorker:
         stats.offloaded_bytes = self.offloaded_bytes
         stats.all_to_all_s = 0.0 if sp is None else sp.all_to_all_s
         self.engine.load_weights(self.strategy.rollout_weights(self.model))
-        return stats, ([] if tracer is not None else recorder.spans)
+        if tracer is not None:
+            return stats, []
+        assert isinstance(recorder, SpanRecorder), "made above when no tracer was given"
+        return stats, recorder.spans
 
     def compute_values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, float]]:
         """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.CriticRole.values`)."""

@@ -35,10 +35,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from transformers import PreTrainedModel
 
     from packrl.config.schema import RunConfig
 
@@ -301,8 +304,9 @@ class FSDP2:
 
         assert address is not None, "FSDP2 ranks rendezvous at rank 0's address"
         listener = self._listener
+        listen_fd: dict[str, Any] = {"master_listen_fd": listener.fileno()} if listener is not None else {}
         store = dist.TCPStore(address[0], address[1], self.world_size, is_master=self.rank == 0, timeout=COLLECTIVE_TIMEOUT,
-                              **({"master_listen_fd": listener.fileno()} if listener is not None else {}))
+                              **listen_fd)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
         if self.sp_size > 1:
             from packrl.models.ulysses import SequenceParallel
@@ -327,24 +331,26 @@ class FSDP2:
         if self.sp is not None:  # attention gathers its heads over the group (packrl.models.ulysses)
             from packrl.models.ulysses import PACKRL_ULYSSES, check_heads
 
-            problem = check_heads(model.config, self.sp_size)
+            hf = cast("PreTrainedModel", model)  # torch types a module's attributes beyond its own as Tensor | Module
+            problem = check_heads(hf.config, self.sp_size)
             if problem is not None:
                 raise ValueError(f"{problem}; set trainer.sequence_parallel_size to a divisor of it")
-            if model.config._attn_implementation != PACKRL_ULYSSES:
-                self.sp.inner = model.config._attn_implementation
-                model.set_attn_implementation(PACKRL_ULYSSES)
+            if hf.config._attn_implementation != PACKRL_ULYSSES:
+                self.sp.inner = hf.config._attn_implementation
+                hf.set_attn_implementation(PACKRL_ULYSSES)
         options: dict[str, Any] = {}
         if self.param_offload:  # shards, gradients and optimizer states in (pinned) host memory
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             options["offload_policy"] = CPUOffloadPolicy()
-        for layer in model.get_decoder().layers:
+        for layer in cast("PreTrainedModel", model).get_decoder().layers:
             fully_shard(layer, **options)
         fully_shard(model, **options)
         enable_fsdp_forward(model)
 
     def parallel(self, model: torch.nn.Module) -> Parallel:
-        return Parallel(grad_sync=model.set_requires_gradient_sync, loss_scale=float(self.world_size))
+        # `wrap` made ``model`` an FSDPModule (fully_shard swaps its class)
+        return Parallel(grad_sync=cast("FSDPModule", model).set_requires_gradient_sync, loss_scale=float(self.world_size))
 
     def after_no_grad(self, model: torch.nn.Module) -> None:
         """Free the gathered parameters every FSDP unit of ``model`` still holds. A no-grad forward
@@ -362,14 +368,16 @@ class FSDP2:
         offloaded shard is copied to the device first: NCCL gathers device tensors only."""
         for name, param in model.named_parameters():
             value = param.detach()
-            yield name, value.to(self.device).full_tensor() if hasattr(value, "full_tensor") else value
+            yield name, cast("DTensor", value.to(self.device)).full_tensor() if hasattr(value, "full_tensor") else value
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights on the CPU, gathered on every rank (a collective), tied duplicates
         dropped (written once, as one process writes them)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a full state dict holds tensors only (torch annotates the union of every state-dict value)
+        weights = cast("dict[str, torch.Tensor]",
+                       get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
         seen: set[int] = set()
         for name, param in model.named_parameters(remove_duplicate=False):
             if id(param) in seen:
@@ -387,7 +395,9 @@ class FSDP2:
 
         from packrl.worker.checkpoint import weights_state_dict
 
-        set_model_state_dict(model, weights_state_dict(path), options=StateDictOptions(full_state_dict=True, strict=False))
+        # torch annotates an invariant dict of the union of every state-dict value: a dict of tensors is one
+        weights = cast("dict[str, Any]", weights_state_dict(path))
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -411,7 +421,3 @@ class FSDP2:
             return (f"{self.world_size} FSDP2 ranks ({self.backend}): {self.world_size // self.sp_size} data-parallel x "
                     f"{self.sp_size} sequence-parallel (Ulysses)")
         return f"data-parallel over {self.world_size} FSDP2 ranks ({self.backend})"
-
-
-Strategy = SingleProcess | FSDP2
-

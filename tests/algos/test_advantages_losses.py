@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from packrl.algos import grpo_advantages, kl_penalty, ppo_clip_loss, rloo_advantages
-from packrl.config import load_config
+from packrl.config.schema import AlgorithmConfig
 from packrl.registry import ADVANTAGE_ESTIMATORS
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
@@ -54,7 +54,7 @@ def _scored(rewards: list[float], lengths: list[int]) -> ScoredBatch:
 def test_registered_outcome_estimators_give_every_token_the_response_advantage(name):
     assert name in ADVANTAGE_ESTIMATORS.names()
     scored = _scored([1.0, 0.0, 0.5, 0.25], [3, 1, 4, 2])
-    batch, _ = build_train_batch(scored, None, None, load_config("demo", [f"algorithm.adv_estimator={name}"]).algorithm)
+    batch, _ = build_train_batch(scored, None, None, AlgorithmConfig(adv_estimator=name))
     expected = OUTCOME[name](scored.rewards, 2)
     for adv, value, n in zip(batch.advantages, expected, [3, 1, 4, 2], strict=True):
         assert adv.shape == (n,) and torch.equal(adv, torch.full((n,), float(value)))

@@ -15,8 +15,9 @@ from packrl.algos.policy_losses import PolicyLossInputs, gspo
 from packrl.algos.rollout_correction import apply_rollout_correction, geometric_mean_ratio, rollout_is_weights, weighted_token_loss
 from packrl.config import ConfigError, load_config
 from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig
+from packrl.config.critic import CriticConfig
 from packrl.config.plan import BatchPlan
-from packrl.config.schema import AlgorithmConfig
+from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainConfig
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.denominators import LossDenominators
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
@@ -254,30 +255,30 @@ def test_refusals_name_the_key_the_value_and_the_fix():
     assert "nats >= 0" in _problems("algorithm.entropy_filter.threshold=-1")
 
 
-@pytest.mark.parametrize("overrides", [
-    ["algorithm.policy_loss=kl_cov"], ["algorithm.policy_loss=clip_cov"], ["algorithm.entropy_filter.quantile=0.5"],
-    ["algorithm.rollout_correction.rollout_is=token"],
-    ["algorithm.rollout_correction.rollout_rs=geometric", "algorithm.rollout_correction.rollout_rs_threshold=1.001"],
+@pytest.mark.parametrize("algorithm", [
+    dict(policy_loss="kl_cov"), dict(policy_loss="clip_cov"), dict(entropy_filter=EntropyFilterConfig(quantile=0.5)),
+    dict(rollout_correction=RolloutCorrectionConfig(rollout_is="token")),
+    dict(rollout_correction=RolloutCorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.001)),
 ])
-def test_features_that_read_the_old_pass_turn_it_on(overrides):
-    plan = BatchPlan.from_config(load_config("demo", overrides))
+def test_features_that_read_the_old_pass_turn_it_on(algorithm):
+    plan = BatchPlan.from_config(RunConfig(algorithm=AlgorithmConfig(**algorithm)))
     assert plan.needs_old_logprobs
-    reason = "rollout_correction" if "rollout_correction" in overrides[0] else "Clip-Cov/KL-Cov"
+    reason = "rollout_correction" if "rollout_correction" in algorithm else "Clip-Cov/KL-Cov"
     assert f"yes ({plan.old_logprobs_reason})" in plan.summary() and reason in plan.old_logprobs_reason
-    on = "rollout_correction" in overrides[0]
+    on = "rollout_correction" in algorithm
     assert plan.return_logprobs == on
-    cfg = load_config("demo", overrides).rollout
+    cfg = RolloutConfig()  # the features are the algorithm's; the rollout section is the default one
     assert SamplingParams.from_config(cfg, return_logprobs=plan.return_logprobs).return_logprobs == on
     assert not SamplingParams.from_config(cfg, validation=True, return_logprobs=True).return_logprobs
 
 
 def test_defaults_keep_the_on_policy_shortcut():
-    plan = BatchPlan.from_config(load_config("demo", ["algorithm.policy_loss=gspo"]))
+    plan = BatchPlan.from_config(RunConfig(algorithm=AlgorithmConfig(policy_loss="gspo")))
     assert not plan.needs_old_logprobs and not plan.return_logprobs and plan.old_logprobs_reason == ""
 
 
 def test_the_batch_plan_names_what_makes_the_update_off_policy():
-    plan = BatchPlan.from_config(load_config("demo", ["train.ppo_epochs=2", "train.mini_batch_size=4", "data.batch_size=8"]))
+    plan = BatchPlan.from_config(RunConfig(data=DataConfig(batch_size=8), train=TrainConfig(ppo_epochs=2, mini_batch_size=4)))
     assert plan.old_logprobs_reason == "train.ppo_epochs=2; train.mini_batch_size=4 < data.batch_size=8"
-    critic = BatchPlan.from_config(load_config("demo", ["critic.enable=true"])).summary()
+    critic = BatchPlan.from_config(RunConfig(critic=CriticConfig(enable=True))).summary()
     assert "yes (a value model; advantages: algorithm.adv_estimator=grpo)" in critic

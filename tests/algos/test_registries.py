@@ -14,7 +14,7 @@ from packrl.algos.advantages import AdvantageInputs
 from packrl.algos.policy_losses import PolicyLossInputs, PolicyLossOutput
 from packrl.config import ConfigError, load_config
 from packrl.registry import ADVANTAGE_ESTIMATORS, CONFIG_REGISTRIES, POLICY_LOSSES
-from tests.diagnostics.tiny_run import tiny_run, tiny_policy  # noqa: F401  (also registers reward test_letter_e)
+from tests.diagnostics.tiny_run import tiny_policy, tiny_run  # noqa: F401  (also registers reward test_letter_e)
 
 CALLS = {"loss": 0, "estimator": 0}
 
@@ -129,12 +129,12 @@ def test_a_loss_that_breaks_the_contract_is_named(name, what, smollm_tokenizer):
 
     from packrl.distributed.local import local_group
     from packrl.trainer.batch import build_train_batch
+    from tests.builders import scored_batch
     from tests.conftest import tiny_llama
-    from tests.trainer.test_on_policy import _scored
 
     cfg = load_config("demo", ["model.dtype=fp32", "data.batch_size=2", f"algorithm.policy_loss={name}"])
     workers = local_group(cfg, tiny_llama(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
-    batch, _ = build_train_batch(_scored(), None, None, cfg.algorithm)
+    batch, _ = build_train_batch(scored_batch(), None, None, cfg.algorithm)
     with pytest.raises(ValueError, match=rf"algorithm.policy_loss='{name}' {what}.*return PolicyLossOutput"):
         workers.update(batch)
 

@@ -8,8 +8,8 @@ import pytest
 
 from packrl.cli.audit import locate_tokenizer, split_arguments
 from packrl.cli.main import main
+from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 from tests.conftest import SMOLLM_DIR
-from tests.inspect.test_audit import DOCUMENTED_KEYS, INSTRUCTION, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def audit_json(capsys, *argv) -> dict:
 
 
 def test_json_output_parses_with_the_documented_keys(capsys, data, model_dir):
-    out = audit_json(capsys, data, f"data.instruction={INSTRUCTION}", "data.max_prompt_tokens=60", "--model", model_dir)
-    assert set(out) == DOCUMENTED_KEYS
+    out = audit_json(capsys, data, f"data.instruction={AUDIT_INSTRUCTION}", "data.max_prompt_tokens=60", "--model", model_dir)
+    assert set(out) == AUDIT_KEYS
     assert out["prompt_tokens"]["p99"] == max(prompt_chars("q" * n) for n in QUESTION_LENGTHS)
     assert out["policies"]["filter"]["num_filtered"] == out["num_overlong"] == 6
     assert out["config"]["data.max_prompt_tokens"] == 60 and out["model"] == model_dir

@@ -14,9 +14,9 @@ import pytest
 
 from packrl.cli.main import main
 from packrl.cli.verl import count_rows
+from packrl.compat.verl import parse_override, translate
+from packrl.compat.verl.keys import FAMILIES, VERL_KEYS
 from packrl.config import ConfigError, load_config
-from packrl.config.verl import translate
-from packrl.config.verl_keys import FAMILIES, VERL_KEYS, parse_override
 from tests.conftest import SHARED, SMOLLM_DIR
 
 AR = "actor_rollout_ref"
@@ -249,7 +249,8 @@ GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (GGUF.is_file() and (SHARED / "data" / "gsm8k" / "train.jsonl").is_file()), reason="needs the shared model and GSM8K")
+@pytest.mark.skipif(not (GGUF.is_file() and (SHARED / "data" / "gsm8k" / "train.jsonl").is_file()),
+                    reason="needs the shared model and GSM8K")
 def test_translated_gsm8k_grpo_command_trains_one_step(tmp_path, capsys):
     write_verl_parquet(tmp_path / "train.parquet", 8)
     out_dir = tmp_path / "run"

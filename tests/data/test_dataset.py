@@ -64,7 +64,8 @@ def test_bad_rows_stop_the_build_with_row_numbers(smollm_tokenizer, two_files):
 
 def test_more_than_ten_bad_rows_are_summarised(smollm_tokenizer, tmp_path):
     path = _write_jsonl(tmp_path / "bad.jsonl", [b"{oops"] * 12 + [_gsm8k("What is 2 + 2?")])
-    with pytest.raises(ValueError, match=r"12 bad row\(s\) of 13 \(rows count from 0, file lines from 1\): row 0 .* row 9 \([^)]*\): line 10: invalid JSON [^;]*; and 2 more"):
+    with pytest.raises(ValueError, match=r"12 bad row\(s\) of 13 \(rows count from 0, file lines from 1\): "
+                                         r"row 0 .* row 9 \([^)]*\): line 10: invalid JSON [^;]*; and 2 more"):
         _build([path], smollm_tokenizer)
 
 

@@ -11,10 +11,11 @@ import torch
 
 from packrl.algos.losses import kl_penalty
 from packrl.config import load_config
-from packrl.errors import ConfigError
+from packrl.config.schema import AlgorithmConfig
 from packrl.diagnostics.buckets import bucket_means, length_buckets
 from packrl.diagnostics.metrics import bucket_metrics, rollout_mismatch_metrics
 from packrl.distributed.local import local_group
+from packrl.errors import ConfigError
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
 from tests.conftest import score_of, tiny_llama
@@ -48,7 +49,7 @@ def test_length_buckets_table():
 
 
 def test_score_and_advantage_buckets_equal_direct_means():
-    batch, _ = build_train_batch(_scored(), None, None, _cfg("algorithm.truncated=mask").algorithm)
+    batch, _ = build_train_batch(_scored(), None, None, AlgorithmConfig(truncated="mask"))
     got = bucket_metrics(batch, M)
     adv = [float(a[0]) for a in batch.advantages]
     # lengths 2 | 4, 5 | 7 | 12, 11 (the two last truncated: no loss tokens, no advantage)
@@ -60,7 +61,7 @@ def test_score_and_advantage_buckets_equal_direct_means():
 
 @pytest.mark.parametrize("truncated, expected", [("mask", 12 + 11), ("keep", 0)])
 def test_masked_token_counts(truncated, expected):
-    batch, metrics = build_train_batch(_scored(), None, None, _cfg(f"algorithm.truncated={truncated}").algorithm)
+    batch, metrics = build_train_batch(_scored(), None, None, AlgorithmConfig(truncated=truncated))
     assert metrics["seqlen/masked_tokens/truncated"] == expected
     assert sum(int((~m).sum()) for m in batch.loss_masks) == expected
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from packrl.diagnostics.buckets import length_buckets
+from tests.builders import metric_lines
 from tests.diagnostics.tiny_run import tiny_run
 
 STAGES = {"gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"}
@@ -54,10 +55,6 @@ def _has_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_trace_is_valid_and_micro_batches_nest_in_update(observed_run):
     events = check_trace(json.loads((observed_run / "trace.json").read_text()))
     for step in (1, 2):
@@ -82,7 +79,7 @@ def test_trace_is_valid_and_micro_batches_nest_in_update(observed_run):
 
 
 def test_rollout_dump_rows(observed_run):
-    metrics = _metrics(observed_run)
+    metrics = metric_lines(observed_run)
     for step in (1, 2):
         rows = [json.loads(line) for line in (observed_run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         assert len(rows) == 2 * 3  # data.batch_size * rollout.n
@@ -104,9 +101,9 @@ def test_rollout_dump_rows(observed_run):
         assert line["seqlen/masked_tokens/truncated"] == truncated_tokens
 
 
-def test_bucket_and_mismatch_keys_in_metrics(observed_run):
+def test_bucket_and_mismatch_keys_inmetric_lines(observed_run):
     names = [f"{lo}-{hi}" for lo, hi in length_buckets(12)]
-    for line in _metrics(observed_run):
+    for line in metric_lines(observed_run):
         buckets = {k for k in line if k.startswith("bucket/")}
         assert any(k.startswith("bucket/score/") for k in buckets)
         assert all(k.split("/")[2] in names and k.split("/")[1] in {"score", "kl", "entropy", "clipfrac", "advantage"} for k in buckets)

@@ -13,32 +13,20 @@ pytest.importorskip("ray")
 
 from packrl.config import load_config  # noqa: E402
 from packrl.trainer.loop import train  # noqa: E402
-from tests.diagnostics.tiny_run import BASE, tiny_policy  # noqa: E402  (also registers reward test_letter_e)
+from tests.builders import LAYOUT, RAY_COMMON, metric_lines, rollout_responses  # noqa: E402
+from tests.diagnostics.tiny_run import BASE  # noqa: E402  (also registers reward test_letter_e)
 from tests.same_training import assert_same_training  # noqa: E402
 
-# A dense reward and two mini-batches per step, so parameters, optimizer state and old log-probs all matter.
-COMMON = [*BASE, "reward.name=test_letter_e", "train.mini_batch_size=1", "train.lr=1e-2", "train.save_every=2",
-          "train.dump_rollouts=true"]
 # Layouts are compared in float64 at a step size where rounding differences do not compound
-# (tests/same_training.py says why, with the figures). transformers keeps RMSNorm and RoPE in
-# float32 inside a float64 model, so losses and gradient norms of two layouts still differ by
-# about 1e-9 relative; LOSS_REL allows 1e-6, 1,000x that, and 1,000x below a rank that trained
+# (`LAYOUT`; tests/same_training.py says why, with the figures). transformers keeps RMSNorm and
+# RoPE in float32 inside a float64 model, so losses and gradient norms of two layouts still differ
+# by about 1e-9 relative; LOSS_REL allows 1e-6, 1,000x that, and 1,000x below a rank that trained
 # on the wrong data or scale.
-LAYOUT = ["model.dtype=fp64", "train.lr=1e-4"]
 LOSS_REL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm_tokenizer):
-    """The tiny random policy saved as an HF model folder, as the workers load it."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_policy(smollm_tokenizer).save_pretrained(path)
-    smollm_tokenizer.save_pretrained(path)
-    return path
-
-
 def _run(out, model_dir, workers: int, *overrides: str):
-    cfg = load_config("demo", [f"train.out_dir={out}", f"model.path={model_dir}", f"trainer.num_workers={workers}", *COMMON,
+    cfg = load_config("demo", [f"train.out_dir={out}", f"model.path={model_dir}", f"trainer.num_workers={workers}", *RAY_COMMON,
                                *overrides])
     return train(cfg)
 
@@ -53,23 +41,15 @@ def _checkpoint(run_dir, step):
     return run_dir / "checkpoints" / f"step_{step}"
 
 
-def _lines(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _responses(run_dir, step):
-    return [json.loads(line)["response"] for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_two_workers_train_as_one_process(tmp_path, model_dir, mode):
     one = _run(tmp_path / "one", model_dir, 1, "train.total_steps=2", f"algorithm.loss_agg_mode={mode}", *LAYOUT)
     two = _run(tmp_path / "two", model_dir, 2, "train.total_steps=2", f"algorithm.loss_agg_mode={mode}", *LAYOUT)
     for step in (1, 2):
-        assert _responses(one, step) == _responses(two, step)  # per-prompt seeds: the same samples on any rank
+        assert rollout_responses(one, step) == rollout_responses(two, step)  # per-prompt seeds: the same samples on any rank
     assert_same_training(_checkpoint(one, 2), _checkpoint(two, 2))  # weights and AdamW moments, 4 optimizer steps
     assert (_weights(one, 2)["model.norm.weight"] != 1).any(), "the run must actually train"
-    a, b = _lines(one), _lines(two)
+    a, b = metric_lines(one), metric_lines(two)
     for x, y in zip(a, b):
         assert y["actor/pg_loss"] == pytest.approx(x["actor/pg_loss"], rel=LOSS_REL)
         assert y["actor/grad_norm"] == pytest.approx(x["actor/grad_norm"], rel=LOSS_REL)
@@ -87,7 +67,7 @@ def test_checkpoints_move_between_one_process_and_two_workers(tmp_path, model_di
     half_two = _run(tmp_path / "half_two", model_dir, 2, "train.total_steps=2", *LAYOUT)
     to_two = _run(tmp_path / "half_one", model_dir, 2, "train.total_steps=4", "train.resume=auto", *LAYOUT)
     to_one = _run(tmp_path / "half_two", model_dir, 1, "train.total_steps=4", "train.resume=auto", *LAYOUT)
-    assert [line["step"] for line in _lines(to_two)] == [1, 2, 3, 4]
+    assert [line["step"] for line in metric_lines(to_two)] == [1, 2, 3, 4]
     # 8 optimizer steps on each side, in float64 (tests/same_training.py: the tolerances and why)
     assert_same_training(_checkpoint(straight, 4), _checkpoint(to_two, 4))
     assert_same_training(_checkpoint(straight, 4), _checkpoint(to_one, 4))
@@ -96,7 +76,7 @@ def test_checkpoints_move_between_one_process_and_two_workers(tmp_path, model_di
 
 def _skewed_batch(tokenizer):
     """One prompt with a response 10x as long as the other prompt's three (a rank's share 10x longer)."""
-    from packrl.config.schema import RewardConfig
+    from packrl.config.schema import AlgorithmConfig, RewardConfig
     from packrl.reward.score import score_rollout
     from packrl.trainer.batch import build_train_batch
     from packrl.types import PromptBatch, Response, RolloutBatch
@@ -106,9 +86,8 @@ def _skewed_batch(tokenizer):
     prompts = PromptBatch((ids(30), ids(20)), ("1", "2"), ("t", "t"), (0, 1), (False, False))
     responses = tuple(Response(ids(n), "length") for n in (300, 290, 280, 30, 25, 28))
     rollout = RolloutBatch(prompts, 3, responses)
-    cfg = load_config("demo", ["reward.name=test_letter_e"])
     scored = score_rollout(rollout, tokenizer, RewardConfig(name="test_letter_e"), 512)
-    return build_train_batch(scored, None, None, cfg.algorithm)[0]
+    return build_train_batch(scored, None, None, AlgorithmConfig())[0]
 
 
 def test_skewed_lengths_do_not_hang_and_memory_features_work_on_every_rank(tmp_path, model_dir, smollm_tokenizer):
@@ -182,7 +161,7 @@ def test_ppo_with_a_critic_trains_on_two_workers_as_in_one_process(tmp_path, mod
     critic = ["algorithm.adv_estimator=gae", "critic.lr=1e-4", "train.total_steps=2", *LAYOUT]
     one = _run(tmp_path / "one", model_dir, 1, *critic)
     two = _run(tmp_path / "two", model_dir, 2, *critic)
-    a, b = _lines(one), _lines(two)
+    a, b = metric_lines(one), metric_lines(two)
     for x, y in zip(a, b):
         for key in ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "actor/pg_loss"):
             assert y[key] == pytest.approx(x[key], rel=LOSS_REL, abs=1e-12), key

@@ -90,7 +90,7 @@ def test_a_pack_split_over_two_ranks_equals_one_process(case, tmp_path):
 
 pytest.importorskip("ray")
 
-from tests.distributed.test_ray_group import COMMON, LAYOUT, _lines, _responses, model_dir  # noqa: E402, F401
+from tests.builders import LAYOUT, RAY_COMMON, metric_lines, rollout_responses  # noqa: E402
 from tests.same_training import assert_same_training  # noqa: E402
 
 # Sequences reach 64 + ~46 tokens; 80 tokens per rank cannot hold one, 2 x 80 can.
@@ -101,19 +101,19 @@ LONG = ["rollout.max_response_tokens=64", "data.max_prompt_tokens=64", "train.ma
 def _run(out, model_dir, *overrides: str):
     from packrl.trainer.loop import train
 
-    cfg = load_config("demo", [f"train.out_dir={out}", f"model.path={model_dir}", *COMMON, *LONG, *overrides])
+    cfg = load_config("demo", [f"train.out_dir={out}", f"model.path={model_dir}", *RAY_COMMON, *LONG, *overrides])
     return train(cfg)
 
 
-def test_sequence_parallel_holds_what_one_rank_cannot_and_trains_as_one_process(tmp_path, model_dir):  # noqa: F811
+def test_sequence_parallel_holds_what_one_rank_cannot_and_trains_as_one_process(tmp_path, model_dir):
     with pytest.raises(ConfigError, match=r"train.max_tokens_per_microbatch=80: smaller than the longest possible sequence"):
         _run(tmp_path / "refused", model_dir)
     one = _run(tmp_path / "one", model_dir, "train.max_tokens_per_microbatch=256", "train.max_tokens_per_logprob_microbatch=256")
     split = _run(tmp_path / "split", model_dir, "trainer.num_workers=2", "trainer.sequence_parallel_size=2")
     for step in (1, 2):
-        assert _responses(one, step) == _responses(split, step)
+        assert rollout_responses(one, step) == rollout_responses(split, step)
     assert_same_training(_checkpoint(one), _checkpoint(split))  # float64: tests/same_training.py says why
-    lines = _lines(split)
+    lines = metric_lines(split)
     assert all(line["seqlen/sequence_parallel_size"] == 2.0 for line in lines)
     assert max(line["seqlen/microbatch_tokens_max"] for line in lines) > 80  # packs longer than one rank's budget ran
     assert all(line["seqlen/microbatch_tokens_per_rank_max"] <= 80 and line["perf/all_to_all_s"] > 0 for line in lines)
@@ -125,13 +125,13 @@ def test_sequence_parallel_holds_what_one_rank_cannot_and_trains_as_one_process(
 
 
 @pytest.mark.slow
-def test_two_data_parallel_by_two_sequence_parallel_ranks_train_as_one_process(tmp_path, model_dir):  # noqa: F811
+def test_two_data_parallel_by_two_sequence_parallel_ranks_train_as_one_process(tmp_path, model_dir):
     one = _run(tmp_path / "one", model_dir, "train.max_tokens_per_microbatch=256", "train.max_tokens_per_logprob_microbatch=256")
     grid = _run(tmp_path / "grid", model_dir, "trainer.num_workers=4", "trainer.sequence_parallel_size=2")
     for step in (1, 2):
-        assert _responses(one, step) == _responses(grid, step)
+        assert rollout_responses(one, step) == rollout_responses(grid, step)
     assert_same_training(_checkpoint(one), _checkpoint(grid))
-    assert all(line["seqlen/rank_imbalance"] >= 1.0 for line in _lines(grid))
+    assert all(line["seqlen/rank_imbalance"] >= 1.0 for line in metric_lines(grid))
     assert "2 data-parallel x 2 sequence-parallel (Ulysses)" in (grid / "model.txt").read_text()
 
 

@@ -26,28 +26,17 @@ import transformers
 
 from packrl.config import load_config
 from packrl.trainer.loop import train
+from tests.builders import HYBRIDS, hybrid_config
 from tests.conftest import SMOLLM_DIR
-from tests.models.test_isolation import COMMON, FAMILIES
 
 # max |p_train - p_rollout| over generated tokens: 1e-4 nats at these near-uniform probabilities (see the module docstring)
 MISMATCH_LIMIT = 2e-9
-HYBRIDS = {**FAMILIES, "qwen3_5": ("Qwen3_5TextConfig", dict(
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
-    linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8))}
 
 
 def _save(family: str, path, tokenizer) -> None:
     """A tiny random model of ``family`` with SmolLM2's vocabulary, saved with SmolLM2's tokenizer files."""
-    name, extra = ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)) if family == "llama" else HYBRIDS[family]
-    if not hasattr(transformers, name):
-        pytest.skip(f"this transformers has no {name}")
-    config_cls = getattr(transformers, name)
-    ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-               bos_token_id=tokenizer.bos_token_id)
-    kwargs = {k: v for k, v in (COMMON | extra | ids).items() if k in config_cls.__dataclass_fields__ or hasattr(config_cls(), k)}
-    config = config_cls(**kwargs)
-    if getattr(config, "max_position_embeddings", None) is None:  # Mamba has no positional limit; the budgets need one
-        config.max_position_embeddings = 512
+    config = hybrid_config(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

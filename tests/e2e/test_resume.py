@@ -13,16 +13,13 @@ from pathlib import Path
 import pytest
 
 from packrl.worker.checkpoint import STATE_FILE, find_resume_checkpoint
+from tests.builders import metric_lines
 from tests.diagnostics.tiny_run import tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
 # A dense reward and a mini-batch per prompt, so parameters and optimizer state move every step.
 COMMON = ["train.dump_rollouts=true", "train.save_every=2", "reward.name=test_letter_e", "train.mini_batch_size=1",
           "train.lr=1e-2"]
-
-
-def _lines(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _prompts(run_dir, step):
@@ -56,7 +53,7 @@ def test_resume_after_sigkill_matches_four_straight(tmp_path, smollm_tokenizer):
     (tmp_path / "b" / "checkpoints" / ".tmp-step_99").mkdir()  # an interrupted write is never chosen
     assert find_resume_checkpoint(tmp_path / "b", "auto").name != ".tmp-step_99"
     resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=4", f"train.resume={step_2}", *COMMON])
-    a, b = _lines(straight), _lines(resumed)
+    a, b = metric_lines(straight), metric_lines(resumed)
     assert [line["step"] for line in b] == [1, 2, 3, 4]
     assert any(line["actor/grad_norm"] > 0 for line in a), "the run must actually train"
     for step in (1, 2, 3, 4):

@@ -11,13 +11,14 @@ import shutil
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import tests.diagnostics.tiny_run  # noqa: F401  (registers the reward test_letter_e these runs train with)
 from packrl.config import load_config
+from packrl.config.schema import ModelConfig
 from packrl.distributed.local import local_group
 from packrl.models.loading import load_policy
 from packrl.trainer.loop import train
 from packrl.types import PromptBatch, Response, RolloutBatch
 from tests.conftest import SMOLLM_DIR, score_of
-from tests.e2e.test_train_tiny import tokenizer  # noqa: F401  (fixture; also registers reward test_letter_e)
 
 
 def _tiny_dir(d, tokenizer):
@@ -40,7 +41,7 @@ def _rollout() -> RolloutBatch:
     return RolloutBatch(prompts, 2, responses)
 
 
-def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer):  # noqa: F811
+def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer):
     model_dir = _tiny_dir(tmp_path / "tiny", tokenizer)
     cfg = load_config("demo", [
         f"model.path={model_dir}", "model.lora.rank=4", "model.lora.alpha=8", "model.gradient_checkpointing=true",
@@ -88,7 +89,7 @@ def test_lora_checkpointing_offload_two_steps(tmp_path, tokenizer):  # noqa: F81
     # the reference log-probs are the base model's, bit for bit: scored with the packs the worker
     # group uses (shared prompts), the two passes multiply the same operands in the same order
     rollout = _rollout()
-    base_model, _ = load_policy(load_config("demo", [f"model.path={model_dir}"]).model)
+    base_model, _ = load_policy(ModelConfig(path=str(model_dir)))
     expected = score_of(base_model, rollout, cfg, worker.autocast, share_prompts=workers.share_prompts)[0]
     for a, b in zip(workers.compute_logprobs(rollout, "ref").logprobs, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

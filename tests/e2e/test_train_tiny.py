@@ -26,12 +26,6 @@ REQUIRED_KEYS = [
 ]
 
 
-@pytest.fixture
-def tokenizer(smollm_tokenizer):
-    smollm_tokenizer.padding_side = "left"
-    return smollm_tokenizer
-
-
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
 def test_two_steps_train_log_and_checkpoint(tmp_path, tokenizer, loss_agg_mode):
     cfg = load_config("demo", [

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import string
 import sys
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainConfig
@@ -21,37 +19,13 @@ from packrl.data import PromptDataset, load_examples
 from packrl.inspect.audit import audit_rows, audit_sources, length_percentiles
 from packrl.inspect.audit_html import render_html
 from packrl.inspect.images import image_tokens, smart_resize
+from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 from tests.conftest import SHARED
-
-CHARS = string.ascii_letters + string.digits + " " + string.punctuation[:30]
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-INSTRUCTION = "Solve."
-QUESTION_LENGTHS = [5, 10, 20, 30, 40, 50, 60, 70, 80, 200]
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3} | {c: 4 + i for i, c in enumerate(CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
-    fast.chat_template = TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
     return char_tokenizer()
-
-
-def prompt_chars(question: str, instruction: str = INSTRUCTION) -> int:
-    """Tokens of a GSM8K row's prompt under the character tokenizer: the rendered string's length."""
-    return len(f"<user>{question} {instruction}<assistant>")
-
-
-def write_jsonl(path, rows) -> str:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return str(path)
 
 
 @pytest.fixture
@@ -61,7 +35,7 @@ def ten_rows(tmp_path) -> str:
 
 
 def config(**data) -> RunConfig:
-    data = {"instruction": INSTRUCTION, "max_prompt_tokens": 60, "batch_size": 1} | data
+    data = {"instruction": AUDIT_INSTRUCTION, "max_prompt_tokens": 60, "batch_size": 1} | data
     return RunConfig(data=DataConfig(**data), rollout=RolloutConfig(max_response_tokens=100),
                      train=TrainConfig(max_tokens_per_microbatch=4096))
 
@@ -257,20 +231,14 @@ def test_without_pillow_the_error_says_how_to_install(tok, tmp_path, monkeypatch
         audit([path], tok, config())
 
 
-DOCUMENTED_KEYS = {
-    "schema", "sources", "model", "tokenizer", "config", "num_rows", "num_bad_rows", "bad_rows", "prompt_tokens",
-    "answer_tokens", "num_overlong", "policies", "multimodal", "suggested", "problems", "cached", "wall_s", "rows_per_s",
-}
-
-
 def test_json_has_the_documented_keys_and_round_trips(tok, tmp_path):
     path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("x", IMAGE_224), {"question": "q", "answer": "#### 1"}])
     report = audit([path], tok, config())
     data = json.loads(report.to_json())
-    assert set(data) == DOCUMENTED_KEYS
+    assert set(data) == AUDIT_KEYS
     import packrl.inspect.audit as module
 
-    assert all(f"    {key}" in module.__doc__ or f", {key}" in module.__doc__ for key in DOCUMENTED_KEYS)
+    assert all(f"    {key}" in module.__doc__ or f", {key}" in module.__doc__ for key in AUDIT_KEYS)
     assert set(data["policies"]) == {"filter", "left", "right", "middle", "error"}
     assert set(data["prompt_tokens"]) == {"num_rows", "p50", "p90", "p95", "p99", "max", "mean", "histogram"}
     assert set(data["suggested"]) == {"data.max_prompt_tokens", "train.max_tokens_per_microbatch", "rule"}

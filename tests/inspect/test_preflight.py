@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from packrl.cli.main import main
 from packrl.config import load_config
+from packrl.config.schema import LoraConfig
 from packrl.inspect.memory import GIB, ModelShape, activation_bytes_per_token_layer, estimate_memory, max_fitting_tokens
 from packrl.inspect.preflight import preflight
 
@@ -89,7 +90,8 @@ def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
     shape = ModelShape.from_config(_config(), None)
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     assert f"max_model_len={cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens:,}" in note and "max_num_seqs=4" in note
-    assert f"KV cache {kv_cache_bytes(EngineOptions.from_config(cfg), per_token) / GIB:.2f} GiB" in note and f"({per_token:,} bytes per token)" in note
+    assert f"KV cache {kv_cache_bytes(EngineOptions.from_config(cfg), per_token) / GIB:.2f} GiB" in note
+    assert f"({per_token:,} bytes per token)" in note
 
 
 def test_multi_turn_without_the_call_stop_string_is_noted(model_dir):
@@ -114,8 +116,7 @@ def test_parameter_counts_match_the_real_model():
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     linears = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     assert shape.num_matmul_params == sum(m.weight.numel() for m in linears)
-    cfg = load_config("demo", ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]"])
-    lora = ModelShape.from_config(config, cfg.model.lora)
+    lora = ModelShape.from_config(config, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
     q, v = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.v_proj
     assert lora.num_lora_params == 2 * 4 * (q.in_features + q.out_features + v.in_features + v.out_features)
 
@@ -123,10 +124,10 @@ def test_parameter_counts_match_the_real_model():
 def test_lora_count_matches_peft():
     peft = pytest.importorskip("peft")
     config = _config()
-    cfg = load_config("demo", ["model.lora.rank=8"])
-    wrapped = peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(r=8, target_modules=cfg.model.lora.target_modules))
+    lora = LoraConfig(rank=8)
+    wrapped = peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(r=8, target_modules=lora.target_modules))
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    assert ModelShape.from_config(config, cfg.model.lora).num_lora_params == trainable
+    assert ModelShape.from_config(config, lora).num_lora_params == trainable
 
 
 def test_estimate_responds_to_each_memory_feature():
@@ -236,7 +237,7 @@ def _saved_bytes_per_token(num_layers: int, tokens: int, lora_rank: int) -> floa
     use_packed_attention(model)
     if lora_rank:
         peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=load_config("demo").model.lora.target_modules))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=LoraConfig().target_modules))
     seen: dict[int, int] = {}
 
     def pack_hook(t):
@@ -254,6 +255,5 @@ def _saved_bytes_per_token(num_layers: int, tokens: int, lora_rank: int) -> floa
 def test_activation_count_is_what_autograd_saves_per_layer(lora_rank):
     tokens = 101  # matches no model dimension
     per_layer = (_saved_bytes_per_token(3, tokens, lora_rank) - _saved_bytes_per_token(1, tokens, lora_rank)) / 2
-    cfg = load_config("demo", [f"model.lora.rank={lora_rank}"])
-    shape = ModelShape.from_config(_config(), cfg.model.lora)
+    shape = ModelShape.from_config(_config(), LoraConfig(rank=lora_rank))
     assert activation_bytes_per_token_layer(shape, 2, lora_rank) == pytest.approx(per_layer, rel=0.03)

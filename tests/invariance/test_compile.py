@@ -14,8 +14,8 @@ from packrl.errors import ConfigError
 from packrl.models.compile import CompiledLayers, active, decoder_layers
 from packrl.seqlen import chunked
 from packrl.worker.policy import ActivationOffload
+from tests.builders import shared_prompt_batch, shared_prompt_config
 from tests.conftest import minibatch_grads, score_of, tiny_llama
-from tests.invariance.test_shared_prompts import _batch, _cfg
 
 
 def _grads(model, batch, cfg, compiled=None, context=None):
@@ -27,8 +27,8 @@ def _grads(model, batch, cfg, compiled=None, context=None):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_compiled_layers_give_the_eager_logprobs_and_gradients(offload):
-    batch = _batch()
-    cfg = _cfg("seq-mean-token-mean", budget=40)  # several micro-batches; groups split across them
+    batch = shared_prompt_batch()
+    cfg = shared_prompt_config("seq-mean-token-mean", budget=40)  # several micro-batches; groups split across them
     model = tiny_llama()
     model.train()
     context = (lambda: ActivationOffload("cpu")) if offload else None
@@ -68,7 +68,8 @@ def test_a_model_without_a_layer_stack_is_refused():
 
 
 def test_compile_where_it_cannot_run_is_refused_unless_left_to_packrl():
-    with pytest.raises(ConfigError, match=r"cannot run with trainer.num_workers=2 .*set model.compile=null \(on where it can run\) or false"):
+    with pytest.raises(ConfigError,
+                       match=r"cannot run with trainer.num_workers=2 .*set model.compile=null \(on where it can run\) or false"):
         load_config("demo", ["model.compile=true", "trainer.num_workers=2"])
     with pytest.raises(ConfigError, match="model.gradient_checkpointing=true .torch.utils.checkpoint runs its layers with torch.compile"):
         load_config("demo", ["model.compile=true", "model.gradient_checkpointing=true"])
@@ -81,12 +82,12 @@ def test_compile_where_it_cannot_run_is_refused_unless_left_to_packrl():
 def test_the_compiled_critic_gives_the_eager_values():
     import contextlib
 
-    from packrl.worker.packs import PackForward
     from packrl.worker.critic import ValueModel, compute_values
+    from packrl.worker.packs import PackForward
 
     lm = tiny_llama()
     critic = ValueModel(lm.get_decoder(), lm.config, head_std=0.02)
-    rollout = _batch().rollout
+    rollout = shared_prompt_batch().rollout
     run = lambda: compute_values(critic, rollout, [tuple(range(len(rollout)))], context=contextlib.nullcontext,  # noqa: E731
                                  forward=PackForward("varlen", 1024, 1.0, share_prompts=True))
     eager = run()
@@ -103,8 +104,8 @@ def test_compiled_lora_layers_give_the_eager_adapter_gradients_and_base_logprobs
     from packrl.config.schema import LoraConfig
     from packrl.models.lora import apply_lora, base_policy
 
-    batch = _batch()
-    cfg = _cfg("token-mean", budget=40)
+    batch = shared_prompt_batch()
+    cfg = shared_prompt_config("token-mean", budget=40)
     model = apply_lora(tiny_llama(), LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]))
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -14,10 +14,10 @@ import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES
 from packrl.seqlen.update_plan import groups_of, plan_update
-from packrl.worker.packs import PackForward
 from packrl.worker.critic import ValueModel, compute_values, critic_microbatches
+from packrl.worker.packs import PackForward
+from tests.builders import BUDGETS, WHOLE, loss_batch
 from tests.conftest import tiny_llama
-from tests.invariance.test_loss_invariance import BUDGETS, WHOLE, _batch
 
 CLIP = 0.2
 
@@ -29,7 +29,7 @@ def _critic() -> ValueModel:
 
 
 def _critic_batch():
-    batch = _batch()
+    batch = loss_batch()
     g = torch.Generator().manual_seed(11)
     values = tuple(0.3 * torch.randn(len(m), generator=g, dtype=torch.float64) for m in batch.loss_masks)
     returns = tuple(v + 0.5 * torch.randn(len(v), generator=g, dtype=torch.float64) for v in values)

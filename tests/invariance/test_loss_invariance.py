@@ -15,46 +15,19 @@ import pytest
 import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES, aggregate_loss
-from packrl.config import load_config
 from packrl.seqlen.denominators import LossDenominators
-from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+from tests.builders import BUDGETS, LOSS_PROMPT_LENS, LOSS_RESPONSE_LENS, RTOL, WHOLE, loss_batch, pass_config
 from tests.conftest import minibatch_grads, tiny_llama
-
-RTOL = 1e-6
-PROMPT_LENS = [5, 9, 3, 12]
-RESPONSE_LENS = [14, 3, 22, 6, 17, 9, 1, 11]  # two responses per prompt
-WHOLE = 4096  # a budget that holds the whole mini-batch: one micro-batch
-BUDGETS = (40, 64)
-
-
-def _batch() -> TrainBatch:
-    """Eight sequences in four groups, with old and reference log-probs that differ from the
-    model's (so the ratio and the KL matter) and per-token advantages. Response 5 is truncated
-    and fully masked (algorithm.truncated=mask)."""
-    g = torch.Generator().manual_seed(3)
-    prompts = PromptBatch(tuple(tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in PROMPT_LENS),
-                          ("0",) * 4, ("t",) * 4, (0, 1, 2, 3), (False,) * 4)
-    responses = tuple(Response(tuple(torch.randint(0, 97, (n,), generator=g).tolist()), "length" if i == 5 else "eos")
-                      for i, n in enumerate(RESPONSE_LENS))
-    rollout = RolloutBatch(prompts, 2, responses)
-    rewards = torch.zeros(len(responses))
-    masks = tuple(torch.full((n,), i != 5) for i, n in enumerate(RESPONSE_LENS))
-    advantages = tuple(torch.randn(n, generator=g) for n in RESPONSE_LENS)
-    old = tuple(-4.6 + 0.3 * torch.randn(n, generator=g) for n in RESPONSE_LENS)
-    ref = tuple(-4.6 + 0.3 * torch.randn(n, generator=g) for n in RESPONSE_LENS)
-    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, old, ref)
 
 
 def _cfg(mode: str, budget: int):
-    return load_config("demo", ["model.dtype=fp32", "data.batch_size=4", "rollout.n=2", "data.max_prompt_tokens=12",
-                                "rollout.max_response_tokens=24", f"train.max_tokens_per_microbatch={budget}",
-                                f"algorithm.loss_agg_mode={mode}", "algorithm.kl_coef=0.1", "algorithm.entropy_coeff=0.01",
-                                "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.1"])
+    return pass_config(batch_size=4, n=2, max_prompt_tokens=12, max_response_tokens=24, update_tokens=budget, loss_agg_mode=mode,
+                       kl_coef=0.1, entropy_coeff=0.01, clip_ratio_low=0.1, clip_ratio_high=0.1)
 
 
 def _loss_and_grads(mode: str, budget: int, num_ranks: int) -> tuple[float, torch.Tensor]:
     model = tiny_llama(dtype=torch.float64)
-    loss = minibatch_grads(model, _batch(), _cfg(mode, budget), num_ranks=num_ranks)
+    loss = minibatch_grads(model, loss_batch(), _cfg(mode, budget), num_ranks=num_ranks)
     return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
@@ -73,12 +46,12 @@ def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(mode):
 def test_the_splits_really_differ():
     from packrl.seqlen.update_plan import plan_update
 
-    lengths = [PROMPT_LENS[i // 2] + n for i, n in enumerate(RESPONSE_LENS)]
+    lengths = [LOSS_PROMPT_LENS[i // 2] + n for i, n in enumerate(LOSS_RESPONSE_LENS)]
     counts = {}
     for budget in (WHOLE, *BUDGETS):
         for num_ranks in (1, 2):
-            plan = plan_update(lengths, RESPONSE_LENS, groups=[i // 2 for i in range(len(lengths))], mini_batch_prompts=4, num_epochs=1, num_ranks=num_ranks,
-                               max_tokens=budget, balance=True, loss_scale_factor=24)
+            plan = plan_update(lengths, LOSS_RESPONSE_LENS, groups=[i // 2 for i in range(len(lengths))], mini_batch_prompts=4,
+                               num_epochs=1, num_ranks=num_ranks, max_tokens=budget, balance=True, loss_scale_factor=24)
             counts[budget, num_ranks] = [len([mb for mb in plan.minibatches[0].microbatches(r) if mb]) for r in range(num_ranks)]
     assert counts[WHOLE, 1] == [1] and sum(counts[BUDGETS[0], 1]) >= 3 and all(c >= 1 for c in counts[BUDGETS[0], 2])
     assert counts[BUDGETS[0], 1] != counts[BUDGETS[1], 1]

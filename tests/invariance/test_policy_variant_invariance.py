@@ -16,31 +16,28 @@ import pytest
 import torch
 
 from packrl.algos.policy_losses import prepare_update
-from packrl.config import load_config
 from packrl.config.plan import BatchPlan
 from packrl.seqlen.update_plan import groups_of, plan_update
+from tests.builders import BUDGETS, RTOL, WHOLE, loss_batch, pass_config, stepwise_batch
 from tests.conftest import minibatch_grads, score_of, tiny_llama
-from tests.invariance.test_loss_invariance import BUDGETS, RTOL, WHOLE, _batch
 
-CASES = {
-    "gspo": ["algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.01", "algorithm.clip_ratio_high=0.02"],
-    "clip_cov": ["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0.1", "algorithm.clip_cov_lb=0.0"],
-    "kl_cov": ["algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0.1", "algorithm.ppo_kl_coef=1.0"],
-    "tis": ["algorithm.policy_loss=ppo_clip"],
+CASES = {  # the algorithm section of each case
+    "gspo": dict(policy_loss="gspo", clip_ratio_low=0.01, clip_ratio_high=0.02),
+    "clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.0),
+    "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.1, ppo_kl_coef=1.0),
+    "tis": dict(policy_loss="ppo_clip"),
 }
 
 
 def _cfg(case: str, mode: str, budget: int):
-    return load_config("demo", ["model.dtype=fp32", "data.batch_size=4", "rollout.n=2", "data.max_prompt_tokens=12",
-                                "rollout.max_response_tokens=24", f"train.max_tokens_per_microbatch={budget}",
-                                f"algorithm.loss_agg_mode={mode}", "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.1",
-                                *CASES[case]])
+    return pass_config(batch_size=4, n=2, max_prompt_tokens=12, max_response_tokens=24, update_tokens=budget, loss_agg_mode=mode,
+                       **(dict(clip_ratio_low=0.1, clip_ratio_high=0.1) | CASES[case]))
 
 
 def _prepared(case: str, cfg):
     """The batch as the worker group hands it to the update: the loss's controller-side choice made
     over the whole mini-batch, or (``tis``) truncated importance weights as extras."""
-    batch = _batch()
+    batch = loss_batch()
     if case == "tis":
         g = torch.Generator().manual_seed(5)
         weights = tuple((0.5 + torch.rand(len(m), generator=g)).clamp(max=1.2) for m in batch.loss_masks)
@@ -126,9 +123,8 @@ def test_step_wise_samples_carry_the_extras_sliced_like_the_loss_masks():
     """Under the rolling window the update trains step-wise samples: per-token extras (importance
     weights, a Clip-Cov / KL-Cov choice) are cut to each sample's stretch like the masks are."""
     from packrl.seqlen.stepwise import step_samples
-    from tests.invariance.test_stepwise import _batch as rolling_batch
 
-    batch = rolling_batch()
+    batch = stepwise_batch()
     weights = tuple(torch.arange(len(m), dtype=torch.float32) + 10 * i for i, m in enumerate(batch.loss_masks))
     samples = step_samples(batch.rollout).train_batch(replace(batch, extras={"rollout_is_weights": weights}))
     steps = step_samples(batch.rollout)

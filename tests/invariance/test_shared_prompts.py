@@ -18,35 +18,11 @@ import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES
 from packrl.config import load_config
+from packrl.config.schema import AlgorithmConfig, RolloutConfig, RunConfig, TrainConfig
 from packrl.seqlen.packing import pack_sequences, pack_shared
 from packrl.seqlen.update_plan import PromptSharing, plan_ranks
-from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+from tests.builders import SHARED_PROMPT_LENS, SHARED_RESPONSE_LENS, shared_prompt_batch, shared_prompt_config
 from tests.conftest import minibatch_grads, score_of, tiny_llama
-
-PROMPT_LENS = [9, 14, 5]
-RESPONSE_LENS = [6, 11, 1, 8, 3, 12, 7, 2, 9]  # three responses per prompt
-
-
-def _batch(dtype=torch.float32) -> TrainBatch:
-    g = torch.Generator().manual_seed(7)
-    prompts = PromptBatch(tuple(tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in PROMPT_LENS),
-                          ("0",) * 3, ("t",) * 3, (0, 1, 2), (False,) * 3)
-    responses = tuple(Response(tuple(torch.randint(0, 97, (n,), generator=g).tolist()), "eos") for n in RESPONSE_LENS)
-    rollout = RolloutBatch(prompts, 3, responses)
-    masks = tuple(torch.ones(n, dtype=torch.bool) for n in RESPONSE_LENS)
-    advantages = tuple(torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
-    old = tuple(-4.6 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
-    ref = tuple(-4.6 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
-    rewards = torch.zeros(len(responses))
-    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, old, ref)
-
-
-def _cfg(mode: str, budget: int, attention: str = "varlen"):
-    return load_config("demo", ["model.dtype=fp32", "data.batch_size=3", "rollout.n=3", "data.max_prompt_tokens=14",
-                                "rollout.max_response_tokens=12", f"train.max_tokens_per_microbatch={budget}",
-                                f"train.max_tokens_per_logprob_microbatch={budget}", f"model.packed_attention={attention}",
-                                f"algorithm.loss_agg_mode={mode}", "algorithm.kl_coef=0.1", "algorithm.entropy_coeff=0.01",
-                                "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.1"])
 
 
 def test_a_shared_pack_writes_each_prompt_once():
@@ -67,8 +43,8 @@ def test_a_shared_pack_writes_each_prompt_once():
 @pytest.mark.parametrize("budget", [4096, 40, 26])
 def test_shared_log_probs_equal_unshared(attention, budget):
     model = tiny_llama(attn="sdpa")
-    rollout = _batch().rollout
-    cfg = _cfg("token-mean", budget, attention)
+    rollout = shared_prompt_batch().rollout
+    cfg = shared_prompt_config("token-mean", budget, attention)
     plain_lp, plain_ent = score_of(model, rollout, cfg)
     shared_lp, shared_ent = score_of(model, rollout, cfg, share_prompts=True)
     for a, b, c, d in zip(plain_lp, shared_lp, plain_ent, shared_ent):
@@ -78,7 +54,8 @@ def test_shared_log_probs_equal_unshared(attention, budget):
 
 def _grads(mode: str, budget: int, num_ranks: int, share: bool, attention: str = "varlen") -> tuple[float, torch.Tensor]:
     model = tiny_llama(dtype=torch.float64)
-    loss = minibatch_grads(model, _batch(torch.float64), _cfg(mode, budget, attention), num_ranks=num_ranks, share_prompts=share)
+    cfg = shared_prompt_config(mode, budget, attention)
+    loss = minibatch_grads(model, shared_prompt_batch(torch.float64), cfg, num_ranks=num_ranks, share_prompts=share)
     return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
@@ -98,7 +75,7 @@ def test_shared_losses_and_grads_equal_unshared_however_split(mode):
 @pytest.mark.parametrize("budget", [26, 40, 64, 4096])
 @pytest.mark.parametrize("num_ranks", [1, 2])
 def test_planned_shared_packs_stay_within_the_budget_and_keep_groups_whole_where_they_fit(budget, num_ranks):
-    rollout = _batch().rollout
+    rollout = shared_prompt_batch().rollout
     lengths = rollout.sequence_lengths()
     sharing = PromptSharing.of([rollout.prompt_ids_of(i) for i in range(len(rollout))])
     plan = plan_ranks(lengths, num_ranks, budget, balance=True, budget_key="k", sharing=sharing)
@@ -113,7 +90,7 @@ def test_planned_shared_packs_stay_within_the_budget_and_keep_groups_whole_where
     assert sorted(seen) == list(range(len(rollout)))
     if budget == 4096 and num_ranks == 1:
         assert len(plan.ranks[0].microbatches) == 1  # every group whole, each prompt once
-        assert sum(lengths) - sum(PROMPT_LENS) * 2 == sum(PROMPT_LENS) + sum(RESPONSE_LENS)
+        assert sum(lengths) - sum(SHARED_PROMPT_LENS) * 2 == sum(SHARED_PROMPT_LENS) + sum(SHARED_RESPONSE_LENS)
 
 
 def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
@@ -129,8 +106,8 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     use_packed_attention(model)
     packs = PackingCheck(packs=True, stateful_types=(), max_diff=None, detail="")
     assert load_config("demo").train.share_prompts is None
-    assert shares_prompts(load_config("demo"), model, packs) == (True, "on (a group's prompt once per pack)")
-    assert shares_prompts(load_config("demo", ["train.share_prompts=false"]), model, packs) == (False, "off (train.share_prompts=false)")
+    assert shares_prompts(RunConfig(), model, packs) == (True, "on (a group's prompt once per pack)")
+    assert shares_prompts(RunConfig(train=TrainConfig(share_prompts=False)), model, packs) == (False, "off (train.share_prompts=false)")
     position_ids = load_config("demo", ["model.packed_attention=position_ids"])  # no error under null
     with caplog.at_level(logging.INFO, logger="packrl.worker.parts"):
         on, phrase = shares_prompts(position_ids, model, packs)
@@ -138,10 +115,11 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.INFO]
     caplog.clear()
     unpacked = PackingCheck(packs=False, stateful_types=("mamba",), max_diff=None, detail="")
-    assert not shares_prompts(load_config("demo", ["train.share_prompts=true"]), model, unpacked)[0]
+    assert not shares_prompts(RunConfig(train=TrainConfig(share_prompts=True)), model, unpacked)[0]
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.WARNING]
     caplog.clear()
-    single = load_config("demo", ["train.share_prompts=true", "rollout.n=1", "algorithm.adv_estimator=gae"])
+    single = RunConfig(train=TrainConfig(share_prompts=True), rollout=RolloutConfig(n=1), algorithm=AlgorithmConfig(adv_estimator="gae"))
     with caplog.at_level(logging.INFO, logger="packrl.worker.parts"):
-        assert shares_prompts(single, model, packs) == (True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)")
+        on_single = (True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)")
+        assert shares_prompts(single, model, packs) == on_single
     assert [r.levelno for r in caplog.records if "rollout.n=1" in r.getMessage()] == [logging.WARNING]

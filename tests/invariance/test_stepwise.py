@@ -15,56 +15,17 @@ import pytest
 import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES
-from packrl.config import load_config
 from packrl.seqlen.stepwise import step_samples
-from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch, Trajectory
+from packrl.types import Response, RolloutBatch, Trajectory
+from tests.builders import pass_config, stepwise_batch
 from tests.conftest import minibatch_grads, tiny_llama
 
-PROMPT_LENS = [6, 9]
 C = 24  # algorithm.loss_scale_factor
 
 
-def _trajectory(g: torch.Generator, turns: list[int], tools: list[int], starts: tuple[int, ...]) -> Response:
-    """Assistant turns of ``turns`` tokens, each but the last followed by a 1-token close and a tool
-    answer of ``tools[k]`` tokens; ``starts`` are context starts given as turn numbers (0 = none dropped)."""
-    segments, mask = [], []
-    for k, n in enumerate(turns):
-        segments.append(("assistant", n))
-        if k < len(turns) - 1:
-            segments += [("template", 1), ("tool", tools[k])]
-    for role, n in segments:
-        mask += [role == "assistant"] * n
-    trajectory = Trajectory(tuple(segments), num_tool_calls=len(turns) - 1)
-    spans = trajectory.turn_spans()
-    context_starts = tuple(0 if k == 0 else spans[k][0] for k in starts) if any(starts) else ()
-    ids = tuple(torch.randint(0, 97, (len(mask),), generator=g).tolist())
-    return Response(ids, "eos", None, tuple(mask), trajectory=Trajectory(tuple(segments), len(turns) - 1, context_starts=context_starts))
-
-
-def _batch() -> TrainBatch:
-    """Two prompts x two trajectories: 0 and 3 dropped turns (two and one runs), 1 is multi-turn
-    without drops, 2 a single turn."""
-    g = torch.Generator().manual_seed(5)
-    prompts = PromptBatch(tuple(tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in PROMPT_LENS),
-                          ("0",) * 2, ("t",) * 2, (0, 1), (False,) * 2)
-    responses = (
-        _trajectory(g, [5, 7, 4], [3, 6], (0, 0, 1)),  # turn 3 saw turn 2 only: runs (turns 1-2) and (turn 3)
-        _trajectory(g, [6, 3], [4], (0, 0)),
-        Response(tuple(torch.randint(0, 97, (9,), generator=g).tolist()), "eos"),
-        _trajectory(g, [4, 5, 3, 6], [2, 5, 3], (0, 1, 2, 2)),  # runs (1), (2), (3-4)
-    )
-    rollout = RolloutBatch(prompts, 2, responses)
-    advantages = tuple(torch.randn(len(r.response_ids), generator=g, dtype=torch.float64) for r in responses)
-    masks = tuple(r.generated_mask() for r in responses)
-    rewards = torch.zeros(len(responses))
-    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, None, None)
-
-
 def _cfg(mode: str, budget: int):
-    return load_config("demo", ["model.dtype=fp32", "data.batch_size=2", "rollout.n=2", "data.max_prompt_tokens=9",
-                                "rollout.max_response_tokens=15", f"train.max_tokens_per_microbatch={budget}",
-                                f"algorithm.loss_agg_mode={mode}", "algorithm.kl_coef=0.0", "algorithm.entropy_coeff=0.0",
-                                *([f"algorithm.loss_scale_factor={C}"] if mode == "seq-mean-token-sum-norm" else [])])
+    return pass_config(batch_size=2, n=2, max_prompt_tokens=9, max_response_tokens=15, update_tokens=budget, loss_agg_mode=mode,
+                       kl_coef=0.0, entropy_coeff=0.0, loss_scale_factor=C if mode == "seq-mean-token-sum-norm" else None)
 
 
 def _grads(model) -> torch.Tensor:
@@ -73,7 +34,7 @@ def _grads(model) -> torch.Tensor:
 
 def _reference(mode: str) -> torch.Tensor:
     """The gradient by hand: each sample alone, per-trajectory aggregation."""
-    batch = _batch()
+    batch = stepwise_batch()
     steps = step_samples(batch.rollout)
     trained = steps.train_batch(batch)
     model = tiny_llama(dtype=torch.float64)
@@ -102,7 +63,7 @@ def _reference(mode: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_step_wise_samples_train_each_turn_in_its_context_however_split(mode):
-    batch = _batch()
+    batch = stepwise_batch()
     steps = step_samples(batch.rollout)
     assert steps is not None and steps.trajectory_of == (0, 0, 1, 2, 3, 3, 3)
     trained = steps.train_batch(batch)
@@ -121,13 +82,13 @@ def test_step_wise_samples_train_each_turn_in_its_context_however_split(mode):
 
 
 def test_trajectories_without_dropped_turns_are_trained_as_they_are():
-    batch = _batch()
+    batch = stepwise_batch()
     plain = RolloutBatch(batch.rollout.prompts, 2, (batch.rollout.responses[1], batch.rollout.responses[2]) * 2)
     assert step_samples(plain) is None
 
 
 def test_stitched_values_land_on_each_samples_stretch_and_zero_elsewhere():
-    batch = _batch()
+    batch = stepwise_batch()
     steps = step_samples(batch.rollout)
     values = [torch.full((len(r.response_ids),), float(s + 1)) for s, r in enumerate(steps.rollout.responses)]
     lengths = [len(r.response_ids) for r in batch.rollout.responses]

@@ -44,7 +44,8 @@ def test_buckets_equal_one_call_per_segment(case):
     k = torch.randn(1, 2, bounds[-1], 8, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, bounds[-1], 8, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(1, bounds[-1], 4, 8, generator=g, dtype=torch.float64)
-    out, _ = _packrl_sdpa(None, q, k, v, None, cu_seq_lens_q=torch.tensor(bounds), packrl_prefix_of=None if prefix is None else torch.tensor(prefix))
+    prefix_of = None if prefix is None else torch.tensor(prefix)
+    out, _ = _packrl_sdpa(None, q, k, v, None, cu_seq_lens_q=torch.tensor(bounds), packrl_prefix_of=prefix_of)
     (out * weight).sum().backward()
     got = [out.detach(), q.grad, k.grad, v.grad]
     for t in (q, k, v):

@@ -10,49 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 
 from packrl.config import load_config
-from packrl.models.attention import use_packed_attention
 from packrl.models.isolation import TOLERANCE, check_packing, config_packing
 from packrl.models.logprobs import pack_logprobs
 from packrl.seqlen.packing import pack_sequences
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
+from tests.builders import FAMILIES, hybrid_model
 from tests.conftest import tiny_llama
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
-COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,
-              pad_token_id=0, eos_token_id=2, bos_token_id=1)
-FAMILIES = {
-    "lfm2": ("Lfm2Config", dict(num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                                block_auto_adjust_ff_dim=False)),
-    "jamba": ("JambaConfig", dict(num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-                                  num_experts=1, expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False, mamba_d_state=8, mamba_dt_rank=4)),
-    "mamba": ("MambaConfig", dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4, use_mambapy=False)),
-    "qwen3_next": ("Qwen3NextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                           layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                                           linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                                           num_experts=0, mlp_only_layers=[0, 1])),
-}
-
-
-def _build(family: str):
-    name, extra = FAMILIES[family]
-    if not hasattr(transformers, name):
-        pytest.skip(f"this transformers has no {name}")
-    config_cls = getattr(transformers, name)
-    kwargs = {k: v for k, v in (COMMON | extra).items() if k in config_cls.__dataclass_fields__ or hasattr(config_cls(), k)}
-    config = config_cls(**kwargs)
-    if getattr(config, "max_position_embeddings", None) is None:  # Mamba has no positional limit; packrl's budgets need one
-        config.max_position_embeddings = 512
-    torch.manual_seed(0)
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError:  # no SDPA for this architecture
-        config._attn_implementation = "eager"
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    use_packed_attention(model)
-    return model.float().eval()
 
 
 def _sequences():
@@ -62,7 +29,7 @@ def _sequences():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_hybrid_model_is_found_out_and_trained_one_sequence_per_micro_batch(family):
-    model = _build(family)
+    model = hybrid_model(family)
     assert not config_packing(model.config).packs  # preflight says so from the config alone
     check = check_packing(model, "varlen")
     assert not check.packs and check.stateful_types and "packing: off" in check.describe()

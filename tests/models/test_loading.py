@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from packrl.config.schema import ModelConfig
 from packrl.models import resolve
 from packrl.models.loading import load_policy, load_reference
-from packrl.models.resolve import MARKER, extract_gguf, resolve_model
 from packrl.models.model_config import load_model_config
+from packrl.models.resolve import MARKER, extract_gguf, resolve_model
 from tests.conftest import SMOLLM_DIR
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

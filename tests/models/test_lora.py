@@ -8,7 +8,6 @@ import contextlib
 import pytest
 import torch
 
-from packrl.config import load_config
 from packrl.config.schema import LoraConfig
 from packrl.models.loading import enable_gradient_checkpointing
 from packrl.models.logprobs import pack_logprobs
@@ -16,6 +15,7 @@ from packrl.models.lora import apply_lora, base_policy, load_adapter, merged_cop
 from packrl.seqlen.packing import pack_sequences
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
+from tests.builders import pass_config
 from tests.conftest import minibatch_grads, tiny_llama
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -130,8 +130,7 @@ def _batch():
     prompts = PromptBatch(((5, 6, 7), (8, 9)), ("1", "2"), ("t", "t"), (0, 1), (False, False))
     responses = tuple(Response(tuple(torch.randint(3, 97, (n,), generator=g).tolist()), "eos") for n in (4, 7, 2, 5))
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    cfg = load_config("demo", ["model.dtype=fp32", "data.batch_size=2", "data.max_prompt_tokens=4",
-                                  "rollout.max_response_tokens=8", "train.max_tokens_per_microbatch=16"])
+    cfg = pass_config(batch_size=2, n=4, max_prompt_tokens=4, max_response_tokens=8, update_tokens=16)
     batch, _ = build_train_batch(ScoredBatch(RolloutBatch(prompts, 2, responses), rewards, rewards), None, None, cfg.algorithm)
     return batch, cfg
 

@@ -70,7 +70,8 @@ def test_a_failing_reward_names_the_response(smollm_tokenizer):
         return 1.0
 
     rollout = _rollout(smollm_tokenizer, ["fine", "boom"], ("4",))
-    with pytest.raises(RuntimeError, match=r"reward 'test_broken' failed twice on response 1 \(data_source='openai/gsm8k', ground truth '4'\): KeyError") as err:
+    failed = r"reward 'test_broken' failed twice on response 1 \(data_source='openai/gsm8k', ground truth '4'\): KeyError"
+    with pytest.raises(RuntimeError, match=failed) as err:
         score_rollout(rollout, smollm_tokenizer, RewardConfig(name="test_broken"), 512)
     assert isinstance(err.value.__cause__, KeyError)
 

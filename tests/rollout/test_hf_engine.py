@@ -6,11 +6,10 @@ A tiny random Llama (vocab 97) with a character-level tokenizer: ids 0..3 are <p
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import dataclasses
 import string
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch

@@ -13,7 +13,6 @@ carried into a second generate call (it re-prefills on top of its own states) by
 from __future__ import annotations
 
 from dataclasses import replace
-
 from types import SimpleNamespace
 
 import pytest
@@ -24,9 +23,8 @@ from packrl.rollout.engine import SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.rollout.kv_cache import cache_reuse, select_rows
 from packrl.seqlen.packing import pack_sequences
+from tests.builders import HYBRIDS, hybrid_model
 from tests.conftest import tiny_llama
-from tests.e2e.test_hybrid_generation import HYBRIDS
-from tests.models.test_isolation import _build
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
 LIMIT_NATS = 1e-4  # see the module docstring
@@ -34,13 +32,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [9, 10, 11], [13, 14, 15, 16, 17]]
 
 
 def _model(family: str):
-    if family == "llama":
-        return tiny_llama()
-    if family == "qwen3_5":
-        import tests.models.test_isolation as isolation
-
-        isolation.FAMILIES.setdefault("qwen3_5", HYBRIDS["qwen3_5"])
-    return _build(family)
+    return tiny_llama() if family == "llama" else hybrid_model(family)
 
 
 @pytest.mark.parametrize("family", ["llama", *sorted(HYBRIDS)])
@@ -66,9 +58,9 @@ def test_engine_logprobs_equal_each_sequence_scored_alone(family):
 def test_a_cache_of_states_alone_is_never_carried_across_calls():
     """Pure Mamba: its cache cannot say how many positions it holds, so the engine lets the model
     build its own cache per batch, and says why."""
-    reuse = cache_reuse(_build("mamba"))
+    reuse = cache_reuse(hybrid_model("mamba"))
     assert not reuse.reuses and "recurrent states" in reuse.reason
-    assert cache_reuse(_build("lfm2")).reuses and cache_reuse(tiny_llama()).reuses
+    assert cache_reuse(hybrid_model("lfm2")).reuses and cache_reuse(tiny_llama()).reuses
 
 
 def test_select_rows_moves_conv_and_recurrent_states_with_their_rows():

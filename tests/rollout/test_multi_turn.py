@@ -16,8 +16,7 @@ from packrl.rollout.engine import SamplingParams
 from packrl.rollout.multi_turn import TRUNCATION_MARKER, MultiTurnEngine, ToolRenderer, TurnLimits, turn_seed
 from packrl.rollout.tools import ToolError, calculator, parse_tool_calls
 from packrl.types import PromptBatch, Response, RolloutBatch
-
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+from tests.builders import CALL, ScriptedEngine, calculator_prompt_ids, scripted_engine
 
 if "test_long_answer" not in TOOLS:
 
@@ -41,72 +40,13 @@ if "test_long_answer" not in TOOLS:
         return None
 
 
-class ScriptedEngine:
-    """Writes ``turns[k]`` as the k-th turn of every trajectory (cut to the request's budget:
-    finish ``length``; else ending on the stop string it contains (``stop``) or with EOS (``eos``)),
-    and records every request."""
-
-    def __init__(self, tokenizer, turns: list[str], stop: str = "</tool_call>"):
-        self.tokenizer, self.turns, self.stop = tokenizer, turns, stop
-        self.requests: list[tuple[tuple[int, ...], int, int]] = []  # (prompt ids, budget, seed)
-
-    def generate(self, prompt_ids, params: SamplingParams, seeds):
-        out = []
-        for ids, seed in zip(prompt_ids, seeds):
-            ids = tuple(ids)
-            self.requests.append((ids, params.max_response_tokens, seed))
-            text = self.turns[min(self.turn_of(ids), len(self.turns) - 1)]
-            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            reason = "stop" if text.endswith(self.stop) else "eos"
-            if reason == "eos":
-                tokens = tokens + [self.tokenizer.eos_token_id]
-            if len(tokens) > params.max_response_tokens:
-                tokens, reason = tokens[: params.max_response_tokens], "length"
-            out.append([Response(tuple(tokens), reason, tuple(-0.5 for _ in tokens) if params.return_logprobs else None)])
-        return out
-
-    def turn_of(self, ids) -> int:
-        """The turn a request asks for: the assistant turns so far, one header each."""
-        return self.tokenizer.decode(list(ids)).count("<|im_start|>assistant") - 1
-
-    def load_weights(self, weights):
-        pass
-
-    def sleep(self):
-        pass
-
-    def wake_up(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def _engine(tok, turns, *, per_turn=64, response=400, trajectory=10_000, context=10_000, max_turns=4, tool_tokens=64,
-            tools=("calculator",), side="right"):
-    scripted = ScriptedEngine(tok, turns)
-    limits = TurnLimits(max_tokens_per_turn=per_turn, max_response_tokens=response, max_trajectory_tokens=trajectory,
-                        max_context_tokens=context)
-    engine = MultiTurnEngine(scripted, tok, tools=tools, max_turns=max_turns, limits=limits,
-                             max_tool_response_tokens=tool_tokens, truncation_side=side, renderer=ToolRenderer(tok, "tool"))
-    return engine, scripted
-
-
-def _prompt(tok):
-    return tok.apply_chat_template([{"role": "user", "content": "What is 12 * 34?"}], add_generation_prompt=True, tokenize=False)
-
-
-def _prompt_ids(tok):
-    return tuple(tok(_prompt(tok), add_special_tokens=False)["input_ids"])
-
-
 PARAMS = SamplingParams(n=2, max_response_tokens=400, stop=("</tool_call>",), return_logprobs=True)
 
 
 def test_a_three_turn_trajectory_is_token_exact_with_exact_masks(smollm_tokenizer):
     tok = smollm_tokenizer
-    engine, scripted = _engine(tok, ["Let me compute. " + CALL % "12 * 34", "Now " + CALL % "408 + 1", "#### 409"])
-    prompt = _prompt_ids(tok)
+    engine, scripted = scripted_engine(tok, ["Let me compute. " + CALL % "12 * 34", "Now " + CALL % "408 + 1", "#### 409"])
+    prompt = calculator_prompt_ids(tok)
     [[first, second]] = engine.generate([prompt], PARAMS, [7])
     for response in (first, second):
         t = response.trajectory
@@ -116,8 +56,9 @@ def test_a_three_turn_trajectory_is_token_exact_with_exact_masks(smollm_tokenize
         full = prompt + response.response_ids
         assert len(scripted.requests) == 6 and all(full[: len(ids)] == ids for ids, _, _ in scripted.requests)
         # policy tokens are exactly the engine's generated tokens, nothing else counts in the loss
-        generated = [len(tok(text, add_special_tokens=False)["input_ids"]) for text in
-                     ("Let me compute. " + CALL % "12 * 34", "Now " + CALL % "408 + 1")] + [len(tok("#### 409", add_special_tokens=False)["input_ids"]) + 1]
+        calls = ("Let me compute. " + CALL % "12 * 34", "Now " + CALL % "408 + 1")
+        generated = [len(tok(text, add_special_tokens=False)["input_ids"]) for text in calls]
+        generated += [len(tok("#### 409", add_special_tokens=False)["input_ids"]) + 1]  # the answer and its EOS
         assert sum(response.response_mask) == sum(generated) == t.tokens_of("assistant")
         assert [lp for lp, m in zip(response.rollout_logprobs, response.response_mask) if m] == [-0.5] * sum(generated)
     text = tok.decode(list(first.response_ids), skip_special_tokens=False)
@@ -128,35 +69,35 @@ def test_a_three_turn_trajectory_is_token_exact_with_exact_masks(smollm_tokenize
 
 def test_every_request_asks_for_what_is_left_and_none_when_nothing_is(smollm_tokenizer):
     tok = smollm_tokenizer
-    prompt = _prompt_ids(tok)
-    engine, scripted = _engine(tok, ["#### 408"], context=len(prompt) + 1)  # the prompt leaves 1 token
+    prompt = calculator_prompt_ids(tok)
+    engine, scripted = scripted_engine(tok, ["#### 408"], context=len(prompt) + 1)  # the prompt leaves 1 token
     [[response]] = engine.generate([prompt], SamplingParams(n=1, max_response_tokens=400), [0])
     assert scripted.requests[0][1] == 1 and response.finish_reason == "context" and len(response.response_ids) == 1
-    engine, scripted = _engine(tok, ["#### 408"], context=len(prompt))  # the prompt leaves nothing
+    engine, scripted = scripted_engine(tok, ["#### 408"], context=len(prompt))  # the prompt leaves nothing
     [[response]] = engine.generate([prompt], SamplingParams(n=1, max_response_tokens=400), [0])
     assert scripted.requests == [] and response.finish_reason == "context" and response.response_ids == ()
     assert response.trajectory.ended_by == "context"
-    engine, scripted = _engine(tok, ["#### 408"], trajectory=len(prompt) + 3, per_turn=2)
+    engine, scripted = scripted_engine(tok, ["#### 408"], trajectory=len(prompt) + 3, per_turn=2)
     engine.generate([prompt], SamplingParams(n=1, max_response_tokens=400), [0])
     assert scripted.requests[0][1] == 2  # per-turn cap below what the trajectory leaves
 
 
 def test_a_turn_cut_by_its_cap_ends_the_trajectory_as_length(smollm_tokenizer):
     tok = smollm_tokenizer
-    engine, _ = _engine(tok, [CALL % "1 + 1", "a long answer " * 20], per_turn=30)
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+    engine, _ = scripted_engine(tok, [CALL % "1 + 1", "a long answer " * 20], per_turn=30)
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
     assert response.finish_reason == "length" and response.truncated and response.trajectory.ended_by == "turn_tokens"
     assert response.trajectory.num_turns == 2 and response.trajectory.segments[-1] == ("assistant", 30)
 
 
 def test_the_response_and_trajectory_budgets_end_it_as_truncated(smollm_tokenizer):
     tok = smollm_tokenizer
-    engine, _ = _engine(tok, [CALL % "1 + 1"] * 5, response=60)
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=60), [0])
+    engine, _ = scripted_engine(tok, [CALL % "1 + 1"] * 5, response=60)
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=60), [0])
     assert response.truncated and len(response.response_ids) <= 60
     assert response.trajectory.ended_by in ("response_tokens",)
-    prompt = _prompt_ids(tok)
-    engine, _ = _engine(tok, [CALL % "1 + 1"] * 5, trajectory=len(prompt) + 50)
+    prompt = calculator_prompt_ids(tok)
+    engine, _ = scripted_engine(tok, [CALL % "1 + 1"] * 5, trajectory=len(prompt) + 50)
     [[response]] = engine.generate([prompt], SamplingParams(n=1, max_response_tokens=400), [0])
     assert response.truncated and len(prompt) + len(response.response_ids) <= len(prompt) + 50
     assert response.trajectory.ended_by == "trajectory_tokens"
@@ -164,8 +105,8 @@ def test_the_response_and_trajectory_budgets_end_it_as_truncated(smollm_tokenize
 
 def test_a_tool_call_at_the_last_turn_ends_as_length(smollm_tokenizer):
     tok = smollm_tokenizer
-    engine, scripted = _engine(tok, [CALL % "1 + 1"], max_turns=2)
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+    engine, scripted = scripted_engine(tok, [CALL % "1 + 1"], max_turns=2)
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
     assert response.finish_reason == "length" and response.trajectory.ended_by == "max_turns"
     assert len(scripted.requests) == 2 and response.trajectory.num_tool_calls == 1  # the last call is not run
 
@@ -174,8 +115,8 @@ def test_tool_answers_are_cut_to_their_budget(smollm_tokenizer):
     tok = smollm_tokenizer
     call = '<tool_call>{"name": "test_long_answer", "arguments": {}}</tool_call>'
     for side in ("left", "right", "middle"):
-        engine, _ = _engine(tok, [call, "#### 1"], tools=("test_long_answer",), tool_tokens=20, side=side)
-        [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+        engine, _ = scripted_engine(tok, [call, "#### 1"], tools=("test_long_answer",), tool_tokens=20, side=side)
+        [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
         start = sum(n for _, n in response.trajectory.segments[:2])
         tool_ids = response.response_ids[start:start + response.trajectory.segments[2][1]]
         text = tok.decode(list(tool_ids), skip_special_tokens=False)
@@ -191,8 +132,8 @@ def test_malformed_calls_and_tool_errors_are_answered_and_counted(smollm_tokeniz
     tok = smollm_tokenizer
     turns = ['<tool_call>{"name": "calculator", "arguments": </tool_call>', CALL % "1 / 0",
              '<tool_call>{"name": "search", "arguments": {}}</tool_call>', "#### 1"]
-    engine, _ = _engine(tok, turns, max_turns=4)
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+    engine, _ = scripted_engine(tok, turns, max_turns=4)
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
     t = response.trajectory
     assert (t.num_tool_calls, t.num_malformed_calls, t.num_tool_errors, t.ended_by) == (3, 2, 1, "answer")
     text = tok.decode(list(response.response_ids), skip_special_tokens=False)
@@ -217,8 +158,8 @@ def test_metrics_dumps_and_the_reward_see_the_turns(smollm_tokenizer):
     from packrl.diagnostics.rollout_dump import _turns
 
     tok = smollm_tokenizer
-    engine, _ = _engine(tok, [CALL % "12 * 34", "#### 408"])
-    prompt = _prompt_ids(tok)
+    engine, _ = scripted_engine(tok, [CALL % "12 * 34", "#### 408"])
+    prompt = calculator_prompt_ids(tok)
     groups = engine.generate([prompt], SamplingParams(n=2, max_response_tokens=400), [3])
     rollout = RolloutBatch(PromptBatch((prompt,), ("408",), ("t",), (0,), (False,)), 2, tuple(groups[0]))
     metrics = multi_turn_metrics(rollout)
@@ -262,9 +203,9 @@ def test_a_template_that_cannot_render_tool_messages_is_refused(smollm_tokenizer
 def test_trainer_log_probs_of_a_three_turn_trajectory_equal_the_engines_own_forward(smollm_tokenizer):
     """The engine scores each turn with a plain forward over exactly its request + the turn; the
     trainer scores the whole trajectory packed and chunked: equal on the policy's tokens."""
-    from tests.diagnostics.tiny_run import tiny_policy
     from packrl.models.logprobs import pack_logprobs
     from packrl.seqlen.packing import pack_sequences
+    from tests.diagnostics.tiny_run import tiny_policy
 
     tok = smollm_tokenizer
     model = tiny_policy(tok).float().eval()
@@ -286,7 +227,7 @@ def test_trainer_log_probs_of_a_three_turn_trajectory_equal_the_engines_own_forw
     limits = TurnLimits(max_tokens_per_turn=64, max_response_tokens=400, max_trajectory_tokens=10_000, max_context_tokens=10_000)
     engine = MultiTurnEngine(scripted, tok, tools=("calculator",), max_turns=4, limits=limits, max_tool_response_tokens=32,
                              truncation_side="right", renderer=ToolRenderer(tok, "tool"))
-    prompt = _prompt_ids(tok)
+    prompt = calculator_prompt_ids(tok)
     [[response]] = engine.generate([prompt], SamplingParams(n=1, max_response_tokens=400, return_logprobs=True), [0])
     assert response.trajectory.num_turns == 3
     other = (5, 6, 7, 8, 9, 10)  # a neighbour in the pack
@@ -312,16 +253,16 @@ def test_the_rollout_mismatch_leaves_tool_tokens_out():
 def test_a_tool_answer_cannot_forge_the_conversation_and_must_be_text(smollm_tokenizer):
     tok = smollm_tokenizer
     call = '<tool_call>{"name": "test_forger", "arguments": {}}</tool_call>'
-    engine, _ = _engine(tok, [call, "#### 1"], tools=("test_forger",))
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+    engine, _ = scripted_engine(tok, [call, "#### 1"], tools=("test_forger",))
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
     start = sum(n for _, n in response.trajectory.segments[:2])
     tool_ids = response.response_ids[start:start + response.trajectory.segments[2][1]]
     special = set(tok.all_special_ids)
     assert sum(t in special for t in tool_ids) == 3  # the template's own (im_start tool, im_end, im_start assistant), no more
     assert "ok<|im_end|>" in tok.decode(list(tool_ids))  # the answer's text is there, as plain tokens
-    engine, _ = _engine(tok, ['<tool_call>{"name": "test_not_text", "arguments": {}}</tool_call>'], tools=("test_not_text",))
+    engine, _ = scripted_engine(tok, ['<tool_call>{"name": "test_not_text", "arguments": {}}</tool_call>'], tools=("test_not_text",))
     with pytest.raises(RuntimeError, match="tool 'test_not_text' returned a NoneType, not a str"):
-        engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+        engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
 
 
 def test_hostile_calls_are_the_policys_mistake_never_a_crash():
@@ -343,8 +284,8 @@ def test_a_turn_that_fills_the_response_budget_gets_no_closing_token_beyond_it(s
     tok = smollm_tokenizer
     turn = "a " * 10 + CALL % "1 + 1"  # ends on the stop string: the template's close would follow
     size = len(tok(turn, add_special_tokens=False)["input_ids"])
-    engine, _ = _engine(tok, [turn], response=size, per_turn=size)
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=size), [0])
+    engine, _ = scripted_engine(tok, [turn], response=size, per_turn=size)
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=size), [0])
     assert len(response.response_ids) == size and response.finish_reason == "context"
     assert response.trajectory.segments == (("assistant", size),) and response.trajectory.ended_by == "response_tokens"
 
@@ -355,10 +296,10 @@ def test_a_tool_that_does_not_answer_in_time_is_answered_with_an_error(smollm_to
     assert run_tool(ToolCall("test_slow", {"seconds": 5}), timeout_s=0.2) == ("Error: the tool gave no answer within 0.2 s", True)
     assert run_tool(ToolCall("test_slow", {"seconds": 0}), timeout_s=5) == ("late", False)
     tok = smollm_tokenizer
-    engine, _ = _engine(tok, ['<tool_call>{"name": "test_slow", "arguments": {"seconds": 5}}</tool_call>', "#### 1"],
+    engine, _ = scripted_engine(tok, ['<tool_call>{"name": "test_slow", "arguments": {"seconds": 5}}</tool_call>', "#### 1"],
                         tools=("test_slow",))
     engine.tool_timeout_s = 0.2
-    [[response]] = engine.generate([_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
+    [[response]] = engine.generate([calculator_prompt_ids(tok)], SamplingParams(n=1, max_response_tokens=400), [0])
     assert response.trajectory.num_tool_errors == 1 and "no answer within 0.2 s" in tok.decode(list(response.response_ids))
     with pytest.raises(ConfigError, match="tool_timeout_s=0.0: must be a finite number of seconds > 0"):
         load_config("arithmetic_tool", ["rollout.multi_turn.tool_timeout_s=0"])

@@ -5,17 +5,16 @@ and nothing changed where it does not apply."""
 from __future__ import annotations
 
 from dataclasses import replace
-
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.profiler import profile
 
-from packrl.rollout.hf_engine import HFEngine
-from packrl.rollout.weights import rollout_copy
-from packrl.rollout.packed_linear import packed_linears, packs
 from packrl.rollout.engine import SamplingParams
+from packrl.rollout.hf_engine import HFEngine
+from packrl.rollout.packed_linear import packed_linears, packs
+from packrl.rollout.weights import rollout_copy
 from tests.conftest import tiny_llama
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)

@@ -16,7 +16,7 @@ from packrl.rollout.engine import SamplingParams
 from packrl.rollout.multi_turn import MultiTurnEngine, ToolRenderer, TurnLimits
 from packrl.seqlen.stepwise import step_samples
 from packrl.types import PromptBatch, RolloutBatch
-from tests.rollout.test_multi_turn import CALL, ScriptedEngine
+from tests.builders import CALL, ScriptedEngine
 
 FILLER = "Let me work this out carefully, one step after the other. "
 
@@ -135,11 +135,14 @@ def test_step_samples_are_the_requests_and_cover_every_policy_token_once(smollm_
 
 @pytest.mark.parametrize("policy", ["error", "end", "rolling"])
 def test_the_context_policy_sets_the_longest_sequence(policy):
-    from packrl.config import load_config
     from packrl.config.budgets import budget_problems, budgets_of
+    from packrl.config.schema import DataConfig, MultiTurnConfig, RolloutConfig, RunConfig, TrainConfig
 
-    cfg = load_config("arithmetic_tool", [f"rollout.multi_turn.context_policy={policy}", "rollout.max_response_tokens=4000",
-                                          "train.max_tokens_per_microbatch=8192"])
+    # the arithmetic_tool preset's budgets, with the context policy and a response budget beyond the context
+    multi_turn = MultiTurnConfig(tools=["calculator"], max_turns=3, max_tokens_per_turn=96, max_tool_response_tokens=32,
+                                 context_policy=policy)
+    cfg = RunConfig(data=DataConfig(max_prompt_tokens=192), rollout=RolloutConfig(max_response_tokens=4000, multi_turn=multi_turn),
+                    train=TrainConfig(max_tokens_per_microbatch=8192, max_tokens_per_logprob_microbatch=8192))
     budgets = budgets_of(cfg, 2048)
     problems = budget_problems(budgets)
     if policy == "error":

@@ -17,7 +17,7 @@ import torch
 from packrl.config import ConfigError, load_config
 from packrl.hardware import resolve_dtype
 from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
-from tests.conftest import SHARED, SMOLLM_DIR, logprobs_of
+from tests.conftest import SMOLLM_DIR, logprobs_of
 
 GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -211,11 +211,12 @@ def test_settings_that_contradict_the_budgets_fail_at_config_load(overrides, mat
 def test_derived_settings_follow_the_budgets():
     from packrl.rollout.vllm_settings import engine_args, kv_cache_bytes
 
-    cfg = load_config("demo", [*CONFIG, "rollout.engine_kwargs.enable_chunked_prefill=false"])  # checked without vLLM
-    args = engine_args(EngineOptions.from_config(cfg), model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False, dtype="fp32")
+    # the engine settings of CONFIG
+    options = EngineOptions(max_num_seqs=8, max_prompt_tokens=32, max_response_tokens=16, engine_kwargs={"enable_chunked_prefill": False})
+    args = engine_args(options, model_dir="/m", max_context_tokens=40, kv_bytes_per_token=100, cuda=False, dtype="fp32")
     assert args["max_model_len"] == 40  # the context binds before prompt + response = 48
     assert args["max_num_batched_tokens"] == 40 and args["max_num_seqs"] == 8 and args["dtype"] == "float32"
-    assert args["kv_cache_memory_bytes"] == kv_cache_bytes(EngineOptions.from_config(cfg), 100, 40) == 8 * 128 * 100
+    assert args["kv_cache_memory_bytes"] == kv_cache_bytes(options, 100, 40) == 8 * 128 * 100
     assert args["enforce_eager"] and not args["enable_sleep_mode"] and args["logprobs_mode"] == "processed_logprobs"
 
 

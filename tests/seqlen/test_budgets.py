@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from packrl.config import ConfigError, load_config
+from packrl.config import ConfigError
 from packrl.config.budgets import budget_problems, budgets_of_model, budgets_table, validate_budgets
+from packrl.config.schema import RunConfig
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 from tests.conftest import SMOLLM_DIR
 
@@ -77,7 +78,7 @@ def test_non_positive_budgets(field, value):
 
 
 def test_from_model_config():
-    cfg = load_config("demo")
+    cfg = RunConfig()
     b = budgets_of_model(cfg, {"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2}})
     assert (b.max_context_tokens, b.rope_factor) == (4096, 2.0)
     assert b.max_prompt_tokens == cfg.data.max_prompt_tokens

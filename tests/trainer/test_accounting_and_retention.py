@@ -68,14 +68,14 @@ def test_a_nan_loss_skips_the_optimizer_step_counts_it_and_stops_the_run():
 
     from packrl.distributed.local import local_group
     from packrl.trainer.batch import build_train_batch
+    from tests.builders import scored_batch
     from tests.conftest import tiny_llama
-    from tests.trainer.test_on_policy import _scored
 
     cfg = load_config("demo", ["model.dtype=fp32", "train.lr=1e-2", "data.batch_size=2", "train.max_consecutive_skips=2"])
     model = tiny_llama()
     workers = local_group(cfg, model, SimpleNamespace(eos_token_id=2, pad_token_id=0))
     before = [p.detach().clone() for p in model.parameters()]
-    batch, _ = build_train_batch(_scored(), None, None, cfg.algorithm)
+    batch, _ = build_train_batch(scored_batch(), None, None, cfg.algorithm)
     nan_batch = dataclasses.replace(batch, advantages=tuple(torch.full_like(a, float("nan")) for a in batch.advantages))
     metrics = workers.update(nan_batch)
     assert metrics["train/skipped_steps"] == 1.0
@@ -100,8 +100,8 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
     from transformers import LlamaConfig
 
     from packrl.distributed import open_worker_group
-    from packrl.worker.checkpoint import checkpoint_bytes
     from packrl.worker import policy
+    from packrl.worker.checkpoint import checkpoint_bytes
 
     LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "model")
@@ -125,9 +125,10 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
 
 
 def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(caplog):
+    from packrl.config.schema import RewardConfig
     from packrl.reward.registry import register_reward
     from packrl.reward.score import score_rollout
-    from tests.trainer.test_on_policy import _scored
+    from tests.builders import scored_batch
 
     calls = {"flaky": 0}
 
@@ -146,26 +147,27 @@ def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(capl
         def batch_decode(self, ids, skip_special_tokens=True):
             return ["x"] * len(ids)
 
-    rollout = _scored().rollout
-    cfg = load_config("demo", ["reward.name=test_flaky_once"]).reward
+    rollout = scored_batch().rollout
+    cfg = RewardConfig(name="test_flaky_once")
     scored = score_rollout(rollout, Tok(), cfg, 64)
     assert scored.scores.tolist() == [1.0] * len(rollout) and calls["flaky"] == len(rollout) + 1
     assert "retrying once" in caplog.text
-    cfg = load_config("demo", ["reward.name=test_always_broken"]).reward
+    cfg = RewardConfig(name="test_always_broken")
     with pytest.raises(RuntimeError, match=r"failed twice on response 0 \(data_source='t', ground truth '1'\): KeyError"):
         score_rollout(rollout, Tok(), cfg, 64)
 
 
 def test_generation_is_retried_once_then_names_the_rows():
     from packrl.config.plan import BatchPlan
+    from packrl.config.schema import AlgorithmConfig
     from packrl.distributed.group import WorkerGroup
     from packrl.distributed.local import InProcess
     from packrl.rollout.engine import SamplingParams
     from packrl.types import Response
     from packrl.worker.policy import WorkerInfo
-    from tests.trainer.test_on_policy import _scored
+    from tests.builders import scored_batch
 
-    prompts = _scored().rollout.prompts
+    prompts = scored_batch().rollout.prompts
     attempts = []
 
     class Worker:  # only generation is needed
@@ -178,10 +180,11 @@ def test_generation_is_retried_once_then_names_the_rows():
                 raise MemoryError("out of memory")
             return [[Response((3,), "eos")] * params.n for _ in prompt_ids]
 
-    def group(failures: int) -> WorkerGroup:
-        cfg = load_config("demo")
-        return WorkerGroup(plan=BatchPlan.from_config(cfg), algorithm=cfg.algorithm, tokenizer=None,
-                           transport=InProcess(Worker(failures)), info=WorkerInfo(512, 1.0, "test"))
+    def group(failures: int) -> WorkerGroup:  # the demo preset's sizes: 8 prompts x 4 responses, one process, on-policy
+        plan = BatchPlan(num_prompts=8, group_size=4, mini_batch_prompts=8, num_epochs=1, num_ranks=1, sequence_parallel_size=1,
+                         loss_scale_factor=64, has_reference=False, needs_old_logprobs=False, max_response_tokens=64)
+        return WorkerGroup(plan=plan, algorithm=AlgorithmConfig(), tokenizer=None, transport=InProcess(Worker(failures)),
+                           info=WorkerInfo(512, 1.0, "test"))
 
     out = group(failures=1).generate(prompts, SamplingParams(n=2, max_response_tokens=4))
     assert len(out) == 4 and len(attempts) == 2

@@ -11,8 +11,16 @@ import torch
 
 from packrl.config import config_problems
 from packrl.config.plan import BatchPlan
-from packrl.config.schema import (AlgorithmConfig, DataConfig, FilterGroupsConfig, RewardConfig, RolloutConfig, RunConfig,
-                                  TrainConfig, TrainerConfig)
+from packrl.config.schema import (
+    AlgorithmConfig,
+    DataConfig,
+    FilterGroupsConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+    TrainerConfig,
+)
 from packrl.data import DatasetPrompt, Example, PromptDataset, PromptSampler
 from packrl.reward import REWARDS, register_reward
 from packrl.rollout.engine import SamplingParams

@@ -9,12 +9,14 @@ import re
 
 import pytest
 
+from packrl.config.budgets import budget_problems, budgets_of, budgets_table, response_schedule
 from packrl.config.load import check_config
+from packrl.config.schema import RolloutConfig
 from packrl.diagnostics.report import write_report
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.multi_turn import TurnLimits
-from packrl.config.budgets import budget_problems, budgets_of, budgets_table, response_schedule
 from packrl.seqlen.curriculum import ResponseBudgetSchedule
+from tests.builders import CALL, calculator_prompt_ids, metric_lines, scripted_engine
 from tests.diagnostics.tiny_run import tiny_run
 
 KEY = "rollout.max_response_tokens_schedule"
@@ -114,20 +116,18 @@ def test_the_budget_table_lists_the_stages():
 
 
 def test_sampling_params_take_the_steps_budget():
-    cfg, _, _ = check_config("demo", ["rollout.max_response_tokens=64", f"{KEY}=[[1,16],[3,64]]"])
-    schedule = response_schedule(cfg.rollout)
-    assert SamplingParams.from_config(cfg.rollout, max_response_tokens=schedule.at(2)).max_response_tokens == 16
-    assert SamplingParams.from_config(cfg.rollout).max_response_tokens == 64  # validation: the largest stage
+    rollout = RolloutConfig(max_response_tokens=64, max_response_tokens_schedule=[[1, 16], [3, 64]])
+    schedule = response_schedule(rollout)
+    assert SamplingParams.from_config(rollout, max_response_tokens=schedule.at(2)).max_response_tokens == 16
+    assert SamplingParams.from_config(rollout).max_response_tokens == 64  # validation: the largest stage
 
 
 def test_multi_turn_limits_follow_the_requests_budget(smollm_tokenizer):
     limits = TurnLimits(max_tokens_per_turn=64, max_response_tokens=400, max_trajectory_tokens=10_000, max_context_tokens=10_000)
     assert limits.within(20) == TurnLimits(20, 20, 10_000, 10_000)
     assert limits.within(1000) == limits
-    from tests.rollout.test_multi_turn import CALL, _engine, _prompt_ids
-
-    engine, scripted = _engine(smollm_tokenizer, [CALL % "12 * 34", CALL % "1 + 1", "#### 408"])
-    [[response]] = engine.generate([_prompt_ids(smollm_tokenizer)], SamplingParams(n=1, max_response_tokens=30), [0])
+    engine, scripted = scripted_engine(smollm_tokenizer, [CALL % "12 * 34", CALL % "1 + 1", "#### 408"])
+    [[response]] = engine.generate([calculator_prompt_ids(smollm_tokenizer)], SamplingParams(n=1, max_response_tokens=30), [0])
     assert all(budget <= 30 for _, budget, _ in scripted.requests)
     assert len(response.response_ids) <= 30
 
@@ -139,10 +139,6 @@ RUN = ["rollout.max_response_tokens=12", f"{KEY}=[[1,6],[3,12]]", "reward.name=t
 STAGE = {1: 6, 2: 6, 3: 12, 4: 12}
 
 
-def _lines(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _response_tokens(run_dir, step):
     return [json.loads(line)["response_tokens"] for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
 
@@ -151,7 +147,7 @@ def test_a_curriculum_run_switches_at_step_3_and_resumes_across_the_switch(tmp_p
     tok = smollm_tokenizer
     tok.padding_side = "left"
     straight, _ = tiny_run(tmp_path / "a", tok, ["train.total_steps=4", *RUN])
-    lines = _lines(straight)
+    lines = metric_lines(straight)
     assert [line["rollout/max_response_tokens"] for line in lines] == [6.0, 6.0, 12.0, 12.0]
     for line in lines:
         budget = STAGE[line["step"]]
@@ -166,7 +162,7 @@ def test_a_curriculum_run_switches_at_step_3_and_resumes_across_the_switch(tmp_p
     tiny_run(tmp_path / "b", tok, ["train.total_steps=2", *RUN])
     resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=4", "train.resume=auto", *RUN])
     assert "after step 2" in (resumed / "resumed.txt").read_text()
-    b = _lines(resumed)
+    b = metric_lines(resumed)
     assert [line["step"] for line in b] == [1, 2, 3, 4]
     assert [line["rollout/max_response_tokens"] for line in b] == [6.0, 6.0, 12.0, 12.0]
     for step in (1, 2, 3, 4):

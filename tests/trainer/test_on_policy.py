@@ -10,16 +10,8 @@ import torch
 from packrl.config import load_config
 from packrl.distributed.local import local_group
 from packrl.trainer.batch import build_train_batch
-from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
+from tests.builders import scored_batch
 from tests.conftest import logprobs_of, tiny_llama
-
-
-def _scored() -> ScoredBatch:
-    g = torch.Generator().manual_seed(0)
-    prompts = PromptBatch(((5, 6, 7), (8, 9)), ("1", "2"), ("t", "t"), (0, 1), (False, False))
-    responses = tuple(Response(tuple(torch.randint(3, 97, (n,), generator=g).tolist()), "eos") for n in (4, 7, 2, 5))
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
-    return ScoredBatch(RolloutBatch(prompts, 2, responses), rewards, rewards)
 
 
 def _step(with_old: bool) -> list[torch.Tensor]:
@@ -27,7 +19,7 @@ def _step(with_old: bool) -> list[torch.Tensor]:
     model = tiny_llama()
     workers = local_group(cfg, model, SimpleNamespace(eos_token_id=2, pad_token_id=0))
     assert not workers.plan.needs_old_logprobs
-    scored = _scored()
+    scored = scored_batch()
     old = tuple(logprobs_of(model, scored.rollout, cfg)) if with_old else None
     batch, _ = build_train_batch(scored, old, None, cfg.algorithm)
     workers.update(batch)

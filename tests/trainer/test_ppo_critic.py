@@ -3,10 +3,9 @@ both do; its checkpoint resumes exactly; a checkpoint without a critic is refuse
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from tests.builders import metric_lines
 from tests.diagnostics.tiny_run import tiny_policy, tiny_run
 
 COMMON = ["algorithm.adv_estimator=gae", "reward.name=test_letter_e", "critic.lr=1e-3", "critic.warmup_steps=1",
@@ -23,22 +22,18 @@ def critic_dir(tmp_path, smollm_tokenizer):
     return path
 
 
-def _lines(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_ppo_with_a_critic_warms_up_trains_and_resumes_exactly(tmp_path, smollm_tokenizer, critic_dir):
     tok = smollm_tokenizer
     args = [f"critic.model.path={critic_dir}", *COMMON]
     straight, _ = tiny_run(tmp_path / "a", tok, ["train.total_steps=3", *args])
-    a = _lines(straight)
+    a = metric_lines(straight)
     assert a[0]["critic/warmup"] == 1.0 and "actor/pg_loss" not in a[0]  # step 1: only the critic trains
     assert all(line["critic/grad_norm"] > 0 for line in a) and a[1]["actor/grad_norm"] > 0
     assert (straight / "checkpoints" / "step_2" / "critic.pt").is_file()
     assert "critic                    yes" in (straight / "budgets.txt").read_text()
     tiny_run(tmp_path / "b", tok, ["train.total_steps=2", *args])
     resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=3", "train.resume=auto", *args])
-    b = _lines(resumed)
+    b = metric_lines(resumed)
     assert [line["step"] for line in b] == [1, 2, 3]
     for key in ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var", "critic/grad_norm", "actor/pg_loss",
                 "actor/grad_norm", "critic/advantages/max"):

@@ -14,8 +14,8 @@ from packrl.distributed.local import local_group
 from packrl.models.lora import apply_lora
 from packrl.trainer.batch import build_train_batch
 from packrl.worker.checkpoint import load_weights
+from tests.builders import scored_batch
 from tests.conftest import logprobs_of, tiny_llama
-from tests.trainer.test_on_policy import _scored
 
 TOKENIZER = SimpleNamespace(eos_token_id=2, pad_token_id=0)
 SIZES = ["model.dtype=fp32", "data.batch_size=2", "data.max_prompt_tokens=4", "rollout.max_response_tokens=8",
@@ -26,7 +26,7 @@ def _update(offload: bool) -> tuple[dict[str, torch.Tensor], dict[str, float], i
     """One real update of the tiny policy: parameters after it, metrics, bytes offloaded."""
     cfg = load_config("demo", [*SIZES, f"model.activation_offload={str(offload).lower()}"])
     workers = local_group(cfg, tiny_llama(), TOKENIZER)
-    batch, _ = build_train_batch(_scored(), None, None, cfg.algorithm)
+    batch, _ = build_train_batch(scored_batch(), None, None, cfg.algorithm)
     metrics = workers.update(batch)
     worker = workers.transport.worker
     return {n: p.detach().clone() for n, p in worker.model.named_parameters()}, metrics, worker.offloaded_bytes
@@ -67,7 +67,7 @@ def test_lora_reference_is_the_policy_with_its_adapter_disabled():
     assert worker.reference is model  # no second copy of the weights
     assert worker.optimizer.param_groups[0]["params"] == [p for p in model.parameters() if p.requires_grad]
     assert "policy: 4,096 trainable of 28,896 parameters (14.17%); LoRA rank 4" in workers.model_summary
-    rollout = _scored().rollout
+    rollout = scored_batch().rollout
     ref = workers.compute_logprobs(rollout, "ref").logprobs
     expected = logprobs_of(tiny_llama(), rollout, cfg)  # the base model the adapters were put on
     for a, b in zip(ref, expected, strict=True):
@@ -97,7 +97,7 @@ def test_fp32_lora_generation_runs_on_the_adapted_policy():
     model = _adapted_policy()
     workers = local_group(cfg, model, TOKENIZER)
     assert workers.transport.worker.engine.model is model  # float32: the peft model itself generates, adapters on
-    prompts = _scored().rollout.prompts
+    prompts = scored_batch().rollout.prompts
     greedy = SamplingParams(n=1, temperature=0.0, max_response_tokens=8)
     responses = [r.response_ids for r in workers.generate(prompts, greedy).responses]
     merged = [r.response_ids for r in local_group(load_config("demo", SIZES), merged_copy(model), TOKENIZER)

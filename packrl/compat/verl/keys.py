@@ -1,33 +1,39 @@
-"""The verl config keys packrl knows, what each becomes, and how a verl override is read.
+"""The verl config keys packrl knows, what each becomes, and how.
 
-A verl launch script passes Hydra overrides to ``python3 -m verl.trainer.main_ppo``
-(``key=value``, ``+key=value`` adds a key, ``++key=value`` adds or replaces one). `VERL_KEYS`
+A verl launch script passes Hydra overrides to ``python3 -m verl.trainer.main_ppo``. `VERL_KEYS`
 lists the keys of verl's ``ppo_trainer.yaml`` (verl 0.5-0.8, FSDP workers) and the recipe keys
-scripts pass (``data.gen_batch_size``, ``reward_model.overlong_buffer.*``), each with a `KeyRule`:
+scripts pass (``data.gen_batch_size``, ``reward_model.overlong_buffer.*``), each with a `KeyRule`
+that states every packrl key the verl key reaches. A rule is one of:
 
-=================  ==========================================================================
-rule               what `packrl.config.verl.translate` does with the key
-=================  ==========================================================================
-``packrl`` set     maps it (with a unit conversion where the units differ)
-``accept=ANY``     accepts it and names it with ``reason`` (a setting packrl does not need)
-``accept`` values  accepts those values with ``reason``; any other value is refused with
-                   ``reason`` and ``fix`` (a setting packrl cannot honour exactly)
-=================  ==========================================================================
+====================  =====================================================================
+rule                  what `packrl.compat.verl.translate` does with the key
+====================  =====================================================================
+executable            ``convert`` set: the table itself maps the value to ``packrl`` (one
+                      key), with a unit or name conversion (`packrl.compat.verl.convert`)
+relational            ``by`` set: the named function(s) of `packrl.compat.verl.relational`
+                      set the ``packrl`` keys from this and other verl keys (budgets from
+                      micro-batch keys, steps from epochs and rows, the critic, ...)
+both                  ``convert`` maps the first ``packrl`` key; ``by`` reads the key for the
+                      others (``data.train_batch_size`` is also half of the total steps)
+``accept=ANY``        ignored with ``reason`` (a setting packrl does not need)
+``accept`` values     those values ignored with ``reason``; any other is refused with
+                      ``reason`` and ``fix`` (a setting packrl cannot honour exactly)
+====================  =====================================================================
 
 `FAMILIES` covers free-form sub-trees (``engine_kwargs.vllm.*``, profilers, FSDP settings).
 A key in neither is not a verl key: `nearest_key` names the closest one for the error, since
-guides circulate misspelled keys. `Translation` is what `packrl.config.verl.translate` returns.
-The module is data and pure functions; it imports no torch.
+guides circulate misspelled keys. `BEHAVIOUR` names the packrl keys set with no verl key
+behind them. The module is data and pure functions; it imports no torch.
 """
 
 from __future__ import annotations
 
 import difflib
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
+import packrl.compat.verl.convert as cv
+from packrl.compat.verl.convert import Converter
 
 AR = "actor_rollout_ref"
 ACTOR, ROLLOUT, REF = f"{AR}.actor", f"{AR}.rollout", f"{AR}.ref"
@@ -40,24 +46,52 @@ class KeyRule:
     """What packrl does with one verl key.
 
     Attributes:
-        packrl: the packrl key(s) it maps to, for the docs and the report ("" = none).
+        packrl: every packrl key the verl key reaches, comma-separated ("" = none); ``key=value``
+            names the value a relational function sets.
         reason: why packrl does not use it (keys without ``packrl``), or what differs.
         accept: the values accepted without effect; `ANY` = all; others are refused.
         fix: what to do instead when a value is refused, naming the dotted key.
+        convert: executable rules: the verl value -> the first ``packrl`` key's value.
+        by: relational rules: the function(s) of `packrl.compat.verl.relational` that set packrl
+            keys from this verl key together with others, comma-separated.
     """
 
     packrl: str = ""
     reason: str = ""
     accept: tuple[Any, ...] = ANY
     fix: str = ""
+    convert: Converter | None = None
+    by: str = ""
 
     @property
     def mapped(self) -> bool:
+        """Whether the key reaches a packrl key."""
         return bool(self.packrl)
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The packrl keys ``packrl`` names, without their ``=value``."""
+        return tuple(t.strip().split("=")[0] for t in self.packrl.split(",") if t.strip())
 
-def _m(packrl: str, note: str = "") -> KeyRule:
-    return KeyRule(packrl=packrl, reason=note)
+    @property
+    def executable(self) -> bool:
+        """Whether the table maps the key itself (to ``targets[0]``, by ``convert``)."""
+        return self.convert is not None
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        """The relational functions that set packrl keys from the key (empty for a purely executable rule)."""
+        return tuple(f.strip() for f in self.by.split(",") if f.strip())
+
+
+def _x(packrl: str, convert: Converter, note: str = "") -> KeyRule:
+    """An executable rule: ``convert`` maps the value to packrl key ``packrl``."""
+    return KeyRule(packrl=packrl, reason=note, convert=convert)
+
+
+def _r(packrl: str, by: str, note: str = "") -> KeyRule:
+    """A relational rule: function(s) ``by`` set the ``packrl`` keys from several verl keys."""
+    return KeyRule(packrl=packrl, reason=note, by=by)
 
 
 def _i(reason: str, accept: tuple[Any, ...] = ANY, fix: str = "") -> KeyRule:
@@ -80,48 +114,64 @@ _CHECKPOINT = "packrl checkpoints hold the model, optimizer, schedule, data posi
 _INTERNAL = "set by verl's trainer at run time, not by a user"
 _NO_CRITIC_LORA = "packrl's critic trains its whole model"
 _REWARD_MODEL = "packrl scores with registered reward functions (reward.name), not a reward model"
+_TIMELINE = cv.switch_on("a Ray timeline -> RUN_DIR/trace.json: spans per stage and per micro-batch")
 
 
 def _actor_like(role: str) -> dict[str, KeyRule]:
-    """Keys the actor and the reference share (log-prob passes, FSDP settings, compile flags)."""
+    """Keys the actor and the reference share (FSDP strategy, sequence parallelism, compile flags);
+    the reference's log-prob micro-batch keys (verl's actor has none: its old log-probs use
+    ``rollout.log_prob_*``)."""
     p = f"{AR}.{role}"
-    return {
+    rules = {
         f"{p}.strategy": _i("packrl's workers are FSDP2 (trainer.num_workers > 1) or one process", ("fsdp", "fsdp2"),
                             "packrl has no Megatron backend; use fsdp2 settings"),
-        f"{p}.log_prob_micro_batch_size": _m("train.max_tokens_per_logprob_microbatch", "sequences over all GPUs -> tokens per GPU"),
-        f"{p}.log_prob_micro_batch_size_per_gpu": _m("train.max_tokens_per_logprob_microbatch", "sequences -> tokens"),
-        f"{p}.log_prob_use_dynamic_bsz": _m("train.max_tokens_per_logprob_microbatch", "picks the token or the sequence budget"),
-        f"{p}.log_prob_max_token_len_per_gpu": _m("train.max_tokens_per_logprob_microbatch"),
-        f"{p}.ulysses_sequence_parallel_size": _m("trainer.sequence_parallel_size"),
+        f"{p}.ulysses_sequence_parallel_size": _r("trainer.sequence_parallel_size", "_parallel"),
         f"{p}.entropy_from_logits_with_chunking": _i(_CHUNKED),
         f"{p}.entropy_checkpointing": _i(_CHUNKED),
         f"{p}.use_torch_compile": _i(_PERF),
     }
+    if role == "ref":
+        rules |= {
+            f"{p}.log_prob_micro_batch_size": _r("train.max_tokens_per_logprob_microbatch", "_budgets",
+                                                 "sequences over all GPUs -> tokens per GPU"),
+            f"{p}.log_prob_micro_batch_size_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "sequences -> tokens"),
+            f"{p}.log_prob_use_dynamic_bsz": _r("train.max_tokens_per_logprob_microbatch", "_budgets",
+                                                "picks the token or the sequence budget"),
+            f"{p}.log_prob_max_token_len_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets"),
+        }
+    else:
+        unused = _i(f"not a key of verl's actor (ppo_trainer.yaml): verl's old log-probs use {ROLLOUT}.log_prob_*")
+        rules |= {f"{p}.{name}": unused for name in ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu",
+                                                    "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")}
+    return rules
 
 
 _DATA = {
     "data.tokenizer": _i("packrl uses the model's own tokenizer", (None,), "leave data.tokenizer unset; set model.path"),
     "data.use_shm": _i(_PERF),
-    "data.train_files": _m("data.train_files", "verl's RL parquet schema (prompt, reward_model.ground_truth) is read as it is"),
-    "data.val_files": _m("data.val_files"),
+    "data.train_files": _x("data.train_files", cv.files, "verl's RL parquet schema (prompt, reward_model.ground_truth) is read as it is"),
+    "data.val_files": _r("data.val_files", "_val_files"),
     "data.train_max_samples": _i("packrl trains on every row of data.train_files", (-1, None),
                                  "write the subset to its own file and pass it as data.train_files"),
-    "data.val_max_samples": _m("data.max_val_rows", "-1 = all rows -> null; packrl takes the first N rows, verl a random N"),
+    "data.val_max_samples": _x("data.max_val_rows", cv.val_rows, "-1 = all rows -> null; packrl takes the first N rows, verl a random N"),
     "data.prompt_key": _i("packrl reads verl's `prompt` column", ("prompt",), "rename the column to `prompt` in the data files"),
     "data.reward_fn_key": _i("packrl passes `data_source` to the reward", ("data_source",), "rename the column to `data_source`"),
-    "data.max_prompt_length": _m("data.max_prompt_tokens"),
-    "data.max_response_length": _m("rollout.max_response_tokens"),
-    "data.train_batch_size": _m("data.batch_size", "prompts per step in both"),
+    "data.max_prompt_length": _r("data.max_prompt_tokens", "_lengths"),
+    "data.max_response_length": _r("rollout.max_response_tokens", "_lengths"),
+    "data.train_batch_size": KeyRule(packrl="data.batch_size, train.total_steps", reason="prompts per step in both", convert=cv.as_int,
+                                      by="_total_steps"),
     "data.val_batch_size": _i("packrl generates validation in batches of rollout.max_num_seqs; the batch does not change results"),
     "data.return_raw_input_ids": _i(_INTERNAL), "data.return_raw_chat": _i(_INTERNAL),
     "data.return_full_prompt": _i(_INTERNAL), "data.return_multi_modal_inputs": _i(_INTERNAL),
-    "data.shuffle": _m("data.shuffle"),
-    "data.seed": _m("train.seed", "packrl's one seed also seeds sampling and initialisation"),
+    "data.shuffle": _x("data.shuffle", cv.as_bool),
+    "data.seed": _x("train.seed", cv.unless_null(cv.as_int, "null: packrl seeds from train.seed",
+                    "packrl's one seed also seeds sampling"), "packrl's one seed also seeds sampling and initialisation"),
     "data.validation_shuffle": _i("packrl validates every row in file order; the order does not change the accuracy"),
     "data.dataloader_num_workers": _i(_PERF),
-    "data.filter_overlong_prompts": _m("data.overlong_prompt", "True -> filter"),
+    "data.filter_overlong_prompts": _r("data.overlong_prompt", "_overlong_prompt", "True -> filter"),
     "data.filter_overlong_prompts_workers": _i(_PERF),
-    "data.truncation": _m("data.overlong_prompt", "left/right/middle shorten the last user message's text, error stops"),
+    "data.truncation": _r("data.overlong_prompt", "_overlong_prompt",
+                          "left/right/middle shorten the last user message's text, error stops"),
     "data.image_key": _i("packrl reads images from verl's `images` column", ("images",), "rename the column to `images`"),
     "data.video_key": _i("packrl does not read videos", ("videos",), "remove video rows from the data"),
     "data.image_patch_size": _i("the processor's own patch size is used", (14,), "leave data.image_patch_size at 14"),
@@ -133,30 +183,31 @@ _DATA = {
     "data.sampler.class_name": _i("see data.sampler.class_path"),
     "data.datagen.path": _i("packrl reads fixed data files", (None,), "generate the rows beforehand into a data file"),
     "data.datagen.name": _i("see data.datagen.path"),
-    "data.gen_batch_size": _m("algorithm.filter_groups.max_num_gen_batches", "rounds of gen_batch_size -> rounds of data.batch_size"),
+    "data.gen_batch_size": _r("algorithm.filter_groups.max_num_gen_batches", "_filter_groups",
+                              "rounds of gen_batch_size -> rounds of data.batch_size"),
     "data.tool_config_path": _i("packrl's tools are registered functions (rollout.multi_turn.tools)", (None,),
                                 "register the tool (packrl.registry.TOOLS) in a trainer.plugins file and set rollout.multi_turn.tools"),
 }
 
 _MODEL = {
-    f"{AR}.model.path": _m("model.path"),
+    f"{AR}.model.path": _x("model.path", cv.as_str),
     f"{AR}.model.tokenizer_path": _i("packrl uses the model's own tokenizer", (None,), "put the tokenizer next to the weights"),
     f"{AR}.model.custom_chat_template": _i("packrl renders with the tokenizer's chat template", (None,),
                                            "write the template into the model's tokenizer_config.json"),
     f"{AR}.model.use_shm": _i(_PERF),
     f"{AR}.model.external_lib": _i("packrl imports no model libraries", (None,),
                                    "register parts through trainer.plugins; custom architectures are not supported"),
-    f"{AR}.model.override_config.rope_scaling.type": _m("model.rope_scaling.type"),
-    f"{AR}.model.override_config.rope_scaling.rope_type": _m("model.rope_scaling.type"),
-    f"{AR}.model.override_config.rope_scaling.factor": _m("model.rope_scaling.factor"),
+    f"{AR}.model.override_config.rope_scaling.type": _r("model.rope_scaling.type", "_rope"),
+    f"{AR}.model.override_config.rope_scaling.rope_type": _r("model.rope_scaling.type", "_rope"),
+    f"{AR}.model.override_config.rope_scaling.factor": _x("model.rope_scaling.factor", cv.as_float),
     f"{AR}.model.override_config.rope_scaling.original_max_position_embeddings": _i(
         "packrl takes it from the model's max_position_embeddings"),
-    f"{AR}.model.enable_gradient_checkpointing": _m("model.gradient_checkpointing"),
-    f"{AR}.model.enable_activation_offload": _m("model.activation_offload"),
+    f"{AR}.model.enable_gradient_checkpointing": _x("model.gradient_checkpointing", cv.as_bool),
+    f"{AR}.model.enable_activation_offload": _x("model.activation_offload", cv.as_bool),
     f"{AR}.model.use_remove_padding": _i(_PACKED),
-    f"{AR}.model.lora_rank": _m("model.lora.rank"),
-    f"{AR}.model.lora_alpha": _m("model.lora.alpha", "verl's default is 16 (packrl's 32)"),
-    f"{AR}.model.target_modules": _m("model.lora.target_modules"),
+    f"{AR}.model.lora_rank": _r("model.lora.rank", "_lora"),
+    f"{AR}.model.lora_alpha": _r("model.lora.alpha", "_lora", "verl's default is 16 (packrl's 32)"),
+    f"{AR}.model.target_modules": _r("model.lora.target_modules", "_lora"),
     f"{AR}.model.exclude_modules": _i("packrl's LoRA takes target_modules only", (None,), "list the wanted modules in target_modules"),
     f"{AR}.model.lora_adapter_path": _i("packrl starts LoRA adapters from zero", (None,), "merge the adapter into the weights first"),
     f"{AR}.model.use_liger": _i(_CHUNKED), f"{AR}.model.use_fused_kernels": _i(_CHUNKED),
@@ -167,60 +218,64 @@ _MODEL = {
 
 _ACTOR = {
     **_actor_like("actor"),
-    f"{ACTOR}.use_torch_compile": _m("model.compile", "false -> false; true -> null (compiled decoder layers where packrl can run "
+    f"{ACTOR}.use_torch_compile": _x("model.compile", cv.torch_compile,
+                                     "false -> false; true -> null (compiled decoder layers where packrl can run "
                                      "them; verl compiles its entropy and log-prob functions)"),
-    f"{ACTOR}.ppo_mini_batch_size": _m("train.mini_batch_size", "prompts per optimizer step in both"),
-    f"{ACTOR}.ppo_micro_batch_size": _m("train.max_tokens_per_microbatch", "sequences over all GPUs -> tokens per GPU"),
-    f"{ACTOR}.ppo_micro_batch_size_per_gpu": _m("train.max_tokens_per_microbatch", "sequences -> tokens"),
-    f"{ACTOR}.use_dynamic_bsz": _m("train.max_tokens_per_microbatch", "picks the token or the sequence budget"),
-    f"{ACTOR}.ppo_max_token_len_per_gpu": _m("train.max_tokens_per_microbatch", "per GPU; a pack holds x sequence_parallel_size"),
-    f"{ACTOR}.clip_ratio": _m("algorithm.clip_ratio_low, algorithm.clip_ratio_high"),
-    f"{ACTOR}.clip_ratio_low": _m("algorithm.clip_ratio_low"),
-    f"{ACTOR}.clip_ratio_high": _m("algorithm.clip_ratio_high"),
+    f"{ACTOR}.ppo_mini_batch_size": _x("train.mini_batch_size", cv.as_int, "prompts per optimizer step in both"),
+    f"{ACTOR}.ppo_micro_batch_size": _r("train.max_tokens_per_microbatch", "_budgets", "sequences over all GPUs -> tokens per GPU"),
+    f"{ACTOR}.ppo_micro_batch_size_per_gpu": _r("train.max_tokens_per_microbatch", "_budgets", "sequences -> tokens"),
+    f"{ACTOR}.use_dynamic_bsz": _r("train.max_tokens_per_microbatch", "_budgets", "picks the token or the sequence budget"),
+    f"{ACTOR}.ppo_max_token_len_per_gpu": _r("train.max_tokens_per_microbatch", "_budgets",
+                                             "per GPU; a pack holds x sequence_parallel_size"),
+    f"{ACTOR}.clip_ratio": _r("algorithm.clip_ratio_low, algorithm.clip_ratio_high", "_clip_ratio"),
+    f"{ACTOR}.clip_ratio_low": _r("algorithm.clip_ratio_low", "_clip_ratio"),
+    f"{ACTOR}.clip_ratio_high": _r("algorithm.clip_ratio_high", "_clip_ratio"),
     f"{ACTOR}.clip_ratio_c": _i("packrl's ppo_clip has no dual clip: where A < 0 and the ratio exceeds clip_ratio_c verl "
                                         "caps the token loss at clip_ratio_c x |A|, packrl does not (other tokens are equal)"),
-    f"{ACTOR}.policy_loss.loss_mode": _m("algorithm.policy_loss", "vanilla -> ppo_clip"),
-    f"{ACTOR}.policy_loss.clip_cov_ratio": _m("algorithm.clip_cov_ratio"),
-    f"{ACTOR}.policy_loss.clip_cov_lb": _m("algorithm.clip_cov_lb"),
-    f"{ACTOR}.policy_loss.clip_cov_ub": _m("algorithm.clip_cov_ub"),
-    f"{ACTOR}.policy_loss.kl_cov_ratio": _m("algorithm.kl_cov_ratio"),
-    f"{ACTOR}.policy_loss.ppo_kl_coef": _m("algorithm.ppo_kl_coef"),
-    f"{ACTOR}.loss_agg_mode": _m("algorithm.loss_agg_mode", "same four names"),
-    f"{ACTOR}.loss_scale_factor": _m("algorithm.loss_scale_factor"),
-    f"{ACTOR}.entropy_coeff": _m("algorithm.entropy_coeff"),
+    f"{ACTOR}.policy_loss.loss_mode": _x("algorithm.policy_loss", cv.policy_loss, "vanilla -> ppo_clip"),
+    f"{ACTOR}.policy_loss.clip_cov_ratio": _r("algorithm.clip_cov_ratio", "_cov_losses"),
+    f"{ACTOR}.policy_loss.clip_cov_lb": _r("algorithm.clip_cov_lb", "_cov_losses"),
+    f"{ACTOR}.policy_loss.clip_cov_ub": _r("algorithm.clip_cov_ub", "_cov_losses"),
+    f"{ACTOR}.policy_loss.kl_cov_ratio": _r("algorithm.kl_cov_ratio", "_cov_losses"),
+    f"{ACTOR}.policy_loss.ppo_kl_coef": _r("algorithm.ppo_kl_coef", "_cov_losses"),
+    f"{ACTOR}.loss_agg_mode": _x("algorithm.loss_agg_mode", cv.as_is, "same four names"),
+    f"{ACTOR}.loss_scale_factor": _x("algorithm.loss_scale_factor", cv.unless_null(cv.as_int,
+                                     "null = the response budget in both (verl: the padded response width)")),
+    f"{ACTOR}.entropy_coeff": _x("algorithm.entropy_coeff", cv.as_float),
     f"{ACTOR}.calculate_entropy": _i("packrl computes the entropy metric in every old-log-prob pass"),
-    f"{ACTOR}.use_kl_loss": _m("algorithm.kl_coef, algorithm.kl_in_reward=false"),
-    f"{ACTOR}.kl_loss_coef": _m("algorithm.kl_coef"),
-    f"{ACTOR}.kl_loss_type": _m("algorithm.kl_estimator", "kl/k1 -> k1, mse/k2 -> k2, low_var_kl/k3 -> k3"),
-    f"{ACTOR}.ppo_epochs": _m("train.ppo_epochs"),
+    f"{ACTOR}.use_kl_loss": _r("algorithm.kl_coef, algorithm.kl_in_reward=false", "_kl"),
+    f"{ACTOR}.kl_loss_coef": _r("algorithm.kl_coef", "_kl"),
+    f"{ACTOR}.kl_loss_type": _r("algorithm.kl_estimator", "_kl", "kl/k1 -> k1, mse/k2 -> k2, low_var_kl/k3 -> k3"),
+    f"{ACTOR}.ppo_epochs": _x("train.ppo_epochs", cv.as_int),
     f"{ACTOR}.shuffle": _i("packrl keeps one order per step; mini-batches are consecutive prompt groups"),
     f"{ACTOR}.data_loader_seed": _i("packrl seeds everything from train.seed"),
     f"{ACTOR}.checkpoint.save_contents": _i(_CHECKPOINT), f"{ACTOR}.checkpoint.load_contents": _i(_CHECKPOINT),
     f"{ACTOR}.checkpoint.async_save": _i(_CHECKPOINT),
-    f"{ACTOR}.optim.lr": _m("train.lr"),
-    f"{ACTOR}.optim.lr_warmup_steps": _m("train.warmup_steps", "-1 = use lr_warmup_steps_ratio"),
-    f"{ACTOR}.optim.lr_warmup_steps_ratio": _m("train.warmup_steps", "ratio x total steps"),
-    f"{ACTOR}.optim.weight_decay": _m("train.weight_decay", "verl's default is 0.01 (packrl's 0.0)"),
+    f"{ACTOR}.optim.lr": _x("train.lr", cv.as_float),
+    f"{ACTOR}.optim.lr_warmup_steps": _r("train.warmup_steps", "_warmup", "-1 = use lr_warmup_steps_ratio"),
+    f"{ACTOR}.optim.lr_warmup_steps_ratio": _r("train.warmup_steps", "_warmup", "ratio x total steps"),
+    f"{ACTOR}.optim.weight_decay": _x("train.weight_decay", cv.as_float, "verl's default is 0.01 (packrl's 0.0)"),
     f"{ACTOR}.optim.warmup_style": _i(_SCHEDULE, ("constant",), "set optim.warmup_style=constant (cosine decay is not offered)"),
     f"{ACTOR}.optim.lr_scheduler_type": _i(_SCHEDULE, ("constant",), "set optim.lr_scheduler_type=constant"),
     f"{ACTOR}.optim.min_lr_ratio": _i("read only by verl's cosine schedule, which packrl does not offer"),
     f"{ACTOR}.optim.num_cycles": _i("read only by verl's cosine schedule, which packrl does not offer"),
     f"{ACTOR}.optim.betas": _i("packrl's AdamW uses torch's betas", ([0.9, 0.999],), "remove optim.betas"),
     f"{ACTOR}.optim.optimizer": _i("packrl's optimizer is AdamW", ("AdamW",), "remove optim.optimizer"),
-    f"{ACTOR}.optim.clip_grad": _m("train.grad_clip"),
+    f"{ACTOR}.optim.clip_grad": _r("train.grad_clip", "_grad_clip"),
     f"{ACTOR}.optim.total_training_steps": _i(_INTERNAL),
-    f"{ACTOR}.grad_clip": _m("train.grad_clip"),
+    f"{ACTOR}.grad_clip": _r("train.grad_clip", "_grad_clip"),
     f"{ACTOR}.use_fused_kernels": _i(_CHUNKED),
-    f"{ACTOR}.tis_imp_ratio_cap": _m("algorithm.rollout_correction.rollout_is_threshold", "> 0 turns token TIS on"),
+    f"{ACTOR}.tis_imp_ratio_cap": _r("algorithm.rollout_correction.rollout_is, algorithm.rollout_correction.rollout_is_threshold",
+                                         "_rollout_correction", "> 0 turns token TIS on"),
     f"{ACTOR}.freeze_vision_tower": _i("packrl trains the language model's parameters"),
     f"{ACTOR}.use_rollout_log_probs": _i("packrl recomputes the old log-probs when a loss needs them"),
     f"{ACTOR}.rollout_n": _i(_INTERNAL),
     f"{ACTOR}.use_remove_padding": _i(_PACKED),
-    f"{ACTOR}.fsdp_config.param_offload": _m("model.param_offload", "one switch: parameters, gradients, optimizer states"),
-    f"{ACTOR}.fsdp_config.optimizer_offload": _m("model.param_offload", "one switch: parameters, gradients, optimizer states"),
-    f"{ACTOR}.fsdp_config.offload_policy": _m("model.param_offload", "FSDP2's CPUOffloadPolicy in both"),
-    f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size": _m("trainer.sequence_parallel_size"),
-    f"{ACTOR}.fsdp_config.dtype": _m("model.dtype", "bfloat16 -> bf16, float32 -> fp32"),
+    f"{ACTOR}.fsdp_config.param_offload": _r("model.param_offload", "_offload", "one switch: parameters, gradients, optimizer states"),
+    f"{ACTOR}.fsdp_config.optimizer_offload": _r("model.param_offload", "_offload", "one switch: parameters, gradients, optimizer states"),
+    f"{ACTOR}.fsdp_config.offload_policy": _r("model.param_offload", "_offload", "FSDP2's CPUOffloadPolicy in both"),
+    f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size": _r("trainer.sequence_parallel_size", "_parallel"),
+    f"{ACTOR}.fsdp_config.dtype": _x("model.dtype", cv.dtype, "bfloat16 -> bf16, float32 -> fp32"),
 }
 
 _REF = {
@@ -233,13 +288,13 @@ VLLM_PASSED = ("gpu_memory_utilization", "enable_chunked_prefill", "enable_prefi
 """``AR.rollout.*`` keys that are ``vllm.EngineArgs`` fields: passed to ``rollout.engine_kwargs`` under vllm."""
 
 _ROLLOUT = {
-    f"{ROLLOUT}.name": _m("rollout.engine", "vllm -> vllm, hf -> hf"),
+    f"{ROLLOUT}.name": _x("rollout.engine", cv.engine, "vllm -> vllm, hf -> hf"),
     f"{ROLLOUT}.mode": _i("packrl's engine generates in the worker's process (sync or async gives the same samples)"),
-    f"{ROLLOUT}.temperature": _m("rollout.temperature"),
-    f"{ROLLOUT}.top_p": _m("rollout.top_p"),
-    f"{ROLLOUT}.top_k": _m("rollout.top_k", "-1 (off) -> 0"),
-    f"{ROLLOUT}.prompt_length": _m("data.max_prompt_tokens"),
-    f"{ROLLOUT}.response_length": _m("rollout.max_response_tokens"),
+    f"{ROLLOUT}.temperature": _x("rollout.temperature", cv.as_float),
+    f"{ROLLOUT}.top_p": _x("rollout.top_p", cv.as_float),
+    f"{ROLLOUT}.top_k": _x("rollout.top_k", cv.top_k, "-1 (off) -> 0"),
+    f"{ROLLOUT}.prompt_length": _r("data.max_prompt_tokens", "_lengths"),
+    f"{ROLLOUT}.response_length": _r("rollout.max_response_tokens", "_lengths"),
     f"{ROLLOUT}.dtype": _i("the engine computes in model.dtype"),
     f"{ROLLOUT}.ignore_eos": _i("packrl stops at the end-of-sequence token", (False,), "remove rollout.ignore_eos"),
     f"{ROLLOUT}.free_cache_engine": _i(_ENGINE), f"{ROLLOUT}.load_format": _i(_ENGINE),
@@ -250,32 +305,33 @@ _ROLLOUT = {
     f"{ROLLOUT}.pipeline_model_parallel_size": _i(_ENGINE),
     f"{ROLLOUT}.max_model_len": _i(_DERIVED),
     f"{ROLLOUT}.cudagraph_capture_sizes": _i(_ENGINE),
-    f"{ROLLOUT}.max_num_seqs": _m("rollout.max_num_seqs"),
+    f"{ROLLOUT}.max_num_seqs": _x("rollout.max_num_seqs", cv.as_int),
     f"{ROLLOUT}.logprobs_mode": _i("packrl's engine returns processed log-probs, the trainer's own",
                                            ("processed_logprobs",), "remove rollout.logprobs_mode"),
     f"{ROLLOUT}.scheduling_policy": _i(_ENGINE),
     f"{ROLLOUT}.do_sample": _i("packrl samples at rollout.temperature", (True,), "sample (do_sample=True) for RL rollouts"),
-    f"{ROLLOUT}.n": _m("rollout.n"),
+    f"{ROLLOUT}.n": _x("rollout.n", cv.as_int),
     f"{ROLLOUT}.over_sample_rate": _i("packrl waits for every response", (0, 0.0), "remove rollout.over_sample_rate"),
-    f"{ROLLOUT}.calculate_log_probs": _m("rollout.return_logprobs"),
-    f"{ROLLOUT}.log_prob_micro_batch_size": _m("train.max_tokens_per_logprob_microbatch", "sequences over all GPUs -> tokens"),
-    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _m("train.max_tokens_per_logprob_microbatch", "sequences -> tokens"),
-    f"{ROLLOUT}.log_prob_use_dynamic_bsz": _m("train.max_tokens_per_logprob_microbatch", "picks the token or sequence budget"),
-    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _m("train.max_tokens_per_logprob_microbatch"),
-    f"{ROLLOUT}.val_kwargs.temperature": _m("rollout.val_temperature"),
-    f"{ROLLOUT}.val_kwargs.do_sample": _m("rollout.val_temperature", "False -> 0 (greedy)"),
+    f"{ROLLOUT}.calculate_log_probs": _x("rollout.return_logprobs", cv.as_bool),
+    f"{ROLLOUT}.log_prob_micro_batch_size": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "sequences over all GPUs -> tokens"),
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "sequences -> tokens"),
+    f"{ROLLOUT}.log_prob_use_dynamic_bsz": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "picks the token or sequence budget"),
+    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets"),
+    f"{ROLLOUT}.val_kwargs.temperature": _r("rollout.val_temperature", "_val_temperature"),
+    f"{ROLLOUT}.val_kwargs.do_sample": _r("rollout.val_temperature", "_val_temperature", "False -> 0 (greedy)"),
     f"{ROLLOUT}.val_kwargs.n": _i("packrl validates one response per prompt", (1,), "set val_kwargs.n=1"),
     f"{ROLLOUT}.val_kwargs.top_p": _i("packrl validates greedily or at rollout.val_temperature"),
     f"{ROLLOUT}.val_kwargs.top_k": _i("packrl validates greedily or at rollout.val_temperature"),
-    f"{ROLLOUT}.multi_turn.enable": _m("rollout.multi_turn.tools"),
-    f"{ROLLOUT}.multi_turn.max_assistant_turns": _m("rollout.multi_turn.max_turns"),
+    f"{ROLLOUT}.multi_turn.enable": _r("rollout.multi_turn.tools", "_multi_turn"),
+    f"{ROLLOUT}.multi_turn.max_assistant_turns": _r("rollout.multi_turn.max_turns", "_multi_turn"),
     f"{ROLLOUT}.multi_turn.max_user_turns": _i("packrl's trajectories have no simulated user turns", (None,),
                                                        "remove multi_turn.max_user_turns"),
     f"{ROLLOUT}.multi_turn.max_parallel_calls": _i("packrl runs the tool calls of a turn one after another"),
-    f"{ROLLOUT}.multi_turn.max_tool_response_length": _m("rollout.multi_turn.max_tool_response_tokens", "characters -> tokens"),
-    f"{ROLLOUT}.multi_turn.tool_response_truncate_side": _m("rollout.multi_turn.tool_response_truncation_side",
+    f"{ROLLOUT}.multi_turn.max_tool_response_length": _r("rollout.multi_turn.max_tool_response_tokens", "_multi_turn",
+                                                         "characters -> tokens"),
+    f"{ROLLOUT}.multi_turn.tool_response_truncate_side": _r("rollout.multi_turn.tool_response_truncation_side", "_multi_turn",
                                                                     "verl left (keeps the head) -> right, right -> left"),
-    f"{ROLLOUT}.multi_turn.tool_config_path": _m("rollout.multi_turn.tools"),
+    f"{ROLLOUT}.multi_turn.tool_config_path": _r("rollout.multi_turn.tools", "_multi_turn"),
     f"{ROLLOUT}.multi_turn.interaction_config_path": _i("packrl has no simulated-user interactions", (None,),
                                                                 "remove multi_turn.interaction_config_path"),
     f"{ROLLOUT}.multi_turn.format": _i("packrl's tool calls use <tool_call>{json}</tool_call> (hermes)", ("hermes",),
@@ -285,7 +341,7 @@ _ROLLOUT = {
     f"{ROLLOUT}.multi_turn.num_repeat_rollouts": _i(_INTERNAL),
     f"{ROLLOUT}.agent.num_workers": _i(_PERF),
     f"{ROLLOUT}.agent.default_agent_loop": _i("packrl picks single- or multi-turn from rollout.multi_turn.tools",
-                                                      ("single_turn_agent", "tool_agent"), "register an engine (packrl.registry.ROLLOUT_ENGINES)"),
+                                              ("single_turn_agent", "tool_agent"), "register an engine (packrl.registry.ROLLOUT_ENGINES)"),
     f"{ROLLOUT}.agent.agent_loop_config_path": _i("packrl has no agent-loop files", (None,), "remove agent.agent_loop_config_path"),
     f"{ROLLOUT}.trace.backend": _i("packrl writes RUN_DIR/trace.json and, with train.dump_rollouts, every response"),
     f"{ROLLOUT}.trace.token2text": _i("see rollout.trace.backend"),
@@ -294,25 +350,26 @@ _ROLLOUT = {
     f"{ROLLOUT}.skip_dump_dir": _i("read only with skip_rollout"),
     f"{ROLLOUT}.update_weights_bucket_megabytes": _i(_ENGINE),
     f"{ROLLOUT}.quantization": _i("packrl's engine generates with the policy's own weights", (None,), "remove rollout.quantization"),
-    **{f"{ROLLOUT}.{name}": _m(f"rollout.engine_kwargs.{name}", "vllm engine argument") for name in VLLM_PASSED},
+    **{f"{ROLLOUT}.{name}": _r(f"rollout.engine_kwargs.{name}", "_vllm_args", "vllm engine argument") for name in VLLM_PASSED},
 }
 
 _CRITIC = {
-    "critic.enable": _m("critic.enable"),
+    "critic.enable": _r("critic.enable", "_critic"),
     "critic.strategy": _i("packrl's critic runs in the policy's workers", ("fsdp", "fsdp2"), "packrl has no Megatron backend"),
-    "critic.optim.lr": _m("critic.lr"),
+    "critic.optim.lr": _r("critic.lr", "_critic"),
     "critic.optim.lr_warmup_steps": _i("packrl's critic learning rate follows the actor's warmup (train.warmup_steps)", (-1, 0, None),
                                        "remove critic.optim.lr_warmup_steps"),
     "critic.optim.lr_warmup_steps_ratio": _i("packrl's critic learning rate follows the actor's warmup (train.warmup_steps)",
                                              (0, 0.0), "remove critic.optim.lr_warmup_steps_ratio"),
-    "critic.optim.weight_decay": _m("train.weight_decay", "one weight decay for actor and critic"),
+    "critic.optim.weight_decay": _r("train.weight_decay", "_critic", "one weight decay for actor and critic"),
     "critic.optim.warmup_style": _i(_SCHEDULE, ("constant",), "set critic.optim.warmup_style=constant"),
     "critic.optim.lr_scheduler_type": _i(_SCHEDULE, ("constant",), "set critic.optim.lr_scheduler_type=constant"),
-    "critic.optim.min_lr_ratio": _i("read only by verl's cosine schedule"), "critic.optim.num_cycles": _i("read only by verl's cosine schedule"),
+    "critic.optim.min_lr_ratio": _i("read only by verl's cosine schedule"),
+    "critic.optim.num_cycles": _i("read only by verl's cosine schedule"),
     "critic.optim.betas": _i("packrl's AdamW uses torch's betas", ([0.9, 0.999],), "remove critic.optim.betas"),
-    "critic.optim.clip_grad": _m("critic.grad_clip"),
+    "critic.optim.clip_grad": _r("critic.grad_clip", "_critic"),
     "critic.optim.total_training_steps": _i(_INTERNAL),
-    "critic.model.path": _m("critic.model.path", "the actor's path -> null (packrl's default: the policy's checkpoint)"),
+    "critic.model.path": _r("critic.model.path", "_critic", "the actor's path -> null (packrl's default: the policy's checkpoint)"),
     "critic.model.tokenizer_path": _i("the critic uses the policy's tokenizer"),
     "critic.model.override_config": _i("the critic's config is the backbone's own", ({}, None), "remove critic.model.override_config"),
     "critic.model.external_lib": _i("packrl imports no model libraries", (None,), "remove critic.model.external_lib"),
@@ -325,21 +382,21 @@ _CRITIC = {
     "critic.model.fsdp_config.optimizer_offload": _i(_OFFLOAD),
     "critic.model.lora_rank": _i(_NO_CRITIC_LORA, (0,), "set critic.model.lora_rank=0"),
     "critic.model.lora_alpha": _i(_NO_CRITIC_LORA), "critic.model.target_modules": _i(_NO_CRITIC_LORA),
-    "critic.ppo_mini_batch_size": _m("train.mini_batch_size", "the critic updates on the actor's mini-batches"),
-    "critic.ppo_micro_batch_size": _m("critic.max_tokens_per_microbatch", "sequences over all GPUs -> tokens per GPU"),
-    "critic.ppo_micro_batch_size_per_gpu": _m("critic.max_tokens_per_microbatch", "sequences -> tokens"),
+    "critic.ppo_mini_batch_size": _r("train.mini_batch_size", "_critic", "the critic updates on the actor's mini-batches"),
+    "critic.ppo_micro_batch_size": _r("critic.max_tokens_per_microbatch", "_critic", "sequences over all GPUs -> tokens per GPU"),
+    "critic.ppo_micro_batch_size_per_gpu": _r("critic.max_tokens_per_microbatch", "_critic", "sequences -> tokens"),
     "critic.forward_micro_batch_size": _i("the value pass uses train.max_tokens_per_logprob_microbatch"),
     "critic.forward_micro_batch_size_per_gpu": _i("the value pass uses train.max_tokens_per_logprob_microbatch"),
-    "critic.use_dynamic_bsz": _m("critic.max_tokens_per_microbatch", "picks the token or sequence budget"),
-    "critic.ppo_max_token_len_per_gpu": _m("critic.max_tokens_per_microbatch"),
+    "critic.use_dynamic_bsz": _r("critic.max_tokens_per_microbatch", "_critic", "picks the token or sequence budget"),
+    "critic.ppo_max_token_len_per_gpu": _r("critic.max_tokens_per_microbatch", "_critic"),
     "critic.forward_max_token_len_per_gpu": _i("the value pass uses train.max_tokens_per_logprob_microbatch"),
     "critic.ulysses_sequence_parallel_size": _i("packrl's critic does not run under sequence parallelism", (1,),
                                                 "set critic.ulysses_sequence_parallel_size=1"),
-    "critic.ppo_epochs": _m("train.ppo_epochs", "the critic passes over the batch with the actor"),
+    "critic.ppo_epochs": _r("train.ppo_epochs", "_critic", "the critic passes over the batch with the actor"),
     "critic.shuffle": _i("packrl keeps one order per step"), "critic.data_loader_seed": _i("packrl seeds from train.seed"),
-    "critic.grad_clip": _m("critic.grad_clip"),
-    "critic.cliprange_value": _m("critic.cliprange_value"),
-    "critic.loss_agg_mode": _m("algorithm.loss_agg_mode", "the critic aggregates as the actor"),
+    "critic.grad_clip": _r("critic.grad_clip", "_critic"),
+    "critic.cliprange_value": _r("critic.cliprange_value", "_critic"),
+    "critic.loss_agg_mode": _r("algorithm.loss_agg_mode", "_critic", "the critic aggregates as the actor"),
     "critic.checkpoint.save_contents": _i(_CHECKPOINT), "critic.checkpoint.load_contents": _i(_CHECKPOINT),
     "critic.checkpoint.async_save": _i(_CHECKPOINT),
     "critic.rollout_n": _i(_INTERNAL),
@@ -348,7 +405,8 @@ _CRITIC = {
 _REWARD = {
     "reward_model.enable": _i(_REWARD_MODEL, (False,), "register a reward function in a trainer.plugins file and set reward.name"),
     "reward_model.strategy": _i(_REWARD_MODEL),
-    "reward_model.reward_manager": _m("reward.overlong_buffer_tokens", "naive/batch/prime score alike; dapo adds the overlong penalty"),
+    "reward_model.reward_manager": _r("reward.overlong_buffer_tokens", "_reward",
+                                      "naive/batch/prime score alike; dapo adds the overlong penalty"),
     "reward_model.launch_reward_fn_async": _i(_PERF),
     "reward_model.micro_batch_size": _i(_REWARD_MODEL), "reward_model.micro_batch_size_per_gpu": _i(_REWARD_MODEL),
     "reward_model.max_length": _i(_REWARD_MODEL), "reward_model.use_dynamic_bsz": _i(_REWARD_MODEL),
@@ -356,14 +414,14 @@ _REWARD = {
     "reward_model.sandbox_fusion.url": _i("packrl's rewards run in process", (None,), "register a reward that calls the sandbox"),
     "reward_model.sandbox_fusion.max_concurrent": _i("read only with sandbox_fusion.url"),
     "reward_model.sandbox_fusion.memory_limit_mb": _i("read only with sandbox_fusion.url"),
-    "reward_model.reward_kwargs.max_resp_len": _m("reward.overlong_buffer_tokens", "must equal data.max_response_length"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": _m("reward.overlong_buffer_tokens", "False -> 0"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.len": _m("reward.overlong_buffer_tokens"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": _m("reward.overlong_penalty_factor"),
+    "reward_model.reward_kwargs.max_resp_len": _r("reward.overlong_buffer_tokens", "_reward", "must equal data.max_response_length"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": _r("reward.overlong_buffer_tokens", "_reward", "False -> 0"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": _r("reward.overlong_buffer_tokens", "_reward"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": _r("reward.overlong_penalty_factor", "_reward"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": _i("packrl always logs the overlong penalty"),
-    "reward_model.overlong_buffer.enable": _m("reward.overlong_buffer_tokens", "False -> 0 (DAPO recipe spelling)"),
-    "reward_model.overlong_buffer.len": _m("reward.overlong_buffer_tokens"),
-    "reward_model.overlong_buffer.penalty_factor": _m("reward.overlong_penalty_factor"),
+    "reward_model.overlong_buffer.enable": _r("reward.overlong_buffer_tokens", "_reward", "False -> 0 (DAPO recipe spelling)"),
+    "reward_model.overlong_buffer.len": _r("reward.overlong_buffer_tokens", "_reward"),
+    "reward_model.overlong_buffer.penalty_factor": _r("reward.overlong_penalty_factor", "_reward"),
     "reward_model.overlong_buffer.log": _i("packrl always logs the overlong penalty"),
     "custom_reward_function.path": _i("packrl's rewards are registered functions", (None,),
                                       "register the function with @packrl.registry.REWARDS.register in a file and run packrl train "
@@ -372,26 +430,29 @@ _REWARD = {
 }
 
 _ALGORITHM = {
-    "algorithm.gamma": _m("algorithm.gamma"),
-    "algorithm.lam": _m("algorithm.lam"),
-    "algorithm.adv_estimator": _m("algorithm.adv_estimator", "gae, grpo, rloo"),
-    "algorithm.norm_adv_by_std_in_grpo": _m("algorithm.norm_adv_by_std"),
-    "algorithm.use_kl_in_reward": _m("algorithm.kl_in_reward"),
-    "algorithm.kl_penalty": _m("algorithm.kl_estimator", "kl -> k1, mse -> k2, low_var_kl -> k3 (with use_kl_in_reward)"),
+    "algorithm.gamma": _r("algorithm.gamma", "_gae"),
+    "algorithm.lam": _r("algorithm.lam", "_gae"),
+    "algorithm.adv_estimator": _x("algorithm.adv_estimator", cv.estimator, "gae, grpo, rloo"),
+    "algorithm.norm_adv_by_std_in_grpo": _x("algorithm.norm_adv_by_std", cv.as_bool),
+    "algorithm.use_kl_in_reward": _r("algorithm.kl_in_reward, algorithm.kl_coef", "_kl"),
+    "algorithm.kl_penalty": _r("algorithm.kl_estimator", "_kl", "kl -> k1, mse -> k2, low_var_kl -> k3 (with use_kl_in_reward)"),
     "algorithm.kl_ctrl.type": _i("packrl's KL weight is fixed", ("fixed",), "set algorithm.kl_ctrl.type=fixed"),
-    "algorithm.kl_ctrl.kl_coef": _m("algorithm.kl_coef", "with use_kl_in_reward"),
+    "algorithm.kl_ctrl.kl_coef": _r("algorithm.kl_coef", "_kl", "with use_kl_in_reward"),
     "algorithm.kl_ctrl.horizon": _i("read only by the adaptive KL controller"),
     "algorithm.kl_ctrl.target_kl": _i("read only by the adaptive KL controller"),
     "algorithm.use_pf_ppo": _i("packrl has no preference-feedback PPO", (False,), "remove algorithm.use_pf_ppo"),
     "algorithm.pf_ppo.reweight_method": _i("read only with use_pf_ppo"), "algorithm.pf_ppo.weight_pow": _i("read only with use_pf_ppo"),
-    "algorithm.filter_groups.enable": _m("algorithm.filter_groups.enable"),
-    "algorithm.filter_groups.metric": _m("algorithm.filter_groups.metric", "acc/score -> score, seq_reward/seq_final_reward -> reward"),
-    "algorithm.filter_groups.max_num_gen_batches": _m("algorithm.filter_groups.max_num_gen_batches", "<= 0 (unlimited) is refused"),
-    "algorithm.rollout_correction.rollout_is": _m("algorithm.rollout_correction.rollout_is", "token only"),
-    "algorithm.rollout_correction.rollout_is_threshold": _m("algorithm.rollout_correction.rollout_is_threshold"),
-    "algorithm.rollout_correction.rollout_rs": _m("algorithm.rollout_correction.rollout_rs", "geometric only"),
-    "algorithm.rollout_correction.rollout_rs_threshold": _m("algorithm.rollout_correction.rollout_rs_threshold"),
-    "algorithm.rollout_correction.rollout_rs_threshold_lower": _m("algorithm.rollout_correction.rollout_rs_threshold_lower"),
+    "algorithm.filter_groups.enable": _r("algorithm.filter_groups.enable", "_filter_groups"),
+    "algorithm.filter_groups.metric": _r("algorithm.filter_groups.metric", "_filter_groups",
+                                         "acc/score -> score, seq_reward/seq_final_reward -> reward"),
+    "algorithm.filter_groups.max_num_gen_batches": _r("algorithm.filter_groups.max_num_gen_batches", "_filter_groups",
+                                                      "<= 0 (unlimited) is refused"),
+    "algorithm.rollout_correction.rollout_is": _r("algorithm.rollout_correction.rollout_is", "_rollout_correction", "token only"),
+    "algorithm.rollout_correction.rollout_is_threshold": _r("algorithm.rollout_correction.rollout_is_threshold", "_rollout_correction"),
+    "algorithm.rollout_correction.rollout_rs": _r("algorithm.rollout_correction.rollout_rs", "_rollout_correction", "geometric only"),
+    "algorithm.rollout_correction.rollout_rs_threshold": _r("algorithm.rollout_correction.rollout_rs_threshold", "_rollout_correction"),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": _r("algorithm.rollout_correction.rollout_rs_threshold_lower",
+                                                                  "_rollout_correction"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _i("packrl has no token veto", (None,), "remove it"),
     "algorithm.rollout_correction.bypass_mode": _i("packrl always recomputes the old log-probs", (False,), "remove it"),
     "algorithm.rollout_correction.loss_type": _i("read only with bypass_mode"),
@@ -400,29 +461,32 @@ _ALGORITHM = {
 
 _TRAINER = {
     "trainer.balance_batch": _i("packrl always balances ranks by token workload (Karmarkar-Karp)"),
-    "trainer.total_epochs": _m("train.total_steps", "epochs x floor(rows / data.train_batch_size)"),
-    "trainer.total_training_steps": _m("train.total_steps"),
+    "trainer.total_epochs": _r("train.total_steps", "_total_steps", "epochs x floor(rows / data.train_batch_size)"),
+    "trainer.total_training_steps": _r("train.total_steps", "_total_steps"),
     "trainer.project_name": _i(_LOG), "trainer.experiment_name": _i(_LOG), "trainer.log_val_generations": _i(_LOG),
-    "trainer.logger": _m("train.loggers", "console, wandb, tensorboard, mlflow; others are dropped and named"),
-    "trainer.rollout_data_dir": _m("train.dump_rollouts", "dumps go to RUN_DIR/rollouts/step_N.jsonl"),
+    "trainer.logger": _x("train.loggers", cv.loggers, "console, wandb, tensorboard, mlflow; others are dropped and named"),
+    "trainer.rollout_data_dir": _x("train.dump_rollouts", cv.switch_on("dumps go to RUN_DIR/rollouts/step_N.jsonl"),
+                                   "dumps go to RUN_DIR/rollouts/step_N.jsonl"),
     "trainer.validation_data_dir": _i("packrl records validation accuracy in metrics.jsonl"),
-    "trainer.nnodes": _m("trainer.num_workers", "n_gpus_per_node x nnodes"),
-    "trainer.n_gpus_per_node": _m("trainer.num_workers", "n_gpus_per_node x nnodes"),
-    "trainer.save_freq": _m("train.save_every", "-1 -> 0 (packrl still saves after the last step)"),
-    "trainer.test_freq": _m("train.val_every", "-1 -> 0"),
+    "trainer.nnodes": _r("trainer.num_workers, trainer.ray_address", "_parallel",
+                         "n_gpus_per_node x nnodes; several nodes join a running Ray cluster"),
+    "trainer.n_gpus_per_node": _r("trainer.num_workers", "_parallel", "n_gpus_per_node x nnodes"),
+    "trainer.save_freq": _x("train.save_every", cv.never_to_zero(" (packrl still saves after the last step)"),
+                            "-1 -> 0 (packrl still saves after the last step)"),
+    "trainer.test_freq": _x("train.val_every", cv.never_to_zero(), "-1 -> 0"),
     "trainer.esi_redundant_time": _i(_PERF),
-    "trainer.resume_mode": _m("train.resume", "auto -> auto (with trainer.default_local_dir), disable -> none"),
+    "trainer.resume_mode": _r("train.resume", "_resume", "auto -> auto (with trainer.default_local_dir), disable -> none"),
     "trainer.resume_from_path": _i("packrl resumes from its own checkpoints only", (None,),
                                    "start the run anew, or resume a packrl run with train.resume=<checkpoints/step_N>"),
     "trainer.resume_path": _i("packrl resumes from its own checkpoints only", (None,),
                               "start the run anew, or resume a packrl run with train.resume=<checkpoints/step_N>"),
     "trainer.val_before_train": _i("packrl validates every train.val_every steps and after the last step, not before the first"),
     "trainer.val_only": _i("packrl trains", (False,), "remove trainer.val_only"),
-    "trainer.critic_warmup": _m("critic.warmup_steps"),
+    "trainer.critic_warmup": _r("critic.warmup_steps", "_critic"),
     "trainer.default_hdfs_dir": _i("packrl writes local checkpoints only", (None,), "copy RUN_DIR/checkpoints yourself"),
     "trainer.del_local_ckpt_after_load": _i(_CHECKPOINT),
-    "trainer.default_local_dir": _m("train.out_dir"),
-    "trainer.max_actor_ckpt_to_keep": _m("train.keep_last"),
+    "trainer.default_local_dir": _r("train.out_dir, train.resume", "_resume", "with resume_mode=auto: train.resume=auto"),
+    "trainer.max_actor_ckpt_to_keep": _x("train.keep_last", cv.keep_last),
     "trainer.max_critic_ckpt_to_keep": _i("the critic is saved with the actor (train.keep_last)"),
     "trainer.ray_wait_register_center_timeout": _i(_PERF),
     "trainer.device": _i("packrl uses CUDA when present, else the CPU", ("cuda", "cpu"), "run on CUDA or CPU"),
@@ -430,9 +494,9 @@ _TRAINER = {
     "trainer.profile_steps": _i(_PROFILE), "trainer.profile_continuous_steps": _i(_PROFILE),
     "trainer.controller_nsight_options": _i(_PROFILE), "trainer.worker_nsight_options": _i(_PROFILE),
     "ray_kwargs.ray_init.num_cpus": _i("packrl reserves trainer.num_cpus_per_worker per worker"),
-    "ray_kwargs.timeline_json_file": _m("train.trace", "a Ray timeline -> RUN_DIR/trace.json (spans per stage and micro-batch)"),
+    "ray_kwargs.timeline_json_file": _x("train.trace", _TIMELINE, "a Ray timeline -> RUN_DIR/trace.json (spans per stage and micro-batch)"),
     "ray_init.num_cpus": _i("packrl reserves trainer.num_cpus_per_worker per worker"),
-    "ray_init.timeline_json_file": _m("train.trace", "a Ray timeline -> RUN_DIR/trace.json (verl <= 0.5 spelling)"),
+    "ray_init.timeline_json_file": _x("train.trace", _TIMELINE, "a Ray timeline -> RUN_DIR/trace.json (verl <= 0.5 spelling)"),
     "transfer_queue.enable": _i("packrl moves batches in process or through Ray", (False,), "remove transfer_queue.enable"),
     "actor_rollout_ref.hybrid_engine": _i("packrl's policy and engine always share the worker", (True,), "remove hybrid_engine"),
     "actor_rollout_ref.nccl_timeout": _i(_PERF),
@@ -442,7 +506,7 @@ VERL_KEYS: dict[str, KeyRule] = {**_DATA, **_MODEL, **_ACTOR, **_REF, **_ROLLOUT
 """Every verl key packrl knows (full names, ``actor_rollout_ref`` spelled out) -> its rule."""
 
 FAMILIES: dict[str, KeyRule] = {
-    f"{ROLLOUT}.engine_kwargs.vllm.": _m("rollout.engine_kwargs", "passed through to vLLM (with rollout.name=vllm)"),
+    f"{ROLLOUT}.engine_kwargs.vllm.": _r("rollout.engine_kwargs", "_vllm_args", "passed through to vLLM (with rollout.name=vllm)"),
     f"{ROLLOUT}.engine_kwargs.sglang.": _i("SGLang's engine arguments; packrl's engines are hf and vllm"),
     f"{ROLLOUT}.engine_kwargs.trtllm.": _i("TensorRT-LLM's engine arguments; packrl's engines are hf and vllm"),
     f"{ROLLOUT}.agent.custom_async_server.": _i("packrl's engine runs in the worker's process", (None,), "remove it"),
@@ -464,6 +528,14 @@ FAMILIES: dict[str, KeyRule] = {
     "hydra.": _i("a Hydra setting of verl's launcher"),
 }
 """Free-form sub-trees (prefix ending in ``.``) -> their rule; the longest matching prefix wins."""
+
+BEHAVIOUR: dict[str, str] = {
+    "reward.score_truncated": "always true: verl scores responses a budget cut; packrl's rewards would give them 0",
+    "train.max_tokens_per_microbatch": "no verl micro-batch setting: packrl's budget, at least one whole sequence",
+    "train.max_tokens_per_logprob_microbatch": "no verl micro-batch setting: packrl's budget, at least one whole sequence",
+}
+"""packrl keys the translation may set with no verl key behind them (verl's behaviour rather than a
+setting), and when; every other packrl key it sets is named by the rule of a verl key it came from."""
 
 
 DEFAULTS: dict[str, Any] = {
@@ -489,146 +561,6 @@ DEFAULTS: dict[str, Any] = {
     "reward_model.reward_manager": "naive",
 }
 """verl's defaults (``ppo_trainer.yaml``) for the keys the translation reads."""
-
-
-@dataclass(frozen=True, slots=True)
-class VerlOverride:
-    """One Hydra override of a verl script, parsed.
-
-    Attributes:
-        key: the dotted key without ``+``/``++``, e.g. ``data.train_batch_size``.
-        value: the value as Hydra types it (bool, int, float, None, list, str).
-        text: the override as written, for messages.
-    """
-
-    key: str
-    value: Any
-    text: str
-
-
-def parse_override(text: str) -> VerlOverride:
-    """Read one Hydra override: ``key=value``, ``+key=value`` or ``++key=value``.
-
-    Values are typed as Hydra types them (``True``/``true`` -> bool, ``null`` -> None, numbers,
-    ``[a,b]`` -> list, quotes stripped):
-
-    ==================================  ==============================================
-    text                                (key, value)
-    ==================================  ==============================================
-    ``data.train_batch_size=1024``      (``data.train_batch_size``, 1024)
-    ``+AR.rollout.engine_kwargs.x=True`` (``AR.rollout.engine_kwargs.x``, True)
-    ``data.truncation='error'``         (``data.truncation``, ``"error"``)
-    ==================================  ==============================================
-
-    Raises:
-        ValueError: ``text`` is not an override of this form (deletion ``~key`` included).
-    """
-    key, sep, raw = text.partition("=")
-    bare = key.lstrip("+")
-    if not sep or not bare or len(key) - len(bare) > 2 or key.startswith("~") or " " in bare:
-        raise ValueError(f"{text!r} is not a Hydra override (key=value, +key=value or ++key=value)")
-    return VerlOverride(key=bare, value=_hydra_value(raw), text=text)
-
-
-def _hydra_value(raw: str) -> Any:
-    """``raw`` typed as Hydra's override grammar does, close enough for config values."""
-    text = raw.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if text in ("null", "~"):
-        return None
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in ".eE") and not value.isalpha() else value
-        except ValueError:
-            return value
-    if isinstance(value, list):
-        return [_hydra_value(str(v)) if isinstance(v, str) else v for v in value]
-    return value if isinstance(value, (bool, int, float, list, dict)) or value is None else text
-
-
-@dataclass(frozen=True, slots=True)
-class Mapping:
-    """One packrl override and where it came from.
-
-    Attributes:
-        key: the packrl key, e.g. ``train.max_tokens_per_microbatch``.
-        value: its value.
-        sources: the verl overrides it came from as written, or ``key=value (verl default)``.
-        conversion: how the value was computed when the unit or meaning differs ("" = as is).
-    """
-
-    key: str
-    value: Any
-    sources: tuple[str, ...]
-    conversion: str = ""
-
-    @property
-    def override(self) -> str:
-        return f"{self.key}={format_value(self.value)}"
-
-
-@dataclass(frozen=True, slots=True)
-class IgnoredKey:
-    """A verl key packrl accepts without using it, and why."""
-
-    key: str
-    value: Any
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class Translation:
-    """The packrl run a verl script describes.
-
-    Attributes:
-        preset: the packrl preset the overrides apply to.
-        mappings: the packrl overrides in order, each with its sources and conversion.
-        ignored: the verl keys given that packrl does not use, with the reason.
-    """
-
-    preset: str
-    mappings: tuple[Mapping, ...]
-    ignored: tuple[IgnoredKey, ...]
-
-    @property
-    def overrides(self) -> list[str]:
-        """The packrl dotlist overrides, ``key=value`` each."""
-        return [m.override for m in self.mappings]
-
-    def command(self) -> str:
-        """The equivalent ``packrl train`` command line, shell-quoted."""
-        return " ".join(["packrl", "train", self.preset, *(shlex.quote(o) for o in self.overrides)])
-
-    def report(self) -> str:
-        """Every mapping with its sources and conversion, then every ignored key with its reason."""
-        lines = ["verl -> packrl:"]
-        for m in self.mappings:
-            how = f"  [{m.conversion}]" if m.conversion else ""
-            lines.append(f"  {m.override}  <-  {', '.join(m.sources)}{how}")
-        if self.ignored:
-            lines.append("ignored (verl keys packrl does not use):")
-            lines += [f"  {i.key}={format_value(i.value)}: {i.reason}" for i in self.ignored]
-        return "\n".join(lines)
-
-
-def format_value(value: Any) -> str:
-    """``value`` written as a dotlist value packrl's loader reads back to the same value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(format_value(v) for v in value) + "]"
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
 
 
 def rule_of(key: str) -> KeyRule | None:
