@@ -9,9 +9,10 @@ verl's default is written only where the preset holds another value (`preset_val
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 from packrl.compat.verl.convert import Refused, as_float, as_int
 from packrl.compat.verl.keys import DEFAULTS
@@ -77,21 +78,19 @@ class Context:
 
     def int(self, key: str, default: Any = None) -> int:
         """The value of ``key`` as a whole number; another value is refused (and 1 stands in)."""
-        value = self.get(key, default)
-        try:
-            return as_int(value)
-        except Refused as refused:
-            self.refuse(key, refused.message, refused.fix.format(key=key), value=value)
-            return 1
+        return self._number(key, default, as_int, 1)
 
     def float(self, key: str, default: Any = None) -> float:
         """The value of ``key`` as a number; another value is refused (and 0.0 stands in)."""
+        return self._number(key, default, as_float, 0.0)
+
+    def _number(self, key: str, default: Any, convert: Callable[[Any], Any], stand_in: Any) -> Any:
         value = self.get(key, default)
         try:
-            return as_float(value)
+            return convert(value)
         except Refused as refused:
             self.refuse(key, refused.message, refused.fix.format(key=key), value=value)
-            return 0.0
+            return stand_in
 
     def set(self, key: str, value: Any, *sources: str, conversion: str = "") -> None:
         """Emit packrl ``key=value`` from verl ``sources``; one left at its verl default is only
