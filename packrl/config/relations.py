@@ -221,5 +221,8 @@ RULES: tuple[Rule, ...] = (
 
 
 def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
-    """Every section's own problems, then every rule's (`RULES`)."""
-    return cfg.section_problems() + [problem for rule in RULES for problem in rule(cfg)]
+    """Every section's own problems, then every rule's (`RULES`); a rule's problem is left out when
+    a key it depends on already has a problem of its own (it would follow from that one)."""
+    own = cfg.section_problems()
+    invalid = {problem.key for problem in own}
+    return own + [problem for rule in RULES for problem in rule(cfg) if not invalid.intersection(problem.involved_keys)]
