@@ -9,7 +9,12 @@ Four config keys take a registered name: ``reward.name`` (`REWARDS`), ``algorith
     @POLICY_LOSSES.register("my_loss")
     def my_loss(inputs): ...
 
-and names the file in ``trainer.plugins`` (a ``.py`` path or an importable module), so every
+A part with knobs of its own registers them with it, a dataclass of defaults
+(``@POLICY_LOSSES.register("my_loss", options=MyLossOptions)``); the config sets them under the
+registry's ``args_key`` (``algorithm.policy_loss_args.my_knob=0.5``), checked at load against the
+dataclass, and the part receives the built value (``PolicyLossInputs.options``).
+
+The user names the file in ``trainer.plugins`` (a ``.py`` path or an importable module), so every
 process of the run (the controller and each data-parallel worker) imports it before the config's
 names are checked; ``algorithm.policy_loss=my_loss`` then selects it. Code that calls
 `packrl.trainer.loop.train` directly may also just import the file first.
@@ -24,6 +29,7 @@ This module is the bottom layer: it imports nothing of packrl.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import importlib
@@ -46,20 +52,35 @@ class Registry(Mapping[str, Any]):
         builtins: name -> module that registers it when imported.
         checks: name -> ``"module:function"`` of a config check for that part (imported only
             when the config names it): ``function(cfg) -> list[ConfigProblem]``.
+        args_key: the dotted config key of a mapping that holds the chosen part's own options
+            (``algorithm.policy_loss_args``), or None when parts of this kind take none.
     """
 
-    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], checks: dict[str, str] | None = None):
-        self.name, self.key, self.kind = name, key, kind
+    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], checks: dict[str, str] | None = None,
+                 args_key: str | None = None):
+        self.name, self.key, self.kind, self.args_key = name, key, kind, args_key
         self._builtins = dict(builtins)
         self._checks: dict[str, Any] = dict(checks or {})
         self._parts: dict[str, Any] = {}
+        self._options: dict[str, type] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, options: type | None = None) -> Callable[[T], T]:
         """Decorator: register the decorated object as ``name``.
 
+        Args:
+            name: the name a config selects it by.
+            options: for a registry with an ``args_key``: the part's own knobs, a dataclass whose
+                every field has a default. The config's mapping under ``args_key`` is checked
+                against it at load (unknown keys, types, and its ``problems(prefix)`` method when
+                it has one, `packrl.config.load.build_options`) and the part receives the built value.
+
         Raises:
-            ValueError: ``name`` is empty, or already registered to another object.
+            ValueError: ``name`` is empty, or already registered to another object; ``options`` is
+                not a dataclass, or given to a registry without an ``args_key``.
         """
+        if options is not None and (self.args_key is None or not dataclasses.is_dataclass(options)):
+            raise ValueError(f"options of {self.kind} {name!r} must be a dataclass, and only a registry with an args_key "
+                             f"takes them ({self.name} args_key={self.args_key}); got {options!r}")
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
 
@@ -70,9 +91,17 @@ class Registry(Mapping[str, Any]):
             if held is not None and held is not part and _origin(held) != _origin(part):
                 raise ValueError(f"{self.kind} {name!r} is already registered ({held!r}); pick another name for {part!r}")
             self._parts[name] = part
+            if options is not None:
+                self._options[name] = options
             return part
 
         return decorate
+
+    def options_class(self, name: str) -> type | None:
+        """The options dataclass part ``name`` was registered with (its module imported first),
+        or None when it takes none."""
+        self[name]
+        return self._options.get(name)
 
     def register_check(self, name: str) -> Callable[[T], T]:
         """Decorator: ``function(cfg) -> list[ConfigProblem]`` checks a config that names part
@@ -158,7 +187,7 @@ ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss",
                          {"ppo_clip": "packrl.algos.policy_losses", "gspo": "packrl.algos.policy_losses",
                           "clip_cov": "packrl.algos.cov_losses", "kl_cov": "packrl.algos.cov_losses"},
-                         checks={"gspo": "packrl.config.relations:gspo_problems"})
+                         checks={"gspo": "packrl.config.relations:gspo_problems"}, args_key="algorithm.policy_loss_args")
 """``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
 
 ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",

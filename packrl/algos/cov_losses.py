@@ -20,6 +20,8 @@ is pi_old, so they are verl's values there; later mini-batches and epochs keep t
 instead of re-drawing it from the drifting policy. Clip-Cov's random pick is seeded by the step's
 seed and the mini-batch index, so a rerun or a resumed run draws the same tokens.
 
+Their knobs (`ClipCovOptions`, `KlCovOptions`) are set under ``algorithm.policy_loss_args``.
+
 - Clip-Cov: candidates are loss tokens with ``clip_cov_lb < cov < clip_cov_ub`` (verl also
   requires the PPO clip to be inactive; at selection time the ratio is 1, so no candidate is
   clipped); ``max(1, int(clip_cov_ratio * M))`` of them, drawn at random, get a zero loss
@@ -30,20 +32,70 @@ seed and the mini-batch index, so a rerun or a resumed run draws the same tokens
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from packrl.algos.losses import ppo_clip_loss
-from packrl.algos.policy_losses import PolicyLossInputs, PolicyLossOutput
+from packrl.algos.policy_losses import PolicyLossInputs, PolicyLossOutput, loss_options
 from packrl.config.schema import AlgorithmConfig
+from packrl.errors import ConfigProblem
 from packrl.registry import POLICY_LOSSES
 from packrl.types import TrainBatch
 
 SELECTED = "cov_selected"
 """The `packrl.types.TrainBatch.extras` key of the selected tokens (bool)."""
 _LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClipCovOptions:
+    """Clip-Cov's knobs (``algorithm.policy_loss_args`` with ``policy_loss=clip_cov``; verl's
+    ``actor.policy_loss.*`` names and defaults)."""
+
+    clip_cov_ratio: float = 0.0002
+    """Share of a mini-batch's loss tokens whose gradient is cut, drawn among the candidates."""
+
+    clip_cov_lb: float = 1.0
+    """Lower bound of a candidate's token covariance (A - mean A)(logp - mean logp)."""
+
+    clip_cov_ub: float = 5.0
+    """Upper bound of a candidate's token covariance."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = _share_problems(f"{prefix}.clip_cov_ratio", self.clip_cov_ratio)
+        if not -math.inf < self.clip_cov_lb < self.clip_cov_ub < math.inf:
+            out.append(ConfigProblem(f"{prefix}.clip_cov_lb", self.clip_cov_lb,
+                                     f"must be finite and < {prefix}.clip_cov_ub={self.clip_cov_ub}",
+                                     f"set {prefix}.clip_cov_lb=1.0 and {prefix}.clip_cov_ub=5.0",
+                                     keys=(f"{prefix}.clip_cov_lb", f"{prefix}.clip_cov_ub")))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KlCovOptions:
+    """KL-Cov's knobs (``algorithm.policy_loss_args`` with ``policy_loss=kl_cov``; verl's names and defaults)."""
+
+    kl_cov_ratio: float = 0.0002
+    """Share of a mini-batch's loss tokens, those of largest cov, that are penalised."""
+
+    ppo_kl_coef: float = 0.1
+    """Weight of the |logp - old_logp| penalty on the selected tokens."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = _share_problems(f"{prefix}.kl_cov_ratio", self.kl_cov_ratio)
+        if not 0.0 <= self.ppo_kl_coef < math.inf:
+            out.append(ConfigProblem(f"{prefix}.ppo_kl_coef", self.ppo_kl_coef, "must be a finite number >= 0",
+                                     f"set {prefix}.ppo_kl_coef=0.1"))
+        return out
+
+
+def _share_problems(key: str, value: float) -> list[ConfigProblem]:
+    if 0.0 < value <= 1.0:
+        return []
+    return [ConfigProblem(key, value, "must be in (0, 1] (a share of the mini-batch's loss tokens)", f"set {key}=0.0002")]
 
 
 def token_covariance(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -59,18 +111,18 @@ def token_covariance(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.
     return (a - a.mean()) * (lp - lp.mean())
 
 
-def pick_tokens(cov: torch.Tensor, loss: str, cfg: AlgorithmConfig, generator: torch.Generator) -> torch.Tensor:
-    """Indices (into ``cov``, Shape [M]) of the tokens ``loss`` (``clip_cov`` or ``kl_cov``) selects:
+def pick_tokens(cov: torch.Tensor, options: ClipCovOptions | KlCovOptions, generator: torch.Generator) -> torch.Tensor:
+    """Indices (into ``cov``, Shape [M]) of the tokens the loss whose ``options`` are given selects:
     Clip-Cov draws ``max(1, int(clip_cov_ratio * M))`` at random among lb < cov < ub (with
     ``generator``); KL-Cov takes the ``max(1, int(kl_cov_ratio * M))`` largest (stable order).
     Returns Shape [k], int64 (k may be 0 for Clip-Cov without candidates)."""
     if cov.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
-    if loss == "kl_cov":
-        count = max(1, int(cov.numel() * cfg.kl_cov_ratio))
+    if isinstance(options, KlCovOptions):
+        count = max(1, int(cov.numel() * options.kl_cov_ratio))
         return torch.argsort(-cov, stable=True)[:count]
-    count = max(1, int(cov.numel() * cfg.clip_cov_ratio))
-    candidates = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).reshape(-1)
+    count = max(1, int(cov.numel() * options.clip_cov_ratio))
+    candidates = torch.nonzero((cov > options.clip_cov_lb) & (cov < options.clip_cov_ub)).reshape(-1)
     return candidates[torch.randperm(candidates.numel(), generator=generator)[:count]]
 
 
@@ -82,7 +134,7 @@ def select_cov_tokens(batch: TrainBatch, minibatches: Sequence[Sequence[int]], c
     Args:
         batch: the batch the update trains, with old log-probs.
         minibatches: sequence indices of each mini-batch (`packrl.seqlen.update_plan.MinibatchPlan.sequences`).
-        cfg: the ``algorithm`` section (``policy_loss`` and the Clip-Cov / KL-Cov keys).
+        cfg: the ``algorithm`` section (``policy_loss`` and its ``policy_loss_args``, `ClipCovOptions` / `KlCovOptions`).
         seed: the step's seed (Clip-Cov's random pick).
 
     Returns:
@@ -96,6 +148,7 @@ def select_cov_tokens(batch: TrainBatch, minibatches: Sequence[Sequence[int]], c
     if batch.old_logprobs is None:
         raise ValueError(f"algorithm.policy_loss={cfg.policy_loss} selects tokens from the old log-probs, but the batch has "
                          "none; the old-log-prob pass must run (BatchPlan.needs_old_logprobs)")
+    options = loss_options(cfg)
     selected = [torch.zeros_like(m) for m in batch.loss_masks]
     num_tokens = num_selected = num_candidates = 0
     for k, indices in enumerate(minibatches):
@@ -104,7 +157,7 @@ def select_cov_tokens(batch: TrainBatch, minibatches: Sequence[Sequence[int]], c
                                torch.cat([batch.old_logprobs[i][m] for i, m in zip(indices, masks)]))
         generator = torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63)
         picked = torch.zeros(cov.numel(), dtype=torch.bool)
-        picked[pick_tokens(cov, cfg.policy_loss, cfg, generator)] = True
+        picked[pick_tokens(cov, options, generator)] = True
         offset = 0
         for i, m in zip(indices, masks):
             n = int(m.sum())
@@ -112,9 +165,10 @@ def select_cov_tokens(batch: TrainBatch, minibatches: Sequence[Sequence[int]], c
             offset += n
         num_tokens += cov.numel()
         num_selected += int(picked.sum())
-        num_candidates += int(((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).sum())
+        if isinstance(options, ClipCovOptions):
+            num_candidates += int(((cov > options.clip_cov_lb) & (cov < options.clip_cov_ub)).sum())
     metrics = {"actor/cov_selected_fraction": num_selected / max(1, num_tokens)}
-    if cfg.policy_loss == "clip_cov":
+    if isinstance(options, ClipCovOptions):
         metrics["actor/cov_candidate_fraction"] = num_candidates / max(1, num_tokens)
     return replace(batch, extras={**batch.extras, SELECTED: tuple(selected)}), metrics
 
@@ -127,7 +181,7 @@ def _selected(inputs: PolicyLossInputs) -> torch.Tensor:
     return chosen.bool() & inputs.loss_mask
 
 
-@POLICY_LOSSES.register("clip_cov")
+@POLICY_LOSSES.register("clip_cov", options=ClipCovOptions)
 def clip_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """Clip-Cov: the PPO clipped surrogate (``clip_ratio_low|high``, no dual clip), with zero loss
     at the selected tokens (`select_cov_tokens`). ``clipped`` is True where the PPO clip is active
@@ -138,14 +192,14 @@ def clip_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     return PolicyLossOutput(loss * (~chosen).to(loss.dtype), clipped | chosen)
 
 
-@POLICY_LOSSES.register("kl_cov")
+@POLICY_LOSSES.register("kl_cov", options=KlCovOptions)
 def kl_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """KL-Cov: -A r on every token (no clip) plus ``ppo_kl_coef`` x |logp - old_logp| on the
     selected ones. Metric ``actor/kl_cov_penalty``: the penalty's token mean over the mini-batch."""
     chosen = _selected(inputs)
     diff = inputs.logprobs - inputs.old_logprobs
     pg = -inputs.advantages * torch.exp(diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-    penalty = torch.where(chosen, inputs.cfg.ppo_kl_coef * diff.abs(), torch.zeros_like(diff))
+    penalty = torch.where(chosen, inputs.options.ppo_kl_coef * diff.abs(), torch.zeros_like(diff))
     metrics: dict[str, torch.Tensor | float] = {
         "actor/kl_cov_penalty": inputs.denominators.token_share(penalty.detach(), inputs.loss_mask)}
     return PolicyLossOutput(pg + penalty, None, metrics)

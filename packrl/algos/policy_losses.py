@@ -10,7 +10,10 @@ a `PolicyLossOutput`: the loss of every token, where its clip is active (optiona
 The worker turns the token loss into the micro-batch's share of the mini-batch loss with
 ``algorithm.loss_agg_mode`` (`packrl.algos.loss_agg.aggregate_loss`, exact under micro-batching
 and ranks), adds the KL and entropy terms, and sums the metrics over micro-batches and ranks.
-Register one with ``@packrl.registry.POLICY_LOSSES.register("name")`` (see `packrl.registry`).
+Register one with ``@packrl.registry.POLICY_LOSSES.register("name")`` (see `packrl.registry`); a
+loss with knobs of its own registers a dataclass of them with it (``register("name",
+options=MyOptions)``): the config sets them under ``algorithm.policy_loss_args``, they are checked
+at load, and the loss reads the built value as ``inputs.options``.
 
 A loss whose token choice needs the whole mini-batch (Clip-Cov, KL-Cov: `packrl.algos.cov_losses`)
 sets a ``prepare`` attribute on its function: a `PrepareFn` the controller runs once per update on
@@ -22,11 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from packrl.algos.losses import ppo_clip_loss
+from packrl.config.load import build_options
 from packrl.config.schema import AlgorithmConfig
+from packrl.errors import ConfigError, ConfigProblem
 from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.denominators import LossDenominators
 from packrl.types import TrainBatch
@@ -46,12 +52,14 @@ class PolicyLossInputs:
         loss_mask: True = the token counts in the loss. Shape [K], bool.
         sequence_ids: index of each token's sequence in the pack. Shape [K], int64.
         denominators: loss tokens and sequences of the whole mini-batch.
-        cfg: the ``algorithm`` section (clip ranges and any loss parameters).
+        cfg: the ``algorithm`` section (clip ranges, the KL and entropy weights).
         ref_logprobs: log pi_ref, Shape [K], float32 nats; None without a reference policy.
         rollout_logprobs: the engine's log-probs of the sampled tokens, Shape [K], float32 nats;
             None unless the engine returned them (``rollout.return_logprobs``).
         extras: the controller's per-token values (`packrl.types.TrainBatch.extras`) laid over
             the pack, name -> Shape [K] (prompt positions hold 0 / False).
+        options: the loss's own options (the dataclass it registered with, built from
+            ``algorithm.policy_loss_args``, `loss_options`); None for a loss registered without.
     """
 
     logprobs: torch.Tensor
@@ -64,6 +72,7 @@ class PolicyLossInputs:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    options: Any = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,28 @@ PolicyLossFn = Callable[[PolicyLossInputs], PolicyLossOutput]
 PrepareFn = Callable[[TrainBatch, Sequence[Sequence[int]], AlgorithmConfig, int], tuple[TrainBatch, dict[str, float]]]
 """``prepare(batch, minibatches, cfg, seed) -> (batch with extras, metrics)``: ``minibatches`` are
 the sequence indices of each mini-batch of the update; ``seed`` the step's seed."""
+
+
+def loss_options(cfg: AlgorithmConfig) -> Any:
+    """The options of ``algorithm.policy_loss``: its registered dataclass built from
+    ``algorithm.policy_loss_args`` (defaults where a key is not set), or None for a loss
+    registered without options. Build it once per run, not per micro-batch.
+
+    Raises:
+        ValueError: the loss is not registered; ConfigError (a ValueError): the args do not fit
+            its options (a config that passed `packrl.config.load.load_config` always fits).
+    """
+    cls = POLICY_LOSSES.options_class(cfg.policy_loss)
+    if cls is None:
+        if cfg.policy_loss_args:
+            raise ConfigError([ConfigProblem("algorithm.policy_loss_args", cfg.policy_loss_args,
+                                             f"has no effect: algorithm.policy_loss={cfg.policy_loss} reads no options",
+                                             "remove algorithm.policy_loss_args")])
+        return None
+    options, problems = build_options(cls, cfg.policy_loss_args, "algorithm.policy_loss_args.")
+    if problems:
+        raise ConfigError(problems)
+    return options
 
 
 def prepare_update(batch: TrainBatch, minibatches: Sequence[Sequence[int]], cfg: AlgorithmConfig,

@@ -1,7 +1,7 @@
 """Config of the policy-loss variants and the controller-side token filters: rollout correction
 (``algorithm.rollout_correction``), the entropy filter (``algorithm.entropy_filter``), and the
-checks that tie ``algorithm.policy_loss`` to the keys only some losses read (Clip-Cov, KL-Cov,
-GSPO).
+nested-section checks of ``algorithm``. (A policy loss's own knobs are checked against the
+options it registered with, `packrl.config.load.build_options`.)
 
 Every check returns `packrl.errors.ConfigProblem`s naming the key, the value, the limit and the
 fix. A key that would have no effect in the chosen mode is refused rather than ignored. The
@@ -10,7 +10,6 @@ module imports no torch: ``packrl config`` stays light.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,10 +22,6 @@ RolloutRsLevel = Literal["geometric"]
 COV_LOSSES: tuple[str, ...] = ("clip_cov", "kl_cov")
 """Policy losses whose token selection is computed on the controller from the old log-probs
 (so the old-log-prob pass runs for them, `packrl.config.plan.BatchPlan.needs_old_logprobs`)."""
-
-COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
-"""The ``algorithm.*`` keys only Clip-Cov or only KL-Cov reads (their defaults: `AlgorithmConfig`'s fields)."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutCorrectionConfig:
@@ -134,35 +129,11 @@ def _no_effect(key: str, value: Any, why: str, fix: str) -> ConfigProblem:
 
 
 def algorithm_variant_problems(algo: Any, prefix: str = "algorithm") -> list[ConfigProblem]:
-    """Ranges of the Clip-Cov / KL-Cov keys, keys the chosen ``policy_loss`` does not read (set
-    away from their defaults), and the nested rollout-correction and entropy-filter sections.
+    """The nested rollout-correction and entropy-filter sections.
 
     Args:
         algo: the ``algorithm`` section (`packrl.config.schema.AlgorithmConfig`, which calls this
             from its own check; typed loosely so that this module, which the schema imports,
             does not import it back).
     """
-    out = algo.rollout_correction.problems(f"{prefix}.rollout_correction") + algo.entropy_filter.problems(f"{prefix}.entropy_filter")
-    for name in ("clip_cov_ratio", "kl_cov_ratio"):
-        value = getattr(algo, name)
-        if not 0.0 < value <= 1.0:
-            out.append(ConfigProblem(f"{prefix}.{name}", value, "must be in (0, 1] (a share of the mini-batch's loss tokens)",
-                                     f"set {prefix}.{name}=0.0002"))
-    if not -math.inf < algo.clip_cov_lb < algo.clip_cov_ub < math.inf:
-        out.append(ConfigProblem(f"{prefix}.clip_cov_lb", algo.clip_cov_lb, f"must be finite and < {prefix}.clip_cov_ub={algo.clip_cov_ub}",
-                                 f"set {prefix}.clip_cov_lb=1.0 and {prefix}.clip_cov_ub=5.0",
-                                 keys=(f"{prefix}.clip_cov_lb", f"{prefix}.clip_cov_ub")))
-    if not 0.0 <= algo.ppo_kl_coef < math.inf:
-        out.append(ConfigProblem(f"{prefix}.ppo_kl_coef", algo.ppo_kl_coef, "must be a finite number >= 0",
-                                 f"set {prefix}.ppo_kl_coef=0.1"))
-    defaults = {f.name: f.default for f in dataclasses.fields(algo)}
-    for loss, keys in COV_KEYS.items():
-        if algo.policy_loss == loss:
-            continue
-        for key in keys:
-            if getattr(algo, key) != defaults[key]:
-                out.append(ConfigProblem(f"{prefix}.{key}", getattr(algo, key),
-                                         f"has no effect: only algorithm.policy_loss={loss} reads it (it is {algo.policy_loss})",
-                                         f"set {prefix}.policy_loss={loss} or remove {prefix}.{key}",
-                                         keys=(f"{prefix}.{key}", f"{prefix}.policy_loss")))
-    return out
+    return list(algo.rollout_correction.problems(f"{prefix}.rollout_correction") + algo.entropy_filter.problems(f"{prefix}.entropy_filter"))

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from packrl.config.relations import config_problems
 from packrl.config.schema import RunConfig
 from packrl.errors import ConfigError, ConfigProblem
-from packrl.registry import CONFIG_REGISTRIES, import_plugins
+from packrl.registry import CONFIG_REGISTRIES, Registry, import_plugins
 
 DEFAULT_PRESET = "demo"
 
@@ -170,8 +170,9 @@ def _convert(hint: Any, value: Any) -> Any:
     raise TypeError(f"unsupported config type {hint}")  # schema bug, not user input
 
 
-def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad: set[str]) -> Any:
-    """Build dataclass ``cls`` from ``data``; bad values fall back to defaults and are recorded."""
+def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad: set[str], keys: list[str] | None = None) -> Any:
+    """Build dataclass ``cls`` from ``data``; bad values fall back to defaults and are recorded.
+    An unknown key is matched against ``keys`` (dotted, every key of a `RunConfig` by default)."""
     if not isinstance(data, dict):
         problems.append(ConfigProblem(prefix.rstrip("."), data, "must be a mapping of keys", f"write {prefix}<key>=value"))
         bad.update(k for k in _all_keys(cls, prefix))
@@ -181,14 +182,15 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
     for key in data:
         if key not in names:
             full = f"{prefix}{key}"
-            close = nearest_key(full, _all_keys(RunConfig))
-            fix = f"did you mean {close}?" if close else f"valid keys here: {', '.join(sorted(names))}"
+            close = nearest_key(full, _all_keys(RunConfig) if keys is None else keys)
+            fix = _option_home(full) if keys is None else None
+            fix = fix or (f"did you mean {close}?" if close else f"valid keys here: {', '.join(sorted(names))}")
             problems.append(ConfigProblem(full, data[key], "unknown key", fix))
     kwargs = {}
     for name in names & data.keys():
         hint, value, full = hints[name], data[name], f"{prefix}{name}"
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{full}.", problems, bad)
+            kwargs[name] = _build(hint, value, f"{full}.", problems, bad, keys)
             continue
         try:
             kwargs[name] = _convert(hint, value)
@@ -201,6 +203,43 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
             problems.append(ConfigProblem(full, value, str(err), fix))
             bad.add(full)
     return cls(**kwargs)
+
+
+def _option_home(key: str) -> str | None:
+    """The fix for an unknown ``key`` of a section whose leaf is an option of a registered part
+    there (``algorithm.clip_cov_ub`` -> ``algorithm.policy_loss_args.clip_cov_ub`` with
+    ``algorithm.policy_loss=clip_cov``), or None. Imports the parts' modules: an error path only."""
+    section, leaf = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
+    for registry in CONFIG_REGISTRIES.values():
+        if registry.args_key is None or registry.args_key.split(".", 1)[0] != section:
+            continue
+        for name in registry.names():
+            cls = registry.options_class(name)
+            if cls is not None and leaf in {f.name for f in dataclasses.fields(cls)}:
+                return f"did you mean {registry.args_key}.{leaf}? (an option of {registry.key}={name})"
+    return None
+
+
+def build_options(cls: type, args: dict[str, Any], prefix: str) -> tuple[Any, list[ConfigProblem]]:
+    """A registered part's options (a dataclass with defaults, `packrl.registry.Registry.register`)
+    built from the config's mapping ``args`` (e.g. ``algorithm.policy_loss_args``), with the same
+    type conversions and messages as every other key, then the options' own ``problems(prefix)``
+    check when the class has one.
+
+    Args:
+        cls: the options dataclass. args: key -> value as the config holds them.
+        prefix: the mapping's dotted key with a trailing dot, for messages.
+
+    Returns:
+        ``(options, problems)``: on problems the options hold defaults where a value was bad.
+    """
+    problems: list[ConfigProblem] = []
+    bad: set[str] = set()
+    options = _build(cls, args, prefix, problems, bad, keys=_all_keys(cls, prefix))
+    check = getattr(options, "problems", None)
+    if callable(check):
+        problems += [p for p in check(prefix.rstrip(".")) if not bad.intersection(p.involved_keys)]
+    return options, problems
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -275,8 +314,25 @@ def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
                 problems.append(ConfigProblem(key, value, f"holds {name!r}, which {problem[0]}" if isinstance(value, list) else problem[0],
                                               problem[1]))
             elif key not in bad:
-                problems += registry.config_problems(name, cfg)
+                problems += registry.config_problems(name, cfg) + _options_problems(registry, name, cfg)
     return problems
+
+
+def _options_problems(registry: Registry, name: str, cfg: RunConfig) -> list[ConfigProblem]:
+    """The problems of the options a config gives part ``name`` under ``registry.args_key``
+    (the part's module is imported only when the mapping is not empty)."""
+    if registry.args_key is None:
+        return []
+    args: Any = cfg
+    for part in registry.args_key.split("."):
+        args = getattr(args, part)
+    if not args:
+        return []
+    cls = registry.options_class(name)
+    if cls is None:
+        return [ConfigProblem(registry.args_key, args, f"has no effect: {registry.key}={name} reads no options",
+                              f"remove {registry.args_key}, or pick a {registry.kind} that reads them")]
+    return build_options(cls, args, f"{registry.args_key}.")[1]
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -589,6 +589,13 @@ class AlgorithmConfig:
     `trainer.plugins`. The loss is per token; `loss_agg_mode` makes it one number, and the KL and
     entropy terms are added to it."""
 
+    policy_loss_args: dict[str, Any] = field(default_factory=dict)
+    """The chosen policy loss's own knobs, the fields of the options it registered with
+    (`packrl.registry.Registry.register`): for `clip_cov`, `clip_cov_ratio`, `clip_cov_lb`,
+    `clip_cov_ub`; for `kl_cov`, `kl_cov_ratio`, `ppo_kl_coef` (verl's names and defaults,
+    `packrl.algos.cov_losses`). Checked at load against that loss: a key it does not read is an
+    error, e.g. `algorithm.policy_loss_args.clip_cov_ratio=0.001`."""
+
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std. False is Dr. GRPO (arXiv 2503.20783)."""
 
@@ -636,23 +643,6 @@ class AlgorithmConfig:
 
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Dynamic sampling: drop groups without reward variance and refill the batch (off by default)."""
-
-    clip_cov_ratio: float = 0.0002
-    """Clip-Cov (`policy_loss=clip_cov`, `packrl.algos.cov_losses`): share of a mini-batch's loss
-    tokens whose gradient is cut, drawn among those with `clip_cov_lb` < cov < `clip_cov_ub`."""
-
-    clip_cov_lb: float = 1.0
-    """Clip-Cov: lower bound of a candidate's token covariance (A - mean A)(logp - mean logp)."""
-
-    clip_cov_ub: float = 5.0
-    """Clip-Cov: upper bound of a candidate's token covariance."""
-
-    kl_cov_ratio: float = 0.0002
-    """KL-Cov (`policy_loss=kl_cov`): share of a mini-batch's loss tokens, those of largest cov,
-    penalised by `ppo_kl_coef` x |logp - old_logp|. These five keys: verl's names and defaults."""
-
-    ppo_kl_coef: float = 0.1
-    """KL-Cov: weight of the |logp - old_logp| penalty on the selected tokens."""
 
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Truncated importance weights, rejection by the engine/trainer ratio (off by default)."""

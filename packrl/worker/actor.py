@@ -20,7 +20,7 @@ import torch
 
 from packrl.algos.loss_agg import aggregate_loss
 from packrl.algos.losses import kl_penalty
-from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLossOutput
+from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLossOutput, loss_options
 from packrl.algos.rollout_correction import weighted_token_loss
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
@@ -133,17 +133,21 @@ class ResponseSums:
 
 @dataclass(frozen=True)
 class MicrobatchLoss:
-    """How a micro-batch's loss is formed: the registered policy loss (``algorithm.policy_loss``),
-    the ``algorithm`` section and the pack forward."""
+    """How a micro-batch's loss is formed: the registered policy loss (``algorithm.policy_loss``)
+    and its options (``algorithm.policy_loss_args``, built once), the ``algorithm`` section and
+    the pack forward."""
 
     policy_loss: PolicyLossFn
     algo: AlgorithmConfig
     forward: PackForward
+    options: Any = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig, share_prompts: bool = False) -> MicrobatchLoss:
-        """Raises: ValueError: ``algorithm.policy_loss`` is not registered (names the nearest)."""
-        return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg, share_prompts))
+        """Raises: ValueError: ``algorithm.policy_loss`` is not registered (names the nearest), or
+        its ``policy_loss_args`` do not fit its options."""
+        return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg, share_prompts),
+                   loss_options(cfg.algorithm))
 
 
 def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, den: LossDenominators, loss: MicrobatchLoss,
@@ -165,7 +169,8 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     extras = {name: scatter_response(pack, rollout, values, 0) for name, values in batch.extras.items()}
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
-                              rollout_logprobs=rollout_logprobs_over(pack, rollout), extras=extras)
+                              rollout_logprobs=rollout_logprobs_over(pack, rollout), extras=extras,
+                              options=loss.options)
     result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
     token_loss = weighted_token_loss(result.token_loss, extras)  # x the truncated importance weights, when set
     pg = aggregate_loss(token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)

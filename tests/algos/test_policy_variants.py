@@ -11,7 +11,7 @@ import torch
 
 from packrl.algos.cov_losses import SELECTED, clip_cov, kl_cov, pick_tokens, select_cov_tokens, token_covariance
 from packrl.algos.entropy_filter import apply_entropy_filter, entropy_keep
-from packrl.algos.policy_losses import PolicyLossInputs, gspo
+from packrl.algos.policy_losses import PolicyLossInputs, gspo, loss_options
 from packrl.algos.rollout_correction import apply_rollout_correction, geometric_mean_ratio, rollout_is_weights, weighted_token_loss
 from packrl.config import ConfigError, load_config
 from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig
@@ -25,11 +25,11 @@ from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, Train
 T = torch.tensor
 
 
-def _inputs(logprobs, old, advantages, mask, seq, cfg: AlgorithmConfig, extras=None) -> PolicyLossInputs:
+def _inputs(logprobs, old, advantages, mask, seq, cfg: AlgorithmConfig, extras=None, options=None) -> PolicyLossInputs:
     mask = T(mask)
     den = LossDenominators.from_masks([mask], loss_scale_factor=8)
     return PolicyLossInputs(logprobs=logprobs, old_logprobs=T(old), advantages=T(advantages), loss_mask=mask,
-                            sequence_ids=T(seq), denominators=den, cfg=cfg, extras=extras or {})
+                            sequence_ids=T(seq), denominators=den, cfg=cfg, extras=extras or {}, options=options)
 
 
 # --- GSPO -------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def _reference_cov(batch: TrainBatch, indices) -> tuple[list[tuple[int, int]], l
 
 def test_kl_cov_selects_the_top_covariance_tokens_of_each_mini_batch():
     batch = _cov_batch()
-    cfg = AlgorithmConfig(policy_loss="kl_cov", kl_cov_ratio=0.25)
+    cfg = AlgorithmConfig(policy_loss="kl_cov", policy_loss_args={"kl_cov_ratio": 0.25})
     out, metrics = select_cov_tokens(batch, [(0, 1), (2, 3)], cfg, seed=0)
     for indices in ((0, 1), (2, 3)):
         where, cov = _reference_cov(batch, indices)
@@ -189,7 +189,7 @@ def test_kl_cov_selects_the_top_covariance_tokens_of_each_mini_batch():
 
 def test_clip_cov_draws_among_the_candidates_reproducibly():
     batch = _cov_batch(1)
-    cfg = AlgorithmConfig(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=0.5)
+    cfg = AlgorithmConfig(policy_loss="clip_cov", policy_loss_args=dict(clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=0.5))
     first, metrics = select_cov_tokens(batch, [(0, 1, 2, 3)], cfg, seed=7)
     again, _ = select_cov_tokens(batch, [(0, 1, 2, 3)], cfg, seed=7)
     assert all(torch.equal(a, b) for a, b in zip(first.extras[SELECTED], again.extras[SELECTED]))
@@ -200,15 +200,15 @@ def test_clip_cov_draws_among_the_candidates_reproducibly():
     assert metrics["actor/cov_candidate_fraction"] == pytest.approx(len(candidates) / len(cov))
     cov_t = token_covariance(T([1.0, 2.0, 3.0]), T([0.0, 0.0, 3.0]))
     torch.testing.assert_close(cov_t, T([1.0, 0.0, 2.0], dtype=torch.float64))  # means 2 and 1
-    assert pick_tokens(torch.zeros(0, dtype=torch.float64), "clip_cov", cfg, torch.Generator()).numel() == 0
+    assert pick_tokens(torch.zeros(0, dtype=torch.float64), loss_options(cfg), torch.Generator()).numel() == 0
 
 
 def test_cov_losses_match_the_formulas():
     logprobs = T([-1.0, -2.0, -0.5, -0.3], requires_grad=True)
     old, adv = [-1.1, -1.5, -0.5, -0.3], [1.0, -1.0, 2.0, 0.5]
     chosen = T([True, False, True, False])
-    cfg = AlgorithmConfig(policy_loss="kl_cov", ppo_kl_coef=0.5)
-    out = kl_cov(_inputs(logprobs, old, adv, [True] * 4, [0, 0, 1, 1], cfg, {SELECTED: chosen}))
+    cfg = AlgorithmConfig(policy_loss="kl_cov", policy_loss_args={"ppo_kl_coef": 0.5})
+    out = kl_cov(_inputs(logprobs, old, adv, [True] * 4, [0, 0, 1, 1], cfg, {SELECTED: chosen}, loss_options(cfg)))
     ratio = [math.exp(a - b) for a, b in zip([-1.0, -2.0, -0.5, -0.3], old)]
     expected = [-a * r for a, r in zip(adv, ratio)]
     expected[0] += 0.5 * 0.1  # |logp - old| at the selected tokens
@@ -238,10 +238,15 @@ def test_refusals_name_the_key_the_value_and_the_fix():
     assert "algorithm.policy_loss='gspo'" in text and "trainer.sequence_parallel_size=1" in text
     text = _problems("algorithm.policy_loss=gspo", "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.context_policy=rolling")
     assert "context_policy=end" in text
-    assert "algorithm.kl_cov_ratio=0.001: has no effect" in _problems("algorithm.kl_cov_ratio=0.001")
-    assert "algorithm.clip_cov_ub=7.0: has no effect" in _problems("algorithm.clip_cov_ub=7")
-    assert "must be in (0, 1]" in _problems("algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0")
-    assert "< algorithm.clip_cov_ub" in _problems("algorithm.policy_loss=clip_cov", "algorithm.clip_cov_lb=6")
+    assert "algorithm.policy_loss_args={'kl_cov_ratio': 0.001}: has no effect" in _problems("algorithm.policy_loss_args.kl_cov_ratio=0.001")
+    text = _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.clip_cov_ub=7")
+    assert "algorithm.policy_loss_args.clip_cov_ub=7: unknown key" in text and "algorithm.policy_loss_args.kl_cov_ratio" in text
+    assert "must be in (0, 1]" in _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.kl_cov_ratio=0")
+    assert "< algorithm.policy_loss_args.clip_cov_ub" in _problems("algorithm.policy_loss=clip_cov",
+                                                                   "algorithm.policy_loss_args.clip_cov_lb=6")
+    assert "must be a number" in _problems("algorithm.policy_loss=clip_cov", "algorithm.policy_loss_args.clip_cov_lb=abc")
+    assert "did you mean algorithm.policy_loss_args.clip_cov_ub? (an option of algorithm.policy_loss=clip_cov)" in _problems(
+        "algorithm.clip_cov_ub=7")
     assert "rollout_rs_threshold=1.001" in _problems("algorithm.rollout_correction.rollout_rs=geometric")
     assert "must be a finite number > 1" in _problems("algorithm.rollout_correction.rollout_is=token",
                                                       "algorithm.rollout_correction.rollout_is_threshold=0.9")

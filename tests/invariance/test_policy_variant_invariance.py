@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from packrl.algos.policy_losses import prepare_update
+from packrl.algos.policy_losses import loss_options, prepare_update
 from packrl.config.plan import BatchPlan
 from packrl.seqlen.update_plan import groups_of, plan_update
 from tests.builders import BUDGETS, RTOL, WHOLE, loss_batch, pass_config, stepwise_batch
@@ -23,8 +23,8 @@ from tests.conftest import minibatch_grads, score_of, tiny_llama
 
 CASES = {  # the algorithm section of each case
     "gspo": dict(policy_loss="gspo", clip_ratio_low=0.01, clip_ratio_high=0.02),
-    "clip_cov": dict(policy_loss="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.0),
-    "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.1, ppo_kl_coef=1.0),
+    "clip_cov": dict(policy_loss="clip_cov", policy_loss_args=dict(clip_cov_ratio=0.1, clip_cov_lb=0.0)),
+    "kl_cov": dict(policy_loss="kl_cov", policy_loss_args=dict(kl_cov_ratio=0.1, ppo_kl_coef=1.0)),
     "tis": dict(policy_loss="ppo_clip"),
 }
 
@@ -71,6 +71,7 @@ def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(case, mode):
 def _reference_token_losses(case: str, cfg, batch, logprobs) -> list[list[float]]:
     """Every response's token losses from the formulas, over the whole mini-batch at once."""
     algo = cfg.algorithm
+    opts = loss_options(algo)
     masks, adv, old = batch.loss_masks, batch.advantages, batch.old_logprobs
     flat = [(i, t) for i, m in enumerate(masks) for t in range(len(m)) if m[t]]
     out = []
@@ -79,13 +80,13 @@ def _reference_token_losses(case: str, cfg, batch, logprobs) -> list[list[float]
         lp = [float(old[i][t]) for i, t in flat]
         cov = [(x - sum(a) / len(a)) * (y - sum(lp) / len(lp)) for x, y in zip(a, lp)]
         if case == "kl_cov":
-            k = max(1, int(len(cov) * algo.kl_cov_ratio))
+            k = max(1, int(len(cov) * opts.kl_cov_ratio))
             chosen = {flat[j] for j in sorted(range(len(cov)), key=lambda j: -cov[j])[:k]}
             assert chosen == {(i, t) for i, s in enumerate(batch.extras["cov_selected"]) for t in range(len(s)) if s[t]}
         else:
             chosen = {(i, t) for i, s in enumerate(batch.extras["cov_selected"]) for t in range(len(s)) if s[t]}
-            assert all(algo.clip_cov_lb < cov[flat.index(p)] < algo.clip_cov_ub for p in chosen)
-            assert len(chosen) == max(1, int(len(cov) * algo.clip_cov_ratio))
+            assert all(opts.clip_cov_lb < cov[flat.index(p)] < opts.clip_cov_ub for p in chosen)
+            assert len(chosen) == max(1, int(len(cov) * opts.clip_cov_ratio))
     for i, m in enumerate(masks):
         live = [t for t in range(len(m)) if m[t]]
         seq_ratio = math.exp(sum(float(logprobs[i][t] - old[i][t]) for t in live) / max(1, len(live)))
@@ -95,7 +96,7 @@ def _reference_token_losses(case: str, cfg, batch, logprobs) -> list[list[float]
             r = seq_ratio if case == "gspo" else math.exp(d)
             ppo = max(-a * r, -a * min(max(r, 1 - algo.clip_ratio_low), 1 + algo.clip_ratio_high))
             if case == "kl_cov":
-                row.append(-a * r + (algo.ppo_kl_coef * abs(d) if (i, t) in chosen else 0.0))
+                row.append(-a * r + (opts.ppo_kl_coef * abs(d) if (i, t) in chosen else 0.0))
             elif case == "clip_cov":
                 row.append(0.0 if (i, t) in chosen else ppo)
             elif case == "tis":

@@ -20,7 +20,6 @@ from packrl.compat.verl.context import Context, preset_value
 from packrl.compat.verl.convert import KL_ESTIMATORS, files
 from packrl.compat.verl.keys import ACTOR, AR, REF, ROLLOUT, VLLM_PASSED, rule_of
 from packrl.compat.verl.overrides import format_value
-from packrl.config.algorithm_variants import COV_KEYS
 
 
 def _total_steps(c: Context) -> None:
@@ -320,16 +319,22 @@ def _clip_ratio(c: Context) -> None:
         c.set(f"algorithm.clip_ratio_{side}", c.float(source), source, conversion="" if c.has(key) or not c.has(base) else fallback)
 
 
+_COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
+"""verl's ``actor.policy_loss.*`` keys each of its covariance losses reads (packrl's options of the
+same names, `packrl.algos.cov_losses`)."""
+
+
 def _cov_losses(c: Context) -> None:
-    """Clip-Cov's and KL-Cov's knobs, read only under their own ``policy_loss.loss_mode``."""
+    """Clip-Cov's and KL-Cov's knobs, read only under their own ``policy_loss.loss_mode``; they
+    become ``algorithm.policy_loss_args.*``."""
     mode_key = f"{ACTOR}.policy_loss.loss_mode"
     mode = c.get(mode_key)
-    for loss, names in COV_KEYS.items():
+    for loss, names in _COV_KEYS.items():
         keys = [f"{ACTOR}.policy_loss.{n}" for n in names]
         if c.ignore_unless(mode == loss, keys, f"read only by loss_mode={loss} ({mode_key}={mode})"):
             for verl_key, name in zip(keys, names):
                 if c.has(verl_key):
-                    c.set(f"algorithm.{name}", c.float(verl_key), verl_key)
+                    c.set(f"algorithm.policy_loss_args.{name}", c.float(verl_key), verl_key)
 
 
 def _kl(c: Context) -> None:
