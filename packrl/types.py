@@ -110,9 +110,13 @@ class Response:
             not write (a tool's answer inside a multi-turn trajectory), which never count in the
             loss. None = every token was generated (a single-turn response).
         trajectory: the turns of a multi-turn response (None for a single turn).
+        token_versions: the policy version (training step) that sampled each token, ``[R_i]``
+            int, for a response generated across steps (`packrl.rollout.partial`); None = every
+            token was sampled by the policy of the step that trains it.
 
     Raises:
-        ValueError: ``rollout_logprobs`` or ``response_mask`` does not have one entry per token.
+        ValueError: ``rollout_logprobs``, ``response_mask`` or ``token_versions`` does not have
+            one entry per token.
     """
 
     response_ids: tuple[int, ...]
@@ -120,9 +124,10 @@ class Response:
     rollout_logprobs: tuple[float, ...] | None = None
     response_mask: tuple[bool, ...] | None = None
     trajectory: Trajectory | None = None
+    token_versions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rollout_logprobs", "response_mask"):
+        for name in ("rollout_logprobs", "response_mask", "token_versions"):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.response_ids):
                 raise ValueError(f"Response.{name} has {len(values)} entries for {len(self.response_ids)} response tokens; "
@@ -165,11 +170,17 @@ class Response:
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """N = B*G responses; response i answers prompt ``i // group_size``."""
+    """N = B*G responses; response i answers prompt ``i // group_size``.
+
+    Attributes:
+        policy_version: the step whose update trains this batch, when some responses carry
+            tokens of earlier versions (`Response.token_versions`); None = all on-policy.
+    """
 
     prompts: PromptBatch
     group_size: int
     responses: tuple[Response, ...]
+    policy_version: int | None = None
 
     def __post_init__(self) -> None:
         assert len(self.responses) == len(self.prompts) * self.group_size, "responses must be B*G"

@@ -137,6 +137,53 @@ def apply_rollout_correction(
     return masks, extras, metrics
 
 
+def apply_behaviour_weights(
+    responses: Sequence[Response],
+    old_logprobs: Sequence[torch.Tensor] | None,
+    loss_masks: Sequence[torch.Tensor],
+    extras: dict[str, tuple[torch.Tensor, ...]],
+    policy_version: int | None,
+    threshold: float,
+) -> tuple[dict[str, tuple[torch.Tensor, ...]], dict[str, float]]:
+    """The behaviour half of decoupled PPO (Fu et al. 2025, AReaL, arXiv 2505.24298) for tokens an
+    earlier policy version sampled (`Response.token_versions` < ``policy_version``: a partial
+    rollout carried across steps): their loss is the PPO clip against the proximal policy pi_old
+    (the old-log-prob pass at this step's weights) times w_t = min(pi_old / pi_behaviour, C), with
+    pi_behaviour the engine's log-prob at sampling and C ``rollout_is_threshold``.
+
+    Tokens of this step's policy keep weight 1, so a batch with nothing carried trains exactly as
+    without partial rollouts; with ``rollout_is=token`` every token is weighted already
+    (`apply_rollout_correction`) and nothing is added.
+
+    Returns:
+        ``(extras, metrics)``: ``rollout_is_weights`` set when some loss token is stale; metrics
+        ``async/stale_token_fraction`` (stale / loss tokens) and ``async/behaviour_weight_mean|max|min``
+        over the stale loss tokens.
+
+    Raises:
+        ValueError: stale tokens without engine log-probs or old log-probs.
+    """
+    if policy_version is None:
+        return extras, {}
+    stale = tuple(torch.zeros(len(r.response_ids), dtype=torch.bool) if r.token_versions is None
+                  else torch.tensor(r.token_versions) < policy_version for r in responses)
+    num_loss = sum(int(m.sum()) for m in loss_masks)
+    num_stale = sum(int((s & m).sum()) for s, m in zip(stale, loss_masks))
+    metrics = {"async/stale_token_fraction": num_stale / max(1, num_loss)}
+    if num_stale == 0 or IS_WEIGHTS in extras:
+        return extras, metrics
+    if old_logprobs is None:
+        raise ValueError("carried tokens need the old log-probs (the proximal policy); BatchPlan.needs_old_logprobs "
+                         "turns the pass on under trainer.rollout_mode=colocate_async")
+    engine = _engine_logprobs(responses)
+    weights = tuple(torch.where(s, rollout_is_weights(old, eng, threshold), torch.ones(len(s)))
+                    for s, old, eng in zip(stale, old_logprobs, engine))
+    picked = torch.cat([w[s & m] for w, s, m in zip(weights, stale, loss_masks)])
+    metrics |= {"async/behaviour_weight_mean": float(picked.mean()), "async/behaviour_weight_max": float(picked.max()),
+                "async/behaviour_weight_min": float(picked.min())}
+    return {**extras, IS_WEIGHTS: weights}, metrics
+
+
 def weighted_token_loss(token_loss: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
     """The policy's token loss times the truncated importance weights when the controller set
     them (``extras["rollout_is_weights"]``, Shape [K]); else unchanged. The weights are constants

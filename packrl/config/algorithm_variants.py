@@ -68,9 +68,6 @@ class RolloutCorrectionConfig:
         if not 1.0 < self.rollout_is_threshold < math.inf:
             out.append(ConfigProblem(f"{prefix}.rollout_is_threshold", self.rollout_is_threshold, "must be a finite number > 1",
                                      f"set {prefix}.rollout_is_threshold=2.0"))
-        elif self.rollout_is is None and self.rollout_is_threshold != 2.0:
-            out.append(_no_effect(f"{prefix}.rollout_is_threshold", self.rollout_is_threshold, f"{prefix}.rollout_is is null",
-                                  f"set {prefix}.rollout_is=token or remove {prefix}.rollout_is_threshold"))
         upper, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
         if self.rollout_rs is None:
             for key, value in (("rollout_rs_threshold", upper), ("rollout_rs_threshold_lower", lower)):

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from packrl.config.relations import config_problems
-from packrl.config.schema import RunConfig
+from packrl.config.schema import NOT_OFFERED, RunConfig
 from packrl.errors import ConfigError, ConfigProblem
 from packrl.registry import CONFIG_REGISTRIES, Registry, import_plugins
 
@@ -50,6 +50,9 @@ def _read_preset(preset: str) -> dict[str, Any]:
         text = (resources.files("packrl.config") / "presets" / f"{preset}.yaml").read_text()
     else:
         names = ", ".join(preset_names())
+        if "." in preset and preset.split(".", 1)[0] in {f.name for f in dataclasses.fields(RunConfig)}:
+            raise ConfigError([ConfigProblem("override", preset, "is a config key without a value (read as a preset name)",
+                                             f"write {preset}=<value>, e.g. train.total_steps=10")])
         raise ConfigError([ConfigProblem("preset", preset, f"no such preset (known: {names})", "pass a preset name or a .yaml path")])
     try:
         data = yaml.safe_load(text)
@@ -180,7 +183,12 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in names:
+        if key not in names and isinstance(data[key], dict) and data[key]:  # a misspelled section: name each key in it
+            for leaf, value in _flatten(data[key], f"{prefix}{key}."):
+                close = nearest_key(leaf, _all_keys(RunConfig) if keys is None else keys)
+                problems.append(ConfigProblem(leaf, value, "unknown key", f"did you mean {close}?" if close else
+                                              f"valid sections here: {', '.join(sorted(names))}"))
+        elif key not in names:
             full = f"{prefix}{key}"
             close = nearest_key(full, _all_keys(RunConfig) if keys is None else keys)
             fix = _option_home(full) if keys is None else None
@@ -197,12 +205,21 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
         except TypeError as err:
             expected = str(err)
             fix = f"set {full} to {expected.removeprefix('must be ')}" if expected.startswith("must be ") else f"set {full}=<value>"
-            if typing.get_origin(hint) is Literal:
+            if full in NOT_OFFERED and str(value) in NOT_OFFERED[full]:
+                fix = NOT_OFFERED[full][str(value)]
+            elif typing.get_origin(hint) is Literal:
                 matches = difflib.get_close_matches(str(value), [str(c) for c in typing.get_args(hint)], n=1)
                 fix = f"did you mean {full}={matches[0]}?" if matches else fix
             problems.append(ConfigProblem(full, value, str(err), fix))
             bad.add(full)
     return cls(**kwargs)
+
+
+def _flatten(data: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        out += _flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [(f"{prefix}{key}", value)]
+    return out
 
 
 def _option_home(key: str) -> str | None:

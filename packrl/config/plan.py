@@ -85,14 +85,16 @@ class BatchPlan:
         ``auto`` or ``bf16``; the controller decides for every rank)."""
         mini = cfg.train.mini_batch_size or cfg.data.batch_size
         algo = cfg.algorithm
-        return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled
+        partial = cfg.trainer.rollout_mode != "sync"  # carried tokens are weighted by pi_old / pi_behaviour
+        return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled or partial
         reads_old = algo.entropy_filter.enabled or algo.policy_loss in COV_LOSSES
         reasons = [reason for applies, reason in (
             (cfg.train.ppo_epochs != 1, f"train.ppo_epochs={cfg.train.ppo_epochs}"),
             (mini != cfg.data.batch_size, f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"),
             (algo.kl_in_reward, "algorithm.kl_in_reward"),
-            (return_logprobs, "rollout.return_logprobs or algorithm.rollout_correction"),
+            (return_logprobs and not partial, "rollout.return_logprobs or algorithm.rollout_correction"),
             (reads_old, "the entropy filter or a Clip-Cov/KL-Cov loss reads them"),
+            (partial, f"trainer.rollout_mode={cfg.trainer.rollout_mode} (the proximal policy of carried tokens)"),
         ) if applies]
         return cls(
             num_prompts=cfg.data.batch_size,

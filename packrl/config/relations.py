@@ -213,9 +213,47 @@ def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
+_ASYNC_KEYS = ("over_provision", "max_staleness", "stale_groups", "partial_chunk_tokens")
+
+
+def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
+    """``trainer.rollout_mode=colocate_async``: over-provisioning to cut the tail with (at most a
+    batch, so the groups at the staleness bound always fit the next batch), one-turn rollouts and
+    no dynamic sampling (not built for carried groups); the async keys are refused in ``sync``."""
+    r, mode = cfg.rollout, cfg.trainer.rollout_mode
+    defaults = type(r)()
+    rc, out = cfg.algorithm.rollout_correction, []
+    if mode == "sync" and rc.rollout_is is None and rc.rollout_is_threshold != 2.0:
+        key = "algorithm.rollout_correction.rollout_is_threshold"
+        out = [ConfigProblem(key, rc.rollout_is_threshold, "has no effect: algorithm.rollout_correction.rollout_is is null "
+                             "(it also caps the behaviour weights of carried tokens under trainer.rollout_mode=colocate_async)",
+                             f"set algorithm.rollout_correction.rollout_is=token or remove {key}",
+                             keys=(key, "algorithm.rollout_correction.rollout_is", "trainer.rollout_mode"))]
+    if mode == "sync":
+        return out + [ConfigProblem(f"rollout.{k}", getattr(r, k), "has no effect: trainer.rollout_mode=sync",
+                                    f"set trainer.rollout_mode=colocate_async or remove rollout.{k}",
+                                    keys=(f"rollout.{k}", "trainer.rollout_mode"))
+                      for k in _ASYNC_KEYS if getattr(r, k) != getattr(defaults, k)]
+    if not 1 <= r.over_provision <= cfg.data.batch_size:
+        out.append(ConfigProblem("rollout.over_provision", r.over_provision,
+                                 f"must be in [1, data.batch_size={cfg.data.batch_size}] under trainer.rollout_mode={mode} "
+                                 "(0 cuts nothing; more than a batch could leave groups at the staleness bound that no batch holds)",
+                                 f"set rollout.over_provision={max(1, cfg.data.batch_size // 4)} or trainer.rollout_mode=sync",
+                                 keys=("rollout.over_provision", "data.batch_size", "trainer.rollout_mode")))
+    if r.multi_turn.tools:
+        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not carry multi-turn trajectories across steps yet",
+                                 "set trainer.rollout_mode=sync or rollout.multi_turn.tools=[]",
+                                 keys=("trainer.rollout_mode", "rollout.multi_turn.tools")))
+    if cfg.algorithm.filter_groups.enable:
+        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not combine with dynamic sampling yet",
+                                 "set trainer.rollout_mode=sync or algorithm.filter_groups.enable=false",
+                                 keys=("trainer.rollout_mode", "algorithm.filter_groups.enable")))
+    return out
+
+
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, lora_workers, group_size, kl_in_reward, overlong_buffer,
+    parameter_offload, compiled_layers, lora_workers, group_size, kl_in_reward, overlong_buffer, partial_rollouts,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

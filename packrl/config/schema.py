@@ -25,6 +25,14 @@ OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PackedAttention = Literal["varlen", "block_mask", "position_ids"]
 ModelDtype = Literal["auto", "bf16", "fp32", "fp64"]
+RolloutMode = Literal["sync", "colocate_async"]
+StaleGroups = Literal["wait", "drop"]
+
+_FP16 = ("fp16 is not offered: its 5-bit exponent overflows in RL losses without loss scaling, which packrl does not do; "
+         "set model.dtype=auto (bf16 where it is native, else fp32) or model.dtype=bf16")
+NOT_OFFERED: dict[str, dict[str, str]] = {"model.dtype": {"fp16": _FP16, "float16": _FP16, "half": _FP16}}
+"""Choices users reach for that a key deliberately does not offer: key -> value -> the fix (shown
+instead of the nearest spelling, which would name another dtype)."""
 KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
@@ -351,6 +359,24 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off unless `rollout.multi_turn.tools` names one)."""
 
+    over_provision: int = 0
+    """`trainer.rollout_mode=colocate_async`: prompt groups in flight beyond `data.batch_size`.
+    A step generates until `data.batch_size` groups are complete and carries the rest, partial,
+    to later steps (docs/async.md); at most `data.batch_size`."""
+
+    max_staleness: int = 2
+    """`colocate_async`: steps a group may stay in flight after its dispatch step; a group at the
+    bound must finish in that step (the oldest tokens trained are this many updates old)."""
+
+    stale_groups: StaleGroups = "wait"
+    """`colocate_async`: a group at `max_staleness` is `wait`ed for (never dropped: dropping
+    removes the long responses, biasing training short), or `drop`ped unfinished (counted, with
+    its length, in `async/dropped_*`)."""
+
+    partial_chunk_tokens: int = 64
+    """`colocate_async`: tokens per member per engine call; between calls the step checks whether
+    `data.batch_size` groups are complete. Smaller cuts the tail finer and re-prefills more."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)
         out += schedule_problems(self.max_response_tokens_schedule, self.max_response_tokens, f"{prefix}.max_response_tokens_schedule")
@@ -367,7 +393,10 @@ class RolloutConfig:
         if self.val_temperature < 0:
             out.append(ConfigProblem(f"{prefix}.val_temperature", self.val_temperature, "must be >= 0",
                                      "set rollout.val_temperature=0 (greedy)"))
-        return out
+        if self.over_provision < 0:
+            out.append(ConfigProblem(f"{prefix}.over_provision", self.over_provision, "must be >= 0", f"set {prefix}.over_provision=0"))
+        return out + check_positive(f"{prefix}.max_staleness", self.max_staleness) + check_positive(
+            f"{prefix}.partial_chunk_tokens", self.partial_chunk_tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -693,6 +722,13 @@ class TrainerConfig:
     its contiguous share of every pack, and the groups are the data-parallel ranks. A micro-batch
     may then hold `train.max_tokens_per_microbatch` x this many tokens (each rank holds its share);
     the model's attention heads must be a multiple of it. 1 = off."""
+
+    rollout_mode: RolloutMode = "sync"
+    """`sync`: every step generates its batch whole and waits for its longest response.
+    `colocate_async`: on the same devices, a step stops generating once `data.batch_size` prompt
+    groups are complete and carries the unfinished ones (`rollout.over_provision` extra groups in
+    flight) to later steps, resumed under the new weights; their older tokens are corrected in the
+    loss (docs/async.md)."""
 
     plugins: list[str] = field(default_factory=list)
     """Python files (`path/to/file.py`) or module names imported before the config's registered

@@ -45,8 +45,13 @@ def rollout_rows(step: int, batch: TrainBatch, tokenizer: Any) -> list[dict[str,
             "score": float(batch.scored.scores[i]), "reward": float(batch.scored.rewards[i]),
             "advantage": float(adv[mask].mean()) if bool(mask.any()) else 0.0,
             "ground_truth": str(prompts.ground_truths[b]), "prompt_truncated": bool(prompts.prompt_truncated[b]),
-        } | _turns(response, tokenizer))
+        } | _turns(response, tokenizer) | _versions(response))
     return rows
+
+
+def _versions(response: Any) -> dict[str, Any]:
+    """``versions``: the policy versions (steps) whose tokens a partial rollout holds, in order; nothing otherwise."""
+    return {} if response.token_versions is None else {"versions": sorted(set(response.token_versions))}
 
 
 def _turns(response: Any, tokenizer: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.seqlen.stepwise import StepSamples, step_samples
 from packrl.seqlen.update_plan import UpdatePlan, groups_of
-from packrl.types import PromptBatch, RolloutBatch, TrainBatch, ValueEstimates
+from packrl.types import PromptBatch, Response, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
 from packrl.worker.critic import critic_metrics
 from packrl.worker.policy import Role, WorkerInfo
@@ -128,12 +128,19 @@ class WorkerGroup:
         """Sample ``params.n`` responses per prompt from exactly ``prompts.prompt_ids``. Every
         prompt's seed is drawn here, so the responses do not depend on the rank that generates
         them. A raising engine is retried once (`generate_with_retry`)."""
-        seeds = draw_seeds(len(prompts))
-        costs = [len(p) + params.max_response_tokens for p in prompts.prompt_ids]
+        groups = self.generate_ids(prompts.prompt_ids, params, draw_seeds(len(prompts)), prompts.rows)
+        return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
+
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                     rows: Sequence[int] = ()) -> list[list[Response]]:
+        """``[B][G]`` responses to ``prompt_ids`` with the given per-prompt seeds, the prompts split
+        over the data-parallel ranks by cost (prompt + response budget); ``rows`` (the data rows,
+        for messages) may be empty. Retried once as `generate`."""
+        costs = [len(p) + params.max_response_tokens for p in prompt_ids]
         parts = [sorted(p) for p in karmarkar_karp(costs, min(self.num_ranks, len(costs))) if p]
 
         def run() -> list:
-            calls = [([prompts.prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts]
+            calls = [([prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts]
             leaders = [r * self.plan.sequence_parallel_size for r in range(len(parts))]  # one worker per data-parallel rank
             out: list = [None] * len(costs)
             for part, groups in zip(parts, self.transport.call("generate", calls, leaders)):
@@ -141,8 +148,7 @@ class WorkerGroup:
                     out[i] = group
             return out
 
-        groups = generate_with_retry(run, prompts)
-        return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
+        return generate_with_retry(run, rows)
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
         """Per-response log-probs under the actor or the reference, in sequence order; None when
@@ -273,7 +279,7 @@ def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:
     return replace(stats, sums=ResponseSums(fold(sums.entropy), fold(sums.clipped), fold(sums.kl), fold(sums.num_tokens)))
 
 
-def generate_with_retry(generate: Callable[[], list], prompts: PromptBatch) -> list:
+def generate_with_retry(generate: Callable[[], list], rows: Sequence[int]) -> list:
     """``generate()``, retried once when it raises anything but a ValueError (a bad prompt is not
     retried); a second failure is a RuntimeError naming the batch's data rows and the cause."""
     try:
@@ -285,5 +291,5 @@ def generate_with_retry(generate: Callable[[], list], prompts: PromptBatch) -> l
         try:
             return generate()
         except Exception as again:
-            raise RuntimeError(f"generation failed twice for data rows {list(prompts.rows)[:16]}: "
+            raise RuntimeError(f"generation failed twice for data rows {list(rows)[:16]}: "
                                f"{type(again).__name__}: {again}") from again

@@ -233,6 +233,16 @@ def request_seed(prompt_seed: int, sample_index: int) -> int:
     return (prompt_seed * 1_000_003 + sample_index) % (1 << 63)
 
 
+_INVERSE = pow(1_000_003, -1, 1 << 63)  # 1_000_003 is odd, so it is invertible modulo 2**63
+
+
+def single_sample_seed(prompt_seed: int, sample_index: int) -> int:
+    """The prompt seed under which the only sample of a ``n=1`` request draws what sample
+    ``sample_index`` of ``prompt_seed`` draws: ``request_seed(result, 0) == request_seed(prompt_seed,
+    sample_index)``. A resumed member of a group is continued alone with it."""
+    return request_seed(prompt_seed, sample_index) * _INVERSE % (1 << 63)
+
+
 def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     """Every id that ends a response: the model's ``generation_config.eos_token_id`` (int or
     list) and the tokenizer's EOS."""

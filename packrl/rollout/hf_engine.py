@@ -24,6 +24,9 @@ Sampling is exactly ``temperature``/``top_k``/``top_p``: every other logits proc
 lengths, suppressed tokens, ...) is switched off per call. Randomness comes from the seeds the
 caller passes, one per prompt (`GumbelMaxSampler`): response g of prompt b depends on
 ``(seeds[b], g)`` alone, not on its batch; without seeds they are drawn from torch's global RNG.
+The noise of each token is keyed by the request's seed and the token's absolute position, so a
+response continued from prompt + its first tokens (a resumed partial rollout,
+`packrl.rollout.partial`) draws what it would have drawn uninterrupted.
 
 Prefill once per group: the G samples of a prompt are adjacent rows of a batch, so the prompt's
 KV cache (all but its last token) is computed once per distinct prompt and copied to its rows
@@ -295,7 +298,9 @@ class HFEngine:
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
             kwargs = self._generate_kwargs(params, max_new_tokens=min(round_tokens, cap - rows.steps),
-                                           generators=[generators[int(row)] for row in alive])
+                                           generators=[generators[int(row)] for row in alive],
+                                           seeds=[batch[int(row)].seed for row in alive],
+                                           positions=[len(batch[int(row)].prompt) + rows.steps for row in alive])
             reused = {self.cache_reuse.argument: cache} if cache is not None else {}
             # torch types a module's attributes as Tensor | Module; this is the transformers model's generate, which
             # returns this dataclass for a decoder-only model under return_dict_in_generate (`_generate_kwargs`)
@@ -358,9 +363,11 @@ class HFEngine:
                    **{self.cache_reuse.argument: cache})
         select_rows(cache, owner)  # one copy per row
 
-    def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int, generators: Sequence[torch.Generator]) -> dict[str, Any]:
+    def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int, generators: Sequence[torch.Generator],
+                         seeds: Sequence[int], positions: Sequence[int]) -> dict[str, Any]:
         """Arguments for `model.generate`: the requested sampling (row i's noise from
-        ``generators[i]``) and nothing else."""
+        ``generators[i]``, reseeded per token from ``seeds[i]`` and its absolute position, which
+        starts at ``positions[i]``: `GumbelMaxSampler`) and nothing else."""
         kwargs: dict[str, Any] = dict(
             _OFF,
             max_new_tokens=max_new_tokens,
@@ -387,7 +394,7 @@ class HFEngine:
             if params.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(params.top_p))
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None,
-                          logits_processor=LogitsProcessorList([*warpers, GumbelMaxSampler(generators)]))
+                          logits_processor=LogitsProcessorList([*warpers, GumbelMaxSampler(generators, seeds, positions)]))
         return kwargs
 
     def _stop_steps(self, sequences: torch.Tensor, width: int, params: SamplingParams) -> list[int]:

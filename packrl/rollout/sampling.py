@@ -33,16 +33,46 @@ class GumbelMaxSampler(LogitsProcessor):
     response depends on its request's seed alone, not on which other rows share its batch: the
     same prompts give the same responses whether one process generates them all or several
     data-parallel workers each generate a share (as with vLLM's per-request seeds).
+
+    With ``seeds`` and ``positions`` the noise is counter-based: before each step row ``i``'s
+    generator is reseeded with `position_seed(seeds[i], positions[i] + step)`, so the token drawn
+    at a sequence position depends on the request's seed and that position alone. A response cut
+    after ``n`` tokens and continued from prompt + those tokens (a partial rollout resumed, same
+    weights) then draws what the uninterrupted response drew.
+
+    Args:
+        generators: one per decoding row.
+        seeds: per row, the request's seed (None: the generators run on from their state).
+        positions: per row, the absolute sequence position of the first token this processor
+            draws (prompt + tokens already generated).
     """
 
-    def __init__(self, generators: Sequence[torch.Generator]) -> None:
+    def __init__(self, generators: Sequence[torch.Generator], seeds: Sequence[int] | None = None,
+                 positions: Sequence[int] | None = None) -> None:
         self.generators = list(generators)
+        assert (seeds is None) == (positions is None), "seeds and positions come together"
+        self.seeds: list[int] | None = None if seeds is None else list(seeds)
+        self.positions: list[int] | None = None if positions is None else list(positions)
+        self.step = 0
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         assert len(self.generators) == scores.shape[0], "one generator per decoding row"
+        if self.seeds is not None and self.positions is not None:
+            for generator, seed, position in zip(self.generators, self.seeds, self.positions):
+                generator.manual_seed(position_seed(seed, position + self.step))
+        self.step += 1
         tokens = two_level_gumbel_max(scores.float(), self.generators)
         drawn = torch.full_like(scores, float("-inf"), dtype=torch.float32).scatter_(1, tokens.unsqueeze(1), 0.0)
         return cast(torch.FloatTensor, drawn)  # LogitsProcessor's signature names the legacy FloatTensor type
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The noise seed of the token at absolute sequence ``position`` of a request seeded ``seed``
+    (SplitMix64's finaliser over the pair, so nearby seeds and positions give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) % (1 << 63)
 
 
 _GUMBEL_BLOCK = 256  # vocabulary entries per block of `two_level_gumbel_max`

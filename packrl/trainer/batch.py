@@ -13,7 +13,7 @@ from packrl.algos.advantages import AdvantageInputs, check_advantages
 from packrl.algos.entropy_filter import apply_entropy_filter
 from packrl.algos.gae import gae_of
 from packrl.algos.losses import kl_penalty
-from packrl.algos.rollout_correction import apply_rollout_correction
+from packrl.algos.rollout_correction import apply_behaviour_weights, apply_rollout_correction
 from packrl.config.schema import AlgorithmConfig
 from packrl.registry import ADVANTAGE_ESTIMATORS
 from packrl.types import ScoredBatch, TrainBatch, ValueEstimates
@@ -92,7 +92,8 @@ def build_train_batch(
 def response_filters(scored: ScoredBatch, old_logprobs: tuple[torch.Tensor, ...] | None, old_entropy: tuple[torch.Tensor, ...] | None,
                      masks: tuple[torch.Tensor, ...], cfg: AlgorithmConfig) -> tuple[tuple[torch.Tensor, ...], dict, dict[str, float]]:
     """Loss masks after ``algorithm.rollout_correction`` (rejection; token weights as extras,
-    `packrl.algos.rollout_correction`) and then ``algorithm.entropy_filter``
+    `packrl.algos.rollout_correction`; behaviour weights of tokens carried from earlier steps,
+    `apply_behaviour_weights`) and then ``algorithm.entropy_filter``
     (`packrl.algos.entropy_filter`), on the controller before the update plan counts the
     denominators; each is a no-op when off. Returns ``(masks, extras, metrics)``.
 
@@ -101,6 +102,9 @@ def response_filters(scored: ScoredBatch, old_logprobs: tuple[torch.Tensor, ...]
     """
     responses = scored.rollout.responses
     masks, extras, metrics = apply_rollout_correction(responses, old_logprobs, masks, cfg.rollout_correction)
+    extras, stale_metrics = apply_behaviour_weights(responses, old_logprobs, masks, extras, scored.rollout.policy_version,
+                                                    cfg.rollout_correction.rollout_is_threshold)
+    metrics |= stale_metrics
     masks, entropy_metrics = apply_entropy_filter(old_entropy, [r.generated_mask() for r in responses], masks, cfg.entropy_filter)
     return masks, extras, metrics | entropy_metrics
 

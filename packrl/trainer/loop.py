@@ -29,7 +29,7 @@ from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
 from packrl.trainer.run import Run, due, seed_everything
-from packrl.trainer.sampling import sampling_stage
+from packrl.trainer.sampling import SamplingStage, sampling_stage
 from packrl.trainer.validate import validate
 from packrl.worker.checkpoint import resume_candidates
 
@@ -50,7 +50,7 @@ def _data_accounting(train: PromptDataset, val: PromptDataset | None) -> dict:
     return {"train": train.accounting_dict()} | ({"val": val.accounting_dict()} if val is not None else {})
 
 
-def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler) -> int:
+def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler, stage: SamplingStage) -> int:
     """The last completed step: 0 for a fresh run, else the step of the checkpoint ``train.resume``
     names, with the model, optimizer, schedule and data position restored from it. Under ``auto``
     a checkpoint that cannot be read is skipped for the next older one, and a run dir without any
@@ -64,6 +64,7 @@ def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampl
         try:
             state = workers.load_checkpoint(path)
             sampler.load_state_dict(state["sampler"])
+            stage.load_state_dict(state.get("rollout", {}))  # partial rollouts carried at the checkpoint
             break
         except ValueError as err:
             if path == candidates[-1]:
@@ -86,9 +87,9 @@ def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: Prom
     schedule = response_schedule(cfg.rollout)  # the response budget of each step (length curriculum)
     tracer = build_tracer(cfg.train.trace, run.dir)
     dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
-    sample = sampling_stage(cfg, sampler, workers)  # one round, or rounds until the batch is full (filter_groups)
+    sample = sampling_stage(cfg, sampler, workers)  # one round, rounds until the batch is full, or partial rollouts
     total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
-    done = _resume(cfg, run, workers, sampler)
+    done = _resume(cfg, run, workers, sampler, sample)
     run.start_steps(done)  # the progress bar appears now, below the run's notes
     for step in range(done + 1, total + 1):
         seed_everything(cfg.train.seed * 1_000_003 + step)
@@ -97,7 +98,7 @@ def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: Prom
         timing: dict[str, float] = {}
         spans: list[Span] = []
         with stage_timer(timing, "step", spans):
-            rollout, scored, sample_metrics = sample(sampling, timing, spans)  # prompts -> gen -> reward
+            rollout, scored, sample_metrics = sample(sampling, timing, spans, step)  # prompts -> gen -> reward
             with stage_timer(timing, "old_log_prob", spans):
                 old = workers.compute_logprobs(rollout, "actor")
             with stage_timer(timing, "ref", spans):
@@ -122,7 +123,7 @@ def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: Prom
         tracer.end_step(step, spans, num_sequences=len(rollout), num_tokens=sum(rollout.sequence_lengths()))
         run.log_step(step, metrics)
         if due(step, cfg.train.save_every, total):
-            workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict()})
+            workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict(), "rollout": sample.state_dict()})
 
 
 def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:

