@@ -229,6 +229,13 @@ def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
                              "(it also caps the behaviour weights of carried tokens under trainer.rollout_mode=colocate_async)",
                              f"set algorithm.rollout_correction.rollout_is=token or remove {key}",
                              keys=(key, "algorithm.rollout_correction.rollout_is", "trainer.rollout_mode"))]
+    if mode != "separate_async" and cfg.trainer.num_rollout_workers != 1:
+        out.append(ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers,
+                                 f"has no effect: trainer.rollout_mode={mode}", "set trainer.rollout_mode=separate_async or remove it",
+                                 keys=("trainer.num_rollout_workers", "trainer.rollout_mode")))
+    if cfg.trainer.num_rollout_workers < 1:
+        out.append(ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers, "must be >= 1",
+                                 "set trainer.num_rollout_workers=1"))
     if mode == "sync":
         return out + [ConfigProblem(f"rollout.{k}", getattr(r, k), "has no effect: trainer.rollout_mode=sync",
                                     f"set trainer.rollout_mode=colocate_async or remove rollout.{k}",

@@ -150,6 +150,12 @@ class WorkerGroup:
 
         return generate_with_retry(run, rows)
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's current whole weights by name, on the CPU (every rank takes part)."""
+        weights = [w for w in self.transport.call("export_weights", [()] * self.transport.num_ranks) if w is not None]
+        assert len(weights) == 1, "exactly one writer rank returns the weights"
+        return weights[0]
+
     def compute_logprobs(self, rollout: RolloutBatch, role: Role) -> LogprobResult | None:
         """Per-response log-probs under the actor or the reference, in sequence order; None when
         that pass does not run (no reference; the actor's when the update is on-policy)."""

@@ -66,7 +66,8 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     if ray.is_initialized():
         raise ValueError("Ray is already initialised in this process; call ray.shutdown() first or set trainer.ray_address")
     if local:
-        num_cpus = max(os.cpu_count() or 1, cfg.trainer.num_workers * cfg.trainer.num_cpus_per_worker)
+        num_rollout = cfg.trainer.num_rollout_workers if cfg.trainer.rollout_mode == "separate_async" else 0
+        num_cpus = max(os.cpu_count() or 1, (cfg.trainer.num_workers + num_rollout) * cfg.trainer.num_cpus_per_worker)
         try:
             ray.init(address="local", num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
                      object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,

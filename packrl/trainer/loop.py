@@ -13,6 +13,7 @@ this process or data-parallel ranks over Ray without this file knowing which.
 from __future__ import annotations
 
 import logging
+from contextlib import closing
 from pathlib import Path
 
 from packrl.config.budgets import budgets_of, budgets_table, response_schedule, validate_budgets
@@ -84,10 +85,16 @@ def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampl
 def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
     """Steps after the last completed one up to ``train.total_steps``, each logged (and checkpointed when due)."""
     sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
+    with closing(sampling_stage(cfg, sampler, workers, run.dir)) as sample:  # one round, rounds until full, or partial rollouts
+        _steps(cfg, run, workers, sampler, sample, train_set, val_set)
+
+
+def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler, sample: SamplingStage,
+           train_set: PromptDataset, val_set: PromptDataset | None) -> None:
+    """The steps themselves (see `_train_steps`)."""
     schedule = response_schedule(cfg.rollout)  # the response budget of each step (length curriculum)
     tracer = build_tracer(cfg.train.trace, run.dir)
     dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
-    sample = sampling_stage(cfg, sampler, workers)  # one round, rounds until the batch is full, or partial rollouts
     total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
     done = _resume(cfg, run, workers, sampler, sample)
     run.start_steps(done)  # the progress bar appears now, below the run's notes

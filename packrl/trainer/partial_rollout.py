@@ -57,23 +57,22 @@ class PartialRolloutStage:
     def __init__(self, cfg: RunConfig, sampler: PromptSampler, workers: Any) -> None:
         self.batch_size, self.rollout, self.reward = cfg.data.batch_size, cfg.rollout, cfg.reward
         self.sampler, self.workers = sampler, workers
+        self.engines: Any = workers  # what generates: the worker group's engines (a separate pool in separate_async)
         self.pool: list[RolloutGroup] = []
         self.queue: list[dict[str, Any]] = []  # drawn, not yet dispatched: prompt fields + uid
         self.ledger = Ledger()
 
     def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int) -> Sampled:
-        counts = {"reprefill_tokens": 0, "chunks": 0, "generated_tokens": 0}
+        return self.step(sampling, timing, spans, step, empty_counts())
+
+    def step(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int,
+             counts: dict[str, float]) -> Sampled:
+        """Generate what step ``step`` still needs (tokens of version ``step``), take its batch and
+        score it; ``counts`` holds what was generated for it earlier (a prefetch)."""
         with stage_timer(timing, "gen", spans):
-            self._fill(sampling, step)
-            must_finish = {g.uid for g in self.pool if g.staleness(step) >= self.rollout.max_staleness}
-            wait = self.rollout.stale_groups == "wait"
-            while not self._enough(must_finish if wait else set()):
-                before = (counts["generated_tokens"], self._num_finished())
-                self._chunk(sampling, step, counts, only=must_finish if self._num_complete() >= self.batch_size else None)
-                if (counts["generated_tokens"], self._num_finished()) == before:
-                    raise RuntimeError(f"rollout.engine={self.rollout.engine} returned no tokens for {len(self.pool)} unfinished "
-                                       "prompt groups and finished none; the engine must honour SamplingParams.max_response_tokens")
-            dropped = [] if wait else self._drop(must_finish, step)
+            self.fill(sampling, step)
+            must_finish = self.generate(sampling, target=step, version=step, counts=counts)
+            dropped = [] if self.rollout.stale_groups == "wait" else self._drop(must_finish, step)
             trained = sorted((g for g in self.pool if g.complete), key=lambda g: g.uid)[: self.batch_size]
             taken = {g.uid for g in trained}
             self.pool = [g for g in self.pool if g.uid not in taken]
@@ -84,7 +83,21 @@ class PartialRolloutStage:
             scored = score_rollout(rollout, self.workers.tokenizer, self.reward, sampling.max_response_tokens)
         return rollout, scored, self._metrics(rollout, step, counts, len(must_finish), dropped)
 
-    def _fill(self, sampling: SamplingParams, step: int) -> None:
+    def generate(self, sampling: SamplingParams, *, target: int, version: int, counts: dict[str, float]) -> set[int]:
+        """Chunks (tokens tagged ``version``) until step ``target``'s batch is complete: ``data.batch_size``
+        complete groups and, under ``wait``, every group at the staleness bound of ``target``.
+        Returns the uids at that bound."""
+        must_finish = {g.uid for g in self.pool if g.staleness(target) >= self.rollout.max_staleness}
+        wait = self.rollout.stale_groups == "wait"
+        while not self._enough(must_finish if wait else set()):
+            before = (counts["generated_tokens"], self._num_finished())
+            self._chunk(sampling, version, counts, only=must_finish if self._num_complete() >= self.batch_size else None)
+            if (counts["generated_tokens"], self._num_finished()) == before:
+                raise RuntimeError(f"rollout.engine={self.rollout.engine} returned no tokens for {len(self.pool)} unfinished "
+                                   "prompt groups and finished none; the engine must honour SamplingParams.max_response_tokens")
+        return must_finish
+
+    def fill(self, sampling: SamplingParams, step: int) -> None:
         """Top the pool up with fresh groups (their caps fixed now) to batch + over-provision."""
         draws: list[dict[str, Any]] = []
         while len(self.pool) + len(draws) < self.batch_size + self.rollout.over_provision:
@@ -113,7 +126,7 @@ class PartialRolloutStage:
         complete = {g.uid for g in self.pool if g.complete}
         return len(complete) >= min(self.batch_size, len(self.pool)) and must_finish <= complete
 
-    def _chunk(self, sampling: SamplingParams, step: int, counts: dict[str, int], only: set[int] | None) -> None:
+    def _chunk(self, sampling: SamplingParams, step: int, counts: dict[str, float], only: set[int] | None) -> None:
         """One engine call per distinct token grant: fresh groups whole (``n=G``, the prompt
         prefilled once per group), resumed members one by one (``n=1``, prompt + their tokens)."""
         index = {g.uid: k for k, g in enumerate(self.pool)}
@@ -126,7 +139,7 @@ class PartialRolloutStage:
                         grants.setdefault(min(self.rollout.partial_chunk_tokens, member.tokens_left(g.cap)), []).append((g.uid, m))
         for size, groups in _by_grant(fresh, self.rollout.partial_chunk_tokens).items():
             params = dataclasses.replace(sampling, n=self.rollout.n, max_response_tokens=size)
-            out = self.workers.generate_ids([g.prompt_ids for g in groups], params, [g.seed for g in groups], [g.row for g in groups])
+            out = self.engines.generate_ids([g.prompt_ids for g in groups], params, [g.seed for g in groups], [g.row for g in groups])
             for g, responses in zip(groups, out):
                 for m, response in enumerate(responses):
                     self._extend(index[g.uid], m, response, step, counts)
@@ -135,13 +148,13 @@ class PartialRolloutStage:
             prompts = [g.prompt_ids + g.members[m].token_ids for g, (_, m) in zip(groups, members)]
             params = dataclasses.replace(sampling, n=1, max_response_tokens=size)
             seeds = [single_sample_seed(g.seed, m) for g, (_, m) in zip(groups, members)]
-            out = self.workers.generate_ids(prompts, params, seeds, [g.row for g in groups])
+            out = self.engines.generate_ids(prompts, params, seeds, [g.row for g in groups])
             counts["reprefill_tokens"] += sum(len(p) for p in prompts)
             for (uid, m), responses in zip(members, out):
                 self._extend(index[uid], m, responses[0], step, counts)
         counts["chunks"] += 1
 
-    def _extend(self, k: int, m: int, response: Response, step: int, counts: dict[str, int]) -> None:
+    def _extend(self, k: int, m: int, response: Response, step: int, counts: dict[str, float]) -> None:
         group = self.pool[k]
         self.pool[k] = group.with_member(m, group.members[m].extended(response, step, group.cap, group.cap_reason))
         counts["generated_tokens"] += len(response.response_ids)
@@ -154,7 +167,7 @@ class PartialRolloutStage:
         self.pool = [g for g in self.pool if g not in dropped]
         return dropped
 
-    def _metrics(self, rollout: RolloutBatch, step: int, counts: dict[str, int], num_must_finish: int,
+    def _metrics(self, rollout: RolloutBatch, step: int, counts: dict[str, float], num_must_finish: int,
                  dropped: Sequence[RolloutGroup]) -> dict[str, float]:
         """The ``async/*`` metrics of the step (docs/metrics.md)."""
         staleness = [[step - v for v in (r.token_versions or ())] for r in rollout.responses]
@@ -173,6 +186,9 @@ class PartialRolloutStage:
             "async/dropped_tokens_mean": sum(g.num_tokens for g in dropped) / max(1, len(dropped) * self.rollout.n),
         }
         return out | {f"async/ledger_{k}": float(v) for k, v in ledger.items()}
+
+    def close(self) -> None:
+        """Nothing to release: the worker group's engines belong to the group."""
 
     def state_dict(self) -> dict[str, Any]:
         """The pool, the drawn queue and the ledger, JSON-serialisable."""
@@ -194,6 +210,11 @@ class PartialRolloutStage:
         self.pool = pool
         self.queue = [{**p, "prompt_ids": tuple(p["prompt_ids"])} for p in state["queue"]]
         self.ledger = Ledger.from_dict(state["ledger"])
+
+
+def empty_counts() -> dict[str, float]:
+    """What a step generated: re-prefilled and generated tokens, engine call rounds."""
+    return {"reprefill_tokens": 0, "chunks": 0, "generated_tokens": 0}
 
 
 def _by_grant(groups: Sequence[RolloutGroup], chunk: int) -> dict[int, list[RolloutGroup]]:

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +40,7 @@ from packrl.diagnostics.timers import Span, stage_timer
 from packrl.reward.score import score_rollout
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.partial_rollout import PartialRolloutStage
+from packrl.trainer.separate_rollout import SeparateRolloutStage
 from packrl.types import PromptBatch, RolloutBatch, ScoredBatch
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ class SamplingStage(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict` on resume."""
 
+    def close(self) -> None:
+        """Release what the stage holds (rollout workers of its own)."""
+
 
 @dataclass(frozen=True)
 class Rounds:
@@ -74,17 +79,23 @@ class Rounds:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to restore (a checkpoint of a ``colocate_async`` run carries groups this mode does not train)."""
 
+    def close(self) -> None:
+        """Nothing to release."""
 
-def sampling_stage(cfg: RunConfig, sampler: PromptSampler, workers: Any) -> SamplingStage:
+
+def sampling_stage(cfg: RunConfig, sampler: PromptSampler, workers: Any, run_dir: Path | None = None) -> SamplingStage:
     """The step's sampling stage, chosen by ``trainer.rollout_mode`` and ``algorithm.filter_groups.enable``.
 
     Args:
         cfg: the run's config.
         sampler: the run's prompt sampler (every round draws from it).
         workers: the worker group (``generate``, ``tokenizer``, ``plan``: a `BatchPlan`).
+        run_dir: RUN_DIR (``separate_async`` starts its rollout workers' Ray there when none runs).
     """
     if cfg.trainer.rollout_mode == "colocate_async":
         return PartialRolloutStage(cfg, sampler, workers)
+    if cfg.trainer.rollout_mode == "separate_async":
+        return SeparateRolloutStage(cfg, sampler, workers, run_dir or Path(cfg.train.out_dir or "."))
     if cfg.algorithm.filter_groups.enable:
         return Rounds(partial(dynamic_sampling, cfg=cfg, sampler=sampler, workers=workers))
     return Rounds(partial(one_round, cfg=cfg, sampler=sampler, workers=workers))

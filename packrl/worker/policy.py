@@ -277,6 +277,12 @@ class PolicyWorker:
         assert isinstance(recorder, SpanRecorder), "made above when no tracer was given"
         return stats, recorder.spans
 
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The policy's whole weights by name on the CPU, copied (for rollout workers in other
+        processes); a collective under FSDP2. None on ranks that are not the writer."""
+        weights = {name: value.detach().to("cpu", copy=True) for name, value in self.strategy.rollout_weights(self.model)}
+        return weights if self.strategy.is_writer else None
+
     def compute_values(self, rollout: RolloutBatch, microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, float]]:
         """The critic's values of this worker's micro-batches, in plan order (`packrl.worker.critic.CriticRole.values`)."""
         critic = self.parts.critic
