@@ -150,6 +150,16 @@ class WorkerGroup:
 
         return generate_with_retry(run, rows)
 
+    def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                       caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response] | None:
+        """One response per prompt, each capped at ``caps[i]``, generation stopped between decode
+        rounds once ``enough(finished)`` holds (`packrl.rollout.hf_engine.HFEngine.generate_until`);
+        None when this group cannot stop a call on a condition of the whole call: several ranks
+        (each generates its share), or an engine without ``generate_until``."""
+        if not self.transport.in_process or self.transport.num_ranks != 1:
+            return None
+        return self.transport.call("generate_until", [(prompt_ids, params, seeds, caps, enough)])[0]
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The policy's current whole weights by name, on the CPU (every rank takes part)."""
         weights = [w for w in self.transport.call("export_weights", [()] * self.transport.num_ranks) if w is not None]

@@ -55,6 +55,7 @@ Greedy responses report them at temperature 1. transformers keeps these logits f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -208,6 +209,48 @@ class HFEngine:
         assert all(r is not None for group in out for r in group), "a request got no response"
         return out  # type: ignore[return-value]
 
+    def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                       caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response]:
+        """One response per prompt (``params.n`` is ignored), each capped at its own ``caps[i]``
+        tokens (and the context), generation stopping between decode rounds once
+        ``enough(finished)`` holds: ``finished[i]`` is True once prompt i's response ended (EOS, a
+        stop string or its cap). Responses still running then come back with the tokens they
+        have and finish reason ``abort``; so do prompts of batches not started. Prompt i draws as
+        sample 0 of ``seeds[i]`` (`request_seed`), its noise keyed by position, so a response cut
+        here and continued later draws what it would have drawn uninterrupted (same weights).
+        Partial rollouts (`packrl.trainer.partial_rollout`) cut the long tail this way without
+        re-prefilling the members that keep running.
+
+        Raises:
+            ValueError: as `generate`; a cap < 1, or caps not one per prompt.
+        """
+        if len(caps) != len(prompt_ids) or len(seeds) != len(prompt_ids) or any(c < 1 for c in caps):
+            raise ValueError(f"generate_until needs one seed and one cap >= 1 per prompt; got {len(prompt_ids)} prompts, "
+                             f"{len(seeds)} seeds, caps {list(caps)[:8]}")
+        one = dataclasses.replace(params, n=1, max_response_tokens=max(caps))
+        requests = [dataclasses.replace(r, cap=min(r.cap, int(cap)))
+                    for r, cap in zip(self._requests(prompt_ids, one, seeds), caps)]
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
+        out: list[Response | None] = [None] * len(requests)
+        finished = [False] * len(requests)
+        with self._generation_mode(min(self.max_num_seqs, len(requests)), pack=one.max_response_tokens >= self.options.pack_min_tokens):
+            for start in range(0, len(order), self.max_num_seqs):
+                rows = order[start:start + self.max_num_seqs]
+                if enough(finished):
+                    for i in rows:
+                        out[i] = Response((), "abort", rollout_logprobs=() if one.return_logprobs else None)
+                    continue
+
+                def on_round(done: Sequence[bool], rows: list[int] = rows) -> bool:
+                    for i, d in zip(rows, done):
+                        finished[i] = d
+                    return enough(finished)
+
+                for i, response in zip(rows, self._generate_batch([requests[i] for i in rows], one, on_round)):
+                    out[i] = response
+        assert all(r is not None for r in out), "a request got no response"
+        return out  # type: ignore[return-value]
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (and cast) the policy's new weights into the engine's model, by name; nothing when
@@ -273,7 +316,8 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
-    def _generate_batch(self, batch: list[_Request], params: SamplingParams) -> list[Response]:
+    def _generate_batch(self, batch: list[_Request], params: SamplingParams,
+                        on_round: Callable[[Sequence[bool]], bool] | None = None) -> list[Response]:
         """Left-pad one batch, generate in rounds, and cut each response at its own end.
 
         Generation runs in rounds of at most ``options.round_tokens`` new tokens over one KV cache. After
@@ -281,6 +325,9 @@ class HFEngine:
         the cache (`Cache.batch_select_indices`), so the remaining rounds decode only the rows
         still running: a decode step costs about 20 ms + 3 ms per row for the 135M shape on 2
         CPU cores, and most responses end well before the longest.
+
+        ``on_round(done)`` (per batch row, True = ended) is asked after each round; when it returns
+        True the rows still running stop and come back with finish reason ``abort``.
         """
         device = next(self.model.parameters()).device
         width = max(len(r.prompt) for r in batch)
@@ -291,6 +338,8 @@ class HFEngine:
             attention_mask[i, width - len(req.prompt):] = 1
         rows = _Rows(len(batch), params.return_logprobs)
         alive = torch.arange(len(batch))  # batch rows still generating, in cache order
+        ended = torch.zeros(len(batch), dtype=torch.bool)  # rows whose response ended
+        cut: set[int] = set()  # rows stopped by on_round
         ids, mask = input_ids.to(device), attention_mask.to(device)
         cache = self._new_cache(ids, mask, batch) if self.cache_reuse.reuses else None
         cap = max(r.cap for r in batch)
@@ -318,7 +367,11 @@ class HFEngine:
                 for i, row in enumerate(alive)
             ]
             keep = torch.tensor([i for i, d in enumerate(done) if not d], dtype=torch.long)
+            ended[alive[torch.tensor([i for i, d in enumerate(done) if d], dtype=torch.long)]] = True
             if len(keep) == 0:
+                break
+            if on_round is not None and on_round(ended.tolist()):
+                cut = set(alive[keep].tolist())
                 break
             assert self.cache_reuse.reuses, "a batch without a reusable cache generates in one round"
             cache = getattr(out, _CACHE_KEY)  # the same object the engine made
@@ -331,6 +384,7 @@ class HFEngine:
         sequences = torch.cat([input_ids, generated], dim=1)
         stop_steps = self._stop_steps(sequences, width, params)
         return [
+            _aborted(generated[i], None if logprobs is None else logprobs[i]) if i in cut else
             self._cut(req, generated[i], stop_steps[i], None if logprobs is None else logprobs[i])
             for i, req in enumerate(batch)
         ]
@@ -436,6 +490,11 @@ class HFEngine:
             reason = req.cap_reason
         lps = None if logprobs is None else tuple(logprobs[: len(ids)].tolist())
         return Response(response_ids=tuple(ids), finish_reason=reason, rollout_logprobs=lps)
+
+
+def _aborted(generated: torch.Tensor, logprobs: torch.Tensor | None) -> Response:
+    """A row stopped while running: every column it generated (it has not ended, so none is padding)."""
+    return Response(tuple(generated.tolist()), "abort", rollout_logprobs=None if logprobs is None else tuple(logprobs.tolist()))
 
 
 class _Rows:

@@ -89,7 +89,9 @@ class PartialRolloutStage:
         Returns the uids at that bound."""
         must_finish = {g.uid for g in self.pool if g.staleness(target) >= self.rollout.max_staleness}
         wait = self.rollout.stale_groups == "wait"
-        while not self._enough(must_finish if wait else set()):
+        if not self._enough(must_finish if wait else set()):
+            self._until(sampling, version, counts, must_finish if wait else set())
+        while not self._enough(must_finish if wait else set()):  # engines that cannot stop a call on a condition: chunks
             before = (counts["generated_tokens"], self._num_finished())
             self._chunk(sampling, version, counts, only=must_finish if self._num_complete() >= self.batch_size else None)
             if (counts["generated_tokens"], self._num_finished()) == before:
@@ -126,30 +128,53 @@ class PartialRolloutStage:
         complete = {g.uid for g in self.pool if g.complete}
         return len(complete) >= min(self.batch_size, len(self.pool)) and must_finish <= complete
 
-    def _chunk(self, sampling: SamplingParams, step: int, counts: dict[str, float], only: set[int] | None) -> None:
-        """One engine call per distinct token grant: fresh groups whole (``n=G``, the prompt
-        prefilled once per group), resumed members one by one (``n=1``, prompt + their tokens)."""
+    def _until(self, sampling: SamplingParams, version: int, counts: dict[str, float], must_finish: set[int]) -> None:
+        """Every unfinished member in one engine call that stops between decode rounds once the
+        batch is complete (`packrl.distributed.group.WorkerGroup.generate_until`): members still
+        running come back cut (``abort``) and are carried, none re-prefilled within the step.
+        Nothing when the engines cannot (then `_chunk` does the work)."""
+        until = getattr(self.engines, "generate_until", None)
+        members = [(g, m) for g in self.pool for m, member in enumerate(g.members) if not member.finished]
+        if until is None or not members:
+            return
+        done_before = {g.uid for g in self.pool if g.complete}
+        slots: dict[int, list[int]] = {}
+        for i, (g, _) in enumerate(members):
+            slots.setdefault(g.uid, []).append(i)
+
+        def enough(finished: Sequence[bool]) -> bool:
+            complete = done_before | {uid for uid, idx in slots.items() if all(finished[i] for i in idx)}
+            return len(complete) >= self.batch_size and must_finish <= complete
+
+        prompts = [g.prompt_ids + g.members[m].token_ids for g, m in members]
+        out = until(prompts, sampling, [single_sample_seed(g.seed, m) for g, m in members],
+                    [g.members[m].tokens_left(g.cap) for g, m in members], enough)
+        if out is None:
+            return
         index = {g.uid: k for k, g in enumerate(self.pool)}
-        fresh = [g for g in self.pool if not g.started and not g.complete and (only is None or g.uid in only)]
+        counts["reprefill_tokens"] += sum(len(p) for p, (g, _) in zip(prompts, members) if len(p) > len(g.prompt_ids))
+        for (g, m), response in zip(members, out):
+            self._extend(index[g.uid], m, response, version, counts)
+        counts["chunks"] += 1
+
+    def _chunk(self, sampling: SamplingParams, step: int, counts: dict[str, float], only: set[int] | None) -> None:
+        """One engine call per distinct token grant (``n=1`` per member: prompt + the member's
+        tokens, sampled as its sample of the group's seed, `single_sample_seed`); a fresh group's
+        members stay adjacent, so an engine that prefills a repeated prompt once still does."""
+        index = {g.uid: k for k, g in enumerate(self.pool)}
         grants: dict[int, list[tuple[int, int]]] = {}  # tokens granted -> (uid, member)
         for g in self.pool:
-            if g.started and (only is None or g.uid in only):
+            if only is None or g.uid in only:
                 for m, member in enumerate(g.members):
                     if not member.finished:
                         grants.setdefault(min(self.rollout.partial_chunk_tokens, member.tokens_left(g.cap)), []).append((g.uid, m))
-        for size, groups in _by_grant(fresh, self.rollout.partial_chunk_tokens).items():
-            params = dataclasses.replace(sampling, n=self.rollout.n, max_response_tokens=size)
-            out = self.engines.generate_ids([g.prompt_ids for g in groups], params, [g.seed for g in groups], [g.row for g in groups])
-            for g, responses in zip(groups, out):
-                for m, response in enumerate(responses):
-                    self._extend(index[g.uid], m, response, step, counts)
         for size, members in sorted(grants.items()):
             groups = [self.pool[index[uid]] for uid, _ in members]
             prompts = [g.prompt_ids + g.members[m].token_ids for g, (_, m) in zip(groups, members)]
             params = dataclasses.replace(sampling, n=1, max_response_tokens=size)
             seeds = [single_sample_seed(g.seed, m) for g, (_, m) in zip(groups, members)]
             out = self.engines.generate_ids(prompts, params, seeds, [g.row for g in groups])
-            counts["reprefill_tokens"] += sum(len(p) for p in prompts)
+            counts["reprefill_tokens"] += sum(len(p) for p, g in zip(prompts, groups) if len(p) > len(g.prompt_ids))
             for (uid, m), responses in zip(members, out):
                 self._extend(index[uid], m, responses[0], step, counts)
         counts["chunks"] += 1
@@ -215,13 +240,6 @@ class PartialRolloutStage:
 def empty_counts() -> dict[str, float]:
     """What a step generated: re-prefilled and generated tokens, engine call rounds."""
     return {"reprefill_tokens": 0, "chunks": 0, "generated_tokens": 0}
-
-
-def _by_grant(groups: Sequence[RolloutGroup], chunk: int) -> dict[int, list[RolloutGroup]]:
-    out: dict[int, list[RolloutGroup]] = {}
-    for g in groups:
-        out.setdefault(min(chunk, g.cap), []).append(g)
-    return out
 
 
 def _draw_seeds(num: int) -> list[int]:

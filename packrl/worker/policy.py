@@ -236,6 +236,20 @@ class PolicyWorker:
         finally:
             self.engine.sleep()
 
+    def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                       caps: Sequence[int], enough: Any) -> list[Response] | None:
+        """The engine's ``generate_until`` (one response per prompt, stopped between decode rounds
+        once ``enough(finished)``; `packrl.rollout.hf_engine.HFEngine.generate_until`), or None for
+        an engine without it."""
+        until = getattr(self.engine, "generate_until", None)
+        if until is None:
+            return None
+        self.engine.wake_up()
+        try:
+            return until(prompt_ids, params, seeds, caps, enough)
+        finally:
+            self.engine.sleep()
+
     def compute_logprobs(self, rollout: RolloutBatch, role: Role,
                          microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Log-probs and entropy of this worker's micro-batches under the actor or the reference,

@@ -87,3 +87,27 @@ def test_a_response_resumed_anywhere_equals_the_uninterrupted_one(cuts):
         resumed = member.response()
         assert resumed.response_ids == reference.response_ids and resumed.finish_reason == reference.finish_reason
         torch.testing.assert_close(torch.tensor(resumed.rollout_logprobs), torch.tensor(reference.rollout_logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_call_stopped_between_rounds_resumes_to_the_uninterrupted_responses():
+    """HFEngine.generate_until: stopped once one response ended, the others come back cut
+    (``abort``) with the tokens they have; continued later, each is the uninterrupted response."""
+    engine = HFEngine(tiny_llama(), _Tok(), max_context_tokens=64, max_num_seqs=3)  # two batches: the second never starts
+    prompts, seed, total = [(3, 14, 15), (92, 65, 35, 89), (7, 9), (79, 3)], 99, 40
+    params = SamplingParams(n=1, temperature=1.0, max_response_tokens=total, return_logprobs=True)
+    seeds = [single_sample_seed(seed, g) for g in range(len(prompts))]
+    whole = [engine.generate([p], params, [s])[0][0] for p, s in zip(prompts, seeds)]
+    caps = [total, 33, total, 5]  # one prompt with a smaller cap ends first
+    cut = engine.generate_until(prompts, params, seeds, caps, lambda finished: sum(finished) >= 1)
+    assert sum(r.finish_reason != "abort" for r in cut) >= 1 and any(r.finish_reason == "abort" for r in cut)
+    assert any(r.finish_reason == "abort" and not r.response_ids for r in cut)  # a batch that never started
+    for g, (prompt, first) in enumerate(zip(prompts, cut)):
+        member = Member().extended(first, 1, caps[g], "length")
+        while not member.finished:
+            rest = engine.generate_until([prompt + member.token_ids], params, [seeds[g]], [member.tokens_left(caps[g])], lambda f: all(f))
+            member = member.extended(rest[0], 2, caps[g], "length")
+        reference = whole[g].response_ids[: caps[g]]
+        assert member.token_ids == reference, g
+        n = len(reference)
+        torch.testing.assert_close(torch.tensor(member.response().rollout_logprobs),
+                                   torch.tensor(whole[g].rollout_logprobs[:n]), atol=1e-5, rtol=0)
