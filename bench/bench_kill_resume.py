@@ -10,9 +10,14 @@ never from a `.tmp-step_N` folder, and no resume fails on a corrupt checkpoint; 
 metrics.jsonl holds steps 1..N exactly once, in order. Prints one JSON object, naming the host
 (``host``) and the tiny run's dtype (``dtype``: fp32, as `tests/diagnostics/tiny_run.py` sets it).
 
-Command (repository root; about 2 minutes)::
+With ``--rollout-mode colocate_async`` the run carries partial rollouts across steps
+(``rollout.over_provision=2``); the checkpoint then holds the pool and the ledger, and the final
+metrics are compared, step by step, with a run of the same config that was never killed (scores,
+lengths, losses, and the ledger and carried tokens): they must be equal (``matches_straight_run``).
 
-    python bench/bench_kill_resume.py [--kills 10] [--steps 80] [--seed 0]
+Command (repository root; about 2 minutes, twice that with a rollout mode)::
+
+    python bench/bench_kill_resume.py [--kills 10] [--steps 80] [--seed 0] [--rollout-mode sync|colocate_async]
 """
 
 from __future__ import annotations
@@ -70,11 +75,13 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rollout-mode", choices=["sync", "colocate_async"], default="sync")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="packrl-kill-")) / "run"
+    mode = [] if args.rollout_mode == "sync" else [f"trainer.rollout_mode={args.rollout_mode}", "rollout.over_provision=2"]
     cmd = [sys.executable, "-m", "tests.diagnostics.tiny_run", str(run_dir), str(args.steps),
-           "train.save_every=1", "train.keep_last=2", "train.resume=auto"]
+           "train.save_every=1", "train.keep_last=2", "train.resume=auto", *mode]
     kills, log, expected_resume = 0, [], None
     start = time.perf_counter()
     while True:
@@ -105,9 +112,24 @@ def main() -> None:
         "continuous": steps == list(range(1, args.steps + 1)),
         "checkpoints_left": sorted(p.name for p in (run_dir / "checkpoints").iterdir()), "log": log, "run_dir": str(run_dir),
     }
+    if mode:
+        result["matches_straight_run"] = _matches_straight(run_dir, args.steps, mode)
     emit(result, dtype=TINY_RUN_DTYPE, indent=1)
-    if not result["continuous"]:
-        raise SystemExit("metrics.jsonl steps are not 1..N exactly once")
+    if not result["continuous"] or result.get("matches_straight_run") is False:
+        raise SystemExit("metrics.jsonl steps are not 1..N exactly once, or differ from the run never killed")
+
+
+_COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "async/ledger_trained", "async/carried_tokens",
+             "async/staleness_token_mean")
+
+
+def _matches_straight(run_dir: Path, steps: int, mode: list[str]) -> bool:
+    """The killed-and-resumed run's metrics equal, step by step, those of the same run never killed."""
+    straight = run_dir.parent / "straight"
+    subprocess.run([sys.executable, "-m", "tests.diagnostics.tiny_run", str(straight), str(steps), "train.save_every=1",
+                    "train.keep_last=2", *mode], cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lines = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run_dir, straight)]
+    return all(abs(a[key] - b[key]) <= 1e-6 for a, b in zip(*lines) for key in _COMPARED if key in a)
 
 
 def _check_resumed_from(run_dir: Path, step: int, proc: subprocess.Popen) -> None:

@@ -1,5 +1,6 @@
 """Generation time per step, ``trainer.rollout_mode=sync`` against ``colocate_async`` (partial
-rollouts carried across steps), on the real SmolLM2-135M-Instruct and GSM8K, in one run.
+rollouts carried across steps), on the real SmolLM2-135M-Instruct and GSM8K (or the demo preset's
+arithmetic task), in one run.
 
 Each arm trains the same config for ``--steps`` steps in its own subprocess (same interpreter, 2
 torch threads, one after the other): GSM8K prompts, ``--batch`` prompts x ``--n`` responses,
@@ -15,7 +16,10 @@ claim a learning-curve effect (that needs many more steps).
 
 Command (repository root; about 6 minutes on a 2-core host)::
 
-    python bench/bench_partial_rollout.py [--steps 5] [--batch 4] [--n 4] [--max-response 192] [--chunk 32] [--over 2]
+    python bench/bench_partial_rollout.py [--preset gsm8k|demo] [--steps 5] [--batch 4] [--n 4] [--max-response 192] [--over 2]
+
+``--chunk`` is the chunk of engines that cannot stop a call between decode rounds; the HF engine on
+one in-process rank runs a step's generation as one call stopped once the batch is complete.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _overrides(args: argparse.Namespace, out_dir: Path, mode: str) -> list[str]:
-    base = [f"model.path={GGUF}", f"data.train_files=[{GSM8K_TRAIN}]", "data.val_files=[]", f"data.batch_size={args.batch}",
+    data = [f"data.train_files=[{GSM8K_TRAIN}]"] if args.preset == "gsm8k" else []  # demo: its built-in arithmetic task
+    base = [f"model.path={GGUF}", *data, "data.val_files=[]", f"data.batch_size={args.batch}",
             f"rollout.n={args.n}", f"rollout.max_response_tokens={args.max_response}", f"train.total_steps={args.steps}",
             f"train.out_dir={out_dir / 'run'}", "train.save_every=0", "train.loggers=[]", f"model.dtype={args.dtype}", "train.lr=1e-6"]
     if mode == "colocate_async":
@@ -47,7 +52,7 @@ def _overrides(args: argparse.Namespace, out_dir: Path, mode: str) -> list[str]:
 
 def _arm(args: argparse.Namespace, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "packrl.cli.main", "train", "gsm8k", *_overrides(args, Path(tmp), mode)]
+        cmd = [sys.executable, "-m", "packrl.cli.main", "train", args.preset, *_overrides(args, Path(tmp), mode)]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{mode} arm failed:\n{proc.stderr[-3000:]}")
@@ -70,6 +75,8 @@ def _arm(args: argparse.Namespace, mode: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=["gsm8k", "demo"], default="gsm8k",
+                        help="gsm8k: GSM8K questions; demo: the built-in arithmetic task (short answers, a long tail of rambling)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--n", type=int, default=4)
