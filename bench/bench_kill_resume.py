@@ -17,7 +17,7 @@ lengths, losses, and the ledger and carried tokens): they must be equal (``match
 
 Command (repository root; about 2 minutes, twice that with a rollout mode)::
 
-    python bench/bench_kill_resume.py [--kills 10] [--steps 80] [--seed 0] [--rollout-mode sync|colocate_async]
+    python bench/bench_kill_resume.py [--kills 10] [--steps 80] [--seed 0] [--rollout-mode sync|colocate_async] [--max-delay 6]
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rollout-mode", choices=["sync", "colocate_async"], default="sync")
+    parser.add_argument("--max-delay", type=float, default=6.0,
+                        help="kills land 2.5 s (imports) to this many seconds after a start; raise it when steps are slower")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     run_dir = Path(tempfile.mkdtemp(prefix="packrl-kill-")) / "run"
@@ -87,7 +89,7 @@ def main() -> None:
     while True:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         started = time.time()
-        kill_at = time.monotonic() + rng.uniform(2.5, 6.0)  # interpreter + imports take ~2.5 s; a tiny step ~0.1-0.3 s
+        kill_at = time.monotonic() + rng.uniform(2.5, args.max_delay)  # interpreter + imports take ~2.5 s; a tiny step ~0.1-0.3 s
         if expected_resume is not None:
             _check_resumed_from(run_dir, expected_resume, proc)
         in_checkpoint = kills % 3 == 2  # every third kill lands inside a checkpoint write

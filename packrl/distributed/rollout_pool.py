@@ -22,7 +22,7 @@ from packrl.distributed.group import generate_with_retry
 from packrl.distributed.ray_group import start_ray
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
-from packrl.rollout.engine import SamplingParams
+from packrl.rollout.engine import SamplingParams, awake
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.types import Response
 from packrl.worker.parts import build_engine
@@ -49,11 +49,7 @@ class RolloutWorker:
         self.version = 0
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
-        self.engine.wake_up()
-        try:
-            return self.engine.generate(prompt_ids, params, seeds)
-        finally:
-            self.engine.sleep()
+        return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """Load the trainer's weights of policy ``version``; returns it."""

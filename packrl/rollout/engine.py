@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from packrl.hardware import ComputeDtype
 
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from packrl.config.schema import RolloutConfig, RunConfig
     from packrl.types import Response
 
+
+T = TypeVar("T")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
@@ -241,6 +243,16 @@ def single_sample_seed(prompt_seed: int, sample_index: int) -> int:
     ``sample_index`` of ``prompt_seed`` draws: ``request_seed(result, 0) == request_seed(prompt_seed,
     sample_index)``. A resumed member of a group is continued alone with it."""
     return request_seed(prompt_seed, sample_index) * _INVERSE % (1 << 63)
+
+
+def awake(engine: Any, call: Callable[..., T], *args: Any) -> T:
+    """``call(*args)`` with ``engine`` awake (`RolloutEngine.wake_up`), put back to sleep after it
+    whatever happens, so a failed call never leaves an engine holding its memory."""
+    engine.wake_up()
+    try:
+        return call(*args)
+    finally:
+        engine.sleep()
 
 
 def eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -39,7 +39,7 @@ from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.lora import base_policy, is_lora
 from packrl.registry import import_plugins
-from packrl.rollout.engine import SamplingParams
+from packrl.rollout.engine import SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import Response, RolloutBatch, TrainBatch
@@ -230,11 +230,7 @@ class PolicyWorker:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
         """``[B][G]`` responses for this worker's prompts (the engine awake only meanwhile)."""
-        self.engine.wake_up()
-        try:
-            return self.engine.generate(prompt_ids, params, seeds)
-        finally:
-            self.engine.sleep()
+        return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Any) -> list[Response] | None:
@@ -242,13 +238,7 @@ class PolicyWorker:
         once ``enough(finished)``; `packrl.rollout.hf_engine.HFEngine.generate_until`), or None for
         an engine without it."""
         until = getattr(self.engine, "generate_until", None)
-        if until is None:
-            return None
-        self.engine.wake_up()
-        try:
-            return until(prompt_ids, params, seeds, caps, enough)
-        finally:
-            self.engine.sleep()
+        return None if until is None else awake(self.engine, until, prompt_ids, params, seeds, caps, enough)
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role,
                          microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
