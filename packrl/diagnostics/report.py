@@ -153,7 +153,8 @@ def _plain_section(name: str, title: str, caption: str, figure: Any, missing: st
 
 
 def build_sections(run: RunData) -> list[Section]:
-    """Every section of the page, in reading order: lengths, padding, reward, time, buckets, tables."""
+    """Every section of the page, in reading order: lengths, finish reasons, turns, staleness, padding,
+    reward, time, buckets, tables."""
     mbt = _budget(run, "train.max_tokens_per_microbatch")
     fill = (f"micro-batch fill is seqlen/microbatch_tokens_max over train.max_tokens_per_microbatch={mbt:,}" if mbt
             else "micro-batch fill needs train.max_tokens_per_microbatch from config.yaml, which is missing")
@@ -168,6 +169,11 @@ def build_sections(run: RunData) -> list[Section]:
                        "calls and tool errors per trajectory (multi_turn/*), the share of trajectories that called a tool, and "
                        "the turns the rolling window dropped per trajectory (multi_turn/dropped_turns).",
                        figs.turns(run.metrics), "no num_turns/* metrics in metrics.jsonl (a single-turn run)"),
+        _plain_section("staleness", "Staleness and the tail cut",
+                       "Partial rollouts (trainer.rollout_mode=colocate_async or separate_async): updates between a trained "
+                       "token's version and the step (async/staleness_token_*), the share of trained responses holding tokens "
+                       "of an earlier version, groups carried to the next step, at rollout.max_staleness, and dropped.",
+                       figs.staleness(run.metrics), "no async/* metrics in metrics.jsonl (trainer.rollout_mode=sync)"),
         _plain_section("padding", "Pad fraction and micro-batch fill",
                        f"Pad positions / all positions of the update passes (seqlen/pad_fraction, 0 with packing); {fill}.",
                        figs.padding(run.metrics, mbt), "no seqlen/pad_fraction or seqlen/microbatch_tokens_max in metrics.jsonl"),

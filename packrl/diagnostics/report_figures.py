@@ -149,18 +149,35 @@ TURN_SERIES = (("num_turns/mean", "turns (mean)"), ("num_turns/max", "turns (max
                ("multi_turn/dropped_turns", "turns dropped by the rolling window"))
 
 
+ASYNC_SERIES = (("async/staleness_token_mean", "token staleness (mean, updates)"),
+                ("async/staleness_token_max", "token staleness (max, updates)"),
+                ("async/partial_ratio", "responses holding older tokens (fraction)"),
+                ("async/carried_groups", "groups carried to the next step"),
+                ("async/must_finish_groups", "groups at the staleness bound"),
+                ("async/dropped_groups", "groups dropped (stale)"))
+
+
+def staleness(metrics: Metrics) -> go.Figure | None:
+    """Partial rollouts per step (``async/*``): staleness of the trained tokens, the share of
+    responses carried across steps, the groups carried, at the bound and dropped; None for a
+    ``sync`` run."""
+    return _lines(metrics, ASYNC_SERIES, y_title="per step")
+
+
+def _lines(metrics: Metrics, named: tuple[tuple[str, str], ...], *, y_title: str) -> go.Figure | None:
+    fig = go.Figure()
+    for key, name in named:
+        steps, values = series(metrics, key)
+        if steps:
+            fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode="lines+markers"))
+    return _layout(fig, y_title=y_title) if fig.data else None
+
+
 def turns(metrics: Metrics) -> go.Figure | None:
     """Multi-turn rollouts per step: turns per trajectory (mean, max), tool calls, malformed calls
     and tool errors per trajectory, the share of trajectories that called a tool, and the turns the
     rolling window dropped per trajectory; None for a single-turn run."""
-    fig = go.Figure()
-    for key, name in TURN_SERIES:
-        steps, values = series(metrics, key)
-        if steps:
-            fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode="lines+markers"))
-    if not fig.data:
-        return None
-    return _layout(fig, y_title="per trajectory")
+    return _lines(metrics, TURN_SERIES, y_title="per trajectory")
 
 
 def padding(metrics: Metrics, max_tokens_per_microbatch: int | None) -> go.Figure | None:

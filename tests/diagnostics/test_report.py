@@ -233,3 +233,17 @@ def test_a_multi_turn_run_gets_a_turns_plot(tmp_path):
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     text = write_report(run_dir).read_text()
     assert 'id="plot-turns"' in text and "tool-use rate" in text
+
+
+def test_a_partial_rollout_run_gets_a_staleness_plot(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"step": s, "async/staleness_token_mean": 0.5, "async/staleness_token_max": 1, "async/partial_ratio": 0.5,
+              "async/carried_groups": 2, "async/must_finish_groups": 0, "async/dropped_groups": 0} for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    text = write_report(run_dir).read_text()
+    assert 'id="plot-staleness"' in text and "token staleness (mean, updates)" in text
+    sync_dir = tmp_path / "sync"
+    sync_dir.mkdir()
+    (sync_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "critic/score/mean": 0.5}) + "\n")
+    assert "trainer.rollout_mode=sync" in write_report(sync_dir).read_text()
