@@ -13,7 +13,8 @@ A step s (the trainer's weights are version s, after update s-1):
    (``data.batch_size`` groups and every group at step s+1's staleness bound).
 
 The loop then computes the old log-probs and updates the trainer on step s while the prefetch
-generates. Every trained token is at least one update old, and the behaviour weights of decoupled
+generates. ``async/rollout_busy_s`` is how long the prefetch generated, ``async/rollout_idle_s`` how
+long the rollout workers then waited for the trainer. Every trained token is at least one update old, and the behaviour weights of decoupled
 PPO correct it. The prefetch's stopping point depends on the pool alone, not on timing, so a
 checkpoint (which first waits for the prefetch, `state_dict`) is a consistent cut: a run killed
 and resumed trains what the uninterrupted run trains.
@@ -53,15 +54,18 @@ class SeparateRolloutStage(PartialRolloutStage):
         self._error: BaseException | None = None
         self._pending = empty_counts()  # what the prefetch generated for the next step
         self._busy_s = 0.0
+        self._ended: float | None = None  # when the last prefetch finished (perf_counter)
 
     def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int) -> Sampled:
+        arrived = time.perf_counter()
         with stage_timer(timing, "rollout_wait", spans):
             self._join()
+        idle = 0.0 if self._ended is None else max(0.0, arrived - self._ended)  # the workers waited for the trainer
         with stage_timer(timing, "weight_sync", spans):
             self.engines.sync_weights(self.workers.export_weights(), step)
         counts, self._pending = self._pending, empty_counts()
         rollout, scored, metrics = self.step(sampling, timing, spans, step, counts)
-        metrics["async/rollout_busy_s"] = self._busy_s
+        metrics |= {"async/rollout_busy_s": self._busy_s, "async/rollout_idle_s": idle}
         self.fill(sampling, step)
         self._thread = threading.Thread(target=self._prefetch, args=(sampling, step), name="packrl-prefetch", daemon=True)
         self._thread.start()
@@ -73,7 +77,8 @@ class SeparateRolloutStage(PartialRolloutStage):
             self.generate(sampling, target=version + 1, version=version, counts=self._pending)
         except BaseException as err:  # noqa: BLE001 - raised on the controller's thread at the next join
             self._error = err
-        self._busy_s = time.perf_counter() - start
+        self._ended = time.perf_counter()
+        self._busy_s = self._ended - start
 
     def _join(self) -> None:
         """Wait for the prefetch; re-raise what it raised."""
