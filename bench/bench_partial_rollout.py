@@ -6,7 +6,7 @@ Each arm trains the same config for ``--steps`` steps in its own subprocess (sam
 torch threads, one after the other): GSM8K prompts, ``--batch`` prompts x ``--n`` responses,
 ``--max-response`` tokens, greedy-free sampling at temperature 1. The async arm adds
 ``rollout.over_provision`` groups and cuts each step once ``data.batch_size`` groups are complete
-(chunks of ``--chunk`` tokens). Reported per arm: the median ``timing_s/gen`` of the steps after
+(the HF engine's one call stopped between decode rounds). Reported per arm: the median ``timing_s/gen`` of the steps after
 the first (the first step of the async arm has nothing carried yet), tokens generated per step,
 the step time, and for the async arm the staleness, carried groups and re-prefilled tokens; then
 the ratio async / sync of the generation time and of the tokens decoded per second of generation.
@@ -18,8 +18,8 @@ Command (repository root; about 6 minutes on a 2-core host)::
 
     python bench/bench_partial_rollout.py [--preset gsm8k|demo] [--steps 5] [--batch 4] [--n 4] [--max-response 192] [--over 2]
 
-``--chunk`` is the chunk of engines that cannot stop a call between decode rounds; the HF engine on
-one in-process rank runs a step's generation as one call stopped once the batch is complete.
+The HF engine on one in-process rank runs a step's generation as one call stopped once the batch
+is complete (chunks, ``rollout.partial_chunk_tokens``, serve other engines and ranks).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _overrides(args: argparse.Namespace, out_dir: Path, mode: str) -> list[str]:
             f"rollout.n={args.n}", f"rollout.max_response_tokens={args.max_response}", f"train.total_steps={args.steps}",
             f"train.out_dir={out_dir / 'run'}", "train.save_every=0", "train.loggers=[]", f"model.dtype={args.dtype}", "train.lr=1e-6"]
     if mode == "colocate_async":
-        base += ["trainer.rollout_mode=colocate_async", f"rollout.over_provision={args.over}", f"rollout.partial_chunk_tokens={args.chunk}",
+        base += ["trainer.rollout_mode=colocate_async", f"rollout.over_provision={args.over}",
                  f"rollout.max_staleness={args.max_staleness}"]
     return base
 
@@ -81,7 +81,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-response", type=int, default=192)
-    parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--over", type=int, default=2)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--dtype", default="auto")

@@ -190,7 +190,11 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
                                               f"valid sections here: {', '.join(sorted(names))}"))
         elif key not in names:
             full = f"{prefix}{key}"
-            close = nearest_key(full, _all_keys(RunConfig) if keys is None else keys)
+            if keys is None:
+                close = nearest_key(full, _all_keys(RunConfig))
+            else:  # a part's options: a close spelling of the field itself, else the list
+                near = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+                close = f"{prefix}{near[0]}" if near else None
             fix = _option_home(full) if keys is None else None
             fix = fix or (f"did you mean {close}?" if close else f"valid keys here: {', '.join(sorted(names))}")
             problems.append(ConfigProblem(full, data[key], "unknown key", fix))

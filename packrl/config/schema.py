@@ -359,14 +359,16 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn rollouts with tools (off unless `rollout.multi_turn.tools` names one)."""
 
-    over_provision: int = 0
-    """`trainer.rollout_mode=colocate_async`: prompt groups in flight beyond `data.batch_size`.
-    A step generates until `data.batch_size` groups are complete and carries the rest, partial,
-    to later steps (docs/async.md); at most `data.batch_size`."""
+    over_provision: int | None = None
+    """`trainer.rollout_mode=colocate_async|separate_async`: prompt groups in flight beyond
+    `data.batch_size`. A step generates until `data.batch_size` groups are complete and carries
+    the rest, partial, to later steps (docs/async.md); 1 to `data.batch_size`. null = a quarter of
+    the batch (at least 1)."""
 
     max_staleness: int = 2
-    """`colocate_async`: steps a group may stay in flight after its dispatch step; a group at the
-    bound must finish in that step (the oldest tokens trained are this many updates old)."""
+    """The async modes: steps a group may stay in flight after its dispatch step; a group at the
+    bound must finish in that step (the oldest tokens trained are this many updates old). At
+    least 2 under `separate_async`, where every token is already one update old."""
 
     stale_groups: StaleGroups = "wait"
     """`colocate_async`: a group at `max_staleness` is `wait`ed for (never dropped: dropping
@@ -393,8 +395,6 @@ class RolloutConfig:
         if self.val_temperature < 0:
             out.append(ConfigProblem(f"{prefix}.val_temperature", self.val_temperature, "must be >= 0",
                                      "set rollout.val_temperature=0 (greedy)"))
-        if self.over_provision < 0:
-            out.append(ConfigProblem(f"{prefix}.over_provision", self.over_provision, "must be >= 0", f"set {prefix}.over_provision=0"))
         return out + check_positive(f"{prefix}.max_staleness", self.max_staleness) + check_positive(
             f"{prefix}.partial_chunk_tokens", self.partial_chunk_tokens)
 

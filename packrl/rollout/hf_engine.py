@@ -73,7 +73,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, pad_id, request_seed
-from packrl.rollout.kv_cache import appending_cache, cache_reuse, select_rows
+from packrl.rollout.kv_cache import CACHE_ARGUMENT, appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler
 from packrl.rollout.weights import rollout_copy
@@ -90,8 +90,7 @@ _OFF: dict[str, Any] = {
     "guidance_scale": None, "watermarking_config": None, "dola_layers": None, "min_p": None, "top_h": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "output_scores": False,
 }
-# transformers 5 renamed generate's `past_key_values` (argument and output field) to `cache`.
-_CACHE_KEY = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+_CACHE_KEY = CACHE_ARGUMENT  # transformers 5 renamed generate's `past_key_values` (argument and output field) to `cache`
 _NEVER = 1 << 62  # "no event" step index, larger than any response
 
 

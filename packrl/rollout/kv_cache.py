@@ -29,6 +29,11 @@ from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+CACHE_ARGUMENT = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+"""The name of ``generate``'s and the forwards' KV-cache argument (and output field) in the installed
+transformers: ``past_key_values`` up to 5.19, ``cache`` in later 5.x releases."""
 
 try:  # transformers >= 5.x: conv, SSM and linear-attention layers keep per-row states, not keys and values
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -175,7 +180,7 @@ class CacheReuse:
         return f"generation: one generate call per batch on the model's own cache ({self.reason})"
 
 
-def cache_reuse(model: Any, argument: str = "past_key_values") -> CacheReuse:
+def cache_reuse(model: Any, argument: str = CACHE_ARGUMENT) -> CacheReuse:
     """Decide `CacheReuse` for ``model`` (a transformers causal LM).
 
     A cache can be carried from one ``generate`` call into the next only if it says how many

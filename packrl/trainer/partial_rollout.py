@@ -7,11 +7,12 @@ generation time decoding a few long rows while the batch sits finished. Here a s
 1. fills its pool: groups carried from earlier steps (oldest first), then fresh prompts, up to
    ``data.batch_size + rollout.over_provision`` groups; a fresh group's response cap is fixed now
    (`packrl.rollout.partial.RolloutGroup.cap`);
-2. generates in chunks of ``rollout.partial_chunk_tokens`` per member (every engine: a chunk is
-   one ``generate`` call of prompt + the member's tokens so far, re-prefilled under the current
-   weights, for at most what is left of its cap), until ``data.batch_size`` groups are complete
-   and every group at ``rollout.max_staleness`` is complete (``wait``; with ``drop`` those still
-   unfinished are dropped, counted with their lengths);
+2. generates until ``data.batch_size`` groups are complete and every group at
+   ``rollout.max_staleness`` is complete (``wait``; with ``drop`` those still unfinished are
+   dropped, counted with their lengths): with the HF engine on one in-process rank in one call
+   stopped between decode rounds (`_until`); otherwise in chunks of ``rollout.partial_chunk_tokens``
+   per member, each chunk one ``generate`` call of prompt + the member's tokens so far,
+   re-prefilled under the current weights, for at most what is left of its cap (`_chunk`);
 3. trains the ``data.batch_size`` oldest complete groups (by draw order); complete surplus groups
    and unfinished ones stay in the pool, their segments kept with the version that sampled them.
 
@@ -56,6 +57,8 @@ class PartialRolloutStage:
 
     def __init__(self, cfg: RunConfig, sampler: PromptSampler, workers: Any) -> None:
         self.batch_size, self.rollout, self.reward = cfg.data.batch_size, cfg.rollout, cfg.reward
+        over = cfg.rollout.over_provision
+        self.over_provision = max(1, self.batch_size // 4) if over is None else over
         self.sampler, self.workers = sampler, workers
         self.engines: Any = workers  # what generates: the worker group's engines (a separate pool in separate_async)
         self.pool: list[RolloutGroup] = []
@@ -102,7 +105,7 @@ class PartialRolloutStage:
     def fill(self, sampling: SamplingParams, step: int) -> None:
         """Top the pool up with fresh groups (their caps fixed now) to batch + over-provision."""
         draws: list[dict[str, Any]] = []
-        while len(self.pool) + len(draws) < self.batch_size + self.rollout.over_provision:
+        while len(self.pool) + len(draws) < self.batch_size + self.over_provision:
             if not self.queue:
                 batch = self.sampler.next_batch()
                 self.queue = [{"uid": self.ledger.draw(), "prompt_ids": tuple(batch.prompt_ids[i]), "ground_truth": batch.ground_truths[i],
@@ -224,14 +227,21 @@ class PartialRolloutStage:
         """Restore `state_dict` (an empty mapping: a checkpoint of a ``sync`` run, nothing carried).
 
         Raises:
-            ValueError: the state holds groups of another group size (``rollout.n`` changed).
+            ValueError: the state holds groups of another group size (``rollout.n`` changed), or
+                groups whose response cap exceeds ``rollout.max_response_tokens`` (lowered since).
         """
         if not state:
             return
         pool = [RolloutGroup.from_dict(g) for g in state["pool"]]
-        if any(len(g.members) != self.rollout.n for g in pool):
-            raise ValueError(f"the checkpoint carries prompt groups of another size than rollout.n={self.rollout.n}; "
-                             "resume with the rollout.n it was trained with")
+        sizes = sorted({len(g.members) for g in pool} - {self.rollout.n})
+        if sizes:
+            raise ValueError(f"the checkpoint carries prompt groups of {sizes[0]} responses, not rollout.n={self.rollout.n}; "
+                             f"resume with rollout.n={sizes[0]}")
+        caps = max((g.cap for g in pool), default=0)
+        if caps > self.rollout.max_response_tokens:
+            raise ValueError(f"the checkpoint carries partial groups with a {caps}-token response cap, above "
+                             f"rollout.max_response_tokens={self.rollout.max_response_tokens}: their responses could outgrow "
+                             f"this run's budgets; resume with rollout.max_response_tokens>={caps}")
         self.pool = pool
         self.queue = [{**p, "prompt_ids": tuple(p["prompt_ids"])} for p in state["queue"]]
         self.ledger = Ledger.from_dict(state["ledger"])

@@ -77,7 +77,17 @@ class Rounds:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing to restore (a checkpoint of a ``colocate_async`` run carries groups this mode does not train)."""
+        """Nothing to restore; a checkpoint of an async run that carries groups or drawn prompts
+        is refused (this mode would never train them).
+
+        Raises:
+            ValueError: ``state`` carries partial groups or drawn prompts.
+        """
+        if state.get("pool") or state.get("queue"):
+            raise ValueError(f"the checkpoint carries {len(state.get('pool', []))} partial prompt groups and "
+                             f"{len(state.get('queue', []))} drawn prompts of a partial-rollout run, which "
+                             "trainer.rollout_mode=sync would never train; resume with the trainer.rollout_mode it was "
+                             "trained with (colocate_async or separate_async)")
 
     def close(self) -> None:
         """Nothing to release."""

@@ -240,7 +240,7 @@ def test_refusals_name_the_key_the_value_and_the_fix():
     assert "context_policy=end" in text
     assert "algorithm.policy_loss_args={'kl_cov_ratio': 0.001}: has no effect" in _problems("algorithm.policy_loss_args.kl_cov_ratio=0.001")
     text = _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.clip_cov_ub=7")
-    assert "algorithm.policy_loss_args.clip_cov_ub=7: unknown key" in text and "algorithm.policy_loss_args.kl_cov_ratio" in text
+    assert "algorithm.policy_loss_args.clip_cov_ub=7: unknown key; fix: valid keys here: kl_cov_ratio, ppo_kl_coef" in text
     assert "must be in (0, 1]" in _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.kl_cov_ratio=0")
     assert "< algorithm.policy_loss_args.clip_cov_ub" in _problems("algorithm.policy_loss=clip_cov",
                                                                    "algorithm.policy_loss_args.clip_cov_lb=6")

@@ -26,7 +26,7 @@ def _prompts(run_dir, step):
     return [json.loads(line)["prompt"] for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
 
 
-ASYNC = ["trainer.rollout_mode=colocate_async", "rollout.over_provision=2", "rollout.partial_chunk_tokens=3"]
+ASYNC = ["trainer.rollout_mode=colocate_async", "rollout.over_provision=2"]
 
 
 def _train_until_killed(run_dir: Path, checkpoint: Path, common: list[str]) -> None:

@@ -132,7 +132,7 @@ def test_a_stage_restored_from_its_state_continues_as_the_uninterrupted_one(smol
     resumed.load_state_dict(state)
     for (a, ma), (b, mb) in zip(reference[4:], _run(resumed, range(5, 9))):
         assert a == b and ma == mb
-    with pytest.raises(ValueError, match="another size than rollout.n=2"):
+    with pytest.raises(ValueError, match="groups of 3 responses, not rollout.n=2; resume with rollout.n=3"):
         _stage(smollm_tokenizer, over_provision=1)[0].__class__(
             replace(RunConfig(), rollout=RolloutConfig(n=2), trainer=TrainerConfig(rollout_mode="colocate_async")),
             _Sampler(4), _Workers(smollm_tokenizer)).load_state_dict(state)
@@ -170,3 +170,22 @@ def model_and_tokenizer_for_sync(smollm_tokenizer):
                     rollout=RolloutConfig(n=2, max_response_tokens=10))
     cfg = replace(cfg, model=replace(cfg.model, dtype="fp32"))
     return cfg, local_group(cfg, tiny_policy(smollm_tokenizer), smollm_tokenizer)
+
+
+def test_resumes_that_would_lose_or_overrun_carried_groups_are_refused(smollm_tokenizer):
+    from packrl.trainer.sampling import Rounds
+
+    stage, _ = _stage(smollm_tokenizer)
+    _run(stage, range(1, 3))
+    state = json.loads(json.dumps(stage.state_dict()))
+    assert state["pool"]
+    with pytest.raises(ValueError, match="partial prompt groups .* trainer.rollout_mode=sync would never train"):
+        Rounds(lambda *a: None).load_state_dict(state)
+    Rounds(lambda *a: None).load_state_dict({})  # a sync checkpoint
+    with pytest.raises(ValueError, match=r"24-token response cap, above rollout.max_response_tokens=16.*>=24"):
+        _stage(smollm_tokenizer)[0].__class__(
+            RunConfig(data=DataConfig(batch_size=4), trainer=TrainerConfig(rollout_mode="colocate_async"),
+                      rollout=RolloutConfig(n=3, max_response_tokens=16)), _Sampler(4), _Workers(smollm_tokenizer)).load_state_dict(state)
+    default = PartialRolloutStage(RunConfig(data=DataConfig(batch_size=8), trainer=TrainerConfig(rollout_mode="colocate_async")),
+                                  _Sampler(8), _Workers(smollm_tokenizer))
+    assert default.over_provision == 2  # null: a quarter of the batch
