@@ -47,3 +47,12 @@ def test_the_next_batch_is_generated_while_the_trainer_updates_and_resume_is_exa
         for key in ("async/ledger_trained", "async/carried_tokens", "async/staleness_token_mean", "async/generated_tokens",
                     "actor/pg_loss"):
             assert again[step - 1][key] == pytest.approx(lines[step - 1][key], abs=1e-6), (step, key)
+
+
+def test_two_trainer_ranks_push_their_gathered_weights_to_the_rollout_worker(tmp_path, model_dir):
+    """FSDP2 over 2 ranks: the weights the rollout worker loads are gathered by every rank (a
+    collective) and sent by the writer; the batches stay one update behind."""
+    lines = metric_lines(_run(tmp_path / "c", model_dir, "train.total_steps=3", "trainer.num_workers=2"))
+    assert [line["async/ledger_trained"] for line in lines] == [2.0, 4.0, 6.0]
+    assert all(line["async/staleness_token_mean"] >= 1 and line["timing_s/weight_sync"] > 0 for line in lines[1:])
+    assert all(line["actor/grad_norm"] > 0 for line in lines)
