@@ -176,12 +176,31 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             notes.append(packing.describe())
             problems += _sequence_parallel_problems(cfg, model_config, packing)
             notes += _engine_notes(cfg, shape, budgets, device)
-            notes += _multi_turn_notes(cfg)
+            notes += _multi_turn_notes(cfg) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
                 problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
     unique = {str(p): p for p in problems}
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[str]:
+    """The async modes: how many sequences generate at once, and (``separate_async``) what the
+    rollout workers hold outside this estimate, which covers a trainer rank."""
+    mode = cfg.trainer.rollout_mode
+    if mode == "sync":
+        return []
+    batch = cfg.data.batch_size
+    over = cfg.rollout.over_provision if cfg.rollout.over_provision is not None else max(1, batch // 4)
+    out = [f"trainer.rollout_mode={mode}: up to {(batch + over) * cfg.rollout.n} sequences generate per step "
+           f"((data.batch_size={batch} + rollout.over_provision={over}) x rollout.n={cfg.rollout.n}), in engine batches of "
+           f"rollout.max_num_seqs={cfg.rollout.max_num_seqs}; carried groups are re-prefilled when they resume"]
+    if mode == "separate_async":
+        copy = param_bytes * shape.num_params / 2**30
+        out.append(f"trainer.num_rollout_workers={cfg.trainer.num_rollout_workers}: each rollout worker holds its own policy "
+                   f"copy (about {copy:.2f} GiB of parameters) and its engine's KV cache in its own process (its own GPU on "
+                   "CUDA), outside this estimate, which covers one trainer rank")
+    return out
 
 
 def _multi_turn_notes(cfg: RunConfig) -> list[str]:

@@ -101,6 +101,15 @@ def test_multi_turn_without_the_call_stop_string_is_noted(model_dir):
     assert not any("</tool_call>" in n for n in stopped.notes)
 
 
+def test_the_async_modes_name_their_generation_pool_and_rollout_workers(model_dir):
+    colocated = preflight("demo", [f"model.path={model_dir}", "trainer.rollout_mode=colocate_async", "rollout.over_provision=3"])
+    assert any("up to 44 sequences generate per step" in n for n in colocated.notes)  # (8 + 3) x 4
+    assert not any("rollout worker holds" in n for n in colocated.notes)
+    separate = preflight("demo", [f"model.path={model_dir}", "trainer.rollout_mode=separate_async", "trainer.num_rollout_workers=2"])
+    assert any("num_rollout_workers=2: each rollout worker holds its own policy copy" in n for n in separate.notes)
+    assert not any("rollout_mode" in n for n in preflight("demo", [f"model.path={model_dir}"]).notes)
+
+
 @pytest.mark.parametrize("workers, hint", [(1, True), (2, False)])
 def test_a_device_smaller_than_the_weights_says_so(model_dir, workers, hint):
     report = preflight("demo", [f"model.path={model_dir}", f"trainer.num_workers={workers}", "model.dtype=bf16"], device_memory_gib=0.01)
