@@ -136,19 +136,9 @@ class WorkerGroup:
         """``[B][G]`` responses to ``prompt_ids`` with the given per-prompt seeds, the prompts split
         over the data-parallel ranks by cost (prompt + response budget); ``rows`` (the data rows,
         for messages) may be empty. Retried once as `generate`."""
-        costs = [len(p) + params.max_response_tokens for p in prompt_ids]
-        parts = [sorted(p) for p in karmarkar_karp(costs, min(self.num_ranks, len(costs))) if p]
-
-        def run() -> list:
-            calls = [([prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts]
-            leaders = [r * self.plan.sequence_parallel_size for r in range(len(parts))]  # one worker per data-parallel rank
-            out: list = [None] * len(costs)
-            for part, groups in zip(parts, self.transport.call("generate", calls, leaders)):
-                for i, group in zip(part, groups):
-                    out[i] = group
-            return out
-
-        return generate_with_retry(run, rows)
+        size = self.plan.sequence_parallel_size
+        return generate_split(prompt_ids, params, seeds, rows, self.num_ranks,  # one worker per data-parallel rank
+                              lambda calls: self.transport.call("generate", calls, [r * size for r in range(len(calls))]))
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response] | None:
@@ -293,6 +283,26 @@ def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:
     """``stats`` with its per-sample `ResponseSums` added up per trajectory (``fold``)."""
     sums = stats.sums
     return replace(stats, sums=ResponseSums(fold(sums.entropy), fold(sums.clipped), fold(sums.kl), fold(sums.num_tokens)))
+
+
+def generate_split(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int], rows: Sequence[int],
+                   num_parts: int, call: Callable[[list[tuple]], list]) -> list[list[Response]]:
+    """``[B][G]`` responses to ``prompt_ids``, the prompts split into at most ``num_parts`` parts of
+    even cost (prompt + response budget, `karmarkar_karp`); ``call(args)`` runs part k's
+    ``(prompt_ids, params, seeds)`` = ``args[k]`` on its own generator and returns each part's
+    ``[b][G]`` responses. Retried once (`generate_with_retry`)."""
+    costs = [len(p) + params.max_response_tokens for p in prompt_ids]
+    parts = [sorted(p) for p in karmarkar_karp(costs, min(num_parts, len(costs))) if p]
+
+    def run() -> list:
+        out: list = [None] * len(costs)
+        results = call([([prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts])
+        for part, groups in zip(parts, results):
+            for i, group in zip(part, groups):
+                out[i] = group
+        return out
+
+    return generate_with_retry(run, rows)
 
 
 def generate_with_retry(generate: Callable[[], list], rows: Sequence[int]) -> list:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,21 +177,29 @@ class RayActors:
     def close(self, graceful: bool = True) -> None:
         """Write Ray's timeline, end the process group (``graceful``; skipped after a failure or
         Ctrl-C, when a rank may be inside a collective) and shut down the Ray this group started."""
-        import ray
+        release_actors(self.actors, self.owns_ray, "workers", graceful=graceful, first=self._write_timeline)
 
-        if not ray.is_initialized():
-            return
-        try:
-            self._write_timeline()
-            if graceful:
-                ray.get([a.close.remote() for a in self.actors], timeout=60)
-        except Exception as err:  # noqa: BLE001 - closing after a failure must not hide the failure
-            logger.warning("closing the workers: %s: %s", type(err).__name__, err)
-        finally:
-            for actor in self.actors:
-                ray.kill(actor)
-            if self.owns_ray:
-                ray.shutdown()
+
+def release_actors(actors: list, owns_ray: bool, what: str, *, graceful: bool = True, first: Callable[[], None] | None = None) -> None:
+    """Run ``first`` (e.g. write Ray's timeline), ask every actor to ``close`` (``graceful``), then
+    kill them all and shut down the Ray this run started (``owns_ray``). A failure on the way is
+    logged as a warning naming ``what``, never raised: closing after a failure must not hide it."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        if first is not None:
+            first()
+        if graceful:
+            ray.get([a.close.remote() for a in actors], timeout=60)
+    except Exception as err:  # noqa: BLE001 - closing after a failure must not hide the failure
+        logger.warning("closing the %s: %s: %s", what, type(err).__name__, err)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if owns_ray:
+            ray.shutdown()
 
 
 def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:

@@ -18,12 +18,11 @@ import torch
 
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
-from packrl.distributed.group import generate_with_retry
-from packrl.distributed.ray_group import start_ray
+from packrl.distributed.group import generate_split
+from packrl.distributed.ray_group import release_actors, start_ray
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
 from packrl.rollout.engine import SamplingParams, awake
-from packrl.seqlen.balance import karmarkar_karp
 from packrl.types import Response
 from packrl.worker.parts import build_engine
 
@@ -46,16 +45,13 @@ class RolloutWorker:
         policy, tokenizer = load_policy(cfg.model, device=device, compute_dtype=plan.compute_dtype)
         self.engine, _ = build_engine(cfg, policy, tokenizer, max_context_tokens=max_context_tokens, may_share_policy=False,
                                       compute_dtype=plan.compute_dtype)
-        self.version = 0
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
         return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
-        """Load the trainer's weights of policy ``version``; returns it."""
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load the trainer's weights."""
         self.engine.load_weights(weights.items())
-        self.version = version
-        return version
 
     def ready(self) -> bool:
         """True once the engine is built (the controller waits for it)."""
@@ -70,7 +66,6 @@ class RolloutPool:
 
     def __init__(self, actors: list, owns_ray: bool) -> None:
         self.actors, self.owns_ray = actors, owns_ray
-        self.version = 0
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                      rows: Sequence[int] = ()) -> list[list[Response]]:
@@ -78,42 +73,18 @@ class RolloutPool:
         retried once as `packrl.distributed.group.WorkerGroup.generate_ids`."""
         import ray
 
-        costs = [len(p) + params.max_response_tokens for p in prompt_ids]
-        parts = [sorted(p) for p in karmarkar_karp(costs, min(len(self.actors), len(costs))) if p]
+        return generate_split(prompt_ids, params, seeds, rows, len(self.actors),
+                              lambda calls: ray.get([a.generate.remote(*args) for a, args in zip(self.actors, calls)]))
 
-        def run() -> list:
-            refs = [actor.generate.remote([prompt_ids[i] for i in part], params, [seeds[i] for i in part])
-                    for actor, part in zip(self.actors, parts)]
-            out: list = [None] * len(costs)
-            for part, groups in zip(parts, ray.get(refs)):
-                for i, group in zip(part, groups):
-                    out[i] = group
-            return out
-
-        return generate_with_retry(run, rows)
-
-    def sync_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Every worker loads ``weights`` (policy ``version``) before its next call."""
+    def sync_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Every worker loads ``weights`` before its next call."""
         import ray
 
         ref = ray.put(weights)
-        ray.get([actor.load_weights.remote(ref, version) for actor in self.actors])
-        self.version = version
+        ray.get([actor.load_weights.remote(ref) for actor in self.actors])
 
     def close(self) -> None:
-        import ray
-
-        if not ray.is_initialized():
-            return
-        try:
-            ray.get([actor.close.remote() for actor in self.actors], timeout=60)
-        except Exception as err:  # noqa: BLE001 - closing after a failure must not hide the failure
-            logger.warning("closing the rollout workers: %s: %s", type(err).__name__, err)
-        finally:
-            for actor in self.actors:
-                ray.kill(actor)
-            if self.owns_ray:
-                ray.shutdown()
+        release_actors(self.actors, self.owns_ray, "rollout workers")
 
 
 def rollout_pool(cfg: RunConfig, run_dir: Path, plan: BatchPlan, max_context_tokens: int) -> RolloutPool:

@@ -28,8 +28,6 @@ from typing import Any
 
 from packrl.types import FinishReason, Response
 
-PROMPT_FIELDS = ("prompt_ids", "ground_truth", "data_source", "row", "prompt_truncated")
-
 
 @dataclass(frozen=True)
 class Segment:

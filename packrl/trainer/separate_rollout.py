@@ -62,7 +62,7 @@ class SeparateRolloutStage(PartialRolloutStage):
             self._join()
         idle = 0.0 if self._ended is None else max(0.0, arrived - self._ended)  # the workers waited for the trainer
         with stage_timer(timing, "weight_sync", spans):
-            self.engines.sync_weights(self.workers.export_weights(), step)
+            self.engines.sync_weights(self.workers.export_weights())
         counts, self._pending = self._pending, empty_counts()
         rollout, scored, metrics = self.step(sampling, timing, spans, step, counts)
         metrics |= {"async/rollout_busy_s": self._busy_s, "async/rollout_idle_s": idle}
