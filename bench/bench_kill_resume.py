@@ -10,10 +10,13 @@ never from a `.tmp-step_N` folder, and no resume fails on a corrupt checkpoint; 
 metrics.jsonl holds steps 1..N exactly once, in order. Prints one JSON object, naming the host
 (``host``) and the tiny run's dtype (``dtype``: fp32, as `tests/diagnostics/tiny_run.py` sets it).
 
-With ``--rollout-mode colocate_async`` the run carries partial rollouts across steps
-(``rollout.over_provision=2``); the checkpoint then holds the pool and the ledger, and the final
-metrics are compared, step by step, with a run of the same config that was never killed (scores,
-lengths, losses, and the ledger and carried tokens): they must be equal (``matches_straight_run``).
+Then the same config runs once more, never killed, and the two are compared
+(``matches_straight_run``, details in ``vs_straight_run``): every step's metrics (scores, lengths,
+losses, and under partial rollouts the ledger counts, carried tokens and staleness) equal, and
+the final checkpoint's weights bitwise equal. With ``--rollout-mode colocate_async`` the run carries
+partial rollouts across steps (``rollout.over_provision=2``); the checkpoint then holds the pool and
+the ledger of drawn prompts, and the two runs' final ledgers must be equal too: every prompt drawn,
+trained at the same step, once.
 
 Command (repository root; about 2 minutes, twice that with a rollout mode)::
 
@@ -35,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import emit  # noqa: E402
+from packrl.worker.checkpoint import weights_state_dict  # noqa: E402
 
 TINY_RUN_DTYPE = "fp32"  # tests/diagnostics/tiny_run.py's BASE sets model.dtype=fp32
 
@@ -114,24 +118,36 @@ def main() -> None:
         "continuous": steps == list(range(1, args.steps + 1)),
         "checkpoints_left": sorted(p.name for p in (run_dir / "checkpoints").iterdir()), "log": log, "run_dir": str(run_dir),
     }
-    if mode:
-        result["matches_straight_run"] = _matches_straight(run_dir, args.steps, mode)
+    straight = _matches_straight(run_dir, args.steps, mode)
+    result["matches_straight_run"] = straight["metrics"] and straight["weights_max_abs_diff"] == 0.0 and straight["ledger"]
+    result["vs_straight_run"] = straight
     emit(result, dtype=TINY_RUN_DTYPE, indent=1)
-    if not result["continuous"] or result.get("matches_straight_run") is False:
-        raise SystemExit("metrics.jsonl steps are not 1..N exactly once, or differ from the run never killed")
+    if not result["continuous"] or not result["matches_straight_run"]:
+        raise SystemExit("metrics.jsonl steps are not 1..N exactly once, or the run differs from the run never killed "
+                         "(metrics, final weights or ledger)")
 
 
 _COMPARED = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "async/ledger_trained", "async/carried_tokens",
              "async/staleness_token_mean")
 
 
-def _matches_straight(run_dir: Path, steps: int, mode: list[str]) -> bool:
-    """The killed-and-resumed run's metrics equal, step by step, those of the same run never killed."""
+def _matches_straight(run_dir: Path, steps: int, mode: list[str]) -> dict:
+    """The killed-and-resumed run against the same run never killed: metrics step by step
+    (``metrics``), the final checkpoint's weights (``weights``: largest absolute difference of any
+    parameter, 0.0 when bitwise equal) and the ledger of drawn prompts (``ledger``: each prompt's
+    fate, trained at which step, equal; ``trained_once``: no prompt trained twice)."""
     straight = run_dir.parent / "straight"
     subprocess.run([sys.executable, "-m", "tests.diagnostics.tiny_run", str(straight), str(steps), "train.save_every=1",
                     "train.keep_last=2", *mode], cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lines = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run_dir, straight)]
-    return all(abs(a[key] - b[key]) <= 1e-6 for a, b in zip(*lines) for key in _COMPARED if key in a)
+    final = [d / "checkpoints" / f"step_{steps}" for d in (run_dir, straight)]
+    weights = [weights_state_dict(f) for f in final]
+    diff = max((a - weights[1][k]).abs().max().item() for k, a in weights[0].items()) if weights[0].keys() == weights[1].keys() else None
+    ledgers = [json.loads((f / "trainer_state.json").read_text()).get("rollout", {}).get("ledger") for f in final]
+    trained = [state for state in (ledgers[0] or {"states": []})["states"] if state.startswith("trained")]
+    return {"metrics": all(abs(a[key] - b[key]) <= 1e-6 for a, b in zip(*lines) for key in _COMPARED if key in a),
+            "weights_max_abs_diff": diff, "ledger": ledgers[0] == ledgers[1], "ledger_present": ledgers[0] is not None,
+            "num_trained_in_ledger": len(trained)}
 
 
 def _check_resumed_from(run_dir: Path, step: int, proc: subprocess.Popen) -> None:

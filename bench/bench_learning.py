@@ -22,6 +22,11 @@ critic (``algorithm.adv_estimator=gae`` plus the ``--gae`` overrides), validatin
 time: the last validation each reached within the shorter arm's training time (generation,
 reward, log-prob, value and update time, ``timing_s/step``; validation excluded).
 
+With ``--vs-sync`` the second arm is the same preset with partial rollouts
+(``trainer.rollout_mode=colocate_async`` plus the ``--async`` overrides), compared the same way::
+
+    python bench/bench_learning.py --vs-sync [--steps 30] [--val-every 10] data.arithmetic.digits=2 [--async key=value ...]
+
 With ``--vs-trl`` (demo preset only) it compares learning per second of training with TRL 1.16's
 ``GRPOTrainer`` on held-out 2-digit arithmetic::
 
@@ -96,11 +101,15 @@ def main() -> None:
     parser.add_argument("--preset", default="demo")
     parser.add_argument("--vs-gae", action="store_true", help="also train PPO with a critic and compare at equal wall time")
     parser.add_argument("--gae", nargs="*", default=[], help="extra overrides of the PPO arm (e.g. critic.lr=1e-5)")
+    parser.add_argument("--vs-sync", action="store_true",
+                        help="also train with trainer.rollout_mode=colocate_async and compare at equal wall time")
+    parser.add_argument("--async", dest="async_overrides", nargs="*", default=[],
+                        help="extra overrides of the colocate_async arm (e.g. rollout.max_staleness=4)")
     parser.add_argument("--vs-trl", action="store_true", help="also train TRL's GRPOTrainer and compare at equal wall time")
     parser.add_argument("--trl-python", default=str(REPO / ".bench-trl" / "bin" / "python"),
                         help="interpreter of the venv with trl==1.16.0 (see bench/bench_trl_step.py)")
     parser.add_argument("--trl-micro-batch", type=int, default=4, help="TRL per_device_train_batch_size (sequences)")
-    parser.add_argument("--val-every", type=int, default=5, help="validation interval of the --vs-gae / --vs-trl arms")
+    parser.add_argument("--val-every", type=int, default=5, help="validation interval of the --vs-gae / --vs-sync / --vs-trl arms")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="model.dtype (auto: bf16 where this machine multiplies bf16 natively, else fp32); "
                              "with --vs-trl resolved once for both arms (TRL's bf16= follows it)")
@@ -118,8 +127,8 @@ def main() -> None:
         if not Path(args.trl_python).is_file():
             parser.error(f"--trl-python {args.trl_python} does not exist; create TRL's venv as bench/bench_trl_step.py's docstring says")
         return compare_trl(args)
-    if args.vs_gae:
-        compare_gae(args)
+    if args.vs_gae or args.vs_sync:
+        compare_arms(args)
         return
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
     cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}",
@@ -159,7 +168,7 @@ def main() -> None:
 
 
 def _arm(preset: str, steps: int, val_every: int, overrides: list[str]) -> dict:
-    """One arm of --vs-gae / --vs-trl: validation before, training with validation every
+    """One arm of --vs-gae / --vs-sync / --vs-trl: validation before, training with validation every
     ``val_every`` steps; its per-step scores and times, training seconds and validation accuracies."""
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
     cfg = load_config(preset, [f"train.total_steps={steps}", f"train.out_dir={out}", f"train.val_every={val_every}", *overrides])
@@ -190,15 +199,24 @@ def _summary(arm: dict, wall: float) -> dict:
             "val_curve": [(round(t, 1), acc) for t, acc in arm["curve"]]}
 
 
-def compare_gae(args: argparse.Namespace) -> None:
-    """Both arms, then each one's reward rise and accuracy at the shorter arm's training time."""
+def compare_arms(args: argparse.Namespace) -> None:
+    """Both arms of --vs-gae or --vs-sync, then each one's reward rise and accuracy at the shorter
+    arm's training time."""
     overrides = [f"model.dtype={args.dtype}", *args.overrides]
-    arms = {"grpo": _arm(args.preset, args.steps, args.val_every, overrides),
-            "ppo_gae": _arm(args.preset, args.steps, args.val_every, [*overrides, "algorithm.adv_estimator=gae", *args.gae])}
+    if args.vs_gae:
+        flag, extra = "--vs-gae", (["--gae", *args.gae] if args.gae else [])
+        second = {"ppo_gae": ["algorithm.adv_estimator=gae", *args.gae]}
+        first = "grpo"
+    else:
+        flag, extra = "--vs-sync", (["--async", *args.async_overrides] if args.async_overrides else [])
+        second = {"colocate_async": ["trainer.rollout_mode=colocate_async", *args.async_overrides]}
+        first = "sync"
+    arms = {first: _arm(args.preset, args.steps, args.val_every, overrides)}
+    arms |= {name: _arm(args.preset, args.steps, args.val_every, [*overrides, *more]) for name, more in second.items()}
     wall = min(arm["train_s"] for arm in arms.values())
-    report = {"command": "python bench/bench_learning.py --vs-gae " + " ".join(
-        [f"--preset {args.preset} --steps {args.steps} --val-every {args.val_every} --dtype {args.dtype}", *args.overrides]
-        + (["--gae", *args.gae] if args.gae else [])), "equal_wall_s": round(wall, 1)}
+    report = {"command": f"python bench/bench_learning.py {flag} " + " ".join(
+        [f"--preset {args.preset} --steps {args.steps} --val-every {args.val_every} --dtype {args.dtype}", *args.overrides] + extra),
+        "equal_wall_s": round(wall, 1)}
     for name, arm in arms.items():
         report[name] = _summary(arm, wall) | {"run_dir": arm["run_dir"]}
     emit(report, dtype=args.dtype)

@@ -73,6 +73,10 @@ def _packrl_sdpa(
     transformers' attention functions do.
     """
     if cu_seq_lens_q is None:
+        if _grouped_on_cpu(query, key, attention_mask, kwargs):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         raise ValueError(f"packed attention expects one pack without cache; got query {tuple(query.shape)}, key {tuple(key.shape)}")
@@ -86,6 +90,18 @@ def _packrl_sdpa(
     if plan.inverse is not None:
         out = out.index_select(1, plan.inverse)
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def _grouped_on_cpu(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> bool:
+    """A masked call with grouped KV heads on the CPU (a padded generation batch), which
+    transformers' SDPA forward would run on KV heads repeated to the query heads (its
+    `use_gqa_in_sdpa` keeps them grouped only without a mask on CUDA): a copy of every layer's
+    whole KV cache at each decode step. Torch's CPU SDPA takes grouped heads with a mask
+    (``enable_gqa``) and gives the same values: 2.1 against 26 ms per layer for 64 rows x 640
+    cached positions of SmolLM2-135M in bf16 on 2 cores."""
+    return (attention_mask is not None and query.device.type == "cpu" and key.shape[1] != query.shape[1]
+            and kwargs.get("position_bias") is None and type(kwargs.get("cache")).__name__ != "PagedAttentionCache"
+            and not kwargs.get("output_attentions", False))
 
 
 @dataclass(frozen=True)

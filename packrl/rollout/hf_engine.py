@@ -31,6 +31,8 @@ response continued from prompt + its first tokens (a resumed partial rollout,
 Prefill once per group: the G samples of a prompt are adjacent rows of a batch, so the prompt's
 KV cache (all but its last token) is computed once per distinct prompt and copied to its rows
 before the first decode step (`HFEngine._shared_prefill`); vLLM's prefix cache does the same.
+Prompts of very different lengths in one batch are prefilled in length buckets, so a long prompt
+(a resumed partial rollout's prompt + prefix) does not make every short one compute its padding.
 Rows are copied and dropped with `packrl.rollout.kv_cache.select_rows`, which also moves the conv
 and recurrent states of hybrid models' non-attention layers. A model whose cache holds only such
 states (pure Mamba) or is of its own kind generates each batch in one call on the cache the model
@@ -70,11 +72,12 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, pad_id, request_seed
-from packrl.rollout.kv_cache import CACHE_ARGUMENT, appending_cache, cache_reuse, select_rows
+from packrl.rollout.kv_cache import CACHE_ARGUMENT, AppendingLayer, appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler
 from packrl.rollout.weights import rollout_copy
@@ -396,23 +399,41 @@ class HFEngine:
     def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request], cache: Any) -> None:
         """Fill the empty ``cache`` with every row's prompt but its last token, computed once per
         distinct prompt (the G samples of a prompt are adjacent rows) and copied to each of its
-        rows; the first decode step then runs only the last prompt token. Nothing when no two rows
-        share a prompt or prompts are one token wide (``generate`` then prefills every row).
-        Positions follow the attention mask as ``generate``'s own do (left padding), so the cache
-        is the one ``generate`` would build.
+        rows; the first decode step then runs only the last prompt token. Prompts of very different
+        lengths (a resumed partial rollout's prompt + prefix next to fresh prompts) are prefilled
+        in length buckets (`prefill_buckets`), each at its own width, and placed right-aligned in
+        the batch's left-padded cache: the padding of the widest prompt is not computed for every
+        row. Nothing when no two rows share a prompt, one bucket holds them all, or prompts are one
+        token wide (``generate`` then prefills every row). Positions follow the attention mask as
+        ``generate``'s own do (left padding), so the cache holds what ``generate`` would put there
+        at every real position; padded positions are masked.
 
         Args:
             ids: the left-padded prompts, Shape [b, P_max], int64; mask: 1 = real token, same shape.
         """
         firsts = [i for i in range(len(batch)) if i == 0 or batch[i].prompt != batch[i - 1].prompt]
-        if len(firsts) == len(batch) or ids.shape[1] < 2:
+        if ids.shape[1] < 2:
+            return
+        lengths = [len(batch[i].prompt) - 1 for i in firsts]
+        buckets = prefill_buckets(lengths) if _mergeable(cache) else [list(range(len(firsts)))]
+        if len(firsts) == len(batch) and len(buckets) == 1:
             return
         owner = torch.tensor([len([f for f in firsts if f <= i]) - 1 for i in range(len(batch))], device=ids.device)
-        rows = torch.tensor(firsts, device=ids.device)
-        prefix_mask = mask[rows, :-1]
-        positions = (prefix_mask.cumsum(-1) - 1).masked_fill_(prefix_mask == 0, 1)
-        self.model(input_ids=ids[rows, :-1], attention_mask=prefix_mask, position_ids=positions, use_cache=True,
-                   **{self.cache_reuse.argument: cache})
+        width = ids.shape[1] - 1
+        parts = []
+        for bucket in buckets:
+            w = width if len(buckets) == 1 else max(lengths[k] for k in bucket)
+            if w == 0:
+                continue  # one-token prompts: nothing before their last token
+            rows = torch.tensor([firsts[k] for k in bucket], device=ids.device)
+            prefix_mask = mask[rows, width - w:width]
+            positions = (prefix_mask.cumsum(-1) - 1).masked_fill_(prefix_mask == 0, 1)
+            target = cache if len(buckets) == 1 else self.options.kv_cache(self.model.config)
+            self.model(input_ids=ids[rows, width - w:width], attention_mask=prefix_mask, position_ids=positions, use_cache=True,
+                       **{self.cache_reuse.argument: target})
+            parts.append((torch.tensor(bucket, device=ids.device), w, target))
+        if len(buckets) > 1:
+            _merge_right_aligned(cache, parts, len(firsts), width)
         select_rows(cache, owner)  # one copy per row
 
     def _generate_kwargs(self, params: SamplingParams, *, max_new_tokens: int, generators: Sequence[torch.Generator],
@@ -488,6 +509,58 @@ class HFEngine:
             reason = req.cap_reason
         lps = None if logprobs is None else tuple(logprobs[: len(ids)].tolist())
         return Response(response_ids=tuple(ids), finish_reason=reason, rollout_logprobs=lps)
+
+
+PREFILL_CALL_TOKENS = 128
+"""The fixed cost of one prefill forward, counted in prompt tokens of work, that `prefill_buckets`
+weighs against padding: a forward of the 135M shape on 2 CPU cores costs about as much as this
+many extra tokens do."""
+
+
+def prefill_buckets(lengths: Sequence[int], call_tokens: int = PREFILL_CALL_TOKENS) -> list[list[int]]:
+    """Split prompts into prefill batches, each padded to its longest prompt, that minimise the
+    tokens computed (rows x width, summed) plus ``call_tokens`` per batch: the best split of the
+    prompts sorted by length into contiguous runs (dynamic programming, O(n^2) for n prompts).
+
+    Args:
+        lengths: tokens per prompt.
+
+    Returns:
+        Batches of indices into ``lengths``, shortest prompts first; one batch when padding costs
+        less than another forward.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best, cut = [0] + [1 << 62] * len(order), [0] * (len(order) + 1)
+    for i in range(1, len(order) + 1):
+        for j in range(i):
+            cost = best[j] + (i - j) * lengths[order[i - 1]] + call_tokens
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    buckets, i = [], len(order)
+    while i:
+        buckets.append(order[cut[i]:i])
+        i = cut[i]
+    return buckets[::-1]
+
+
+def _mergeable(cache: Any) -> bool:
+    """Whether ``cache`` holds only full-attention key/value layers, which bucketed prefills can fill."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, AppendingLayer) for layer in layers)
+
+
+def _merge_right_aligned(cache: Any, parts: Sequence[tuple[torch.Tensor, int, Any]], num_rows: int, width: int) -> None:
+    """Write each part's keys and values ``(rows [k] int64, w positions, its cache)`` into rows
+    ``rows`` and the last ``w`` of ``width`` positions of the empty ``cache`` (zeros elsewhere:
+    padding, masked), one ``update`` per layer."""
+    for layer_idx in range(len(cache.layers)):
+        first = parts[0][2].layers[layer_idx]  # keys, values: [k, h, w, d]
+        keys = first.keys.new_zeros(num_rows, first.keys.shape[1], width, first.keys.shape[3])
+        values = first.values.new_zeros(num_rows, first.values.shape[1], width, first.values.shape[3])
+        for rows, w, part in parts:
+            keys[rows, :, width - w:] = part.layers[layer_idx].keys
+            values[rows, :, width - w:] = part.layers[layer_idx].values
+        cache.update(keys, values, layer_idx)
 
 
 def _mark_finished(rows: list[int], finished: list[bool], enough: Callable[[Sequence[bool]], bool], done: Sequence[bool]) -> bool:

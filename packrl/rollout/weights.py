@@ -33,8 +33,8 @@ def rollout_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.
     for param in twin.parameters():  # buffers (RoPE frequencies) stay float32, as in training
         param.data = param.data.to(dtype)
     twin.config.dtype = dtype
-    if twin.config._attn_implementation == PACKRL_SDPA:
-        twin.set_attn_implementation("sdpa")
+    if twin.config._attn_implementation == "sdpa":  # grouped KV heads stay grouped under a padding mask on the CPU
+        twin.set_attn_implementation(PACKRL_SDPA)
     # requires_grad stays True (generation runs under no_grad and no optimizer holds the copy):
     # with frozen weights, torch's matmul turns the prefill's LM head on the last position's
     # strided hidden states into a batched matmul over a b-fold expanded copy of the

@@ -69,3 +69,30 @@ def test_buckets_keep_padded_cost_within_the_limit():
         longest = max(lengths[i] for i in grp)
         assert len(grp) * longest ** 2 <= 1.5 * sum(lengths[i] ** 2 for i in grp)
     assert groups == [[0, 1, 2, 3, 4], [5, 6], [7]]  # longest first; a 5-token segment alone
+
+
+def test_a_padded_generation_batch_keeps_kv_heads_grouped_and_matches_transformers_sdpa(monkeypatch):
+    """A left-padded batch generating with a KV cache on the CPU (a padding mask, 4 query heads over
+    2 KV heads) runs SDPA on the grouped heads; its logits are those of transformers' SDPA forward,
+    which repeats the KV heads first."""
+    import copy
+
+    from packrl.models import attention
+    from tests.conftest import tiny_llama
+
+    grouped = []
+    real = attention._grouped_on_cpu
+    monkeypatch.setattr(attention, "_grouped_on_cpu", lambda *a: grouped.append(real(*a)) or grouped[-1])
+    model = tiny_llama()  # packrl_sdpa
+    plain = copy.deepcopy(model)
+    plain.set_attn_implementation("sdpa")
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0]])).long()  # 1 = real token, left padding
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        got, want = model.generate(**kwargs), plain.generate(**kwargs)
+    assert any(grouped), "the masked decode steps should keep the KV heads grouped"
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from packrl.config.schema import RolloutConfig
 from packrl.rollout import HFEngine, RolloutEngine, SamplingParams
+from packrl.rollout.hf_engine import PREFILL_CALL_TOKENS, prefill_buckets
 from tests.conftest import tiny_llama
 
 PAD, EOS = 0, 2
@@ -374,6 +375,42 @@ def test_a_groups_prompt_is_prefilled_once_and_changes_nothing(tokenizer):
     assert [ids.shape[0] for ids, _, _ in prefills] == [2, 2, 2]
     received = sorted(tuple(row[mask.bool()].tolist()) for ids, mask, _ in prefills for row, mask in zip(ids, mask))
     assert received == sorted(tuple(p[:-1]) for p in prompts)  # invariant 5: the rest of each prompt is the first decode step
+
+
+def test_prefill_buckets_split_only_where_padding_costs_more_than_a_forward():
+    assert prefill_buckets([40, 41, 39, 42]) == [[2, 0, 1, 3]]  # alike: one batch
+    assert prefill_buckets([40, 900, 41, 950]) == [[0, 2], [1, 3]]  # short and long prompts apart
+    assert prefill_buckets([5, 900], call_tokens=10_000) == [[0, 1]]  # a forward dearer than the padding
+    assert prefill_buckets([]) == []
+    lengths = [3, 700, 20, 60, 400, 21, 5]
+    buckets = prefill_buckets(lengths)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    cost = sum(len(b) * max(lengths[i] for i in b) + PREFILL_CALL_TOKENS for b in buckets)
+    assert cost <= len(lengths) * max(lengths) + PREFILL_CALL_TOKENS  # never dearer than one padded batch
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_prompts_of_very_different_lengths_prefill_in_buckets_and_change_nothing(tokenizer, n):
+    """A batch mixing short prompts with long ones (a resumed partial rollout's prompt + prefix)
+    prefills them in length buckets at their own widths: the responses, finish reasons and
+    log-probs are those of every row prefilling its own left-padded copy."""
+    model = tiny_llama()
+    prompts = _prompts([4, 300, 6, 2, 280, 1])
+    params = SamplingParams(n=n, temperature=1.0, max_response_tokens=10, return_logprobs=True)
+    seeds = [5, 6, 7, 8, 9, 10]
+    plain = _engine(model, tokenizer, max_num_seqs=64)
+    plain._shared_prefill = lambda ids, mask, batch, cache: None
+    want = plain.generate(prompts, params, seeds)
+    prefills = _record_prefills(model)
+    got = _engine(model, tokenizer, max_num_seqs=64).generate(prompts, params, seeds)
+    for g_want, g_got in zip(want, got):
+        for a, b in zip(g_want, g_got):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(b.rollout_logprobs), torch.tensor(a.rollout_logprobs), atol=1e-5, rtol=0)
+    widths = sorted(ids.shape[1] for ids, _, _ in prefills)
+    assert widths == [5, 299], "two buckets: the short prompts at their own width, the long ones at theirs"
+    received = sorted(tuple(row[mask.bool()].tolist()) for ids, mask, _ in prefills for row, mask in zip(ids, mask))
+    assert received == sorted(tuple(p[:-1]) for p in prompts)  # the one-token prompt: an all-padding row
 
 
 def test_a_model_with_a_cache_of_its_own_kind_generates_as_before(tokenizer, monkeypatch):
