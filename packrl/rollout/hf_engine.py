@@ -545,7 +545,7 @@ def prefill_buckets(lengths: Sequence[int], call_tokens: int = PREFILL_CALL_TOKE
 
 def _mergeable(cache: Any) -> bool:
     """Whether ``cache`` holds only full-attention key/value layers, which bucketed prefills can fill."""
-    layers = getattr(cache, "layers", None)
+    layers: list[Any] = getattr(cache, "layers", None) or []
     return bool(layers) and all(type(layer) in (DynamicLayer, AppendingLayer) for layer in layers)
 
 
