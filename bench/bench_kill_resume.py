@@ -21,6 +21,11 @@ trained at the same step, once.
 Command (repository root; about 2 minutes, twice that with a rollout mode)::
 
     python bench/bench_kill_resume.py [--kills 10] [--steps 80] [--seed 0] [--rollout-mode sync|colocate_async] [--max-delay 6]
+
+Measured (AMX host, 2 cores): ``--rollout-mode colocate_async --kills 10 --steps 300 --max-delay 10``: 10 kills (7 inside
+a checkpoint write), every restart resumed from the newest complete checkpoint, steps 1..300 logged once
+each, 600 prompts trained once each, every step's metrics, the final weights (largest difference 0.0)
+and the ledger equal to the run never killed; 96 s.
 """
 
 from __future__ import annotations

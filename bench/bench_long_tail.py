@@ -20,6 +20,10 @@ Command (repository root; about 15 minutes on a 2-core host)::
 
     python bench/bench_long_tail.py [--preset demo|gsm8k] [--steps 8] [--batch 8] [--n 4] [--max-response 1024]
         [--over 8] [--max-staleness 8] [--tail-fraction 0.03]
+
+Measured (defaults; AMX host, 2 cores, bf16): step 54.8 s sync vs 44.0 s colocate_async
+(``speedup.step_time`` 1.25x), generation 39.8 vs 23.0 s (1.73x), generation tokens/s 2.24x;
+token staleness at most 4 updates. docs/async.md discusses the figures.
 """
 
 from __future__ import annotations
