@@ -21,7 +21,11 @@ def test_rollout_copy_casts_parameters_only_and_follows_loaded_weights():
     twin = rollout_copy(model, torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in twin.parameters())
     assert all(b.dtype == torch.float32 for b in twin.buffers())  # RoPE frequencies as in training
-    assert twin.config._attn_implementation == "sdpa" and model.config._attn_implementation == "packrl_sdpa"
+    # packrl_sdpa: grouped KV heads stay grouped under a padding mask on the CPU (transformers' SDPA repeats them)
+    assert twin.config._attn_implementation == "packrl_sdpa" and model.config._attn_implementation == "packrl_sdpa"
+    plain = tiny_llama(attn="eager")
+    plain.config._attn_implementation = "sdpa"  # a policy left on plain SDPA: its copy gets packrl_sdpa too
+    assert rollout_copy(plain, torch.bfloat16).config._attn_implementation == "packrl_sdpa"
     assert not twin.training and rollout_copy(model, None) is model
     with torch.no_grad():
         for p in model.parameters():
