@@ -33,6 +33,9 @@ from packrl.types import Response
 
 _LOG_RATIO_CLAMP = 20.0
 IS_WEIGHTS = "rollout_is_weights"
+BEHAVIOUR_STALE = "behaviour_stale"
+"""The batch extra marking tokens of an earlier policy version whose behaviour weights the update
+computes itself (`behaviour_weights_in_update`): bool per response token, True = stale."""
 """The `packrl.types.TrainBatch.extras` key of the token weights (verl's name)."""
 
 
@@ -148,20 +151,27 @@ def apply_behaviour_weights(
     """The behaviour half of decoupled PPO (Fu et al. 2025, AReaL, arXiv 2505.24298) for tokens an
     earlier policy version sampled (`Response.token_versions` < ``policy_version``: a partial
     rollout carried across steps): their loss is the PPO clip against the proximal policy pi_old
-    (the old-log-prob pass at this step's weights) times w_t = min(pi_old / pi_behaviour, C), with
+    (this step's weights before the update) times w_t = min(pi_old / pi_behaviour, C), with
     pi_behaviour the engine's log-prob at sampling and C ``rollout_is_threshold``.
+
+    With an old-log-prob pass (``old_logprobs``: the update takes several optimizer steps, or
+    another setting reads them) the weights are computed here. Without one the update is a single
+    on-policy step, whose forward is pi_old itself: the stale tokens are marked
+    (``extras["behaviour_stale"]``) and the update weighs them from its own log-probs, detached
+    (`behaviour_weights_in_update`), saving the pass.
 
     Tokens of this step's policy keep weight 1, so a batch with nothing carried trains exactly as
     without partial rollouts; with ``rollout_is=token`` every token is weighted already
     (`apply_rollout_correction`) and nothing is added.
 
     Returns:
-        ``(extras, metrics)``: ``rollout_is_weights`` set when some loss token is stale; metrics
-        ``async/stale_token_fraction`` (stale / loss tokens) and ``async/behaviour_weight_mean|max|min``
-        over the stale loss tokens.
+        ``(extras, metrics)``: ``rollout_is_weights`` (or ``behaviour_stale``) set when some loss
+        token is stale; metrics ``async/stale_token_fraction`` (stale / loss tokens) and, with the
+        pass, ``async/behaviour_weight_mean|max|min`` over the stale loss tokens (without it the
+        update reports the mean).
 
     Raises:
-        ValueError: stale tokens without engine log-probs or old log-probs.
+        ValueError: stale tokens without engine log-probs.
     """
     if policy_version is None:
         return extras, {}
@@ -172,16 +182,50 @@ def apply_behaviour_weights(
     metrics = {"async/stale_token_fraction": num_stale / max(1, num_loss)}
     if num_stale == 0 or IS_WEIGHTS in extras:
         return extras, metrics
-    if old_logprobs is None:
-        raise ValueError("carried tokens need the old log-probs (the proximal policy); BatchPlan.needs_old_logprobs "
-                         "turns the pass on under trainer.rollout_mode=colocate_async")
     engine = _engine_logprobs(responses)
+    if old_logprobs is None:
+        return {**extras, BEHAVIOUR_STALE: stale}, metrics
     weights = tuple(torch.where(s, rollout_is_weights(old, eng, threshold), torch.ones(len(s)))
                     for s, old, eng in zip(stale, old_logprobs, engine))
     picked = torch.cat([w[s & m] for w, s, m in zip(weights, stale, loss_masks)])
     metrics |= {"async/behaviour_weight_mean": float(picked.mean()), "async/behaviour_weight_max": float(picked.max()),
                 "async/behaviour_weight_min": float(picked.min())}
     return {**extras, IS_WEIGHTS: weights}, metrics
+
+
+def behaviour_weights_in_update(extras: dict[str, torch.Tensor], logprobs: torch.Tensor, rollout_logprobs: torch.Tensor | None,
+                                loss_mask: torch.Tensor, threshold: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`apply_behaviour_weights` without an old-log-prob pass: the stale tokens' weights
+    min(pi_old / pi_behaviour, C) with pi_old the update's own log-probs, detached (a single
+    on-policy optimizer step: the policy before it is the proximal policy). Nothing when the
+    batch marks no stale token.
+
+    Args:
+        extras: the batch's extras over the pack, Shape [K] each; ``behaviour_stale`` (bool) is
+            replaced by ``rollout_is_weights`` (float32, 1 at tokens of this step's policy).
+        logprobs: the update's log-probs, Shape [K], float32, nats.
+        rollout_logprobs: the engine's log-probs over the pack, Shape [K] (None: none returned).
+        loss_mask: True = a loss token, Shape [K].
+        threshold: C, ``rollout_is_threshold``.
+
+    Returns:
+        ``(extras, sums)``: sums ``async/behaviour_weight_sum`` and ``async/behaviour_stale_tokens``
+        over the stale loss tokens (their ratio is ``async/behaviour_weight_mean``).
+
+    Raises:
+        ValueError: stale tokens marked but no engine log-probs.
+    """
+    stale = extras.get(BEHAVIOUR_STALE)
+    if stale is None:
+        return extras, {}
+    if rollout_logprobs is None:
+        raise ValueError("stale tokens need the engine's log-probs (rollout.return_logprobs); the async modes turn them on")
+    stale = stale.bool()
+    ratio = rollout_is_weights(logprobs.detach(), rollout_logprobs, threshold)
+    weights = torch.where(stale, ratio, torch.ones_like(ratio))
+    kept = stale & loss_mask
+    out = {k: v for k, v in extras.items() if k != BEHAVIOUR_STALE} | {IS_WEIGHTS: weights}
+    return out, {"async/behaviour_weight_sum": (weights * kept).sum(), "async/behaviour_stale_tokens": kept.sum().float()}
 
 
 def weighted_token_loss(token_loss: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:

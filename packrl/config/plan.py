@@ -92,9 +92,8 @@ class BatchPlan:
             (cfg.train.ppo_epochs != 1, f"train.ppo_epochs={cfg.train.ppo_epochs}"),
             (mini != cfg.data.batch_size, f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"),
             (algo.kl_in_reward, "algorithm.kl_in_reward"),
-            (return_logprobs and not partial, "rollout.return_logprobs or algorithm.rollout_correction"),
+            (cfg.rollout.return_logprobs or algo.rollout_correction.enabled, "rollout.return_logprobs or algorithm.rollout_correction"),
             (reads_old, "the entropy filter or a Clip-Cov/KL-Cov loss reads them"),
-            (partial, f"trainer.rollout_mode={cfg.trainer.rollout_mode} (the proximal policy of carried tokens)"),
         ) if applies]
         return cls(
             num_prompts=cfg.data.batch_size,

@@ -21,7 +21,7 @@ import torch
 from packrl.algos.loss_agg import aggregate_loss
 from packrl.algos.losses import kl_penalty
 from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLossOutput, loss_options
-from packrl.algos.rollout_correction import weighted_token_loss
+from packrl.algos.rollout_correction import behaviour_weights_in_update, weighted_token_loss
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
@@ -167,10 +167,11 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     old = logprobs.detach() if batch.old_logprobs is None else scatter_response(pack, rollout, batch.old_logprobs, 0.0)
     ref = None if batch.ref_logprobs is None else scatter_response(pack, rollout, batch.ref_logprobs, 0.0)
     extras = {name: scatter_response(pack, rollout, values, 0) for name, values in batch.extras.items()}
+    engine = rollout_logprobs_over(pack, rollout)
+    extras, behaviour = behaviour_weights_in_update(extras, logprobs, engine, mask, algo.rollout_correction.rollout_is_threshold)
     inputs = PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=scatter_response(pack, rollout, batch.advantages, 0.0),
                               loss_mask=mask, sequence_ids=seq_ids, denominators=den, cfg=algo, ref_logprobs=ref,
-                              rollout_logprobs=rollout_logprobs_over(pack, rollout), extras=extras,
-                              options=loss.options)
+                              rollout_logprobs=engine, extras=extras, options=loss.options)
     result = _checked(loss.policy_loss(inputs), logprobs, algo.policy_loss)
     token_loss = weighted_token_loss(result.token_loss, extras)  # x the truncated importance weights, when set
     pg = aggregate_loss(token_loss, mask, algo.loss_agg_mode, den, sequence_ids=seq_ids, sequence_counts=counts)
@@ -189,7 +190,7 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
             total = total + algo.kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
     sums.add(pack, mask, out.entropy, clipped, token_kl)
-    totals.add(metrics | result.metrics)
+    totals.add({**metrics, **result.metrics, **behaviour})
     totals.num_microbatches += 1
     totals.max_microbatch_tokens = max(totals.max_microbatch_tokens, pack.num_tokens)
     sp = ulysses.active()
@@ -289,6 +290,10 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
     positions = sum(t.num_positions for t in totals)
     out = ResponseSums.merged([r.sums for r in ranks]).metrics(lengths, max_response_tokens)
     out |= step_metrics([r.steps for r in ranks], "actor")
+    stale = out.pop("async/behaviour_stale_tokens", 0.0)
+    weight_sum = out.pop("async/behaviour_weight_sum", 0.0)
+    if stale:  # weighted in the update (one on-policy step): the mean over stale loss tokens
+        out["async/behaviour_weight_mean"] = weight_sum / stale
     out |= {
         "train/skipped_steps": float(first.skipped_steps),
         "seqlen/num_microbatches": float(max(sum(t.num_microbatches for t, _, _ in r.steps) for r in ranks)),

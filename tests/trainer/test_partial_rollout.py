@@ -189,3 +189,26 @@ def test_resumes_that_would_lose_or_overrun_carried_groups_are_refused(smollm_to
     default = PartialRolloutStage(RunConfig(data=DataConfig(batch_size=8), trainer=TrainerConfig(rollout_mode="colocate_async")),
                                   _Sampler(8), _Workers(smollm_tokenizer))
     assert default.over_provision == 2  # null: a quarter of the batch
+
+
+def test_without_an_old_log_prob_pass_the_update_weighs_stale_tokens_as_the_pass_does(tmp_path, smollm_tokenizer):
+    """One on-policy optimizer step: the update's own log-probs, detached, are the proximal policy,
+    so partial rollouts skip the old-log-prob pass; the stale tokens' behaviour weights and the
+    training equal those of the same run with the pass (forced here by rollout.return_logprobs)."""
+    tok = smollm_tokenizer
+    tok.padding_side = "left"
+    common = ["train.total_steps=4", "trainer.rollout_mode=colocate_async", "rollout.over_provision=2", "reward.name=test_letter_e",
+              "rollout.max_response_tokens=16"]
+    no_pass, workers_a = tiny_run(tmp_path / "a", tok, common)
+    with_pass, workers_b = tiny_run(tmp_path / "b", tok, [*common, "rollout.return_logprobs=true"])
+    assert not workers_a.plan.needs_old_logprobs and workers_b.plan.needs_old_logprobs
+    lines = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (no_pass, with_pass)]
+    stale_steps = [i for i, line in enumerate(lines[1]) if line["async/stale_token_fraction"] > 0]
+    assert stale_steps, "the runs should train carried tokens"
+    for i, (a, b) in enumerate(zip(*lines)):
+        assert a["async/stale_token_fraction"] == b["async/stale_token_fraction"]
+        assert a["response_length/mean"] == b["response_length/mean"]
+        assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) <= 1e-5
+        if i in stale_steps:
+            assert abs(a["async/behaviour_weight_mean"] - b["async/behaviour_weight_mean"]) <= 1e-5
+            assert b["async/behaviour_weight_mean"] != 1.0  # the weights are not trivially one
