@@ -91,6 +91,7 @@ from bench.common import emit  # noqa: E402
 from packrl.config import load_config  # noqa: E402
 from packrl.data.dataset import PromptDataset  # noqa: E402
 from packrl.distributed.local import local_group  # noqa: E402
+from packrl.errors import ConfigError  # noqa: E402
 from packrl.trainer.loop import train  # noqa: E402
 from packrl.trainer.validate import validate  # noqa: E402
 
@@ -128,7 +129,10 @@ def main() -> None:
             parser.error(f"--trl-python {args.trl_python} does not exist; create TRL's venv as bench/bench_trl_step.py's docstring says")
         return compare_trl(args)
     if args.vs_gae or args.vs_sync:
-        compare_arms(args)
+        try:
+            compare_arms(args)
+        except ConfigError as err:
+            parser.error(str(err))
         return
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
     cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}",
@@ -211,6 +215,8 @@ def compare_arms(args: argparse.Namespace) -> None:
         flag, extra = "--vs-sync", (["--async", *args.async_overrides] if args.async_overrides else [])
         second = {"colocate_async": ["trainer.rollout_mode=colocate_async", *args.async_overrides]}
         first = "sync"
+    for more in [[], *second.values()]:  # both arms' settings checked before either trains
+        load_config(args.preset, [f"train.total_steps={args.steps}", f"train.val_every={args.val_every}", *overrides, *more])
     arms = {first: _arm(args.preset, args.steps, args.val_every, overrides)}
     arms |= {name: _arm(args.preset, args.steps, args.val_every, [*overrides, *more]) for name, more in second.items()}
     wall = min(arm["train_s"] for arm in arms.values())

@@ -102,6 +102,15 @@ def main() -> None:
     if not 0.0 <= args.tail_fraction <= 1.0:
         raise SystemExit(f"--tail-fraction={args.tail_fraction} must be in [0, 1]")
     require_shared()
+    from packrl.config import load_config
+    from packrl.errors import ConfigError
+
+    os.environ["PACKRL_BENCH_TAIL_FRACTION"] = str(args.tail_fraction)
+    for mode in ("sync", "colocate_async"):  # both arms' settings checked before either trains
+        try:
+            load_config(args.preset, _overrides(args, Path(tempfile.gettempdir()) / "packrl-long-tail-check", mode))
+        except ConfigError as err:
+            raise SystemExit(f"{mode} arm: {err}") from None
     arms = {mode: _arm(args, mode) for mode in ("sync", "colocate_async")}
     sync, part = arms["sync"], arms["colocate_async"]
     speedup = {"step_time": sync["step_s_mean"] / part["step_s_mean"], "gen_time": sync["gen_s_mean"] / part["gen_s_mean"],

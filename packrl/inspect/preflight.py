@@ -196,11 +196,13 @@ def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[st
            f"((data.batch_size={batch} + rollout.over_provision={over}) x rollout.n={cfg.rollout.n}), in engine batches of "
            f"rollout.max_num_seqs={cfg.rollout.max_num_seqs}; carried groups are re-prefilled when they resume"]
     rows = (batch + over) * cfg.rollout.n
-    if rows > cfg.rollout.max_num_seqs:
+    stops_one_call = mode == "colocate_async" and cfg.rollout.engine == "hf" and cfg.trainer.num_workers == 1
+    if stops_one_call and rows > cfg.rollout.max_num_seqs:
+        lower = " or lower rollout.over_provision" if (batch + 1) * cfg.rollout.n <= cfg.rollout.max_num_seqs else ""
         out.append(f"the {rows} sequences of a step do not fit one engine batch (rollout.max_num_seqs={cfg.rollout.max_num_seqs}): "
                    "the hf engine runs its batches one after another and a step stops once its groups are complete, so "
                    "members of later batches may not advance (carried groups then finish only at rollout.max_staleness); "
-                   f"set rollout.max_num_seqs={rows} or lower rollout.over_provision")
+                   f"set rollout.max_num_seqs={rows}{lower}")
     if mode == "separate_async":
         copy = param_bytes * shape.num_params / 2**30
         out.append(f"trainer.num_rollout_workers={cfg.trainer.num_rollout_workers}: each rollout worker holds its own policy "

@@ -107,7 +107,13 @@ def test_the_async_modes_name_their_generation_pool_and_rollout_workers(model_di
     assert not any("rollout worker holds" in n for n in colocated.notes)
     assert not any("do not fit one engine batch" in n for n in colocated.notes)  # 44 <= rollout.max_num_seqs=64
     split = preflight("demo", [f"model.path={model_dir}", "trainer.rollout_mode=colocate_async", "rollout.max_num_seqs=16"])
-    assert any("the 40 sequences of a step do not fit one engine batch" in n and "set rollout.max_num_seqs=40" in n for n in split.notes)
+    assert any("the 40 sequences of a step do not fit one engine batch" in n and n.endswith("set rollout.max_num_seqs=40")
+               for n in split.notes)  # (8 + 1) x 4 > 16 too: lowering over_provision cannot help
+    roomy = preflight("demo", [f"model.path={model_dir}", "trainer.rollout_mode=colocate_async", "rollout.max_num_seqs=38"])
+    assert any(n.endswith("set rollout.max_num_seqs=40 or lower rollout.over_provision") for n in roomy.notes)
+    chunked = preflight("demo", [f"model.path={model_dir}", "trainer.rollout_mode=colocate_async", "rollout.max_num_seqs=16",
+                                 "trainer.num_workers=2"])
+    assert not any("do not fit one engine batch" in n for n in chunked.notes)  # chunks: no call is stopped
     separate = preflight("demo", [f"model.path={model_dir}", "trainer.rollout_mode=separate_async", "trainer.num_rollout_workers=2"])
     assert any("num_rollout_workers=2: each rollout worker holds its own policy copy" in n for n in separate.notes)
     assert not any("rollout_mode" in n for n in preflight("demo", [f"model.path={model_dir}"]).notes)
