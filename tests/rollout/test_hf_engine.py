@@ -354,6 +354,22 @@ def test_stop_strings_across_round_boundaries(tokenizer):
         assert len(r.rollout_logprobs) == len(r.response_ids)
 
 
+def _same_as_every_row_prefilling(model, tokenizer, prompts, params, seeds, *, max_num_seqs: int):
+    """Generate with the engine's own prefill and with every row prefilling its whole prompt;
+    assert the same responses, finish reasons and log-probs (1e-5). Returns the recorded prefills
+    of the engine's own run."""
+    plain = _engine(model, tokenizer, max_num_seqs=max_num_seqs)
+    plain._shared_prefill = lambda ids, mask, batch, cache: None
+    want = plain.generate(prompts, params, seeds)
+    prefills = _record_prefills(model)
+    got = _engine(model, tokenizer, max_num_seqs=max_num_seqs).generate(prompts, params, seeds)
+    for g_want, g_got in zip(want, got):
+        for a, b in zip(g_want, g_got):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(b.rollout_logprobs), torch.tensor(a.rollout_logprobs), atol=1e-5, rtol=0)
+    return prefills
+
+
 def test_a_groups_prompt_is_prefilled_once_and_changes_nothing(tokenizer):
     """With G samples per prompt the prompt (all but its last token) is prefilled once per
     distinct prompt of a batch and copied to its rows: the responses, finish reasons and log-probs
@@ -362,15 +378,7 @@ def test_a_groups_prompt_is_prefilled_once_and_changes_nothing(tokenizer):
     prompts = _prompts([5, 1, 9, 3, 12, 7])
     params = SamplingParams(n=4, temperature=1.0, max_response_tokens=10, return_logprobs=True)
     seeds = [5, 6, 7, 8, 9, 10]
-    plain = _engine(model, tokenizer, max_num_seqs=8)
-    plain._shared_prefill = lambda ids, mask, batch, cache: None
-    want = plain.generate(prompts, params, seeds)
-    prefills = _record_prefills(model)
-    got = _engine(model, tokenizer, max_num_seqs=8).generate(prompts, params, seeds)
-    for g_want, g_got in zip(want, got):
-        for a, b in zip(g_want, g_got):
-            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
-            torch.testing.assert_close(torch.tensor(b.rollout_logprobs), torch.tensor(a.rollout_logprobs), atol=1e-5, rtol=0)
+    prefills = _same_as_every_row_prefilling(model, tokenizer, prompts, params, seeds, max_num_seqs=8)
     # 24 requests in batches of 8 = 2 prompts each: one prefill row per distinct prompt, without its last token
     assert [ids.shape[0] for ids, _, _ in prefills] == [2, 2, 2]
     received = sorted(tuple(row[mask.bool()].tolist()) for ids, mask, _ in prefills for row, mask in zip(ids, mask))
@@ -398,15 +406,7 @@ def test_prompts_of_very_different_lengths_prefill_in_buckets_and_change_nothing
     prompts = _prompts([4, 300, 6, 2, 280, 1])
     params = SamplingParams(n=n, temperature=1.0, max_response_tokens=10, return_logprobs=True)
     seeds = [5, 6, 7, 8, 9, 10]
-    plain = _engine(model, tokenizer, max_num_seqs=64)
-    plain._shared_prefill = lambda ids, mask, batch, cache: None
-    want = plain.generate(prompts, params, seeds)
-    prefills = _record_prefills(model)
-    got = _engine(model, tokenizer, max_num_seqs=64).generate(prompts, params, seeds)
-    for g_want, g_got in zip(want, got):
-        for a, b in zip(g_want, g_got):
-            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
-            torch.testing.assert_close(torch.tensor(b.rollout_logprobs), torch.tensor(a.rollout_logprobs), atol=1e-5, rtol=0)
+    prefills = _same_as_every_row_prefilling(model, tokenizer, prompts, params, seeds, max_num_seqs=64)
     widths = sorted(ids.shape[1] for ids, _, _ in prefills)
     assert widths == [5, 299], "two buckets: the short prompts at their own width, the long ones at theirs"
     received = sorted(tuple(row[mask.bool()].tolist()) for ids, mask, _ in prefills for row, mask in zip(ids, mask))
