@@ -60,8 +60,7 @@ def _overrides(args: argparse.Namespace, out_dir: Path, mode: str) -> list[str]:
 def _arm(args: argparse.Namespace, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "packrl.cli.main", "train", args.preset, *_overrides(args, Path(tmp), mode)]
-        env = {**os.environ, "PACKRL_BENCH_TAIL_FRACTION": str(args.tail_fraction)}
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)  # inherits PACKRL_BENCH_TAIL_FRACTION (main)
         if proc.returncode:
             raise SystemExit(f"{mode} arm failed:\n{proc.stderr[-3000:]}")
         run_dir = Path(tmp) / "run"
