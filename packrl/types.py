@@ -21,6 +21,51 @@ TRUNCATED_REASONS: frozenset[str] = frozenset({"length", "context"})
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """One prompt's images as its model's processor produced them (Qwen2-VL layout).
+
+    Attributes:
+        pixel_values: every image's patches in order. Shape [Np, D], float32.
+        image_grid_thw: per image, its patch grid (temporal, height, width) before the spatial
+            merge. Shape [n, 3], int64; ``Np = sum(t*h*w)``.
+        merge_size: the spatial merge (2 for Qwen2-VL): an image gives ``t*h*w / merge^2``
+            placeholder tokens.
+    """
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    merge_size: int = 2
+
+    def __post_init__(self) -> None:
+        patches = int(self.image_grid_thw.prod(dim=-1).sum()) if self.image_grid_thw.numel() else 0
+        if self.image_grid_thw.dim() != 2 or self.image_grid_thw.shape[-1] != 3 or patches != self.pixel_values.shape[0]:
+            raise ValueError(f"ImageInputs: image_grid_thw {tuple(self.image_grid_thw.shape)} gives {patches} patches but "
+                             f"pixel_values has {self.pixel_values.shape[0]} rows; the processor's outputs must be kept together")
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+    @property
+    def num_patches(self) -> int:
+        """Vision-encoder patches (rows of ``pixel_values``): what the encoder's activations and
+        its attention scale with."""
+        return int(self.pixel_values.shape[0])
+
+    def tokens_per_image(self) -> list[int]:
+        """Language-model placeholder tokens of each image: ``t*h*w / merge^2``."""
+        return [int(n) // self.merge_size ** 2 for n in self.image_grid_thw.prod(dim=-1).tolist()]
+
+    @property
+    def num_tokens(self) -> int:
+        """Placeholder tokens of all images (the prompt holds exactly these)."""
+        return sum(self.tokens_per_image())
+
+    def to(self, device: torch.device | str) -> ImageInputs:
+        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device), self.merge_size)
+
+
+@dataclass(frozen=True)
 class PromptBatch:
     """B prompts, as the prompt policy produced them.
 
@@ -30,6 +75,8 @@ class PromptBatch:
         data_sources: reward dispatch key of each prompt (e.g. ``"openai/gsm8k"``).
         rows: index of each prompt's row in its dataset.
         prompt_truncated: True where the prompt policy shortened the prompt.
+        images: each prompt's images (`ImageInputs`; None for a text prompt), whose placeholder
+            tokens ``prompt_ids`` holds expanded; None = a text batch.
     """
 
     prompt_ids: tuple[tuple[int, ...], ...]
@@ -37,6 +84,7 @@ class PromptBatch:
     data_sources: tuple[str, ...]
     rows: tuple[int, ...]
     prompt_truncated: tuple[bool, ...]
+    images: tuple[ImageInputs | None, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -190,6 +238,10 @@ class RolloutBatch:
 
     def prompt_ids_of(self, i: int) -> tuple[int, ...]:
         return self.prompts.prompt_ids[i // self.group_size]
+
+    def images_of(self, i: int) -> ImageInputs | None:
+        """The images of sequence i's prompt (None for text)."""
+        return None if self.prompts.images is None else self.prompts.images[i // self.group_size]
 
     def sequence_lengths(self) -> list[int]:
         """T_i = P_b + R_i of every sequence, in tokens."""

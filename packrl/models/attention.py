@@ -274,6 +274,10 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
     elif attention == "block_mask":
         dtype = torch.bool if impl != "eager" else cast("PreTrainedModel", model).dtype
         kwargs["attention_mask"] = pack.block_causal_mask(dtype).to(pack.input_ids.device)
+    if pack.images is not None:
+        from packrl.models.vision import packed_vision_forward
+
+        return packed_vision_forward(model, pack, kwargs)
     decoder = cast("PreTrainedModel", model).get_decoder()
     out = decoder(input_ids=pack.input_ids, **kwargs)
     return out.last_hidden_state[0]

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from packrl.types import ImageInputs
+
 
 @dataclass(frozen=True)
 class Pack:
@@ -38,6 +40,8 @@ class Pack:
             shared prompt), -1 for none; None = no shared prompts (every segment a sequence).
         owners: per segment, the position in ``indices`` of the sequence whose own segment it
             is, -1 for a shared prompt segment; None = segment i is sequence i.
+        images: per packed sequence (in pack order), its prompt's images
+            (`packrl.models.vision.ImageInputs`) or None; None = a text pack.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +50,7 @@ class Pack:
     indices: tuple[int, ...]
     prefix_of: tuple[int, ...] | None = None
     owners: tuple[int, ...] | None = None
+    images: tuple[ImageInputs | None, ...] | None = None
 
     @property
     def shares_prompts(self) -> bool:
@@ -64,8 +69,9 @@ class Pack:
         return max(self.seq_lens)
 
     def to(self, device: torch.device | str) -> Pack:
+        images = None if self.images is None else tuple(None if x is None else x.to(device) for x in self.images)
         return Pack(self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.indices,
-                    self.prefix_of, self.owners)
+                    self.prefix_of, self.owners, images)
 
     def segment_owners(self) -> tuple[int, ...]:
         """Per segment, the sequence (position in ``indices``) it belongs to, -1 for a shared prompt."""
@@ -157,12 +163,14 @@ def _as_ids(seq: torch.Tensor | Sequence[int], i: int) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: Sequence[int] | None = None) -> Pack:
+def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: Sequence[int] | None = None,
+                   images: Sequence[ImageInputs | None] | None = None) -> Pack:
     """Concatenate sequences into one `Pack`.
 
     Args:
         sequences: S token-id sequences, each Shape [L_i] int (tensor or list), L_i >= 1.
         indices: the caller's index of each sequence (default 0..S-1), kept for restoring order.
+        images: each sequence's images (`Pack.images`), or None for a text pack.
 
     Returns:
         The `Pack`, K = sum(L_i).
@@ -186,7 +194,9 @@ def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: S
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)
     position_ids = torch.cat([torch.arange(n, device=device) for n in lens])
-    return Pack(torch.cat(ids)[None], position_ids[None], cu, indices)
+    if images is not None and len(images) != len(ids):
+        raise ValueError(f"got images for {len(images)} sequences, packing {len(ids)}")
+    return Pack(torch.cat(ids)[None], position_ids[None], cu, indices, images=None if images is None else tuple(images))
 
 
 def pack_shared(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], indices: Sequence[int] | None = None) -> Pack:

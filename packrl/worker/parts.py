@@ -18,6 +18,7 @@ from packrl.models.attention import supports_shared_prompts
 from packrl.models.compile import CompiledLayers
 from packrl.models.isolation import PackingCheck
 from packrl.models.lora import adapter_config, is_lora, parameter_counts
+from packrl.models.vision import is_vision_config
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineContext, EngineOptions, RolloutEngine
 from packrl.rollout.multi_turn import multi_turn_engine
@@ -125,6 +126,8 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
         why = "this model trains one sequence per micro-batch (its packs are not exact)"
     elif cfg.trainer.sequence_parallel_size > 1:
         why = "sequence parallelism splits packs across ranks"
+    elif is_vision_config(cast("PreTrainedModel", model).config):
+        why = "a vision-language model's M-RoPE positions continue each sequence's own prompt"
     elif not supports_shared_prompts(model, cfg.model.packed_attention):
         impl = cast("PreTrainedModel", model).config._attn_implementation  # torch types model.config as Tensor | Module
         why = (f"model.packed_attention={cfg.model.packed_attention} runs {impl!r}, which cannot let a "

@@ -1,0 +1,166 @@
+"""Vision-language policies: the image inputs that travel with a sequence, and a packed forward
+that keeps every sequence's images, M-RoPE positions and attention its own.
+
+Shapes: ``K`` tokens in a pack · ``H`` hidden size · ``n_i`` images of sequence i · ``Np`` vision
+patches (rows of ``pixel_values``) · ``D`` values per patch (3 x temporal patch x patch^2).
+
+Families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers' ``*ForConditionalGeneration``): a
+vision tower turns ``pixel_values`` ([Np, D], every image's patches one after another) into one
+embedding per merged patch (``t*h*w / merge^2`` per image, `ImageInputs.num_tokens`), which
+replace the prompt's image placeholder tokens (``<|image_pad|>``) in order. Positions are 3-D
+(M-RoPE: temporal, height, width; Wang et al. 2024, arXiv 2409.12191, section 2.1): text tokens
+advance all three together, an image's tokens take their grid coordinates.
+
+A pack of such sequences (`packed_vision_forward`):
+
+1. the vision tower runs once over the pack's images, concatenated in pack order (its own
+   attention is per image: the tower splits on each image's grid);
+2. the features replace the pack's placeholders in order; the count must match exactly;
+3. M-RoPE positions are computed per sequence by the model's own ``get_rope_index`` and laid
+   side by side, with a fourth, leading row of per-sequence text positions (0..L_i-1): the
+   row transformers reads to find a pack's sequence boundaries (its Qwen2-VL text model takes
+   ``position_ids`` [4, 1, K]); the vision rows are not monotone and cannot mark them;
+4. the language model runs the pack with packrl's attention isolation (`packrl.models.attention`).
+
+Design after verl (``get_rope_index`` per sample with a text row prepended) and the measured
+packing check in transformers 5.19/5.24 (a pack equals each sequence alone to 2e-7 in fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from packrl.seqlen.packing import Pack
+from packrl.types import ImageInputs
+
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Model types whose packed training, rollout and budgets packrl implements."""
+
+
+def is_vision_config(config: Any) -> bool:
+    """True for a config with a vision tower (``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_vision_model_type(config: Any, path: str) -> None:
+    """Raises: ValueError: a multimodal config of a family packrl does not train (named, with the
+    families it does)."""
+    if is_vision_config(config) and config.model_type not in VISION_MODEL_TYPES:
+        raise ValueError(f"model.path={path!r} is a {config.model_type!r} vision-language model; packrl trains the "
+                         f"{', '.join(VISION_MODEL_TYPES)} families (M-RoPE packing, their processors' token counts). "
+                         "Set model.path to one of those, or to a text-only checkpoint")
+
+
+def _inner(model: torch.nn.Module) -> Any:
+    """The ``*Model`` of a ``*ForConditionalGeneration`` (through a peft wrapper)."""
+    base = cast(Any, model).get_base_model() if hasattr(model, "get_base_model") else model
+    return cast(Any, base).model
+
+
+def image_token_id(model: torch.nn.Module) -> int:
+    return int(cast(Any, model).config.image_token_id)
+
+
+def vision_features(model: torch.nn.Module, images: ImageInputs) -> torch.Tensor:
+    """The vision tower's embeddings of ``images``, one per placeholder token, in order.
+    Shape [num_tokens, H], the tower's dtype."""
+    inner = _inner(model)
+    dtype = inner.visual.get_dtype() if hasattr(inner.visual, "get_dtype") else next(inner.visual.parameters()).dtype
+    out = inner.get_image_features(images.pixel_values.to(dtype), images.image_grid_thw, return_dict=True)
+    return torch.cat(list(out.pooler_output), dim=0)
+
+
+def sequence_positions(model: torch.nn.Module, ids: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
+    """M-RoPE positions of one sequence, by the model's own ``get_rope_index``.
+
+    Args:
+        ids: the sequence's token ids (prompt with its placeholders, then response). Shape [L], int64.
+        images: the sequence's images, or None (text: every row is 0..L-1).
+
+    Returns:
+        Shape [3, L], int64.
+    """
+    if images is None or images.num_images == 0:
+        return torch.arange(ids.shape[0], device=ids.device).expand(3, -1)
+    token_types = (ids == image_token_id(model)).to(torch.int32)[None]  # 1 = image placeholder
+    positions, _ = _inner(model).get_rope_index(ids[None], token_types, image_grid_thw=images.image_grid_thw)
+    return positions[:, 0]
+
+
+def merge_images(images: list[ImageInputs]) -> ImageInputs:
+    """Several prompts' images as one input, in order (what the vision tower runs at once)."""
+    return ImageInputs(torch.cat([x.pixel_values for x in images]), torch.cat([x.image_grid_thw for x in images]),
+                       images[0].merge_size)
+
+
+def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[ImageInputs]) -> torch.Tensor:
+    """Token embeddings with every image placeholder replaced by its vision feature, in order.
+
+    Args:
+        input_ids: Shape [b, L], int64.
+        images: the images of the rows' placeholders, in row order (rows without images add none).
+
+    Returns:
+        Shape [b, L, H], the embeddings' dtype.
+
+    Raises:
+        ValueError: the placeholders and the images' tokens differ in number (a prompt cut
+            inside an image, or a sampled placeholder).
+    """
+    inner = _inner(model)
+    embeds = inner.get_input_embeddings()(input_ids)
+    placeholders = input_ids == image_token_id(model)
+    num_placeholders = int(placeholders.sum())
+    present = [x for x in images if x.num_images]
+    expected = sum(x.num_tokens for x in present)
+    if num_placeholders != expected:
+        raise ValueError(f"{num_placeholders} image placeholder tokens but the images give {expected} features; every "
+                         "image's placeholder run must be whole (a prompt is never cut inside one) and no response may hold "
+                         "placeholders")
+    if present:
+        features = vision_features(model, merge_images(present)).to(embeds.dtype)
+        embeds = embeds.masked_scatter(placeholders[..., None], features)
+    elif torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        embeds = embeds + 0.0 * _idle_vision(model).to(embeds.dtype)
+    return embeds
+
+
+def _idle_vision(model: torch.nn.Module) -> torch.Tensor:
+    """The vision tower on one 16-patch blank image, summed: a pack without images runs the tower
+    too, so every rank's sharded tower gathers the same parameters in the same order (a rank
+    skipping it would leave the others waiting). Added times 0: no effect on the values."""
+    inner = _inner(model)
+    cfg = inner.visual.config
+    patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    param = next(inner.visual.parameters())
+    blank = torch.zeros(16, patch_dim, dtype=param.dtype, device=param.device)
+    grid = torch.tensor([[1, 4, 4]], device=param.device)
+    return vision_features(model, ImageInputs(blank, grid, merge_size=getattr(cfg, "spatial_merge_size", 2))).sum()
+
+
+def packed_vision_forward(model: torch.nn.Module, pack: Pack, kwargs: dict[str, Any]) -> torch.Tensor:
+    """Final hidden states of a pack of a vision-language model's sequences (see the module
+    docstring), each sequence with its own images, positions and attention.
+
+    Args:
+        pack: the pack; ``pack.images`` holds each packed sequence's images (None for text).
+        kwargs: the attention isolation's arguments (`packrl.models.attention.packed_forward`);
+            their ``position_ids`` are replaced by the M-RoPE ones.
+
+    Returns:
+        Shape [K, H], model dtype.
+    """
+    if pack.shares_prompts:
+        raise ValueError("a vision-language pack cannot share prompts (a response's M-RoPE positions continue its own "
+                         "prompt's); set train.share_prompts=false")
+    ids = pack.input_ids[0]
+    images = pack.images or (None,) * len(pack.indices)
+    bounds = pack.cu_seqlens.tolist()
+    rows = [sequence_positions(model, ids[bounds[s]:bounds[s + 1]], images[s]) for s in range(len(images))]
+    mrope = torch.cat(rows, dim=1)[:, None]  # [3, 1, K]
+    positions = torch.cat([pack.position_ids[None].to(mrope.device), mrope])  # [4, 1, K]: text row first
+    embeds = vision_embeds(model, pack.input_ids, [x for x in images if x is not None])
+    out = _inner(model).language_model(inputs_embeds=embeds, **{**kwargs, "position_ids": positions})
+    return out.last_hidden_state[0]

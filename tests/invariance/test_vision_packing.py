@@ -1,0 +1,118 @@
+"""Vision-language packs: sequences with images of different sizes (and one without) packed
+together score exactly as each alone, and the loss and gradients do not depend on the
+micro-batch split or the number of ranks (tiny random Qwen2-VL and Qwen2.5-VL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packrl.models.attention import packed_forward, use_packed_attention
+from packrl.models.vision import sequence_positions
+from packrl.seqlen.packing import pack_sequences
+from tests.builders import RTOL, pass_config
+from tests.conftest import minibatch_grads, score_of
+from tests.vlm import IMAGE_SIZES, tiny_processor, tiny_vlm, vlm_tokenizer, vlm_train_batch
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+WHOLE, SPLITS = 4096, (120, 200)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm_tokenizer):
+    return vlm_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def batch64(tok):
+    return vlm_train_batch(tiny_processor(tok), torch.float64)
+
+
+def _model(family, tok, dtype=torch.float32):
+    model = tiny_vlm(family, tokenizer=tok, dtype=dtype)
+    use_packed_attention(model)
+    return model
+
+
+def _cfg(budget: int, attention: str = "varlen", logprob_budget: int | None = None):
+    return pass_config(batch_size=4, n=2, max_prompt_tokens=256, max_response_tokens=16, update_tokens=budget,
+                       logprob_tokens=logprob_budget or budget, attention=attention, kl_coef=0.1, entropy_coeff=0.01)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attention", ["varlen", "block_mask", "position_ids"])
+def test_packed_images_score_as_each_alone(family, attention, tok, batch64):
+    model = _model(family, tok)
+    rollout = batch64.rollout
+    packed, _ = score_of(model, rollout, _cfg(WHOLE, attention))
+    longest = max(rollout.sequence_lengths())
+    alone, _ = score_of(model, rollout, _cfg(longest, attention))  # one sequence per micro-batch
+    for i, (a, b) in enumerate(zip(packed, alone)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"sequence {i} ({family}, {attention})")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_hidden_states_equal_the_models_own_forward(family, tok, batch64):
+    """The pack against transformers' own forward of each sequence (its M-RoPE and image merge)."""
+    model = _model(family, tok)
+    rollout = batch64.rollout
+    seqs = [torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids) for i in range(len(rollout))]
+    images = [rollout.images_of(i) for i in range(len(rollout))]
+    packed = packed_forward(model, pack_sequences(seqs, images=images))
+    own = []
+    for ids, x in zip(seqs, images):
+        extra = {} if x is None else dict(pixel_values=x.pixel_values, image_grid_thw=x.image_grid_thw,
+                                          mm_token_type_ids=(ids == model.config.image_token_id).int()[None])
+        own.append(model.model(input_ids=ids[None], use_cache=False, **extra).last_hidden_state[0])
+    torch.testing.assert_close(packed, torch.cat(own), rtol=0, atol=1e-5)
+    assert len(set(map(len, IMAGE_SIZES))) > 1  # images of different counts and sizes in one pack
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(family, tok, batch64):
+    def run(budget, num_ranks):
+        model = _model(family, tok, torch.float64)
+        loss = minibatch_grads(model, batch64, _cfg(budget), num_ranks=num_ranks)
+        return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+    loss_ref, grad_ref = run(WHOLE, 1)
+    assert grad_ref.abs().max() > 0
+    for budget in SPLITS:
+        for num_ranks in (1, 2):
+            loss, grads = run(budget, num_ranks)
+            assert loss == pytest.approx(loss_ref, rel=RTOL), (budget, num_ranks)
+            torch.testing.assert_close(grads, grad_ref, rtol=RTOL, atol=1e-12, msg=f"{family}: budget {budget}, {num_ranks} rank(s)")
+
+
+def test_the_splits_really_differ(batch64):
+    from dataclasses import replace
+
+    from packrl.config.plan import BatchPlan
+
+    rollout = batch64.rollout
+    counts = []
+    for budget in (WHOLE, *SPLITS):
+        planner = replace(BatchPlan.from_config(_cfg(budget)).planner(packed=True, share_prompts=False), num_ranks=1, num_epochs=1)
+        plan = planner.update(rollout.sequence_lengths(), [len(r.response_ids) for r in rollout.responses],
+                              [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=[i // 2 for i in range(len(rollout))])
+        counts.append(len([mb for mb in plan.minibatches[0].microbatches(0) if mb]))
+    assert counts[0] == 1 and len(set(counts)) == 3, counts
+
+
+def test_image_positions_are_m_rope_not_a_count(tok, batch64):
+    """The control: an image sequence's vision rows are not 0..L-1, so a pack that forgot them would differ."""
+    model = _model("qwen2_vl", tok)
+    rollout = batch64.rollout
+    ids = torch.tensor(rollout.prompt_ids_of(0) + rollout.responses[0].response_ids)
+    positions = sequence_positions(model, ids, rollout.images_of(0))
+    assert positions.shape == (3, len(ids)) and not torch.equal(positions[1], torch.arange(len(ids)))
+    assert int(positions.max()) < len(ids) - 1  # an image's tokens share positions: the text after it starts lower
+
+
+def test_a_pack_whose_placeholders_do_not_match_its_images_is_refused(tok, batch64):
+    model = _model("qwen2_vl", tok)
+    rollout = batch64.rollout
+    ids = torch.tensor(rollout.prompt_ids_of(0) + rollout.responses[0].response_ids)
+    cut = ids[ids != model.config.image_token_id][:10].tolist() + ids.tolist()[-5:]  # the placeholders cut out
+    with pytest.raises(ValueError, match="image placeholder tokens but the images give"):
+        packed_forward(model, pack_sequences([cut], images=[rollout.images_of(0)]))
