@@ -10,8 +10,9 @@ Sequences keep their own lengths (no padding anywhere): per-sequence fields are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 
@@ -88,6 +89,21 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    def select(self, indices: Sequence[int]) -> PromptBatch:
+        """The prompts at ``indices``, in that order (repeats allowed)."""
+        values: dict[str, Any] = {f.name: None if getattr(self, f.name) is None else tuple(getattr(self, f.name)[i] for i in indices)
+                                  for f in fields(PromptBatch)}
+        return PromptBatch(**values)
+
+    @staticmethod
+    def concat(parts: Sequence[PromptBatch]) -> PromptBatch:
+        """``parts`` one after the other; images are kept when any part has them."""
+        values: dict[str, Any] = {f.name: tuple(v for p in parts for v in getattr(p, f.name)) for f in fields(PromptBatch)
+                                  if f.name != "images"}
+        has_images = any(p.images is not None for p in parts)
+        values["images"] = tuple(x for p in parts for x in (p.images or (None,) * len(p))) if has_images else None
+        return PromptBatch(**values)
 
 
 @dataclass(frozen=True)

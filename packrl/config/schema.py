@@ -130,6 +130,11 @@ class ModelConfig:
     after a first pass that compiles.
     Not with several workers or gradient checkpointing: `true` is refused there, `null` is off there."""
 
+    freeze_vision_tower: bool = True
+    """A vision-language model (Qwen2-VL family) trains its language model only: the vision
+    tower (encoder and merger) keeps its weights and takes no gradients or optimizer state.
+    False trains it too (full fine-tuning; under LoRA the adapters stay on the language model)."""
+
     activation_offload: bool = False
     """Keep the tensors saved for the backward in host memory (`torch.autograd.graph.save_on_cpu`,
     pinned on CUDA): frees device memory for longer micro-batches. No effect on CPU runs."""
@@ -188,6 +193,50 @@ class ArithmeticConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ShapesConfig:
+    num_rows: int = 2000
+    """Rows the built-in `task:shapes` generates (validation gets its own seeded rows)."""
+
+    max_shapes: int = 6
+    """At most this many shapes per image (at least 1)."""
+
+    image_size: int = 112
+    """Side of each square image, pixels."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = check_positive(f"{prefix}.num_rows", self.num_rows) + check_positive(f"{prefix}.max_shapes", self.max_shapes)
+        if self.image_size < 28:
+            out.append(ConfigProblem(f"{prefix}.image_size", self.image_size, "is below 28 pixels (one image token)",
+                                     f"set {prefix}.image_size >= 28"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImageConfig:
+    """Images of vision-language rows (`packrl.data.images`); a text model ignores them."""
+
+    max_pixels: int | None = None
+    """Largest image area in pixels after resizing (Qwen2-VL's processor ``max_pixels``; one
+    image token per 28 x 28 pixels there). None = the model processor's own setting."""
+
+    min_pixels: int | None = None
+    """Smallest image area in pixels after resizing (``min_pixels``). None = the processor's own."""
+
+    max_images_per_row: int = 8
+    """A row with more images is rejected (counted, named)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = check_positive(f"{prefix}.max_images_per_row", self.max_images_per_row)
+        for name in ("max_pixels", "min_pixels"):
+            if getattr(self, name) is not None:
+                out += check_positive(f"{prefix}.{name}", getattr(self, name))
+        if self.max_pixels is not None and self.min_pixels is not None and self.min_pixels > self.max_pixels:
+            out.append(ConfigProblem(f"{prefix}.min_pixels", self.min_pixels, f"is above {prefix}.max_pixels={self.max_pixels}",
+                                     f"set {prefix}.min_pixels <= {prefix}.max_pixels"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["task:arithmetic"])
     """Training data: `.jsonl`/`.json` (GSM8K `question`/`answer`, or verl's RL schema),
@@ -230,6 +279,18 @@ class DataConfig:
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Knobs of the built-in `task:arithmetic`."""
 
+    shapes: ShapesConfig = field(default_factory=lambda: ShapesConfig())
+    """Knobs of the built-in `task:shapes` (images; a vision-language model)."""
+
+    image: ImageConfig = field(default_factory=ImageConfig)
+    """How the images of vision-language rows are sized."""
+
+    max_image_tokens: int | None = None
+    """Per row, at most this many image tokens (all its images together, as the processor
+    expands them): larger images are resized down to fit before any prompt policy applies.
+    None = only `data.max_prompt_tokens` bounds them (images are then resized down, never cut,
+    when text + images exceed it)."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens)
         out += check_positive(f"{prefix}.batch_size", self.batch_size)
@@ -238,7 +299,10 @@ class DataConfig:
         if not self.train_files:
             out.append(ConfigProblem(f"{prefix}.train_files", self.train_files, "is empty",
                                      "set data.train_files to a file, task:arithmetic or a hub id"))
-        return out + self.arithmetic.problems(f"{prefix}.arithmetic")
+        if self.max_image_tokens is not None:
+            out += check_positive(f"{prefix}.max_image_tokens", self.max_image_tokens)
+        return out + self.arithmetic.problems(f"{prefix}.arithmetic") + self.image.problems(f"{prefix}.image") + \
+            self.shapes.problems(f"{prefix}.shapes")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

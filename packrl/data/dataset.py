@@ -49,12 +49,16 @@ class PromptDataset:
         *,
         key: str = "data.train_files",
         origins: Sequence[RowSource] = (),
+        images: tuple[Any, Any] | None = None,
     ):
+        """``images``: ``(processor, geometry)`` that read a drawn prompt's images
+        (`packrl.data.vision_prompts.image_inputs`); None for a text dataset."""
         self.prompts: tuple[DatasetPrompt, ...] = tuple(prompts)
         self.accounting = accounting
         self.key = key
         self.origins: tuple[RowSource, ...] = tuple(origins)
         self.duplicates: dict[int, int] = duplicate_rows(self.prompts)
+        self.images = images if any(p.image_sizes for p in self.prompts) else None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -95,13 +99,14 @@ class PromptDataset:
         policy, budget = data_cfg.overlong_prompt, data_cfg.max_prompt_tokens
         # under `error` the budget is applied as `filter` first, so one message names every bad and overlong row
         prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,
-                                            policy="filter" if policy == "error" else policy)
+                                            policy="filter" if policy == "error" else policy, data_cfg=data_cfg)
         bad = {} if data_cfg.skip_bad_rows else rows.bad | {o.row: o.reason for o in outcomes if o.status == "rejected"}
         # a filtered outcome always records its prompt's token count (`apply_prompt_policy`)
         overlong = {o.row: cast(int, o.num_tokens) for o in outcomes if o.status == "filtered"} if policy == "error" else {}
         if bad or overlong:
             _raise_bad_rows(bad, overlong, rows.origins, key, budget)
-        dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins)
+        dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins,
+                      images=_image_reader(tokenizer, data_cfg))
         lengths = dataset.prompt_length_percentiles()
         logger.info("%s: %s; prompt_length p50 %s, p99 %s, max %s tokens", key, dataset.accounting.summary(),
                     lengths["p50"], lengths["p99"], lengths["max"])
@@ -159,12 +164,20 @@ class PromptDataset:
     def batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at dataset positions ``indices`` (0 .. len-1, not global rows) as a `PromptBatch`."""
         chosen = [self.prompts[i] for i in indices]
+        images = None
+        if self.images is not None:
+            from packrl.data.vision_prompts import image_inputs
+
+            processor, geometry = self.images
+            images = tuple(image_inputs(processor, p.example, p.prompt_ids, p.image_sizes, geometry) if p.image_sizes else None
+                           for p in chosen)
         return PromptBatch(
             prompt_ids=tuple(p.prompt_ids for p in chosen),
             ground_truths=tuple(p.example.ground_truth for p in chosen),
             data_sources=tuple(p.example.data_source for p in chosen),
             rows=tuple(p.example.row for p in chosen),
             prompt_truncated=tuple(p.truncated for p in chosen),
+            images=images,
         )
 
     def iter_batches(self, batch_size: int) -> Iterator[PromptBatch]:
@@ -209,6 +222,15 @@ def duplicate_rows(prompts: Sequence[DatasetPrompt]) -> dict[int, int]:
         if seen != p.example.row:
             repeats[p.example.row] = seen
     return repeats
+
+
+def _image_reader(encoder: Any, data_cfg: DataConfig) -> tuple[Any, Any] | None:
+    """``(processor, geometry)`` for a vision-language model's processor, else None."""
+    if not hasattr(encoder, "image_processor"):
+        return None
+    from packrl.data.images import ImageGeometry
+
+    return encoder, ImageGeometry.of(encoder, data_cfg.image.min_pixels, data_cfg.image.max_pixels)
 
 
 def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:

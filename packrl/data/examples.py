@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from packrl.data.images import ImageRef, image_ref
 from packrl.data.loaders import BadRow
 
 GSM8K_SOURCE = "openai/gsm8k"
@@ -38,6 +40,9 @@ class Example:
         data_source: reward dispatch key, e.g. ``"openai/gsm8k"``.
         row: global index of the row over all sources of the split.
         extra_info: verl's ``extra_info`` dict, kept as is (None for GSM8K rows).
+        images: the row's images in order (`packrl.data.images.ImageRef`); each is an
+            ``{"type": "image"}`` part of a message whose content is then a list of parts
+            (``{"type": "text", "text": str}`` for the text around it). Empty for a text row.
     """
 
     chat: list[dict[str, Any]]
@@ -45,6 +50,7 @@ class Example:
     data_source: str
     row: int
     extra_info: dict[str, Any] | None = field(default=None, compare=False)
+    images: tuple[ImageRef, ...] = field(default=(), compare=False)
 
 
 def clean_number(text: str) -> str | None:
@@ -70,6 +76,7 @@ def to_example(
     instruction: str,
     system_prompt: str | None,
     data_source: str = GSM8K_SOURCE,
+    base_dir: Path | None = None,
 ) -> Example | str:
     """Normalise one raw row.
 
@@ -80,6 +87,7 @@ def to_example(
         system_prompt: ``data.system_prompt``, or None.
         data_source: the data source of GSM8K-style rows without their own string
             ``data_source`` field (``"packrl/arithmetic"`` for the built-in task).
+        base_dir: the data file's folder: relative image paths are read from there.
 
     Returns:
         An `Example`, or the reason the row is bad (e.g. ``"non-numeric answer: 'ten'"``).
@@ -89,7 +97,7 @@ def to_example(
     if not isinstance(raw, dict):
         return f"row is of type {type(raw).__name__}, not an object"
     if "prompt" in raw:
-        return _verl_example(raw, row=row, system_prompt=system_prompt)
+        return _verl_example(raw, row=row, system_prompt=system_prompt, base_dir=base_dir)
     if "question" in raw or "answer" in raw:
         return _gsm8k_example(raw, row=row, instruction=instruction, system_prompt=system_prompt, data_source=data_source)
     if "reward_model" in raw:
@@ -127,10 +135,11 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
     )
 
 
-def _verl_example(raw: dict, *, row: int, system_prompt: str | None) -> Example | str:
-    chat = _messages(raw["prompt"])
-    if isinstance(chat, str):
-        return chat
+def _verl_example(raw: dict, *, row: int, system_prompt: str | None, base_dir: Path | None) -> Example | str:
+    parsed = _image_messages(raw["prompt"], raw.get("images"), base_dir)
+    if isinstance(parsed, str):
+        return parsed
+    chat, images = parsed
     reward_model = raw.get("reward_model")
     if not isinstance(reward_model, dict):
         if reward_model is None:
@@ -153,7 +162,69 @@ def _verl_example(raw: dict, *, row: int, system_prompt: str | None) -> Example 
     if system_prompt and not any(m["role"] == "system" for m in chat):
         chat = _system(system_prompt) + chat
     return Example(chat=chat, ground_truth=str(truth).strip(), data_source=source, row=row,
-                   extra_info=extra if isinstance(extra, dict) else None)
+                   extra_info=extra if isinstance(extra, dict) else None, images=images)
+
+
+IMAGE_MARKER = "<image>"
+"""verl's image marker in a message's text: the row's ``images`` take the markers' places in order."""
+
+
+def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[list[dict[str, Any]], tuple[ImageRef, ...]] | str:
+    """verl's ``prompt`` with its images: ``<image>`` markers in string contents take the row's
+    ``images`` column in order (verl's ``_build_messages``), and list contents' image parts
+    (``{"type": "image", "image" | "path": ...}``) theirs. Returns the chat with image messages
+    as lists of parts, and the image references; or the reason the row is bad."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
+        prompt = prompt.tolist()
+    if hasattr(images, "tolist") and not isinstance(images, (list, tuple)):
+        images = images.tolist()
+    has_parts = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
+                                                             for m in prompt)
+    if not images and not has_parts:
+        plain = _messages(prompt)
+        return plain if isinstance(plain, str) else (plain, ())
+    if images is not None and not isinstance(images, (list, tuple)):
+        return f"field 'images' is of type {type(images).__name__}, expected a list"
+    column = list(images or [])
+    refs: list[Any] = []
+    chat: list[dict[str, Any]] = []
+    for i, message in enumerate(prompt if isinstance(prompt, (list, tuple)) else []):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"prompt[{i}] is not a message with a string role"
+        content = message.get("content")
+        if isinstance(content, str):
+            pieces = content.split(IMAGE_MARKER)
+            parts: list[dict[str, Any]] = []
+            for k, piece in enumerate(pieces):
+                if k:
+                    parts.append({"type": "image"})
+                    refs.append(column.pop(0) if column else None)
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+        elif isinstance(content, (list, tuple)):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image":
+                    parts.append({"type": "image"})
+                    refs.append(part.get("image") if part.get("image") is not None else part.get("path"))
+                elif kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    return f"prompt[{i}].content has a part of type {kind!r}; packrl reads text and image parts"
+        else:
+            return f"prompt[{i}].content is {type(content).__name__}, expected a string or a list of parts"
+        chat.append({"role": message["role"], "content": parts})
+    if not chat:
+        return "field 'prompt' is not a non-empty list of chat messages"
+    if None in refs or column:
+        markers = sum(isinstance(m.get("content"), str) and m["content"].count(IMAGE_MARKER) for m in prompt)
+        return f"{markers} {IMAGE_MARKER} marker(s) for {len(images or [])} image(s) in field 'images'; give one image per marker"
+    resolved = [image_ref(r, base_dir) for r in refs]
+    for k, ref in enumerate(resolved):
+        if isinstance(ref, str):
+            return f"image {k}: {ref}"
+    return chat, tuple(r for r in resolved if isinstance(r, ImageRef))
 
 
 def _messages(prompt: Any) -> list[dict[str, Any]] | str:

@@ -8,6 +8,7 @@ A source is one of:
     "train.parquet"                 a parquet table (pyarrow), one row per table row
     "task:arithmetic"               `packrl.data.tasks.arithmetic_rows`; the split picks the seed,
                                     and validation keeps each question once
+    "task:shapes"                   `packrl.data.shapes.shapes_rows` (images; a vision-language model)
     "openai/gsm8k[:main]"           a hub dataset (optional `datasets` package and a network)
 
 A jsonl line that is not valid UTF-8, not valid JSON or not an object does not stop the load:
@@ -25,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packrl.config.schema import ArithmeticConfig
+from packrl.config.schema import ArithmeticConfig, ShapesConfig
+from packrl.data.shapes import shapes_rows
 from packrl.data.tasks import VAL_SEED_OFFSET, arithmetic_rows
 
 logger = logging.getLogger("packrl.data")
 
-TASKS: tuple[str, ...] = ("arithmetic",)
+TASKS: tuple[str, ...] = ("arithmetic", "shapes")
 SPLITS: tuple[str, ...] = ("train", "val")
 FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -55,6 +57,7 @@ def load_rows(
     seed: int,
     split: str,
     key: str | None = None,
+    shapes: ShapesConfig | None = None,
 ) -> list[Any]:
     """Read every row of one source, in order.
 
@@ -62,6 +65,7 @@ def load_rows(
         source: a path ending in ``.jsonl``/``.json``/``.parquet``, ``task:arithmetic`` or a
             hub dataset id (``openai/gsm8k``, ``openai/gsm8k:main`` for a config).
         arithmetic: knobs of ``task:arithmetic`` (``data.arithmetic``).
+        shapes: knobs of ``task:shapes`` (``data.shapes``; default: its defaults).
         seed: ``train.seed``; ``task:arithmetic`` uses it for ``train`` and
             ``seed + VAL_SEED_OFFSET`` for ``val``.
         split: ``"train"`` or ``"val"``; also picks the hub split (val: ``validation``, else ``test``).
@@ -80,6 +84,9 @@ def load_rows(
         raise ValueError(f"split={split!r} is not one of {', '.join(SPLITS)}")
     key = key or _default_key(split)
     if source.startswith("task:"):
+        if source == "task:shapes":
+            cfg = shapes or ShapesConfig()
+            return shapes_rows(cfg.num_rows, cfg.max_shapes, cfg.image_size, seed if split == "train" else seed + VAL_SEED_OFFSET)
         return _task_rows(source, arithmetic=arithmetic, seed=seed, split=split, key=key)
     path = Path(source).expanduser()
     if path.is_file():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from packrl.config.schema import DataConfig
@@ -42,12 +43,15 @@ class DatasetPrompt:
     Attributes:
         example: the normalised row (chat, ground truth, data source, global row).
         prompt_ids: rendered and tokenized prompt, ``len <= data.max_prompt_tokens``.
-        truncated: True where the prompt policy shortened the prompt.
+        truncated: True where the prompt policy shortened the prompt (or shrank its images).
+        image_sizes: ``(width, height)`` pixels of each of the example's images as the prompt
+            holds them (`packrl.data.vision_prompts`); empty for a text prompt.
     """
 
     example: Example
     prompt_ids: tuple[int, ...]
     truncated: bool
+    image_sizes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +96,9 @@ def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, sp
     bad: dict[int, str] = {}
     for row, (raw, origin) in enumerate(zip(raw_rows, origins)):
         data_source = ARITHMETIC_SOURCE if origin.source.startswith("task:") else GSM8K_SOURCE
+        base_dir = None if origin.source.startswith("task:") else Path(origin.source).expanduser().parent
         result = to_example(raw, row=row, instruction=data_cfg.instruction,
-                            system_prompt=data_cfg.system_prompt, data_source=data_source)
+                            system_prompt=data_cfg.system_prompt, data_source=data_source, base_dir=base_dir)
         if isinstance(result, str):
             bad[row] = result
         else:
@@ -107,7 +112,7 @@ def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split:
     rows: list[Any] = []
     origins: list[RowSource] = []
     for source in sources:
-        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key)
+        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key, shapes=data_cfg.shapes)
         rows.extend(loaded)
         origins.extend(RowSource(source, i) for i in range(len(loaded)))
     limit = data_cfg.max_val_rows if split == "val" else None
@@ -118,15 +123,18 @@ def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split:
 
 
 def budget_examples(
-    examples: Sequence[Example], tokenizer: Any, *, max_prompt_tokens: int, policy: Policy
+    examples: Sequence[Example], tokenizer: Any, *, max_prompt_tokens: int, policy: Policy, data_cfg: DataConfig | None = None
 ) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
-    """Render, tokenize and fit each example's chat to the prompt budget (`apply_prompt_policy`).
+    """Render, tokenize and fit each example's chat to the prompt budget (`apply_prompt_policy`;
+    rows with images through the model's processor, `packrl.data.vision_prompts`).
 
     Args:
         examples: usable rows; their ``row`` is the global row number.
-        tokenizer: HF tokenizer with a chat template.
+        tokenizer: HF tokenizer with a chat template, or a vision-language model's processor
+            (``image_processor`` + ``tokenizer``).
         max_prompt_tokens: ``data.max_prompt_tokens`` (tokens, template and generation prompt included).
         policy: ``data.overlong_prompt``.
+        data_cfg: the ``data`` section, for image rows (``image``, ``max_image_tokens``).
 
     Returns:
         ``(prompts, outcomes)``: the surviving prompts in row order, and one `RowOutcome` per
@@ -136,12 +144,38 @@ def budget_examples(
     Raises:
         ValueError: as `apply_prompt_policy` (under ``error``, any overlong prompt).
     """
-    result = apply_prompt_policy([e.chat for e in examples], tokenizer, max_prompt_tokens, policy, row_numbers=[e.row for e in examples])
-    outcomes = [
-        RowOutcome(examples[o.row].row, o.status, o.reason, o.num_tokens, o.num_tokens_removed)
-        for o in result.accounting.outcomes
-    ]
-    prompts = [DatasetPrompt(examples[p.row], p.prompt_ids, p.truncated) for p in result.prompts]
+    processor = tokenizer if hasattr(tokenizer, "image_processor") else None
+    text = [e for e in examples if not e.images]
+    result = apply_prompt_policy([e.chat for e in text], getattr(processor, "tokenizer", tokenizer), max_prompt_tokens, policy,
+                                 row_numbers=[e.row for e in text])
+    outcomes = [RowOutcome(text[o.row].row, o.status, o.reason, o.num_tokens, o.num_tokens_removed) for o in result.accounting.outcomes]
+    prompts = [DatasetPrompt(text[p.row], p.prompt_ids, p.truncated) for p in result.prompts]
+    with_images = [e for e in examples if e.images]
+    if with_images:
+        prompts_, outcomes_ = _budget_image_rows(with_images, processor, max_prompt_tokens, policy, data_cfg or DataConfig())
+        prompts, outcomes = prompts + prompts_, outcomes + outcomes_
+    order = {e.row: k for k, e in enumerate(examples)}
+    return sorted(prompts, key=lambda p: order[p.example.row]), sorted(outcomes, key=lambda o: order[o.row])
+
+
+def _budget_image_rows(examples: Sequence[Example], processor: Any, max_prompt_tokens: int, policy: Policy,
+                       data_cfg: DataConfig) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
+    if processor is None:
+        return [], [RowOutcome(e.row, "rejected", "a row with images needs a vision-language model.path (this model has no "
+                                                  "image processor)") for e in examples]
+    from packrl.data.images import ImageGeometry
+    from packrl.data.vision_prompts import budget_image_examples
+
+    geometry = ImageGeometry.of(processor, data_cfg.image.min_pixels, data_cfg.image.max_pixels)
+    fitted = budget_image_examples(examples, processor, geometry=geometry, max_prompt_tokens=max_prompt_tokens,
+                                   max_image_tokens=data_cfg.max_image_tokens, max_images=data_cfg.image.max_images_per_row,
+                                   policy=policy)
+    prompts, outcomes = [], []
+    for example, (prompt, o) in zip(examples, fitted):
+        outcomes.append(RowOutcome(example.row, o.status, o.reason, o.num_tokens, o.num_tokens_removed))
+        if prompt is not None:
+            ids, sizes, removed = prompt
+            prompts.append(DatasetPrompt(example, ids, removed > 0, tuple(sizes)))
     return prompts, outcomes
 
 

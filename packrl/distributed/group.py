@@ -38,7 +38,7 @@ from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.seqlen.stepwise import StepSamples, step_samples
 from packrl.seqlen.update_plan import UpdatePlan, groups_of
-from packrl.types import PromptBatch, Response, RolloutBatch, TrainBatch, ValueEstimates
+from packrl.types import ImageInputs, PromptBatch, Response, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
 from packrl.worker.critic import critic_metrics
 from packrl.worker.policy import Role, WorkerInfo
@@ -128,17 +128,19 @@ class WorkerGroup:
         """Sample ``params.n`` responses per prompt from exactly ``prompts.prompt_ids``. Every
         prompt's seed is drawn here, so the responses do not depend on the rank that generates
         them. A raising engine is retried once (`generate_with_retry`)."""
-        groups = self.generate_ids(prompts.prompt_ids, params, draw_seeds(len(prompts)), prompts.rows)
+        groups = self.generate_ids(prompts.prompt_ids, params, draw_seeds(len(prompts)), prompts.rows, prompts.images)
         return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                     rows: Sequence[int] = ()) -> list[list[Response]]:
+                     rows: Sequence[int] = (), images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses to ``prompt_ids`` with the given per-prompt seeds, the prompts split
         over the data-parallel ranks by cost (prompt + response budget); ``rows`` (the data rows,
-        for messages) may be empty. Retried once as `generate`."""
+        for messages) may be empty; ``images``: each prompt's images (a vision-language model).
+        Retried once as `generate`."""
         size = self.plan.sequence_parallel_size
         return generate_split(prompt_ids, params, seeds, rows, self.num_ranks,  # one worker per data-parallel rank
-                              lambda calls: self.transport.call("generate", calls, [r * size for r in range(len(calls))]))
+                              lambda calls: self.transport.call("generate", calls, [r * size for r in range(len(calls))]),
+                              images=images)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response] | None:
@@ -286,17 +288,21 @@ def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:
 
 
 def generate_split(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int], rows: Sequence[int],
-                   num_parts: int, call: Callable[[list[tuple]], list]) -> list[list[Response]]:
+                   num_parts: int, call: Callable[[list[tuple]], list],
+                   images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
     """``[B][G]`` responses to ``prompt_ids``, the prompts split into at most ``num_parts`` parts of
     even cost (prompt + response budget, `karmarkar_karp`); ``call(args)`` runs part k's
-    ``(prompt_ids, params, seeds)`` = ``args[k]`` on its own generator and returns each part's
-    ``[b][G]`` responses. Retried once (`generate_with_retry`)."""
+    ``(prompt_ids, params, seeds)`` = ``args[k]`` (with ``images``, each part's images as a fourth
+    argument) on its own generator and returns each part's ``[b][G]`` responses. Retried once
+    (`generate_with_retry`)."""
     costs = [len(p) + params.max_response_tokens for p in prompt_ids]
     parts = [sorted(p) for p in karmarkar_karp(costs, min(num_parts, len(costs))) if p]
 
     def run() -> list:
         out: list = [None] * len(costs)
-        results = call([([prompt_ids[i] for i in part], params, [seeds[i] for i in part]) for part in parts])
+        with_images = images is not None and any(x is not None for x in images)
+        results = call([([prompt_ids[i] for i in part], params, [seeds[i] for i in part])
+                        + (([images[i] for i in part],) if with_images and images is not None else ()) for part in parts])
         for part, groups in zip(parts, results):
             for i, group in zip(part, groups):
                 out[i] = group

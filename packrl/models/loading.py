@@ -57,11 +57,12 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
             ``model.lora.target_modules`` names no Linear module.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from packrl.models.attention import use_packed_attention
     from packrl.models.lora import apply_lora, parameter_counts
     from packrl.models.model_config import apply_rope_scaling, check_text_model
+    from packrl.models.vision import freeze_vision_tower, is_vision_config
 
     compute = compute_dtype or resolve_dtype(cfg.dtype)
     param_dtype = torch.float64 if compute.name == "fp64" else torch.float32
@@ -71,15 +72,19 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
     tokenizer = load_tokenizer(resolved, cfg.path)
     config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
     check_text_model(config, cfg.path)
-    config = apply_rope_scaling(config, cfg.rope_scaling)
+    vision = is_vision_config(config)
+    config = config if vision else apply_rope_scaling(config, cfg.rope_scaling)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             resolved.model_dir, config=config, dtype=param_dtype, attn_implementation="sdpa", **resolved.load_kwargs()
         )
     except ValueError as err:  # an architecture without SDPA attention (e.g. Mamba): its own implementation
         if "does not support an attention implementation" not in str(err):
             raise
-        model = AutoModelForCausalLM.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
+        model = auto.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
+    if vision and cfg.freeze_vision_tower:
+        freeze_vision_tower(model)
     num_embeddings = cast(int, model.get_input_embeddings().num_embeddings)  # torch types it Tensor | Module
     if len(tokenizer) > num_embeddings:
         raise ValueError(
@@ -140,6 +145,25 @@ def _missing_weights_message(path: str, model_dir: Path) -> str:
         f"model.path={path!r} resolved to {model_dir}, which has config.json but no weights "
         f"(no *.safetensors, pytorch_model*.bin or index file); {hint}, or set model.path to a complete model"
     )
+
+
+def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
+    """What renders the policy's prompts: ``tokenizer`` for a text model, the model's processor
+    (`packrl.models.processor.load_processor`) for a vision-language one. Reads configs, no weights.
+
+    Raises:
+        ValueError: as `resolve_model`; a vision-language model without an image processor config.
+    """
+    from transformers import AutoConfig
+
+    from packrl.models.processor import load_processor
+    from packrl.models.vision import is_vision_config
+
+    resolved = resolve_model(cfg.path)
+    if resolved.gguf_file is not None:
+        return tokenizer
+    config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
+    return load_processor(resolved.model_dir, config.model_type, tokenizer) if is_vision_config(config) else tokenizer
 
 
 def load_policy_tokenizer(cfg: ModelConfig) -> Any:

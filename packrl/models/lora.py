@@ -106,8 +106,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         raise ValueError(f"apply_lora needs model.lora.rank >= 1, got {cfg.rank}; set model.lora.rank=16 (0 = LoRA off)")
     targets = peft_target_modules(model, list(cfg.target_modules))
     # peft annotates lora_alpha as int, but takes a float: its scaling is lora_alpha / r
+    # a vision-language model: adapters on its language model only, never in the vision tower
+    exclude = r".*\bvisual\b.*" if getattr(cast("PreTrainedModel", model).config, "vision_config", None) is not None else None
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                              target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                              target_modules=targets, bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, peft_cfg)

@@ -44,24 +44,29 @@ def load_model_config(path: str) -> Any:
         ) from err
 
 
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Vision-language model types packrl trains (`packrl.models.vision`: M-RoPE packing, their
+processors' token counts)."""
+
+
 def check_text_model(config: Any, path: str) -> None:
-    """Refuse a multimodal checkpoint (a vision tower beside the language model): packrl trains
-    causal LMs on text, and transformers would build only the text model from such a config,
-    leaving the checkpoint's ``model.language_model.*`` weights unused (a random policy).
+    """Refuse a multimodal checkpoint of a family packrl does not train (a vision tower beside the
+    language model, not one of `VISION_MODEL_TYPES`): transformers would build only the text model
+    from such a config, leaving the checkpoint's ``model.language_model.*`` weights unused.
 
     Raises:
-        ValueError: the config has a ``vision_config``; the message names the text model type
-            that trains instead.
+        ValueError: such a config; the message names the families that train and the text model
+            type of the checkpoint's family.
     """
-    if getattr(config, "vision_config", None) is None:
+    if getattr(config, "vision_config", None) is None or config.model_type in VISION_MODEL_TYPES:
         return
     text = getattr(config, "text_config", None)
     text_type = getattr(text, "model_type", None)
     instead = (f"a text-only checkpoint of the family (config.json with model_type {text_type!r}, e.g. the language model "
                "saved alone as its *ForCausalLM class)") if text_type else "a text-only checkpoint of the family"
     raise ValueError(f"model.path={path!r} is a multimodal checkpoint ({type(config).__name__}: a vision tower beside its "
-                     f"language model); packrl does not train multimodal checkpoints yet (packrl audit counts their image "
-                     f"tokens). Set model.path to {instead}")
+                     f"language model); packrl trains the multimodal families {', '.join(VISION_MODEL_TYPES)} "
+                     f"only (M-RoPE packing and their processors' token counts). Set model.path to one of those, or to {instead}")
 
 
 _STRETCHING = ("linear", "dynamic", "yarn")
@@ -173,12 +178,13 @@ class ModelShape:
                 matches no Linear module (the message lists them).
         """
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         check_text_model(model_config, path)
+        vision = getattr(model_config, "vision_config", None) is not None
         try:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(model_config)
+                model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(model_config)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"cannot build the model architecture from its config ({type(model_config).__name__}): {err}") from err
         params = {id(p): p for p in model.parameters()}
@@ -186,7 +192,7 @@ class ModelShape:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
         lora_params, lora_modules = 0, 0
         if lora is not None and lora.rank > 0:
-            targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules)]
+            targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules) and ".visual." not in f".{n}."]
             if not targets:
                 names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
                 raise ValueError(
@@ -195,6 +201,7 @@ class ModelShape:
                 )
             lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
             lora_modules = len(targets)
+        model_config = model_config.get_text_config() if vision else model_config  # the shape of the language model
         hidden = _attr(model_config, "hidden_size")
         heads = _attr(model_config, "num_attention_heads") if getattr(model_config, "num_attention_heads", None) is not None else 0
         return cls(

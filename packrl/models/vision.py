@@ -32,25 +32,20 @@ from typing import Any, cast
 
 import torch
 
+from packrl.models.model_config import VISION_MODEL_TYPES
 from packrl.seqlen.packing import Pack
 from packrl.types import ImageInputs
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""Model types whose packed training, rollout and budgets packrl implements."""
-
 
 def is_vision_config(config: Any) -> bool:
-    """True for a config with a vision tower (``vision_config``)."""
-    return getattr(config, "vision_config", None) is not None
+    """True for the config of a vision-language model packrl trains (`VISION_MODEL_TYPES`)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "model_type", None) in VISION_MODEL_TYPES
 
 
-def check_vision_model_type(config: Any, path: str) -> None:
-    """Raises: ValueError: a multimodal config of a family packrl does not train (named, with the
-    families it does)."""
-    if is_vision_config(config) and config.model_type not in VISION_MODEL_TYPES:
-        raise ValueError(f"model.path={path!r} is a {config.model_type!r} vision-language model; packrl trains the "
-                         f"{', '.join(VISION_MODEL_TYPES)} families (M-RoPE packing, their processors' token counts). "
-                         "Set model.path to one of those, or to a text-only checkpoint")
+def freeze_vision_tower(model: torch.nn.Module) -> None:
+    """``model.freeze_vision_tower``: the vision tower (encoder and merger) takes no gradients."""
+    for param in _inner(model).visual.parameters():
+        param.requires_grad_(False)
 
 
 def _inner(model: torch.nn.Module) -> Any:
@@ -61,6 +56,12 @@ def _inner(model: torch.nn.Module) -> Any:
 
 def image_token_id(model: torch.nn.Module) -> int:
     return int(cast(Any, model).config.image_token_id)
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """The vision tokens of a config (image/video placeholders, vision start/end): never sampled."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(getattr(config, n)) for n in names if isinstance(getattr(config, n, None), int)})
 
 
 def vision_features(model: torch.nn.Module, images: ImageInputs) -> torch.Tensor:

@@ -81,7 +81,7 @@ from packrl.rollout.kv_cache import CACHE_ARGUMENT, AppendingLayer, appending_ca
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler
 from packrl.rollout.weights import rollout_copy
-from packrl.types import FinishReason, Response
+from packrl.types import FinishReason, ImageInputs, Response
 
 # Generation settings that would add a logits processor or a stopping rule beyond the requested
 # sampling; a model's generation_config may set any of them, so every call pins them to "off".
@@ -108,6 +108,7 @@ class _Request:
     cap: int
     cap_reason: FinishReason
     seed: int = 0
+    images: ImageInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,12 @@ class HFEngine:
         self.pad_id = pad_id(model, tokenizer, self.eos_ids)
         self.cache_reuse = cache_reuse(model, _CACHE_KEY)
 
+    supports_images = True
+    """`generate` takes the prompts' images (a vision-language model's; see `_vision_inputs`)."""
+
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None,
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[Response]]:
         """Generate `params.n` responses for each prompt; see `RolloutEngine.generate`.
 
@@ -188,6 +193,8 @@ class HFEngine:
             seeds: one seed per prompt; sample g of prompt b draws its noise from a generator
                 seeded with ``request_seed(seeds[b], g)``. Default: seeds drawn from torch's
                 global RNG, so a call is reproducible under ``torch.manual_seed``.
+            images: each prompt's images (None for text), whose placeholders ``prompt_ids``
+                holds expanded; a vision-language model only.
 
         Returns:
             ``[B][G]`` responses in input order.
@@ -201,7 +208,10 @@ class HFEngine:
         if len(seeds) != len(prompt_ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; pass one seed per prompt")
         out: list[list[Response | None]] = [[None] * params.n for _ in prompt_ids]
+        self._check_images(prompt_ids, images)
         requests = self._requests(prompt_ids, params, seeds)
+        if images is not None and any(x is not None for x in images):
+            requests = [dataclasses.replace(r, images=images[r.prompt_index]) for r in requests]
         for req, response in zip(requests, self._run(requests, params)):
             out[req.prompt_index][req.sample_index] = response
         return out  # type: ignore[return-value]
@@ -342,9 +352,11 @@ class HFEngine:
         ended = torch.zeros(len(batch), dtype=torch.bool)  # rows whose response ended
         cut: set[int] = set()  # rows stopped by on_round
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        cache = self._new_cache(ids, mask, batch) if self.cache_reuse.reuses else None
+        vision = self._vision_inputs(batch, ids)
+        reuses = self.cache_reuse.reuses and not vision  # M-RoPE offsets are kept per batch: one round over the whole batch
+        cache = self._new_cache(ids, mask, batch) if reuses else None
         cap = max(r.cap for r in batch)
-        round_tokens = self.options.round_tokens if self.cache_reuse.reuses else cap
+        round_tokens = self.options.round_tokens if reuses else cap
         generators = [torch.Generator(device=device).manual_seed(r.seed) for r in batch]
         while len(alive) and rows.steps < cap:
             kwargs = self._generate_kwargs(params, max_new_tokens=min(round_tokens, cap - rows.steps),
@@ -355,7 +367,7 @@ class HFEngine:
             # torch types a module's attributes as Tensor | Module; this is the transformers model's generate, which
             # returns this dataclass for a decoder-only model under return_dict_in_generate (`_generate_kwargs`)
             generate = cast(Callable[..., GenerateDecoderOnlyOutput], self.model.generate)
-            out = generate(input_ids=ids, attention_mask=mask, **kwargs, **reused)
+            out = generate(input_ids=ids, attention_mask=mask, **{**kwargs, **reused, **vision})
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
             logprobs = None
             if params.return_logprobs:
@@ -374,7 +386,7 @@ class HFEngine:
             if on_round is not None and on_round(ended.tolist()):
                 cut = set(alive[keep].tolist())
                 break
-            assert self.cache_reuse.reuses, "a batch without a reusable cache generates in one round"
+            assert reuses, "a batch without a reusable cache generates in one round"
             cache = getattr(out, _CACHE_KEY)  # the same object the engine made
             if len(keep) < len(alive):
                 select_rows(cache, keep.to(device))
@@ -389,6 +401,37 @@ class HFEngine:
             self._cut(req, generated[i], stop_steps[i], None if logprobs is None else logprobs[i])
             for i, req in enumerate(batch)
         ]
+
+    def _check_images(self, prompt_ids: Sequence[Sequence[int]], images: Sequence[ImageInputs | None] | None) -> None:
+        """Raises: ValueError: a prompt's image placeholders are not its images' tokens (an image
+        without its pixels would be generated from as if it were text)."""
+        placeholder = getattr(cast(Any, self.model).config, "image_token_id", None)
+        if placeholder is None and images is None:
+            return
+        if images is not None and len(images) != len(prompt_ids):
+            raise ValueError(f"got images for {len(images)} prompts, generating {len(prompt_ids)}")
+        for b, ids in enumerate(prompt_ids):
+            x = None if images is None else images[b]
+            held, given = sum(int(t) == placeholder for t in ids), 0 if x is None else x.num_tokens
+            if held != given:
+                raise ValueError(f"prompt {b} holds {held} image placeholder tokens but its images give {given}; pass each "
+                                 "prompt's images (packrl.types.ImageInputs) with its processor-expanded ids")
+
+    def _vision_inputs(self, batch: list[_Request], ids: torch.Tensor) -> dict[str, Any]:
+        """The image arguments of ``generate`` for a batch of a vision-language model: every
+        row's images in row order (a prompt's images once per sample row), their grids, the
+        placeholder mask the model's M-RoPE needs, and the vision tokens banned from sampling (a
+        sampled placeholder would have no image: verl PR #7038). Empty for a text batch."""
+        present = [r.images for r in batch if r.images is not None and r.images.num_images]
+        if not present:
+            return {}
+        from packrl.models.vision import merge_images, vision_token_ids
+
+        images = merge_images(present).to(ids.device)
+        config = cast(Any, self.model).config
+        return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw,
+                "mm_token_type_ids": (ids == config.image_token_id).to(torch.int32),
+                "suppress_tokens": vision_token_ids(config)}
 
     def _new_cache(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request]) -> Any:
         """A batch's KV cache (``options.kv_cache``), each group's prompt prefilled once (`_shared_prefill`)."""

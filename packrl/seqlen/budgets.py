@@ -27,7 +27,8 @@ def model_context_tokens(model_config: Any) -> tuple[int, float]:
     """The model context in tokens and the RoPE factor applied to get it.
 
     Args:
-        model_config: a `transformers.PretrainedConfig` or the dict of a ``config.json``.
+        model_config: a `transformers.PretrainedConfig` or the dict of a ``config.json`` (a
+            vision-language model's: its ``text_config``'s context).
 
     Returns:
         ``(max_context_tokens, rope_factor)``: ``max_position_embeddings`` (or the RoPE
@@ -37,6 +38,9 @@ def model_context_tokens(model_config: Any) -> tuple[int, float]:
     Raises:
         ValueError: the config has no positive integer ``max_position_embeddings``.
     """
+    text = _get(model_config, "text_config")
+    if text is not None and _get(model_config, "max_position_embeddings") is None:
+        model_config = text  # a vision-language model: its language model's context
     max_pos = _get(model_config, "max_position_embeddings")
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
         raise ValueError(

@@ -25,7 +25,7 @@ from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
 from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
-from packrl.models.loading import load_policy_tokenizer
+from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
 from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
@@ -145,7 +145,8 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     if cfg.train.resume not in (None, "auto"):
         resume_candidates(Path("."), cfg.train.resume)  # a wrong path fails before anything is written or loaded
     with Run(cfg) as run:
-        train_set, val_set = _datasets(cfg, workers.tokenizer if workers else load_policy_tokenizer(cfg.model))
+        tokenizer = workers.tokenizer if workers else load_policy_tokenizer(cfg.model)
+        train_set, val_set = _datasets(cfg, load_prompt_encoder(cfg.model, tokenizer))
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
         run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
         with open_worker_group(cfg, run.dir, workers) as workers:

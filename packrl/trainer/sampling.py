@@ -253,8 +253,7 @@ def select_groups(scored: ScoredBatch, groups: Sequence[int]) -> ScoredBatch:
     responses, scores and rewards."""
     rollout, size = scored.rollout, scored.rollout.group_size
     responses = [i * size + j for i in groups for j in range(size)]
-    prompts = PromptBatch(**{f.name: tuple(getattr(rollout.prompts, f.name)[i] for i in groups)
-                             for f in dataclasses.fields(PromptBatch)})
+    prompts = rollout.prompts.select(groups)
     sub = dataclasses.replace(rollout, prompts=prompts, responses=tuple(rollout.responses[i] for i in responses))
     index = torch.tensor(responses, dtype=torch.long)
     return dataclasses.replace(scored, rollout=sub, scores=scored.scores[index], rewards=scored.rewards[index])
@@ -263,8 +262,7 @@ def select_groups(scored: ScoredBatch, groups: Sequence[int]) -> ScoredBatch:
 def concat_scored(parts: Sequence[ScoredBatch]) -> ScoredBatch:
     """``parts`` one after the other (same group size), groups in order."""
     first = parts[0]
-    prompts = PromptBatch(**{f.name: tuple(v for part in parts for v in getattr(part.rollout.prompts, f.name))
-                             for f in dataclasses.fields(PromptBatch)})
+    prompts = PromptBatch.concat([part.rollout.prompts for part in parts])
     responses = tuple(r for part in parts for r in part.rollout.responses)
     rollout = dataclasses.replace(first.rollout, prompts=prompts, responses=responses)
     return dataclasses.replace(first, rollout=rollout, scores=torch.cat([p.scores for p in parts]),

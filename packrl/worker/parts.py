@@ -98,6 +98,31 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tok
     return engine, phrase
 
 
+def check_vision_run(cfg: RunConfig, model: Any, engine: Any, *, has_critic: bool) -> None:
+    """Refuse what a vision-language policy cannot run yet, before any step.
+
+    Raises:
+        ValueError: with a vision-language model: a rollout engine that does not take images
+            (``rollout.engine``, or multi-turn tools), sequence parallelism, a critic, or a rollout
+            mode other than ``sync``; the message names the key and its fix.
+    """
+    if not is_vision_config(cast("PreTrainedModel", model).config):
+        return
+    problems = []
+    if not getattr(engine, "supports_images", False):
+        what = "rollout.multi_turn.tools" if cfg.rollout.multi_turn.enabled else f"rollout.engine={cfg.rollout.engine}"
+        problems.append(f"{what} does not generate from images (set rollout.engine=hf and no tools)")
+    if cfg.trainer.sequence_parallel_size > 1:
+        problems.append("trainer.sequence_parallel_size > 1 does not split image packs (set it to 1)")
+    if has_critic:
+        problems.append("a critic (algorithm.adv_estimator=gae) does not read images (use grpo, rloo or another critic-free estimator)")
+    if cfg.trainer.rollout_mode != "sync":
+        problems.append(f"trainer.rollout_mode={cfg.trainer.rollout_mode} does not carry images across steps (set it to sync)")
+    if problems:
+        raise ValueError(f"model.path={cfg.model.path!r} is a vision-language model, and packrl does not run it with: "
+                         + "; ".join(problems))
+
+
 def compiled_layers(cfg: RunConfig, model: Any, reference: Any) -> dict[str, CompiledLayers | None]:
     """``model.compile``: compiled decoder layers per role (None: that role runs eagerly). Null
     compiles where it can run (`ModelConfig.compile_blocker`) and says so in train.log where it

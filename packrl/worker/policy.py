@@ -23,6 +23,7 @@ its part; a worker executes and returns results in its plan's order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,12 +43,12 @@ from packrl.registry import import_plugins
 from packrl.rollout.engine import SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
-from packrl.types import Response, RolloutBatch, TrainBatch
+from packrl.types import ImageInputs, Response, RolloutBatch, TrainBatch
 from packrl.worker.actor import MicrobatchLoss, UpdateStats, actor_update, compute_logprobs
 from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint
 from packrl.worker.critic import CRITIC_FILE, CriticRole, CriticStats
 from packrl.worker.optim import Optimization
-from packrl.worker.parts import WorkerParts, build_engine, compiled_layers, shares_prompts
+from packrl.worker.parts import WorkerParts, build_engine, check_vision_run, compiled_layers, shares_prompts
 from packrl.worker.strategy import FSDP2, SingleProcess, Strategy
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class PolicyWorker:
         reference = load_reference(model) if plan.has_reference else None
         engine, engine_phrase = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
                                              may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
+        check_vision_run(cfg, model, engine, has_critic=plan.has_critic)
         strategy.wrap(model)
         if reference is not None and reference is not model:
             strategy.wrap(reference)
@@ -228,9 +230,20 @@ class PolicyWorker:
         with self.autocast(), base_policy(self.reference):
             yield
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
-        """``[B][G]`` responses for this worker's prompts (the engine awake only meanwhile)."""
-        return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                 images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+        """``[B][G]`` responses for this worker's prompts (the engine awake only meanwhile), with
+        their images when the prompts have them.
+
+        Raises:
+            ValueError: prompts with images and an engine that does not take them (named).
+        """
+        if images is None:
+            return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
+        if not getattr(self.engine, "supports_images", False):
+            raise ValueError(f"rollout.engine={self.cfg.rollout.engine!r} does not generate from images (with "
+                             f"rollout.multi_turn tools: not yet either); set rollout.engine=hf for a vision-language model")
+        return awake(self.engine, functools.partial(self.engine.generate, images=images), prompt_ids, params, seeds)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Any) -> list[Response] | None:

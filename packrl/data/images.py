@@ -1,0 +1,173 @@
+"""Images of vision-language rows: where they come from, reading them, and sizing them to a budget.
+
+An image reference in a row is a path (relative to the data file), a ``file://`` path, a dict
+with ``bytes`` and/or ``path`` (parquet image columns), or a Pillow image. Reading one can fail
+(missing file, unreadable or empty data, an aspect ratio over 200 that the Qwen-VL processors
+refuse): the row is then rejected with the reason, as other bad rows are.
+
+Sizing (`fit_sizes`): Qwen2-VL-style processors resize each image to sides that are multiples of
+``factor = patch_size x merge_size`` (28 for Qwen2-VL) with an area in ``[min_pixels,
+max_pixels]`` (transformers' ``smart_resize``), one language-model token per ``factor^2``
+pixels. packrl picks each image's size itself, the same way, with ``data.image.max_pixels`` /
+``min_pixels`` over the processor's own; when a row's images together exceed
+``data.max_image_tokens`` or what the prompt budget leaves after the text, every image of the
+row is shrunk by the same area ratio until they fit. The image is then resized to exactly that
+size with Pillow (bicubic) before the processor, whose own resize leaves it unchanged, so the
+rollout engine and the trainer see the same pixels and the budget counts the real tokens.
+A prompt is never cut inside an image: a row whose images cannot fit even at ``min_pixels`` is
+filtered (or, under ``data.overlong_prompt=error``, named).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MAX_ASPECT_RATIO = 200
+"""Qwen-VL processors refuse more elongated images."""
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where one image is: raw ``data`` (encoded bytes), a ``path``, or an in-memory ``image``."""
+
+    data: bytes | None = None
+    path: Path | None = None
+    image: Any = None
+
+    def describe(self) -> str:
+        return repr(str(self.path)) if self.path is not None else "bytes" if self.data is not None else "an in-memory image"
+
+
+def image_ref(value: Any, base_dir: Path | None) -> ImageRef | str:
+    """The `ImageRef` of a row's image value, or the reason it is not one."""
+    if hasattr(value, "size") and hasattr(value, "convert"):  # a Pillow image
+        return ImageRef(image=value)
+    data, ref = None, value
+    if isinstance(value, dict):
+        data, ref = value.get("bytes"), value.get("path") or value.get("image")
+        if isinstance(ref, dict) or (hasattr(ref, "size") and hasattr(ref, "convert")):
+            return image_ref(ref, base_dir)
+    if isinstance(data, (bytes, bytearray)):
+        return ImageRef(data=bytes(data)) if data else "an image has empty bytes"
+    if isinstance(ref, str) and ref:
+        if ref.startswith(("http://", "https://")):
+            return f"image {ref!r} is a URL; packrl reads images from files or bytes (download it first)"
+        path = Path(ref.removeprefix("file://")).expanduser()
+        return ImageRef(path=path if path.is_absolute() or base_dir is None else base_dir / path)
+    keys = ", ".join(sorted(map(str, value))) if isinstance(value, dict) else type(value).__name__
+    return f"an image is neither a path, bytes nor a Pillow image ({keys})"
+
+
+def open_image(ref: ImageRef) -> Any:
+    """The image as an RGB Pillow image, fully read.
+
+    Raises:
+        ValueError: a missing file, unreadable or empty data, a side of 0 pixels, or an aspect
+            ratio over `MAX_ASPECT_RATIO` (the reason names the image).
+    """
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ValueError("images need Pillow, which is not installed: pip install 'packrl[vision]'") from err
+    try:
+        if ref.image is not None:
+            image = ref.image
+        elif ref.data is not None:
+            image = Image.open(io.BytesIO(ref.data))
+        else:
+            assert ref.path is not None  # an ImageRef holds one of the three
+            image = Image.open(ref.path)
+        image.load()
+    except FileNotFoundError:
+        raise ValueError(f"image file {ref.describe()} does not exist") from None
+    except Exception as err:  # Pillow raises several types for unreadable data
+        raise ValueError(f"image {ref.describe()} is not a readable image ({type(err).__name__})") from err
+    width, height = image.size
+    if min(width, height) < 1:
+        raise ValueError(f"image {ref.describe()} is {width}x{height} pixels (empty)")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image {ref.describe()} is {width}x{height} pixels: aspect ratio over {MAX_ASPECT_RATIO}, which "
+                         "the Qwen-VL processors refuse")
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """How a processor turns an image size into tokens (Qwen2-VL style).
+
+    Attributes:
+        factor: pixels per side of one language-model token (patch x merge; 28 for Qwen2-VL).
+        merge: the spatial merge (patches per token side).
+        min_pixels / max_pixels: the resized area bounds, pixels.
+        extra_tokens: tokens around each image's placeholders (``<|vision_start|>``, ``<|vision_end|>``).
+    """
+
+    factor: int
+    merge: int
+    min_pixels: int
+    max_pixels: int
+    extra_tokens: int = 2
+
+    @classmethod
+    def of(cls, processor: Any, min_pixels: int | None, max_pixels: int | None) -> ImageGeometry:
+        """The geometry of ``processor``'s image processor, with ``data.image.min/max_pixels`` over its own.
+
+        Raises:
+            ValueError: an image processor without Qwen2-VL-style ``patch_size``/``merge_size``.
+        """
+        ip = processor.image_processor
+        patch, merge = getattr(ip, "patch_size", None), getattr(ip, "merge_size", None)
+        if not isinstance(patch, int) or not isinstance(merge, int):
+            raise ValueError(f"{type(ip).__name__} has no patch_size/merge_size; packrl sizes images for Qwen2-VL-style processors")
+        size = getattr(ip, "size", None) or {}
+        own_min = getattr(ip, "min_pixels", None) or _get(size, "shortest_edge") or 56 * 56
+        own_max = getattr(ip, "max_pixels", None) or _get(size, "longest_edge") or 28 * 28 * 1280
+        return cls(patch * merge, merge, min_pixels or own_min, max_pixels or own_max)
+
+    def resized(self, width: int, height: int, max_pixels: int | None = None) -> tuple[int, int]:
+        """``(width, height)`` after transformers' ``smart_resize`` with this geometry (a lower
+        ``max_pixels`` to shrink further)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        h, w = smart_resize(height, width, factor=self.factor, min_pixels=self.min_pixels,
+                            max_pixels=max(self.min_pixels, max_pixels or self.max_pixels))
+        return w, h
+
+    def tokens(self, width: int, height: int) -> int:
+        """Placeholder tokens of an image already at a resized size."""
+        return (width // self.factor) * (height // self.factor)
+
+
+def _get(size: Any, key: str) -> int | None:
+    value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+    return value if isinstance(value, int) else None
+
+
+def fit_sizes(sizes: list[tuple[int, int]], geometry: ImageGeometry, max_tokens: int | None) -> list[tuple[int, int]] | None:
+    """Each image's resized ``(width, height)``, all shrunk by one area ratio until the images'
+    tokens (placeholders + markers) total at most ``max_tokens`` (None: no bound).
+
+    Returns:
+        The sizes, or None when even the smallest sizes (``min_pixels``) do not fit.
+    """
+    fitted = [geometry.resized(w, h) for w, h in sizes]
+
+    def total(out: list[tuple[int, int]]) -> int:
+        return sum(geometry.tokens(w, h) + geometry.extra_tokens for w, h in out)
+
+    if max_tokens is None or total(fitted) <= max_tokens:
+        return fitted
+    scale = 1.0
+    for _ in range(64):
+        scale *= max(0.5, math.sqrt(max_tokens / total(fitted)) * 0.98)
+        fitted = [geometry.resized(w, h, max_pixels=max(geometry.min_pixels, int(fw * fh * scale)))
+                  for (w, h), (fw, fh) in zip(sizes, [geometry.resized(w, h) for w, h in sizes])]
+        if total(fitted) <= max_tokens:
+            return fitted
+        if all(fw * fh <= geometry.min_pixels * 1.0001 for fw, fh in fitted):
+            return None
+    return None

@@ -1,0 +1,112 @@
+"""Prompt budgets for rows with images, through the model's own processor.
+
+A row's prompt ids are what the processor makes of its chat and images: the template's text
+with each image's placeholder expanded to its tokens (``<|vision_start|>`` + one
+``<|image_pad|>`` per token + ``<|vision_end|>`` for Qwen2-VL). So the prompt budget
+(``data.max_prompt_tokens``) holds text and image tokens together, counted as the rollout
+engine and the trainer see them. Per row (`budget_image_examples`):
+
+1. every image is read (unreadable, empty, too elongated or too many: the row is rejected with
+   the reason) and sized (`packrl.data.images.fit_sizes`): ``data.image.*`` bounds, then
+   ``data.max_image_tokens`` for the row's images together (``kept``: asked for);
+2. the prompt is rendered; when text + images exceed the budget, the images are shrunk to what
+   the budget leaves after the text (``truncated``: the reason says the images were resized, and
+   the tokens removed are counted); no policy ever cuts a prompt inside an image's run;
+3. a row whose text and smallest images still do not fit is ``filtered`` (named under
+   ``data.overlong_prompt=error``).
+
+The sizes are kept with the prompt; the pixels are read again and processed when the prompt is
+drawn (`image_inputs`), and their ids checked against the budgeted ones, so a dataset holds ids
+and sizes, not pixel tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from packrl.data.examples import Example
+from packrl.data.images import ImageGeometry, fit_sizes, open_image
+from packrl.seqlen.prompt_policy import Policy, RowOutcome
+
+
+def encode_images(processor: Any, chat: Sequence[dict], images: Sequence[Any], sizes: Sequence[tuple[int, int]],
+                  geometry: ImageGeometry) -> dict[str, Any]:
+    """The processor's outputs (``input_ids`` [1, P], ``pixel_values``, ``image_grid_thw``) for
+    ``chat`` with ``images`` resized to ``sizes`` ((width, height) each; the processor's own
+    resize then keeps them)."""
+    from PIL import Image
+
+    resized = [im if im.size == size else im.resize(size, Image.Resampling.BICUBIC) for im, size in zip(images, sizes)]
+    text = processor.apply_chat_template(list(chat), tokenize=False, add_generation_prompt=True)
+    return processor(text=[text], images=resized, return_tensors="pt",
+                     size={"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels})
+
+
+def budget_image_examples(examples: Sequence[Example], processor: Any, *, geometry: ImageGeometry, max_prompt_tokens: int,
+                          max_image_tokens: int | None, max_images: int, policy: Policy) -> list[tuple[Any, RowOutcome]]:
+    """Fit each image example to the budget (module docstring).
+
+    Returns:
+        Per example, ``(prompt, outcome)``: ``prompt`` is ``(prompt_ids, sizes, num_tokens_removed)``
+        or None; ``outcome.row`` is the example's index in ``examples``.
+    """
+    out: list[tuple[Any, RowOutcome]] = []
+    for i, example in enumerate(examples):
+        if len(example.images) > max_images:
+            out.append((None, RowOutcome(i, "rejected", f"{len(example.images)} images > data.image.max_images_per_row={max_images}")))
+            continue
+        try:
+            images = [open_image(ref) for ref in example.images]
+        except ValueError as err:
+            out.append((None, RowOutcome(i, "rejected", str(err))))
+            continue
+        out.append(_fit_row(i, example, images, processor, geometry, max_prompt_tokens, max_image_tokens, policy))
+    return out
+
+
+def _fit_row(i: int, example: Example, images: list[Any], processor: Any, geometry: ImageGeometry, budget: int,
+             max_image_tokens: int | None, policy: Policy) -> tuple[Any, RowOutcome]:
+    originals = [im.size for im in images]
+    sizes = fit_sizes(originals, geometry, max_image_tokens)
+    if sizes is None:
+        return None, RowOutcome(i, "filtered", f"its images need more than data.max_image_tokens={max_image_tokens} tokens "
+                                               "even at data.image.min_pixels")
+    ids = _ids(processor, example.chat, images, sizes, geometry)
+    if len(ids) <= budget:
+        return (ids, sizes, 0), RowOutcome(i, "kept", "", len(ids))
+    vision = sum(geometry.tokens(w, h) + geometry.extra_tokens for w, h in sizes)
+    room = min(budget - (len(ids) - vision), max_image_tokens or budget)
+    smaller = fit_sizes(originals, geometry, room) if room > 0 and policy != "filter" else None
+    if smaller is not None:
+        fitted = _ids(processor, example.chat, images, smaller, geometry)
+        if len(fitted) <= budget:
+            resized = ", ".join(f"{w}x{h}" for w, h in smaller)
+            return (fitted, smaller, len(ids) - len(fitted)), RowOutcome(
+                i, "truncated", f"{len(ids)} -> {len(fitted)} tokens (images resized to {resized}; text kept whole)",
+                len(ids), len(ids) - len(fitted))
+    why = "images are never cut" if policy != "filter" else "data.overlong_prompt=filter"
+    return None, RowOutcome(i, "filtered", f"{len(ids)} tokens ({vision} of them image tokens) > data.max_prompt_tokens={budget}; "
+                                           f"{why}", len(ids))
+
+
+def _ids(processor: Any, chat: Sequence[dict], images: list[Any], sizes: list[tuple[int, int]], geometry: ImageGeometry) -> tuple[int, ...]:
+    return tuple(encode_images(processor, chat, images, sizes, geometry)["input_ids"][0].tolist())
+
+
+def image_inputs(processor: Any, example: Example, prompt_ids: Sequence[int], sizes: Sequence[tuple[int, int]],
+                 geometry: ImageGeometry) -> Any:
+    """The `packrl.types.ImageInputs` of a budgeted image prompt, read and processed again.
+
+    Raises:
+        RuntimeError: the processor now gives other prompt ids than at budgeting (an image file
+            changed on disk while training).
+    """
+    from packrl.types import ImageInputs
+
+    out = encode_images(processor, example.chat, [open_image(ref) for ref in example.images], list(sizes), geometry)
+    ids = tuple(out["input_ids"][0].tolist())
+    if ids != tuple(prompt_ids):
+        raise RuntimeError(f"row {example.row}: its images now give a {len(ids)}-token prompt, {len(prompt_ids)} when the "
+                           "dataset was built; did an image file change during the run?")
+    return ImageInputs(out["pixel_values"], out["image_grid_thw"], merge_size=geometry.merge)

@@ -1,0 +1,126 @@
+"""Rows with images: read through the model's processor, every image token inside the prompt
+budget, images resized (never cut) to fit, bad images counted and named."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from packrl.config.schema import DataConfig, ImageConfig
+from packrl.data.dataset import PromptDataset
+from packrl.data.examples import to_example
+from packrl.data.images import ImageGeometry, fit_sizes
+from packrl.data.shapes import shapes_rows
+from tests.vlm import image, tiny_processor, vlm_tokenizer
+
+
+@pytest.fixture(scope="module")
+def processor(smollm_tokenizer):
+    return tiny_processor(vlm_tokenizer(), max_pixels=28 * 28 * 256)
+
+
+def _png(width: int, height: int, seed: int = 0) -> bytes:
+    out = io.BytesIO()
+    image(width, height, seed).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _row(content: str, images: list, truth: str = "3") -> dict:
+    return {"prompt": [{"role": "user", "content": content}], "images": images, "reward_model": {"ground_truth": truth},
+            "data_source": "test/vision"}
+
+
+def _build(tmp_path, rows, processor, **data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = DataConfig(train_files=[str(path)], batch_size=1, **({"max_prompt_tokens": 512} | data))
+    return PromptDataset.build(cfg.train_files, processor, cfg, seed=0, split="train", key="data.train_files")
+
+
+def test_image_tokens_count_in_the_prompt_and_match_the_images(tmp_path, processor):
+    rows = [_row("<image>How many?", [{"bytes": _png(100, 60)}]),
+            _row("Two: <image> and <image>.", [{"bytes": _png(40, 150)}, {"bytes": _png(64, 64, 1)}]), _row("No image here.", [])]
+    dataset = _build(tmp_path, rows, processor)
+    assert dataset.accounting.num_kept == 3
+    batch = dataset.batch(range(3))
+    pad = processor.image_token_id
+    for ids, images in zip(batch.prompt_ids, batch.images):
+        held = sum(t == pad for t in ids)
+        assert held == (0 if images is None else images.num_tokens)
+    assert batch.images[0].num_images == 1 and batch.images[1].num_images == 2 and batch.images[2] is None
+    assert batch.images[0].num_tokens > 0 and len(batch.prompt_ids[0]) > batch.images[0].num_tokens
+
+
+def test_max_image_tokens_resizes_before_the_budget(tmp_path, processor):
+    rows = [_row("<image>How many?", [{"bytes": _png(448, 448)}])]
+    big = _build(tmp_path, rows, processor).batch([0]).images[0]
+    capped = _build(tmp_path, rows, processor, max_image_tokens=40)
+    small = capped.batch([0]).images[0]
+    assert big.num_tokens == 256 and small.num_tokens + 2 <= 40  # 2 markers around the placeholders
+    assert capped.accounting.outcomes[0].status == "kept"
+
+
+def test_an_overlong_image_prompt_is_resized_or_filtered_never_cut(tmp_path, processor):
+    rows = [_row("<image>" + "word " * 30, [{"bytes": _png(448, 448)}])]
+    full = _build(tmp_path, rows, processor).batch([0])
+    budget = len(full.prompt_ids[0]) - 100  # room for the text and a smaller image
+    resized = _build(tmp_path, rows, processor, max_prompt_tokens=budget, overlong_prompt="right")
+    outcome = resized.accounting.outcomes[0]
+    assert outcome.status == "truncated" and "images resized" in outcome.reason and outcome.num_tokens_removed > 0
+    batch = resized.batch([0])
+    assert len(batch.prompt_ids[0]) <= budget
+    assert sum(t == processor.image_token_id for t in batch.prompt_ids[0]) == batch.images[0].num_tokens
+    small = _row("<image>Count.", [{"bytes": _png(56, 56)}])
+    filtered = _build(tmp_path, [*rows, small], processor, max_prompt_tokens=budget, overlong_prompt="filter")
+    assert [o.status for o in filtered.accounting.outcomes] == ["filtered", "kept"]
+    text_only = len(full.prompt_ids[0]) - full.images[0].num_tokens - 2
+    with pytest.raises(ValueError, match="no usable prompt"):  # not even the smallest image fits: filtered, never cut
+        _build(tmp_path, rows, processor, max_prompt_tokens=text_only + 3, overlong_prompt="middle")
+
+
+def test_bad_images_are_counted_and_named(tmp_path, processor):
+    rows = [_row("<image>a", [{"bytes": b"not an image"}]), _row("<image>b", [{"path": "missing.png"}]),
+            _row("<image><image>c", [{"bytes": _png(40, 40)}]), _row("<image>" * 3 + "d", [{"bytes": _png(40, 40)}] * 3),
+            _row("<image>e", [{"bytes": _png(2000, 5)}]), _row("<image>ok", [{"bytes": _png(40, 40)}])]
+    dataset = _build(tmp_path, rows, processor, skip_bad_rows=True, image=ImageConfig(max_images_per_row=2))
+    reasons = [o.reason for o in dataset.accounting.outcomes]
+    assert [o.status for o in dataset.accounting.outcomes] == ["rejected"] * 5 + ["kept"]
+    assert "not a readable image" in reasons[0] and "does not exist" in reasons[1]
+    assert "2 <image> marker(s) for 1 image(s)" in reasons[2] and "3 images > data.image.max_images_per_row=2" in reasons[3]
+    assert "aspect ratio over 200" in reasons[4]
+    with pytest.raises(ValueError, match="not a readable image"):
+        _build(tmp_path, rows, processor, image=ImageConfig(max_images_per_row=2))
+
+
+def test_image_rows_need_a_vision_model(tmp_path, smollm_tokenizer):
+    with pytest.raises(ValueError, match="needs a vision-language model.path"):
+        _build(tmp_path, [_row("<image>a", [{"bytes": _png(40, 40)}])], smollm_tokenizer)
+
+
+def test_chat_parts_and_relative_paths(tmp_path):
+    image(30, 30).save(tmp_path / "a.png")
+    raw = {"prompt": [{"role": "user", "content": [{"type": "image", "path": "a.png"}, {"type": "text", "text": "Count."}]}],
+           "reward_model": {"ground_truth": "1"}, "data_source": "x"}
+    example = to_example(raw, row=0, instruction="", system_prompt=None, base_dir=tmp_path)
+    assert example.chat[0]["content"] == [{"type": "image"}, {"type": "text", "text": "Count."}]
+    assert example.images[0].path == tmp_path / "a.png"
+
+
+def test_fit_sizes_shrinks_all_images_to_the_budget(processor):
+    geometry = ImageGeometry.of(processor, None, None)
+    sizes = fit_sizes([(448, 448), (224, 112)], geometry, 60)
+    assert sizes is not None and sum(geometry.tokens(w, h) + 2 for w, h in sizes) <= 60
+    assert all(w % 28 == 0 and h % 28 == 0 for w, h in sizes)
+    assert fit_sizes([(448, 448)] * 8, geometry, 20) is None  # 8 images x (4 + 2) tokens at least
+
+
+def test_task_shapes_rows_are_seeded_and_answered_by_the_image():
+    rows = shapes_rows(6, 5, 112, seed=3)
+    assert rows == shapes_rows(6, 5, 112, seed=3)
+    assert len({r["prompt"][0]["content"] for r in rows}) == 1  # the text is the same: the count is in the image
+    assert all(1 <= int(r["reward_model"]["ground_truth"]) <= 5 for r in rows)
+    assert len({r["images"][0]["bytes"] for r in rows}) == 6

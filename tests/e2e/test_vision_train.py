@@ -1,0 +1,52 @@
+"""End to end with a tiny random Qwen2-VL saved with its processor: `packrl train vision_demo`
+through the CLI, images in every prompt, the engine's log-probs equal to the trainer's (they score
+the same prompt ids and images), the vision tower frozen, an over-budget row resized."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from packrl.cli.main import main
+from tests.vlm import save_tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory, smollm_tokenizer):
+    return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
+
+
+def test_vision_demo_trains_two_steps(tmp_path, vlm_dir):
+    run = tmp_path / "run"
+    code = main(["train", "vision_demo", f"model.path={vlm_dir}", "train.total_steps=2", f"train.out_dir={run}",
+                 "model.dtype=fp32", "rollout.return_logprobs=true", "data.shapes.num_rows=16", "train.save_every=2",
+                 "algorithm.entropy_coeff=0.01", "train.lr=1e-3"])  # random rewards are all 0: the entropy term moves the weights
+    assert code == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert line["prompt_length/vision_tokens/mean"] == 16  # a 112 x 112 image: (112 / 28)^2 tokens
+        assert line["prompt_length/text_tokens/mean"] + 16 == line["prompt_length/mean"]
+        assert line["prompt_length/num_images/mean"] == 1
+        assert line["training/rollout_probs_diff_max"] < 1e-4  # the engine and the trainer saw the same prompts and images
+    from safetensors.torch import load_file
+
+    before, after = load_file(vlm_dir / "model.safetensors"), load_file(next(run.glob("checkpoints/step_2")) / "model.safetensors")
+    visual = [k for k in after if ".visual." in f".{k}"]
+    assert visual and all(torch.equal(before[k], after[k]) for k in visual)  # model.freeze_vision_tower
+    assert any(not torch.equal(before[k], after[k]) for k in after if k not in visual)
+
+
+def test_a_prompt_over_budget_is_resized_and_counted(tmp_path, vlm_dir):
+    run = tmp_path / "run"
+    code = main(["train", "vision_demo", f"model.path={vlm_dir}", "train.total_steps=1", f"train.out_dir={run}",
+                 "data.shapes.image_size=448", "data.max_image_tokens=null", "data.max_prompt_tokens=60",
+                 "data.overlong_prompt=middle", "data.shapes.num_rows=8", "data.batch_size=2", "rollout.n=2"])
+    assert code == 0
+    accounting = json.loads((run / "data_accounting.json").read_text())["train"]
+    assert accounting["totals"]["num_truncated"] == 8
+    assert all("images resized" in row["reason"] for row in accounting["rows"])
+    line = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["prompt_length/max"] <= 60 and line["prompt_length/vision_tokens/mean"] < 64  # 64: the processor's own cap
