@@ -59,6 +59,13 @@ median wall time, unshared -> shared:
   53.6 -> 25.3 s, ratio 2.12.
 
 So ``train.share_prompts`` is on by default where the attention path can run it.
+
+Vision-language packs (``--vision``, `bench/packing_vision.py`): a random Qwen2-VL with
+SmolLM2-135M's text shapes and a 4-block vision tower, GSM8K lengths plus 0-2 images of mixed
+sizes per prompt, ``padded`` (the model's own forward) against ``varlen`` packs carrying their
+images::
+
+    python bench/bench_packing.py --vision [--num-sequences 24] [--num-layers 30]
 """
 
 from __future__ import annotations
@@ -247,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--group-size", type=int, default=0, help="compare shared-prompt packs with G responses per prompt")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="with --group-size: fixed prompt length (0 = GSM8K's)")
     parser.add_argument("--response-tokens", type=int, default=0, help="with --group-size: fixed response length (0 = GSM8K's)")
+    parser.add_argument("--vision", action="store_true", help="a vision-language batch with mixed image sizes (bench/packing_vision.py)")
+    parser.add_argument("--vision-depth", type=int, default=4, help="with --vision: blocks of the vision tower")
     args = parser.parse_args(argv)
     check_positive(parser, args, "num_sequences", "num_layers", "repeats", "padded_microbatch", "max_tokens", "chunk_tokens",
                    "group_size", "prompt_tokens", "response_tokens", allow_zero=("group_size", "prompt_tokens", "response_tokens"))
@@ -254,6 +263,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--group-size {args.group_size} must divide --num-sequences {args.num_sequences}")
     if args.group_size:
         return shared_report(args)
+    if args.vision:
+        from bench.packing_vision import vision_report
+
+        return vision_report(args, timed, _dtype_name(args.dtype))
 
     lengths = [p + r for p, r in sample_lengths(args.num_sequences, args.seed)]
     model = smollm_model(args.dtype, args.num_layers)

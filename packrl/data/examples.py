@@ -203,15 +203,21 @@ def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[li
                     parts.append({"type": "text", "text": piece})
         elif isinstance(content, (list, tuple)):
             parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
+            for k, part in enumerate(content):
+                if not isinstance(part, dict):
+                    return f"prompt[{i}].content[{k}] is {type(part).__name__}, expected a part {{type: text | image}}"
+                kind = part.get("type")
                 if kind == "image":
+                    ref = part.get("image") if part.get("image") is not None else part.get("path")
+                    if ref is None:
+                        keys = ", ".join(sorted(map(str, part)))
+                        return f"prompt[{i}].content[{k}] is an image part without 'image' or 'path' (keys: {keys})"
                     parts.append({"type": "image"})
-                    refs.append(part.get("image") if part.get("image") is not None else part.get("path"))
+                    refs.append(ref)
                 elif kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
                 else:
-                    return f"prompt[{i}].content has a part of type {kind!r}; packrl reads text and image parts"
+                    return f"prompt[{i}].content[{k}] has type {kind!r}; packrl reads text and image parts"
         else:
             return f"prompt[{i}].content is {type(content).__name__}, expected a string or a list of parts"
         chat.append({"role": message["role"], "content": parts})

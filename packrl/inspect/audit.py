@@ -107,8 +107,9 @@ DATA_KEY = "DATA"
 _CHUNK_ROWS = 1024  # rows per render/tokenize call: the progress bar's step
 _NO_BUDGET = 1 << 62  # a prompt budget no row reaches: renders without truncating
 _MULTIMODAL_TRAINING = (
-    "packrl train reads text chats only and rejects these rows as bad rows; the counts are what a "
-    "Qwen2-VL-style model would take: rendered text plus fixed image tokens"
+    "packrl train reads these rows through a vision-language model's processor (docs/multimodal.md; a text "
+    "model.path rejects them); the counts here are what a Qwen2-VL-style model at the processor's default sizing "
+    "would take: rendered text plus image tokens (packrl preflight gives the sizing of the configured model)"
 )
 
 

@@ -177,6 +177,8 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             problems += _sequence_parallel_problems(cfg, model_config, packing)
             notes += _engine_notes(cfg, shape, budgets, device)
             notes += _multi_turn_notes(cfg) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
+            vision_notes, vision_problems = _vision(cfg, model_config)
+            notes, problems = notes + vision_notes, problems + vision_problems
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
                 problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
@@ -220,6 +222,46 @@ def _multi_turn_notes(cfg: RunConfig) -> list[str]:
     return [f"rollout.multi_turn.tools is set but rollout.stop does not hold {CALL_CLOSE!r}: a turn goes on after its tool "
             f"call until EOS or its budget, and its calls run only then; add rollout.stop=['{CALL_CLOSE}'] to answer each "
             "call as soon as it is written"]
+
+
+VISION_SIZES = ((224, 224), (448, 448), (1024, 768), (1920, 1080))
+"""Image sizes (width, height) preflight reports for a vision-language model."""
+
+
+def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigProblem]]:
+    """For a vision-language model: the image tokens of `VISION_SIZES` as its processor (with
+    ``data.image.*`` and ``data.max_image_tokens``) sizes them, the prompt budget each leaves for
+    text, and what it cannot run with (`packrl.worker.parts.vision_run_problems`)."""
+    from packrl.config.plan import BatchPlan
+    from packrl.data.images import ImageGeometry, fit_sizes
+    from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
+    from packrl.models.vision import is_vision_config
+    from packrl.worker.parts import vision_run_problems
+
+    if not is_vision_config(model_config):
+        return [], []
+    problems = vision_run_problems(cfg, engine_takes_images=cfg.rollout.engine == "hf" and not cfg.rollout.multi_turn.enabled,
+                                   has_critic=BatchPlan.from_config(cfg).has_critic)
+    out = [ConfigProblem("model.path", cfg.model.path, f"is a vision-language model: {p}", "see the message") for p in problems]
+    try:
+        processor = load_prompt_encoder(cfg.model, load_policy_tokenizer(cfg.model))
+        geometry = ImageGeometry.of(processor, cfg.data.image.min_pixels, cfg.data.image.max_pixels)
+    except ValueError as err:
+        return [], out + [ConfigProblem("model.path", cfg.model.path, str(err), "see the message")]
+    rows = []
+    for width, height in VISION_SIZES:
+        fitted = fit_sizes([(width, height)], geometry, cfg.data.max_image_tokens)
+        if fitted is None:
+            rows.append(f"{width}x{height}: does not fit data.max_image_tokens={cfg.data.max_image_tokens}")
+            continue
+        (w, h), = fitted
+        tokens = geometry.tokens(w, h) + geometry.extra_tokens
+        patches = geometry.tokens(w, h) * geometry.merge ** 2
+        rows.append(f"{width}x{height} -> {w}x{h}: {tokens} tokens, {patches} encoder patches, "
+                    f"{cfg.data.max_prompt_tokens - tokens} of data.max_prompt_tokens={cfg.data.max_prompt_tokens} left for text")
+    pixels = f"{geometry.min_pixels:,}..{geometry.max_pixels:,} pixels per image (data.image.min_pixels/max_pixels or the processor's)"
+    return [f"vision-language model: one image token per {geometry.factor}x{geometry.factor} pixels, {pixels}; per image: "
+            + "; ".join(rows)], out
 
 
 def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any) -> list[ConfigProblem]:

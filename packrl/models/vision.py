@@ -4,7 +4,7 @@ that keeps every sequence's images, M-RoPE positions and attention its own.
 Shapes: ``K`` tokens in a pack · ``H`` hidden size · ``n_i`` images of sequence i · ``Np`` vision
 patches (rows of ``pixel_values``) · ``D`` values per patch (3 x temporal patch x patch^2).
 
-Families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers' ``*ForConditionalGeneration``): a
+Families: Qwen2-VL and Qwen2.5-VL (transformers' ``*ForConditionalGeneration``): a
 vision tower turns ``pixel_values`` ([Np, D], every image's patches one after another) into one
 embedding per merged patch (``t*h*w / merge^2`` per image, `ImageInputs.num_tokens`), which
 replace the prompt's image placeholder tokens (``<|image_pad|>``) in order. Positions are 3-D

@@ -98,18 +98,10 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tok
     return engine, phrase
 
 
-def check_vision_run(cfg: RunConfig, model: Any, engine: Any, *, has_critic: bool) -> None:
-    """Refuse what a vision-language policy cannot run yet, before any step.
-
-    Raises:
-        ValueError: with a vision-language model: a rollout engine that does not take images
-            (``rollout.engine``, or multi-turn tools), sequence parallelism, a critic, or a rollout
-            mode other than ``sync``; the message names the key and its fix.
-    """
-    if not is_vision_config(cast("PreTrainedModel", model).config):
-        return
+def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic: bool) -> list[str]:
+    """What a vision-language policy cannot run with yet, each with its fix (empty: none)."""
     problems = []
-    if not getattr(engine, "supports_images", False):
+    if not engine_takes_images:
         what = "rollout.multi_turn.tools" if cfg.rollout.multi_turn.enabled else f"rollout.engine={cfg.rollout.engine}"
         problems.append(f"{what} does not generate from images (set rollout.engine=hf and no tools)")
     if cfg.trainer.sequence_parallel_size > 1:
@@ -118,6 +110,19 @@ def check_vision_run(cfg: RunConfig, model: Any, engine: Any, *, has_critic: boo
         problems.append("a critic (algorithm.adv_estimator=gae) does not read images (use grpo, rloo or another critic-free estimator)")
     if cfg.trainer.rollout_mode != "sync":
         problems.append(f"trainer.rollout_mode={cfg.trainer.rollout_mode} does not carry images across steps (set it to sync)")
+    return problems
+
+
+def check_vision_run(cfg: RunConfig, model: Any, engine: Any, *, has_critic: bool) -> None:
+    """Refuse what a vision-language policy cannot run yet, before any step (`vision_run_problems`).
+
+    Raises:
+        ValueError: with a vision-language model, any of `vision_run_problems`; the message names
+            the keys and their fixes.
+    """
+    if not is_vision_config(cast("PreTrainedModel", model).config):
+        return
+    problems = vision_run_problems(cfg, engine_takes_images=getattr(engine, "supports_images", False), has_critic=has_critic)
     if problems:
         raise ValueError(f"model.path={cfg.model.path!r} is a vision-language model, and packrl does not run it with: "
                          + "; ".join(problems))

@@ -18,7 +18,14 @@ def vlm_dir(tmp_path_factory, smollm_tokenizer):
     return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
 
 
-def test_vision_demo_trains_two_steps(tmp_path, vlm_dir):
+@pytest.fixture(scope="module")
+def vlm25_dir(tmp_path_factory, smollm_tokenizer):
+    return save_tiny_vlm(tmp_path_factory.mktemp("vlm25") / "tiny-qwen2.5-vl", family="qwen2_5_vl")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_demo_trains_two_steps(tmp_path, vlm_dir, vlm25_dir, family):
+    vlm_dir = vlm_dir if family == "qwen2_vl" else vlm25_dir
     run = tmp_path / "run"
     code = main(["train", "vision_demo", f"model.path={vlm_dir}", "train.total_steps=2", f"train.out_dir={run}",
                  "model.dtype=fp32", "rollout.return_logprobs=true", "data.shapes.num_rows=16", "train.save_every=2",
@@ -50,3 +57,15 @@ def test_a_prompt_over_budget_is_resized_and_counted(tmp_path, vlm_dir):
     assert all("images resized" in row["reason"] for row in accounting["rows"])
     line = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert line["prompt_length/max"] <= 60 and line["prompt_length/vision_tokens/mean"] < 64  # 64: the processor's own cap
+
+
+def test_preflight_reports_image_tokens_and_what_cannot_run(vlm_dir):
+    from packrl.inspect.preflight import preflight
+
+    report = preflight("vision_demo", [f"model.path={vlm_dir}"])
+    assert report.ok
+    (note,) = [n for n in report.notes if n.startswith("vision-language model")]
+    assert "224x224 -> 196x196: 51 tokens, 196 encoder patches, 141 of data.max_prompt_tokens=192 left for text" in note
+    refused = preflight("vision_demo", [f"model.path={vlm_dir}", "rollout.engine=vllm", "algorithm.adv_estimator=gae"])
+    messages = " ".join(p.message for p in refused.problems)
+    assert "rollout.engine=vllm does not generate from images" in messages and "a critic" in messages

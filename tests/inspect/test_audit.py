@@ -205,12 +205,18 @@ def test_multimodal_rows_keep_their_images_whole(tok, tmp_path):
             assert (outcome.num_truncated, outcome.num_filtered, outcome.num_tokens_removed) == (0, 1, 0)
 
 
-def test_training_rejects_multimodal_rows_and_the_audit_says_so(tok, tmp_path):
-    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("look", IMAGE_224, IMAGE_224)])
+def test_training_needs_a_vision_model_for_multimodal_rows_and_the_audit_says_so(tok, tmp_path):
+    from tests.vlm import image
+
+    image(30, 30).save(tmp_path / "a.png")
+    readable = {"type": "image", "path": "a.png", "width": 224, "height": 224}
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("look", IMAGE_224, IMAGE_224), multimodal_row("see", readable)])
     report = audit([path], tok, config())
-    assert report.bad_rows[0].reason == "prompt[0].content is list, expected a string"
-    assert report.multimodal.num_images == 2 and report.multimodal.image_tokens.max == 132
-    assert "rejects these rows" in report.multimodal.training
+    assert [b.reason for b in report.bad_rows] == [
+        "prompt[0].content[0] is an image part without 'image' or 'path' (keys: height, type, width)",
+        "a row with images needs a vision-language model.path (this model has no image processor)"]
+    assert report.multimodal.num_images == 3 and report.multimodal.image_tokens.max == 132
+    assert "a text model.path rejects them" in report.multimodal.training
 
 
 def test_image_files_are_sized_with_pillow(tok, tmp_path):
