@@ -66,6 +66,11 @@ sizes per prompt, ``padded`` (the model's own forward) against ``varlen`` packs 
 images::
 
     python bench/bench_packing.py --vision [--num-sequences 24] [--num-layers 30]
+
+Measured (defaults, AMX host, 2 cores, bf16; 24 sequences, 9,196 real tokens of which 2,736
+image tokens in 25 images, 10,944 encoder patches): padded 51.9 s (pad fraction 0.38) vs varlen
+24.7 s, ``varlen/padded`` 2.10x (per repeat 2.26 / 1.93); summed log-probs agree (-100,415 vs
+-100,417 in bf16).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def vision_model(dtype: torch.dtype, num_layers: int, vision_depth: int, seed: i
                 rope_parameters={"rope_type": "default", "rope_theta": 100000.0, "mrope_section": [8, 12, 12]})
     vision = dict(depth=vision_depth, embed_dim=384, hidden_size=576, num_heads=6, mlp_ratio=4, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=0, pad_token_id=0, **ids)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(dtype)
