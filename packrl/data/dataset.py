@@ -213,12 +213,13 @@ def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int], origins: tupl
 
 
 def duplicate_rows(prompts: Sequence[DatasetPrompt]) -> dict[int, int]:
-    """Global row -> the earlier row it repeats, for usable prompts whose prompt ids, ground truth and
-    data source equal an earlier one's (after the template and the prompt policy)."""
+    """Global row -> the earlier row it repeats, for usable prompts whose prompt ids, ground truth,
+    data source and images equal an earlier one's (after the template and the prompt policy)."""
     first: dict[tuple, int] = {}
     repeats: dict[int, int] = {}
     for p in prompts:
-        seen = first.setdefault((p.prompt_ids, p.example.ground_truth, p.example.data_source), p.example.row)
+        images = tuple((ref.data, ref.path) for ref in p.example.images)  # same text, other images: not a repeat
+        seen = first.setdefault((p.prompt_ids, p.example.ground_truth, p.example.data_source, images), p.example.row)
         if seen != p.example.row:
             repeats[p.example.row] = seen
     return repeats

@@ -136,7 +136,8 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
 
 
 def _verl_example(raw: dict, *, row: int, system_prompt: str | None, base_dir: Path | None) -> Example | str:
-    parsed = _image_messages(raw["prompt"], raw.get("images"), base_dir)
+    column = raw.get("images")
+    parsed = _image_messages(raw["prompt"], column if column is not None else (() if "images" in raw else None), base_dir)
     if isinstance(parsed, str):
         return parsed
     chat, images = parsed
@@ -182,7 +183,12 @@ def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[li
                                                              for m in prompt)
     if not images and not has_parts:
         plain = _messages(prompt)
-        return plain if isinstance(plain, str) else (plain, ())
+        if isinstance(plain, str):
+            return plain
+        markers = sum(m["content"].count(IMAGE_MARKER) for m in plain)
+        if images is not None and markers:  # the row has an images field, empty or null
+            return f"{markers} {IMAGE_MARKER} marker(s) for 0 image(s) in field 'images'; give one image per marker"
+        return plain, ()
     if images is not None and not isinstance(images, (list, tuple)):
         return f"field 'images' is of type {type(images).__name__}, expected a list"
     column = list(images or [])

@@ -248,6 +248,16 @@ def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigPr
         geometry = ImageGeometry.of(processor, cfg.data.image.min_pixels, cfg.data.image.max_pixels)
     except ValueError as err:
         return [], out + [ConfigProblem("model.path", cfg.model.path, str(err), "see the message")]
+    smallest = geometry.tokens(*geometry.resized(28, 28)) + geometry.extra_tokens  # an image at min_pixels
+    if cfg.data.max_image_tokens is not None and cfg.data.max_image_tokens < smallest:
+        out.append(ConfigProblem("data.max_image_tokens", cfg.data.max_image_tokens,
+                                 f"is below the {smallest} tokens of one image at the smallest size (min_pixels={geometry.min_pixels:,}"
+                                 ", markers included): every image row would be filtered",
+                                 f"set data.max_image_tokens >= {smallest}, or lower data.image.min_pixels"))
+    if cfg.data.max_prompt_tokens <= smallest:
+        out.append(ConfigProblem("data.max_prompt_tokens", cfg.data.max_prompt_tokens,
+                                 f"leaves no room for text beside one image at its smallest size ({smallest} tokens)",
+                                 f"raise data.max_prompt_tokens well above {smallest}"))
     rows = []
     for width, height in VISION_SIZES:
         fitted = fit_sizes([(width, height)], geometry, cfg.data.max_image_tokens)

@@ -83,6 +83,10 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
         if "does not support an attention implementation" not in str(err):
             raise
         model = auto.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
+    if vision and cfg.lora.rank > 0 and not cfg.freeze_vision_tower:
+        raise ValueError("model.freeze_vision_tower=false has no effect with model.lora.rank > 0: the adapters go on the "
+                         "language model only and the vision tower stays frozen; set model.freeze_vision_tower=true, or "
+                         "model.lora.rank=0 to train the tower too")
     if vision and cfg.freeze_vision_tower:
         freeze_vision_tower(model)
     num_embeddings = cast(int, model.get_input_embeddings().num_embeddings)  # torch types it Tensor | Module
@@ -147,6 +151,18 @@ def _missing_weights_message(path: str, model_dir: Path) -> str:
     )
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+"""A vision-language model's processor configs, copied into its checkpoints."""
+
+
+def processor_files(cfg: ModelConfig) -> list[Path]:
+    """The processor config files beside ``model.path``'s config (none for a text model or a .gguf)."""
+    resolved = resolve_model(cfg.path, weights=False)
+    if resolved.gguf_file is not None:
+        return []
+    return [resolved.model_dir / name for name in PROCESSOR_FILES if (resolved.model_dir / name).is_file()]
+
+
 def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
     """What renders the policy's prompts: ``tokenizer`` for a text model, the model's processor
     (`packrl.models.processor.load_processor`) for a vision-language one. Reads configs, no weights.
@@ -156,6 +172,7 @@ def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
     """
     from transformers import AutoConfig
 
+    from packrl.models.model_config import check_text_model
     from packrl.models.processor import load_processor
     from packrl.models.vision import is_vision_config
 
@@ -163,6 +180,7 @@ def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
     if resolved.gguf_file is not None:
         return tokenizer
     config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
+    check_text_model(config, cfg.path)  # another multimodal family: refused here, before its rows are read
     return load_processor(resolved.model_dir, config.model_type, tokenizer) if is_vision_config(config) else tokenizer
 
 

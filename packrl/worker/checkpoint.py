@@ -18,8 +18,9 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,7 +32,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimizer_state: dict, trainer_state: dict,
                     keep_last: int | None = None, state_dict: dict[str, torch.Tensor] | None = None,
-                    extra_files: dict[str, Any] | None = None) -> Path:
+                    extra_files: dict[str, Any] | None = None, copy_files: Sequence[Path] = ()) -> Path:
     """Write ``run_dir/checkpoints/step_{step}`` atomically and return its path; then, with
     ``keep_last`` (``train.keep_last``), delete the oldest complete checkpoints beyond that many.
 
@@ -47,6 +48,8 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
             architecture).
         extra_files: ``file name -> object`` written with ``torch.save`` into the same folder
             (the critic's state), inside the same atomic write.
+        copy_files: files copied in as they are (a vision-language model's processor configs),
+            so the checkpoint loads as a ``model.path``.
     """
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -56,6 +59,8 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     try:
         model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(tmp)
+        for source in copy_files:
+            shutil.copyfile(source, tmp / source.name)
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         for name, obj in (extra_files or {}).items():
             torch.save(obj, tmp / name)
@@ -280,6 +285,12 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     missing, _ = model.load_state_dict(state, strict=False)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=True)}
     really_missing = [m for m in missing if m in tied]
+    if really_missing and getattr(model.config, "vision_config", None) is not None:
+        # transformers writes a vision-language model under its original checkpoint names (``visual.*``,
+        # ``model.*``) and maps them back when it loads: read the checkpoint that way
+        loaded = cast(Any, type(model)).from_pretrained(path, dtype=next(model.parameters()).dtype)
+        model.load_state_dict(loaded.state_dict())
+        return
     if really_missing:
         raise ValueError(f"{path} lacks weights for {really_missing[:5]}")
 

@@ -102,8 +102,10 @@ def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic
     """What a vision-language policy cannot run with yet, each with its fix (empty: none)."""
     problems = []
     if not engine_takes_images:
-        what = "rollout.multi_turn.tools" if cfg.rollout.multi_turn.enabled else f"rollout.engine={cfg.rollout.engine}"
-        problems.append(f"{what} does not generate from images (set rollout.engine=hf and no tools)")
+        if cfg.rollout.multi_turn.enabled:
+            problems.append("rollout.multi_turn.tools: multi-turn rollouts do not generate from images (set rollout.multi_turn.tools=[])")
+        else:
+            problems.append(f"rollout.engine={cfg.rollout.engine} does not generate from images (set rollout.engine=hf)")
     if cfg.trainer.sequence_parallel_size > 1:
         problems.append("trainer.sequence_parallel_size > 1 does not split image packs (set it to 1)")
     if has_critic:

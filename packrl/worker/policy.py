@@ -37,7 +37,7 @@ from packrl.config.schema import RunConfig
 from packrl.diagnostics.trace import NullTracer, RemoteSpan, SpanRecorder
 from packrl.models.compile import active
 from packrl.models.isolation import PackingCheck, check_packing
-from packrl.models.loading import load_policy, load_reference
+from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
 from packrl.registry import import_plugins
 from packrl.rollout.engine import SamplingParams, awake
@@ -324,7 +324,7 @@ class PolicyWorker:
         critic_state = None if critic is None else critic.state(self.strategy.full_weights(critic.model))
         path = None
         if self.strategy.is_writer:
-            path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer,
+            path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer, copy_files=processor_files(self.cfg.model),
                                    optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
                                    trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()},
                                    keep_last=self.cfg.train.keep_last, state_dict=weights,

@@ -124,3 +124,17 @@ def test_task_shapes_rows_are_seeded_and_answered_by_the_image():
     assert len({r["prompt"][0]["content"] for r in rows}) == 1  # the text is the same: the count is in the image
     assert all(1 <= int(r["reward_model"]["ground_truth"]) <= 5 for r in rows)
     assert len({r["images"][0]["bytes"] for r in rows}) == 6
+
+
+def test_markers_with_an_empty_images_field_are_a_bad_row():
+    for images in ([], None):
+        raw = _row("<image>x", images)
+        assert to_example(raw, row=0, instruction="", system_prompt=None) == \
+            "1 <image> marker(s) for 0 image(s) in field 'images'; give one image per marker"
+    text = {k: v for k, v in _row("a <image> tag in text", []).items() if k != "images"}
+    assert not isinstance(to_example(text, row=0, instruction="", system_prompt=None), str)  # no images field: text
+
+
+def test_rows_with_the_same_text_and_other_images_are_not_duplicates(tmp_path, processor):
+    rows = [_row("<image>How many?", [{"bytes": _png(56, 56, seed)}]) for seed in (0, 1, 0)]
+    assert _build(tmp_path, rows, processor).duplicates == {2: 0}

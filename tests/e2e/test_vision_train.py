@@ -69,3 +69,26 @@ def test_preflight_reports_image_tokens_and_what_cannot_run(vlm_dir):
     refused = preflight("vision_demo", [f"model.path={vlm_dir}", "rollout.engine=vllm", "algorithm.adv_estimator=gae"])
     messages = " ".join(p.message for p in refused.problems)
     assert "rollout.engine=vllm does not generate from images" in messages and "a critic" in messages
+
+
+def test_a_vision_run_resumes_and_its_checkpoint_loads_as_a_model(tmp_path, vlm_dir):
+    run = tmp_path / "run"
+    common = ["train", "vision_demo", f"model.path={vlm_dir}", f"train.out_dir={run}", "model.dtype=fp32", "data.shapes.num_rows=16",
+              "train.save_every=1", "algorithm.entropy_coeff=0.01", "train.lr=1e-3"]
+    assert main([*common, "train.total_steps=1"]) == 0
+    assert main([*common, "train.total_steps=2", "train.resume=auto"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    step = run / "checkpoints" / "step_2"
+    assert (step / "processor_config.json").is_file()
+    again = tmp_path / "from_checkpoint"
+    assert main(["train", "vision_demo", f"model.path={step}", f"train.out_dir={again}", "train.total_steps=1",
+                 "data.shapes.num_rows=8"]) == 0
+
+
+def test_lora_with_an_unfrozen_tower_is_refused(tmp_path, vlm_dir):
+    from packrl.config.schema import LoraConfig, ModelConfig
+    from packrl.models.loading import load_policy
+
+    with pytest.raises(ValueError, match="model.freeze_vision_tower=false has no effect with model.lora.rank > 0"):
+        load_policy(ModelConfig(path=str(vlm_dir), dtype="fp32", freeze_vision_tower=False, lora=LoraConfig(rank=4)))
