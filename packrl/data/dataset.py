@@ -255,6 +255,10 @@ def _fix_hint(accounting: PromptAccounting) -> str:
     if overheads:
         return (f"raise data.max_prompt_tokens above {max(overheads)} tokens: the chat template alone takes that many, "
                 "so no truncation can fit the prompt")
+    image_capped = [o for o in accounting.outcomes if o.status == "filtered" and "data.max_image_tokens" in o.reason]
+    if image_capped:
+        return (f"raise data.max_image_tokens (its images do not fit it even at data.image.min_pixels in "
+                f"{len(image_capped):,} rows) or lower data.image.min_pixels")
     if accounting.num_filtered:
         return f"raise data.max_prompt_tokens (it filtered {accounting.num_filtered:,} rows) or set data.overlong_prompt=left"
     return "fix the rejected rows (reasons in parentheses); data.skip_bad_rows=true trains on the rest"

@@ -138,3 +138,8 @@ def test_markers_with_an_empty_images_field_are_a_bad_row():
 def test_rows_with_the_same_text_and_other_images_are_not_duplicates(tmp_path, processor):
     rows = [_row("<image>How many?", [{"bytes": _png(56, 56, seed)}]) for seed in (0, 1, 0)]
     assert _build(tmp_path, rows, processor).duplicates == {2: 0}
+
+
+def test_rows_no_image_cap_can_hold_name_the_cap(tmp_path, processor):
+    with pytest.raises(ValueError, match="raise data.max_image_tokens"):
+        _build(tmp_path, [_row("<image>a", [{"bytes": _png(56, 56)}])], processor, max_image_tokens=3)
