@@ -93,12 +93,18 @@ def shared_prompt_batch(dtype: torch.dtype = torch.float32) -> TrainBatch:
     prompts = PromptBatch(tuple(tuple(torch.randint(0, 97, (n,), generator=g).tolist()) for n in SHARED_PROMPT_LENS),
                           ("0",) * 3, ("t",) * 3, (0, 1, 2), (False,) * 3)
     responses = tuple(Response(tuple(torch.randint(0, 97, (n,), generator=g).tolist()), "eos") for n in SHARED_RESPONSE_LENS)
-    rollout = RolloutBatch(prompts, 3, responses)
-    masks = tuple(torch.ones(n, dtype=torch.bool) for n in SHARED_RESPONSE_LENS)
-    advantages = tuple(torch.randn(n, generator=g, dtype=dtype) for n in SHARED_RESPONSE_LENS)
-    old = tuple(-4.6 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in SHARED_RESPONSE_LENS)
-    ref = tuple(-4.6 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in SHARED_RESPONSE_LENS)
-    rewards = torch.zeros(len(responses))
+    return whole_loss_batch(RolloutBatch(prompts, 3, responses), g, dtype, logprob_mean=-4.6)
+
+
+def whole_loss_batch(rollout: RolloutBatch, g: torch.Generator, dtype: torch.dtype, *, logprob_mean: float) -> TrainBatch:
+    """``rollout`` with every response token in the loss, random advantages, and old and reference
+    log-probs around ``logprob_mean`` (0.3 spread), drawn from ``g`` in ``dtype``; zero rewards."""
+    lens = [len(r.response_ids) for r in rollout.responses]
+    masks = tuple(torch.ones(n, dtype=torch.bool) for n in lens)
+    advantages = tuple(torch.randn(n, generator=g, dtype=dtype) for n in lens)
+    old = tuple(logprob_mean + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in lens)
+    ref = tuple(logprob_mean + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in lens)
+    rewards = torch.zeros(len(lens))
     return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, old, ref)
 
 

@@ -109,17 +109,12 @@ def vlm_prompt(processor, sizes, text: str, seed: int = 0):
 def vlm_train_batch(processor, dtype: torch.dtype = torch.float64):
     """Four prompts with 1, 2, 0 and 1 images (`IMAGE_SIZES`), two random text responses each,
     every token in the loss, with old and reference log-probs and advantages in ``dtype``."""
-    from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+    from packrl.types import PromptBatch, Response, RolloutBatch
+    from tests.builders import whole_loss_batch
 
     g = torch.Generator().manual_seed(5)
     prompts = [vlm_prompt(processor, sizes, f"How many shapes? {k}", seed=10 * k) for k, sizes in enumerate(IMAGE_SIZES)]
     batch = PromptBatch(tuple(p for p, _ in prompts), ("0",) * 4, ("t",) * 4, (0, 1, 2, 3), (False,) * 4,
                         images=tuple(x for _, x in prompts))
     responses = tuple(Response(tuple(torch.randint(3, 1000, (n,), generator=g).tolist()), "eos") for n in RESPONSE_LENS)
-    rollout = RolloutBatch(batch, 2, responses)
-    masks = tuple(torch.ones(n, dtype=torch.bool) for n in RESPONSE_LENS)
-    advantages = tuple(torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
-    old = tuple(-7.0 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
-    ref = tuple(-7.0 + 0.3 * torch.randn(n, generator=g, dtype=dtype) for n in RESPONSE_LENS)
-    rewards = torch.zeros(len(responses))
-    return TrainBatch(ScoredBatch(rollout, rewards, rewards), advantages, masks, old, ref)
+    return whole_loss_batch(RolloutBatch(batch, 2, responses), g, dtype, logprob_mean=-7.0)

@@ -231,7 +231,7 @@ def _image_reader(encoder: Any, data_cfg: DataConfig) -> tuple[Any, Any] | None:
         return None
     from packrl.data.images import ImageGeometry
 
-    return encoder, ImageGeometry.of(encoder, data_cfg.image.min_pixels, data_cfg.image.max_pixels)
+    return encoder, ImageGeometry.of(encoder, data_cfg.image)
 
 
 def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:

@@ -175,10 +175,7 @@ def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[li
     ``images`` column in order (verl's ``_build_messages``), and list contents' image parts
     (``{"type": "image", "image" | "path": ...}``) theirs. Returns the chat with image messages
     as lists of parts, and the image references; or the reason the row is bad."""
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
-        prompt = prompt.tolist()
-    if hasattr(images, "tolist") and not isinstance(images, (list, tuple)):
-        images = images.tolist()
+    prompt, images = _as_list(prompt), _as_list(images)
     has_parts = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
                                                              for m in prompt)
     if not images and not has_parts:
@@ -197,35 +194,9 @@ def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[li
     for i, message in enumerate(prompt if isinstance(prompt, (list, tuple)) else []):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             return f"prompt[{i}] is not a message with a string role"
-        content = message.get("content")
-        if isinstance(content, str):
-            pieces = content.split(IMAGE_MARKER)
-            parts: list[dict[str, Any]] = []
-            for k, piece in enumerate(pieces):
-                if k:
-                    parts.append({"type": "image"})
-                    refs.append(column.pop(0) if column else None)
-                if piece:
-                    parts.append({"type": "text", "text": piece})
-        elif isinstance(content, (list, tuple)):
-            parts = []
-            for k, part in enumerate(content):
-                if not isinstance(part, dict):
-                    return f"prompt[{i}].content[{k}] is {type(part).__name__}, expected a part {{type: text | image}}"
-                kind = part.get("type")
-                if kind == "image":
-                    ref = part.get("image") if part.get("image") is not None else part.get("path")
-                    if ref is None:
-                        keys = ", ".join(sorted(map(str, part)))
-                        return f"prompt[{i}].content[{k}] is an image part without 'image' or 'path' (keys: {keys})"
-                    parts.append({"type": "image"})
-                    refs.append(ref)
-                elif kind == "text" and isinstance(part.get("text"), str):
-                    parts.append({"type": "text", "text": part["text"]})
-                else:
-                    return f"prompt[{i}].content[{k}] has type {kind!r}; packrl reads text and image parts"
-        else:
-            return f"prompt[{i}].content is {type(content).__name__}, expected a string or a list of parts"
+        parts = _content_parts(i, message.get("content"), column, refs)
+        if isinstance(parts, str):
+            return parts
         chat.append({"role": message["role"], "content": parts})
     if not chat:
         return "field 'prompt' is not a non-empty list of chat messages"
@@ -239,14 +210,50 @@ def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[li
     return chat, tuple(r for r in resolved if isinstance(r, ImageRef))
 
 
+def _content_parts(i: int, content: Any, column: list[Any], refs: list[Any]) -> list[dict[str, Any]] | str:
+    """Message i's content as text and image parts, or the reason it is bad. Each image part
+    appends its reference to ``refs``: a marker's is the next of the ``images`` ``column`` (None
+    when the column ran out), a part's its own ``image`` or ``path``."""
+    parts: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        for k, piece in enumerate(content.split(IMAGE_MARKER)):
+            if k:
+                parts.append({"type": "image"})
+                refs.append(column.pop(0) if column else None)
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        return parts
+    if not isinstance(content, (list, tuple)):
+        return f"prompt[{i}].content is {type(content).__name__}, expected a string or a list of parts"
+    for k, part in enumerate(content):
+        if not isinstance(part, dict):
+            return f"prompt[{i}].content[{k}] is {type(part).__name__}, expected a part {{type: text | image}}"
+        kind = part.get("type")
+        if kind == "image":
+            ref = part.get("image") if part.get("image") is not None else part.get("path")
+            if ref is None:
+                return f"prompt[{i}].content[{k}] is an image part without 'image' or 'path' (keys: {', '.join(sorted(map(str, part)))})"
+            parts.append({"type": "image"})
+            refs.append(ref)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            return f"prompt[{i}].content[{k}] has type {kind!r}; packrl reads text and image parts"
+    return parts
+
+
+def _as_list(value: Any) -> Any:
+    """A numpy array (pandas-read parquet) as a list; anything else as it is."""
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)) else value
+
+
 def _messages(prompt: Any) -> list[dict[str, Any]] | str:
     """verl's ``prompt`` as a list of message dicts, or the reason it is not one.
 
     Parquet gives a list of dicts (pyarrow) or a numpy array of dicts (pandas); struct columns
     fill keys a message lacks with None, and those keys are dropped.
     """
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
-        prompt = prompt.tolist()  # numpy array of dicts
+    prompt = _as_list(prompt)  # numpy array of dicts
     if not isinstance(prompt, (list, tuple)):
         return f"field 'prompt' is of type {type(prompt).__name__}, expected a list of chat messages"
     if not prompt:

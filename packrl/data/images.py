@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packrl.config.schema import ImageConfig
+
 MAX_ASPECT_RATIO = 200
 """Qwen-VL processors refuse more elongated images."""
 
@@ -113,8 +115,9 @@ class ImageGeometry:
     extra_tokens: int = 2
 
     @classmethod
-    def of(cls, processor: Any, min_pixels: int | None, max_pixels: int | None) -> ImageGeometry:
-        """The geometry of ``processor``'s image processor, with ``data.image.min/max_pixels`` over its own.
+    def of(cls, processor: Any, image: ImageConfig) -> ImageGeometry:
+        """The geometry of ``processor``'s image processor, with ``data.image.min/max_pixels``
+        (``image``) over its own.
 
         Raises:
             ValueError: an image processor without Qwen2-VL-style ``patch_size``/``merge_size``.
@@ -126,7 +129,7 @@ class ImageGeometry:
         size = getattr(ip, "size", None) or {}
         own_min = getattr(ip, "min_pixels", None) or _get(size, "shortest_edge") or 56 * 56
         own_max = getattr(ip, "max_pixels", None) or _get(size, "longest_edge") or 28 * 28 * 1280
-        return cls(patch * merge, merge, min_pixels or own_min, max_pixels or own_max)
+        return cls(patch * merge, merge, image.min_pixels or own_min, image.max_pixels or own_max)
 
     def resized(self, width: int, height: int, max_pixels: int | None = None) -> tuple[int, int]:
         """``(width, height)`` after transformers' ``smart_resize`` with this geometry (a lower
@@ -154,18 +157,18 @@ def fit_sizes(sizes: list[tuple[int, int]], geometry: ImageGeometry, max_tokens:
     Returns:
         The sizes, or None when even the smallest sizes (``min_pixels``) do not fit.
     """
-    fitted = [geometry.resized(w, h) for w, h in sizes]
+    unshrunk = [geometry.resized(w, h) for w, h in sizes]
 
     def total(out: list[tuple[int, int]]) -> int:
         return sum(geometry.tokens(w, h) + geometry.extra_tokens for w, h in out)
 
-    if max_tokens is None or total(fitted) <= max_tokens:
-        return fitted
-    scale = 1.0
+    if max_tokens is None or total(unshrunk) <= max_tokens:
+        return unshrunk
+    fitted, scale = unshrunk, 1.0
     for _ in range(64):
         scale *= max(0.5, math.sqrt(max_tokens / total(fitted)) * 0.98)
         fitted = [geometry.resized(w, h, max_pixels=max(geometry.min_pixels, int(fw * fh * scale)))
-                  for (w, h), (fw, fh) in zip(sizes, [geometry.resized(w, h) for w, h in sizes])]
+                  for (w, h), (fw, fh) in zip(sizes, unshrunk)]
         if total(fitted) <= max_tokens:
             return fitted
         if all(fw * fh <= geometry.min_pixels * 1.0001 for fw, fh in fitted):

@@ -166,17 +166,13 @@ def _budget_image_rows(examples: Sequence[Example], processor: Any, max_prompt_t
     from packrl.data.images import ImageGeometry
     from packrl.data.vision_prompts import budget_image_examples
 
-    geometry = ImageGeometry.of(processor, data_cfg.image.min_pixels, data_cfg.image.max_pixels)
+    geometry = ImageGeometry.of(processor, data_cfg.image)
     fitted = budget_image_examples(examples, processor, geometry=geometry, max_prompt_tokens=max_prompt_tokens,
                                    max_image_tokens=data_cfg.max_image_tokens, max_images=data_cfg.image.max_images_per_row,
                                    policy=policy)
-    prompts, outcomes = [], []
-    for example, (prompt, o) in zip(examples, fitted):
-        outcomes.append(RowOutcome(example.row, o.status, o.reason, o.num_tokens, o.num_tokens_removed))
-        if prompt is not None:
-            ids, sizes, removed = prompt
-            prompts.append(DatasetPrompt(example, ids, removed > 0, tuple(sizes)))
-    return prompts, outcomes
+    prompts = [DatasetPrompt(example, prompt[0], prompt[2] > 0, tuple(prompt[1]))
+               for example, (prompt, _) in zip(examples, fitted) if prompt is not None]
+    return prompts, [outcome for _, outcome in fitted]
 
 
 def account_rows(outcomes: Sequence[RowOutcome], bad: dict[int, str], num_rows: int) -> PromptAccounting:

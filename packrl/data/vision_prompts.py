@@ -49,24 +49,26 @@ def budget_image_examples(examples: Sequence[Example], processor: Any, *, geomet
 
     Returns:
         Per example, ``(prompt, outcome)``: ``prompt`` is ``(prompt_ids, sizes, num_tokens_removed)``
-        or None; ``outcome.row`` is the example's index in ``examples``.
+        or None; ``outcome.row`` is the example's global row.
     """
     out: list[tuple[Any, RowOutcome]] = []
-    for i, example in enumerate(examples):
+    for example in examples:
         if len(example.images) > max_images:
-            out.append((None, RowOutcome(i, "rejected", f"{len(example.images)} images > data.image.max_images_per_row={max_images}")))
+            reason = f"{len(example.images)} images > data.image.max_images_per_row={max_images}"
+            out.append((None, RowOutcome(example.row, "rejected", reason)))
             continue
         try:
             images = [open_image(ref) for ref in example.images]
         except ValueError as err:
-            out.append((None, RowOutcome(i, "rejected", str(err))))
+            out.append((None, RowOutcome(example.row, "rejected", str(err))))
             continue
-        out.append(_fit_row(i, example, images, processor, geometry, max_prompt_tokens, max_image_tokens, policy))
+        out.append(_fit_row(example, images, processor, geometry, max_prompt_tokens, max_image_tokens, policy))
     return out
 
 
-def _fit_row(i: int, example: Example, images: list[Any], processor: Any, geometry: ImageGeometry, budget: int,
+def _fit_row(example: Example, images: list[Any], processor: Any, geometry: ImageGeometry, budget: int,
              max_image_tokens: int | None, policy: Policy) -> tuple[Any, RowOutcome]:
+    i = example.row
     originals = [im.size for im in images]
     sizes = fit_sizes(originals, geometry, max_image_tokens)
     if sizes is None:

@@ -245,7 +245,7 @@ def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigPr
     out = [ConfigProblem("model.path", cfg.model.path, f"is a vision-language model: {p}", "see the message") for p in problems]
     try:
         processor = load_prompt_encoder(cfg.model, load_policy_tokenizer(cfg.model))
-        geometry = ImageGeometry.of(processor, cfg.data.image.min_pixels, cfg.data.image.max_pixels)
+        geometry = ImageGeometry.of(processor, cfg.data.image)
     except ValueError as err:
         return [], out + [ConfigProblem("model.path", cfg.model.path, str(err), "see the message")]
     smallest = geometry.tokens(*geometry.resized(28, 28)) + geometry.extra_tokens  # an image at min_pixels

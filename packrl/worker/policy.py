@@ -39,6 +39,7 @@ from packrl.models.compile import active
 from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
+from packrl.models.vision import is_vision_config
 from packrl.registry import import_plugins
 from packrl.rollout.engine import SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
@@ -155,6 +156,7 @@ class PolicyWorker:
         engine, engine_phrase = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
                                              may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
         check_vision_run(cfg, model, engine, has_critic=plan.has_critic)
+        self.processor_files = processor_files(cfg.model) if is_vision_config(model.config) else []  # copied into checkpoints
         strategy.wrap(model)
         if reference is not None and reference is not model:
             strategy.wrap(reference)
@@ -233,16 +235,11 @@ class PolicyWorker:
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                  images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses for this worker's prompts (the engine awake only meanwhile), with
-        their images when the prompts have them.
-
-        Raises:
-            ValueError: prompts with images and an engine that does not take them (named).
-        """
+        their images when the prompts have them (`check_vision_run` refused an engine that cannot
+        take them at set-up)."""
         if images is None:
             return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
-        if not getattr(self.engine, "supports_images", False):
-            raise ValueError(f"rollout.engine={self.cfg.rollout.engine!r} does not generate from images (with "
-                             f"rollout.multi_turn tools: not yet either); set rollout.engine=hf for a vision-language model")
+        assert getattr(self.engine, "supports_images", False), "check_vision_run refuses a VLM whose engine takes no images"
         return awake(self.engine, functools.partial(self.engine.generate, images=images), prompt_ids, params, seeds)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
@@ -324,7 +321,7 @@ class PolicyWorker:
         critic_state = None if critic is None else critic.state(self.strategy.full_weights(critic.model))
         path = None
         if self.strategy.is_writer:
-            path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer, copy_files=processor_files(self.cfg.model),
+            path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer, copy_files=self.processor_files,
                                    optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
                                    trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()},
                                    keep_last=self.cfg.train.keep_last, state_dict=weights,

@@ -111,7 +111,7 @@ def test_chat_parts_and_relative_paths(tmp_path):
 
 
 def test_fit_sizes_shrinks_all_images_to_the_budget(processor):
-    geometry = ImageGeometry.of(processor, None, None)
+    geometry = ImageGeometry.of(processor, ImageConfig())
     sizes = fit_sizes([(448, 448), (224, 112)], geometry, 60)
     assert sizes is not None and sum(geometry.tokens(w, h) + 2 for w, h in sizes) <= 60
     assert all(w % 28 == 0 and h % 28 == 0 for w, h in sizes)
