@@ -263,6 +263,15 @@ class RolloutBatch:
         """T_i = P_b + R_i of every sequence, in tokens."""
         return [len(self.prompt_ids_of(i)) + len(r.response_ids) for i, r in enumerate(self.responses)]
 
+    def image_patches(self) -> tuple[list[int], list[int]] | None:
+        """Per sequence, its prompt's vision-encoder patches (`ImageInputs.num_patches`, 0 for a
+        text prompt) and an image key (its prompt's index: a group shares its images); None for
+        a text batch."""
+        if self.prompts.images is None:
+            return None
+        patches = [0 if x is None else x.num_patches for x in (self.images_of(i) for i in range(len(self.responses)))]
+        return patches, [i // self.group_size for i in range(len(self.responses))]
+
 
 @dataclass(frozen=True)
 class ScoredBatch:

@@ -53,6 +53,8 @@ class BatchPlan:
         critic_tokens_per_microbatch: the critic's update budget per rank
             (``critic.max_tokens_per_microbatch``, or the actor's).
         balance_microbatches: ``train.balance_microbatches``.
+        max_vision_patches_per_microbatch: a vision-language model's patch budget per micro-batch
+            per rank (``train.max_vision_patches_per_microbatch``; None: none).
         max_response_tokens: ``rollout.max_response_tokens`` (the largest curriculum stage).
         critic_warmup_steps: steps at the start in which only the critic trains (``critic.warmup_steps``).
     """
@@ -76,6 +78,7 @@ class BatchPlan:
     max_tokens_per_logprob_microbatch: int = 4096
     critic_tokens_per_microbatch: int = 2048
     balance_microbatches: bool = True
+    max_vision_patches_per_microbatch: int | None = None
     max_response_tokens: int = 512
     critic_warmup_steps: int = 0
 
@@ -115,6 +118,7 @@ class BatchPlan:
             max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
             critic_tokens_per_microbatch=cfg.critic.max_tokens_per_microbatch or cfg.train.max_tokens_per_microbatch,
             balance_microbatches=cfg.train.balance_microbatches,
+            max_vision_patches_per_microbatch=cfg.train.max_vision_patches_per_microbatch,
             max_response_tokens=cfg.rollout.max_response_tokens,
             critic_warmup_steps=cfg.critic.warmup_steps if cfg.critic.enabled(cfg.algorithm.adv_estimator) else 0,
         )
@@ -128,7 +132,7 @@ class BatchPlan:
             logprob_tokens=self.max_tokens_per_logprob_microbatch, update_tokens=self.max_tokens_per_microbatch,
             critic_tokens=self.critic_tokens_per_microbatch, balance=self.balance_microbatches, packed=packed,
             share_prompts=share_prompts, mini_batch_prompts=self.mini_batch_prompts, num_epochs=self.num_epochs,
-            loss_scale_factor=self.loss_scale_factor,
+            loss_scale_factor=self.loss_scale_factor, max_vision_patches=self.max_vision_patches_per_microbatch,
         )
 
     @property
@@ -163,5 +167,8 @@ class BatchPlan:
             ("critic", f"yes (a value model; advantages: algorithm.adv_estimator={self.adv_estimator})" if self.has_critic else "no"),
             ("compute dtype", f"{self.compute_dtype.name} (model.dtype={self.compute_dtype.requested}: {self.compute_dtype.reason})"),
         ]
+        if self.max_vision_patches_per_microbatch is not None:
+            rows.append(("vision patches", f"<= {self.max_vision_patches_per_microbatch:,} per micro-batch per rank, every pass "
+                                           "(train.max_vision_patches_per_microbatch)"))
         warning = [f"  warning: {self.compute_dtype.warning}"] if self.compute_dtype.warning else []
         return "\n".join(["batch plan"] + [f"  {name:<26}{value}" for name, value in rows] + warning)

@@ -529,6 +529,15 @@ class TrainConfig:
     """Hard cap on real tokens in one no-grad log-prob micro-batch (old and reference log-probs),
     per device. No activations are kept for backward, so it can be larger than the update budget."""
 
+    max_vision_patches_per_microbatch: int | None = None
+    """A vision-language model's second micro-batch budget: vision-encoder patches (each image's
+    ``t*h*w`` before the spatial merge, 4 per image token for Qwen2-VL) of the distinct images in
+    one micro-batch, per device, in every pass (log-probs and update). They set the vision
+    tower's activation memory and its attention cost as tokens set the language model's; a
+    group's responses in one micro-batch share one encoding of their prompt's images. Images are
+    resized at data load so every prompt's images fit (as `data.max_image_tokens` does). None
+    (default): no patch budget (the token budgets alone plan the micro-batches)."""
+
     logits_chunk_tokens: int = 1024
     """Tokens per chunk when computing log-probs and entropy from hidden states: logits never
     exceed `logits_chunk_tokens x vocab` floats, forward or backward."""
@@ -612,8 +621,9 @@ class TrainConfig:
         out: list[ConfigProblem] = []
         for name in ("max_tokens_per_microbatch", "max_tokens_per_logprob_microbatch", "logits_chunk_tokens", "total_steps", "ppo_epochs"):
             out += check_positive(f"{prefix}.{name}", getattr(self, name))
-        if self.mini_batch_size is not None:
-            out += check_positive(f"{prefix}.mini_batch_size", self.mini_batch_size)
+        for name in ("mini_batch_size", "max_vision_patches_per_microbatch"):
+            if getattr(self, name) is not None:
+                out += check_positive(f"{prefix}.{name}", getattr(self, name))
         if self.keep_last is not None and self.keep_last < 1:
             out.append(ConfigProblem(f"{prefix}.keep_last", self.keep_last, "must be >= 1 (or null to keep every checkpoint)",
                                      f"set {prefix}.keep_last=2"))

@@ -16,7 +16,7 @@ import logging
 import random
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 from packrl.config.schema import DataConfig
 from packrl.data.prompts import (
@@ -73,6 +73,7 @@ class PromptDataset:
         seed: int,
         split: str,
         key: str,
+        max_image_patches: int | None = None,
     ) -> PromptDataset:
         """Load, normalise and budget every row of ``sources``.
 
@@ -85,6 +86,7 @@ class PromptDataset:
             split: ``"train"`` or ``"val"``. For ``val`` with ``data.max_val_rows`` set, only
                 the first ``max_val_rows`` rows (in source order) are read into the dataset.
             key: the config key of ``sources``, for messages.
+            max_image_patches: ``train.max_vision_patches_per_microbatch`` (`budget_examples`).
 
         Returns:
             The dataset; its accounting covers every row read.
@@ -99,10 +101,12 @@ class PromptDataset:
         policy, budget = data_cfg.overlong_prompt, data_cfg.max_prompt_tokens
         # under `error` the budget is applied as `filter` first, so one message names every bad and overlong row
         prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,
-                                            policy="filter" if policy == "error" else policy, data_cfg=data_cfg)
+                                            policy="filter" if policy == "error" else policy, data_cfg=data_cfg,
+                                            max_image_patches=max_image_patches)
         bad = {} if data_cfg.skip_bad_rows else rows.bad | {o.row: o.reason for o in outcomes if o.status == "rejected"}
         # a filtered outcome always records its prompt's token count (`apply_prompt_policy`)
-        overlong = {o.row: cast(int, o.num_tokens) for o in outcomes if o.status == "filtered"} if policy == "error" else {}
+        # (an image row whose images cannot fit data.max_image_tokens has no prompt length: its reason is named)
+        overlong = {o.row: o.num_tokens or o.reason for o in outcomes if o.status == "filtered"} if policy == "error" else {}
         if bad or overlong:
             _raise_bad_rows(bad, overlong, rows.origins, key, budget)
         dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins,
@@ -148,6 +152,19 @@ class PromptDataset:
         """
         return length_percentiles(rendered_prompt_lengths(self.accounting))
 
+    def vision_summary(self) -> str:
+        """A line on the prompts' text and vision tokens (image placeholders + markers, at the sizes
+        the prompts hold) and vision-encoder patches, for ``RUN_DIR/budgets.txt``; "" without images."""
+        if self.images is None:
+            return ""
+        geometry = self.images[1]
+        vision = [sum(geometry.tokens(w, h) + geometry.extra_tokens for w, h in p.image_sizes) for p in self.prompts]
+        patches = [sum(geometry.tokens(w, h) for w, h in p.image_sizes) * geometry.merge ** 2 for p in self.prompts]
+        text = [len(p.prompt_ids) - v for p, v in zip(self.prompts, vision)]
+        v, t, n = length_percentiles(vision), length_percentiles(text), length_percentiles(patches)
+        return (f"vision ({self.key}): prompt tokens per prompt: text p50 {t['p50']}, max {t['max']}; vision p50 {v['p50']}, "
+                f"max {v['max']} (placeholders + markers); vision-encoder patches per prompt p50 {n['p50']}, max {n['max']}")
+
     def accounting_dict(self) -> dict[str, Any]:
         """`PromptAccounting.to_dict` with, per row, ``source`` and ``source_row`` (where the row came
         from; 0-based among the rows of that source, blank jsonl lines not counted) and ``duplicate_of``
@@ -188,9 +205,10 @@ class PromptDataset:
             yield self.batch(range(start, min(start + batch_size, len(self))))
 
 
-def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int], origins: tuple[RowSource, ...], key: str, budget: int) -> None:
+def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int | str], origins: tuple[RowSource, ...], key: str, budget: int) -> None:
     """One error naming the bad rows (unreadable or unusable) and, under ``data.overlong_prompt=error``,
-    the overlong ones (row -> prompt tokens), each with its file and row inside the file."""
+    the overlong ones (row -> prompt tokens, or why an image row cannot fit), each with its file and
+    row inside the file."""
     def where(row: int) -> str:
         return f"row {row} ({origins[row].source} row {origins[row].source_row})"
 
@@ -204,10 +222,14 @@ def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int], origins: tupl
         parts.append(f"{counted}: " + listed([f"{where(r)}: {why}" for r, why in sorted(bad.items())]))
         fixes.append("fix the rows, or set data.skip_bad_rows=true to skip and count them")
     if overlong:
-        parts.append(f"{len(overlong)} prompt(s) exceed data.max_prompt_tokens={budget}: "
-                     + listed([f"{where(r)}: {n} tokens" for r, n in sorted(overlong.items())]))
-        fixes.append("set data.overlong_prompt to filter, left, right or middle, "
-                     f"or raise data.max_prompt_tokens to >= {max(overlong.values())}")
+        lengths = [n for n in overlong.values() if isinstance(n, int)]
+        unsized = len(lengths) < len(overlong)  # image rows whose images cannot fit their image budget
+        parts.append(f"{len(overlong)} prompt(s) exceed data.max_prompt_tokens={budget}{' or their image budget' if unsized else ''}: "
+                     + listed([f"{where(r)}: {n} tokens" if isinstance(n, int) else f"{where(r)}: {n}"
+                               for r, n in sorted(overlong.items())]))
+        raise_to = f", or raise data.max_prompt_tokens to >= {max(lengths)}" if lengths else ""
+        images = "; raise data.max_image_tokens or train.max_vision_patches_per_microbatch for the image rows" if unsized else ""
+        fixes.append(f"set data.overlong_prompt to filter, left, right or middle{raise_to}{images}")
     message = "; ".join(fixes)
     raise ValueError(f"{key}: " + ". ".join(parts) + ". " + message[0].upper() + message[1:])
 

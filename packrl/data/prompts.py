@@ -123,7 +123,8 @@ def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split:
 
 
 def budget_examples(
-    examples: Sequence[Example], tokenizer: Any, *, max_prompt_tokens: int, policy: Policy, data_cfg: DataConfig | None = None
+    examples: Sequence[Example], tokenizer: Any, *, max_prompt_tokens: int, policy: Policy, data_cfg: DataConfig | None = None,
+    max_image_patches: int | None = None,
 ) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
     """Render, tokenize and fit each example's chat to the prompt budget (`apply_prompt_policy`;
     rows with images through the model's processor, `packrl.data.vision_prompts`).
@@ -135,6 +136,8 @@ def budget_examples(
         max_prompt_tokens: ``data.max_prompt_tokens`` (tokens, template and generation prompt included).
         policy: ``data.overlong_prompt``.
         data_cfg: the ``data`` section, for image rows (``image``, ``max_image_tokens``).
+        max_image_patches: ``train.max_vision_patches_per_microbatch``: a row's images are
+            resized to fit one micro-batch's patch budget (None: no bound).
 
     Returns:
         ``(prompts, outcomes)``: the surviving prompts in row order, and one `RowOutcome` per
@@ -152,14 +155,15 @@ def budget_examples(
     prompts = [DatasetPrompt(text[p.row], p.prompt_ids, p.truncated) for p in result.prompts]
     with_images = [e for e in examples if e.images]
     if with_images:
-        prompts_, outcomes_ = _budget_image_rows(with_images, processor, max_prompt_tokens, policy, data_cfg or DataConfig())
+        prompts_, outcomes_ = _budget_image_rows(with_images, processor, max_prompt_tokens, policy, data_cfg or DataConfig(),
+                                                 max_image_patches)
         prompts, outcomes = prompts + prompts_, outcomes + outcomes_
     order = {e.row: k for k, e in enumerate(examples)}
     return sorted(prompts, key=lambda p: order[p.example.row]), sorted(outcomes, key=lambda o: order[o.row])
 
 
 def _budget_image_rows(examples: Sequence[Example], processor: Any, max_prompt_tokens: int, policy: Policy,
-                       data_cfg: DataConfig) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
+                       data_cfg: DataConfig, max_image_patches: int | None) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
     if processor is None:
         return [], [RowOutcome(e.row, "rejected", "a row with images needs a vision-language model.path (this model has no "
                                                   "image processor)") for e in examples]
@@ -169,7 +173,7 @@ def _budget_image_rows(examples: Sequence[Example], processor: Any, max_prompt_t
     geometry = ImageGeometry.of(processor, data_cfg.image)
     fitted = budget_image_examples(examples, processor, geometry=geometry, max_prompt_tokens=max_prompt_tokens,
                                    max_image_tokens=data_cfg.max_image_tokens, max_images=data_cfg.image.max_images_per_row,
-                                   policy=policy)
+                                   policy=policy, max_image_patches=max_image_patches)
     prompts = [DatasetPrompt(example, prompt[0], prompt[2] > 0, tuple(prompt[1]))
                for example, (prompt, _) in zip(examples, fitted) if prompt is not None]
     return prompts, [outcome for _, outcome in fitted]

@@ -8,7 +8,9 @@ engine and the trainer see them. Per row (`budget_image_examples`):
 
 1. every image is read (unreadable, empty, too elongated or too many: the row is rejected with
    the reason) and sized (`packrl.data.images.fit_sizes`): ``data.image.*`` bounds, then
-   ``data.max_image_tokens`` for the row's images together (``kept``: asked for);
+   ``data.max_image_tokens`` for the row's images together, and the patch budget of a
+   micro-batch (``train.max_vision_patches_per_microbatch``: the row's images must fit one)
+   (``kept``: asked for);
 2. the prompt is rendered; when text + images exceed the budget, the images are shrunk to what
    the budget leaves after the text (``truncated``: the reason says the images were resized, and
    the tokens removed are counted); no policy ever cuts a prompt inside an image's run;
@@ -44,8 +46,10 @@ def encode_images(processor: Any, chat: Sequence[dict], images: Sequence[Any], s
 
 
 def budget_image_examples(examples: Sequence[Example], processor: Any, *, geometry: ImageGeometry, max_prompt_tokens: int,
-                          max_image_tokens: int | None, max_images: int, policy: Policy) -> list[tuple[Any, RowOutcome]]:
-    """Fit each image example to the budget (module docstring).
+                          max_image_tokens: int | None, max_images: int, policy: Policy,
+                          max_image_patches: int | None = None) -> list[tuple[Any, RowOutcome]]:
+    """Fit each image example to the budget (module docstring); ``max_image_patches``: the
+    vision-encoder patches a row's images may have together (None: no bound).
 
     Returns:
         Per example, ``(prompt, outcome)``: ``prompt`` is ``(prompt_ids, sizes, num_tokens_removed)``
@@ -62,18 +66,33 @@ def budget_image_examples(examples: Sequence[Example], processor: Any, *, geomet
         except ValueError as err:
             out.append((None, RowOutcome(example.row, "rejected", str(err))))
             continue
-        out.append(_fit_row(example, images, processor, geometry, max_prompt_tokens, max_image_tokens, policy))
+        cap = image_token_cap(geometry, len(images), max_image_tokens, max_image_patches)
+        out.append(_fit_row(example, images, processor, geometry, max_prompt_tokens, cap, policy))
     return out
 
 
+def image_token_cap(geometry: ImageGeometry, num_images: int, max_image_tokens: int | None,
+                    max_image_patches: int | None) -> tuple[int | None, str]:
+    """The image tokens (placeholders + markers) a row of ``num_images`` images may hold:
+    ``data.max_image_tokens`` and, from a patch budget, ``patches / merge^2`` placeholders plus
+    the markers, whichever is smaller; with the key that sets it (for messages)."""
+    caps = []
+    if max_image_tokens is not None:
+        caps.append((max_image_tokens, f"data.max_image_tokens={max_image_tokens}"))
+    if max_image_patches is not None:
+        caps.append((max_image_patches // geometry.merge ** 2 + geometry.extra_tokens * num_images,
+                     f"train.max_vision_patches_per_microbatch={max_image_patches} (patches)"))
+    return min(caps) if caps else (None, "")
+
+
 def _fit_row(example: Example, images: list[Any], processor: Any, geometry: ImageGeometry, budget: int,
-             max_image_tokens: int | None, policy: Policy) -> tuple[Any, RowOutcome]:
+             image_cap: tuple[int | None, str], policy: Policy) -> tuple[Any, RowOutcome]:
     i = example.row
     originals = [im.size for im in images]
+    max_image_tokens, cap_key = image_cap
     sizes = fit_sizes(originals, geometry, max_image_tokens)
     if sizes is None:
-        return None, RowOutcome(i, "filtered", f"its images need more than data.max_image_tokens={max_image_tokens} tokens "
-                                               "even at data.image.min_pixels")
+        return None, RowOutcome(i, "filtered", f"its images need more than {cap_key} even at data.image.min_pixels")
     ids = _ids(processor, example.chat, images, sizes, geometry)
     if len(ids) <= budget:
         return (ids, sizes, 0), RowOutcome(i, "kept", "", len(ids))

@@ -36,6 +36,7 @@ from packrl.config.schema import AlgorithmConfig
 from packrl.diagnostics.trace import NullTracer
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
+from packrl.seqlen.microbatch import VisionPatches
 from packrl.seqlen.stepwise import StepSamples, step_samples
 from packrl.seqlen.update_plan import UpdatePlan, groups_of
 from packrl.types import ImageInputs, PromptBatch, Response, RolloutBatch, TrainBatch, ValueEstimates
@@ -166,7 +167,7 @@ class WorkerGroup:
         size = self.plan.sequence_parallel_size
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
-        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored))
+        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored), self._vision(scored))
         shared = self.transport.share(scored)
         results = self.transport.call("compute_logprobs", self._spread([(shared, role, p.microbatches) for p in ranks.ranks]))
         values = ranks.restore(results[::size])  # a sequence-parallel group's workers return the same values
@@ -183,7 +184,7 @@ class WorkerGroup:
             return None
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
-        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored))
+        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored), self._vision(scored))
         shared = self.transport.share(scored)
         size = self.plan.sequence_parallel_size
         values = ranks.restore(self.transport.call("compute_values", self._spread([(shared, p.microbatches) for p in ranks.ranks]))[::size])
@@ -223,7 +224,12 @@ class WorkerGroup:
         """
         groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
         return self.planner.update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], _prompts(batch.rollout),
-                                   groups=groups, units=units, critic=critic)
+                                   groups=groups, units=units, critic=critic, vision=self._vision(batch.rollout))
+
+    def _vision(self, rollout: RolloutBatch) -> VisionPatches | None:
+        """The patch budget of a vision-language rollout's micro-batches (`PassPlanner.vision`)."""
+        patches = rollout.image_patches()
+        return None if patches is None else self.planner.vision(*patches)
 
     def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer(), step: int = 1) -> dict[str, float]:
         """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,

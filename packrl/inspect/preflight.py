@@ -230,10 +230,12 @@ VISION_SIZES = ((224, 224), (448, 448), (1024, 768), (1920, 1080))
 
 def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigProblem]]:
     """For a vision-language model: the image tokens of `VISION_SIZES` as its processor (with
-    ``data.image.*`` and ``data.max_image_tokens``) sizes them, the prompt budget each leaves for
-    text, and what it cannot run with (`packrl.worker.parts.vision_run_problems`)."""
+    ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``)
+    sizes them, the prompt budget each leaves for text, and what it cannot run with
+    (`packrl.worker.parts.vision_run_problems`)."""
     from packrl.config.plan import BatchPlan
     from packrl.data.images import ImageGeometry, fit_sizes
+    from packrl.data.vision_prompts import image_token_cap
     from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
     from packrl.models.vision import is_vision_config
     from packrl.worker.parts import vision_run_problems
@@ -254,15 +256,23 @@ def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigPr
                                  f"is below the {smallest} tokens of one image at the smallest size (min_pixels={geometry.min_pixels:,}"
                                  ", markers included): every image row would be filtered",
                                  f"set data.max_image_tokens >= {smallest}, or lower data.image.min_pixels"))
+    patch_cap = cfg.train.max_vision_patches_per_microbatch
+    if patch_cap is not None and patch_cap < (smallest - geometry.extra_tokens) * geometry.merge ** 2:
+        least = (smallest - geometry.extra_tokens) * geometry.merge ** 2
+        out.append(ConfigProblem("train.max_vision_patches_per_microbatch", patch_cap,
+                                 f"is below the {least} encoder patches of one image at the smallest size "
+                                 f"(min_pixels={geometry.min_pixels:,}): every image row would be filtered",
+                                 f"set train.max_vision_patches_per_microbatch >= {least}, or lower data.image.min_pixels"))
     if cfg.data.max_prompt_tokens <= smallest:
         out.append(ConfigProblem("data.max_prompt_tokens", cfg.data.max_prompt_tokens,
                                  f"leaves no room for text beside one image at its smallest size ({smallest} tokens)",
                                  f"raise data.max_prompt_tokens well above {smallest}"))
     rows = []
     for width, height in VISION_SIZES:
-        fitted = fit_sizes([(width, height)], geometry, cfg.data.max_image_tokens)
+        cap, cap_key = image_token_cap(geometry, 1, cfg.data.max_image_tokens, patch_cap)
+        fitted = fit_sizes([(width, height)], geometry, cap)
         if fitted is None:
-            rows.append(f"{width}x{height}: does not fit data.max_image_tokens={cfg.data.max_image_tokens}")
+            rows.append(f"{width}x{height}: does not fit {cap_key}")
             continue
         (w, h), = fitted
         tokens = geometry.tokens(w, h) + geometry.extra_tokens

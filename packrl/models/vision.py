@@ -13,9 +13,11 @@ advance all three together, an image's tokens take their grid coordinates.
 
 A pack of such sequences (`packed_vision_forward`):
 
-1. the vision tower runs once over the pack's images, concatenated in pack order (its own
-   attention is per image: the tower splits on each image's grid);
-2. the features replace the pack's placeholders in order; the count must match exactly;
+1. the vision tower runs once over the pack's distinct images, concatenated in pack order (its
+   own attention is per image: the tower splits on each image's grid); a group's responses
+   share their prompt's images, encoded once per pack;
+2. the features replace the pack's placeholders in order (a shared image's features go to each
+   of its sequences); the count must match exactly;
 3. M-RoPE positions are computed per sequence by the model's own ``get_rope_index`` and laid
    side by side, with a fourth, leading row of per-sequence text positions (0..L_i-1): the
    row transformers reads to find a pack's sequence boundaries (its Qwen2-VL text model takes
@@ -99,6 +101,9 @@ def merge_images(images: list[ImageInputs]) -> ImageInputs:
 def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[ImageInputs]) -> torch.Tensor:
     """Token embeddings with every image placeholder replaced by its vision feature, in order.
 
+    The vision tower runs once over the distinct images (by object: a group's responses hold
+    the same `ImageInputs`), and each sequence's placeholders take its images' features.
+
     Args:
         input_ids: Shape [b, L], int64.
         images: the images of the rows' placeholders, in row order (rows without images add none).
@@ -121,17 +126,26 @@ def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[
                          "image's placeholder run must be whole (a prompt is never cut inside one) and no response may hold "
                          "placeholders")
     if present:
-        features = vision_features(model, merge_images(present)).to(embeds.dtype)
-        embeds = embeds.masked_scatter(placeholders[..., None], features)
-    elif torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        distinct = list({id(x): x for x in present}.values())
+        features = vision_features(model, merge_images(distinct)).to(embeds.dtype)
+        own = dict(zip(map(id, distinct), features.split([x.num_tokens for x in distinct])))
+        embeds = embeds.masked_scatter(placeholders[..., None], torch.cat([own[id(x)] for x in present]))
+    elif _tower_trains(inner) or (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         embeds = embeds + 0.0 * _idle_vision(model).to(embeds.dtype)
     return embeds
+
+
+def _tower_trains(inner: Any) -> bool:
+    """True when the vision tower takes gradients (``model.freeze_vision_tower=false``, with grad on)."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in inner.visual.parameters())
 
 
 def _idle_vision(model: torch.nn.Module) -> torch.Tensor:
     """The vision tower on one 16-patch blank image, summed: a pack without images runs the tower
     too, so every rank's sharded tower gathers the same parameters in the same order (a rank
-    skipping it would leave the others waiting). Added times 0: no effect on the values."""
+    skipping it would leave the others waiting), and a trainable tower gets a zero gradient from
+    a text-only mini-batch, not none: AdamW then steps it by its momentum on one process as on
+    several ranks (it skips a parameter without a gradient). Added times 0: no effect on the values."""
     inner = _inner(model)
     cfg = inner.visual.config
     patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2

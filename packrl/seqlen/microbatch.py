@@ -8,6 +8,11 @@ never exceeds first-fit-decreasing's. Balancing minimises the largest micro-batc
 cost model ``a*L + L^2`` (linear layers + attention; ``a = 6 * hidden_size`` makes the two
 terms FLOP-proportional, the derivation behind verl's ``24576 = 6 * 4096``), so step time is not
 set by one micro-batch full of long sequences.
+
+A vision-language model's micro-batches have a second cap (`VisionPatches`): the vision-encoder
+patches of the distinct images they hold (``sum t*h*w``), which set the encoder's activation
+memory and its attention cost, as the token cap sets the language model's. Every fit respects
+both; the exact search (one budget only) is then skipped.
 """
 
 from __future__ import annotations
@@ -98,36 +103,111 @@ def validate_lengths(lengths: Sequence[int], max_tokens: int, budget_key: str) -
     return out, cap
 
 
-def _first_fit(order: list[int], lengths: Sequence[int], cap: int, max_bins: int | None) -> list[list[int]] | None:
-    bins: list[list[int]] = []
-    loads: list[int] = []
+@dataclass(frozen=True)
+class VisionPatches:
+    """The second budget of a micro-batch: vision-encoder patches (a vision-language model's).
+
+    A micro-batch's patches are those of the distinct images it holds: sequences with the same
+    key (a prompt group's responses) share their prompt's images, which the packed forward
+    encodes once per micro-batch (`packrl.models.vision.vision_embeds`).
+
+    Attributes:
+        patches: per sequence, the patches of its prompt's images (sum of t*h*w; 0 for text).
+        keys: per sequence, which images it holds (equal keys = the same images).
+        max_patches: the cap per micro-batch (``train.max_vision_patches_per_microbatch``).
+    """
+
+    patches: tuple[int, ...]
+    keys: tuple[int, ...]
+    max_patches: int
+
+    BUDGET_KEY = "train.max_vision_patches_per_microbatch"
+
+    def subset(self, indices: Sequence[int]) -> VisionPatches:
+        return VisionPatches(tuple(self.patches[i] for i in indices), tuple(self.keys[i] for i in indices), self.max_patches)
+
+    def load(self, items: Sequence[int]) -> int:
+        """Patches the vision tower encodes for ``items`` together (each distinct image once)."""
+        return sum({self.keys[i]: self.patches[i] for i in items}.values())
+
+    def check(self) -> None:
+        """Raise ValueError for a cap < 1 or a sequence whose images alone exceed it (named)."""
+        if as_count(self.max_patches, self.BUDGET_KEY) < 1:
+            raise ValueError(f"{self.BUDGET_KEY}={self.max_patches!r} must be a positive integer number of patches")
+        over = [(n, i) for i, n in enumerate(self.patches) if n > self.max_patches]
+        if over:
+            n, i = max(over)
+            raise ValueError(f"sequence {i}'s images have {n:,} vision-encoder patches > {self.BUDGET_KEY}={self.max_patches:,}; "
+                             f"raise {self.BUDGET_KEY} to >= {n:,} or lower data.max_image_tokens / data.image.max_pixels")
+
+
+class _Bins:
+    """Micro-batches being filled: their items, real tokens and (with ``vision``) patches."""
+
+    def __init__(self, lengths: Sequence[int], cap: int, vision: VisionPatches | None, num_bins: int = 0) -> None:
+        self.lengths, self.cap, self.vision = lengths, cap, vision
+        self.items: list[list[int]] = [[] for _ in range(num_bins)]
+        self.loads = [0] * num_bins
+
+    def fits(self, b: int, i: int) -> bool:
+        return self.fits_exchange(b, i, None)
+
+    def fits_exchange(self, b: int, i: int, out: int | None) -> bool:
+        """Whether bin ``b`` stays within both caps with ``i`` added (and ``out`` taken away)."""
+        tokens = self.loads[b] + self.lengths[i] - (0 if out is None else self.lengths[out])
+        if tokens > self.cap:
+            return False
+        if self.vision is None:
+            return True
+        return self.vision.load([j for j in self.items[b] if j != out] + [i]) <= self.vision.max_patches
+
+    @classmethod
+    def of(cls, items: list[list[int]], lengths: Sequence[int], cap: int, vision: VisionPatches | None) -> _Bins:
+        """Bins over ``items`` itself (changed in place by `add` / `remove`)."""
+        bins = cls(lengths, cap, vision)
+        bins.items, bins.loads = items, [sum(lengths[i] for i in part) for part in items]
+        return bins
+
+    def open(self) -> int:
+        self.items.append([])
+        self.loads.append(0)
+        return len(self.items) - 1
+
+    def add(self, b: int, i: int) -> None:
+        self.items[b].append(i)
+        self.loads[b] += self.lengths[i]
+
+    def remove(self, b: int, i: int) -> None:
+        self.items[b].remove(i)
+        self.loads[b] -= self.lengths[i]
+
+
+def _first_fit(order: list[int], lengths: Sequence[int], cap: int, max_bins: int | None,
+               vision: VisionPatches | None = None) -> list[list[int]] | None:
+    bins = _Bins(lengths, cap, vision)
     for i in order:
-        for b, load in enumerate(loads):
-            if load + lengths[i] <= cap:
-                bins[b].append(i)
-                loads[b] += lengths[i]
-                break
-        else:
-            if max_bins is not None and len(bins) == max_bins:
+        b = next((b for b in range(len(bins.items)) if bins.fits(b, i)), None)
+        if b is None:
+            if max_bins is not None and len(bins.items) == max_bins:
                 return None
-            bins.append([i])
-            loads.append(lengths[i])
-    return bins
+            b = bins.open()
+        bins.add(b, i)
+    return bins.items
 
 
-def _least_cost_fit(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int) -> list[list[int]] | None:
-    """LPT under a cap: each item, largest cost first, goes to the cheapest bin it fits in."""
-    bins: list[list[int]] = [[] for _ in range(k)]
-    loads, bin_costs = [0] * k, [0.0] * k
+def _least_cost_fit(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int,
+                    vision: VisionPatches | None = None) -> list[list[int]] | None:
+    """LPT under the caps: each item, largest cost first, goes to the cheapest bin it fits in."""
+    bins = _Bins(lengths, cap, vision, k)
+    bin_costs = [0.0] * k
     for i in order:
-        fits = [b for b in range(k) if loads[b] + lengths[i] <= cap]
+        fits = [b for b in range(k) if bins.fits(b, i)]
         if not fits:
             return None
-        b = min(fits, key=lambda b: (bin_costs[b], loads[b]))
-        bins[b].append(i)
-        loads[b] += lengths[i]
+        b = min(fits, key=lambda b: (bin_costs[b], bins.loads[b]))
+        bins.add(b, i)
         bin_costs[b] += costs[i]
-    return bins
+    return bins.items
 
 
 def _exact_fit(order: list[int], lengths: Sequence[int], cap: int, k: int) -> list[list[int]] | None:
@@ -167,30 +247,31 @@ def _exact_fit(order: list[int], lengths: Sequence[int], cap: int, k: int) -> li
     return bins
 
 
-def _improve(bins: list[list[int]], lengths: Sequence[int], costs: Sequence[float], cap: int, max_rounds: int = 200) -> None:
+def _improve(items: list[list[int]], lengths: Sequence[int], costs: Sequence[float], cap: int, max_rounds: int = 200,
+             vision: VisionPatches | None = None) -> None:
     """Local search in place: move or swap items out of the costliest bin while that lowers its cost
-    below the old maximum and keeps every bin within the cap."""
-    loads = [sum(lengths[i] for i in b) for b in bins]
-    bcost = [sum(costs[i] for i in b) for b in bins]
+    below the old maximum and keeps every bin within the caps."""
+    bins = _Bins.of(items, lengths, cap, vision)
+    bcost = [sum(costs[i] for i in b) for b in items]
     for _ in range(max_rounds):
-        top = max(range(len(bins)), key=bcost.__getitem__)
+        top = max(range(len(items)), key=bcost.__getitem__)
         peak = bcost[top]
         # (new peak, (other bin, item leaving top, item leaving other bin or None for a plain move))
         best: tuple[float, tuple[int, int, int | None]] | None = None
-        for o in range(len(bins)):
+        for o in range(len(items)):
             if o == top:
                 continue
-            for x in bins[top]:
-                if loads[o] + lengths[x] <= cap:
-                    new = max(peak - costs[x], bcost[o] + costs[x])
-                    if new < peak and (best is None or new < best[0]):
-                        best = (new, (o, x, None))
-                for y in bins[o]:
-                    dc, dl = costs[x] - costs[y], lengths[x] - lengths[y]
-                    if dc <= 0 or loads[o] + dl > cap or loads[top] - dl > cap:
+            for x in items[top]:
+                new = max(peak - costs[x], bcost[o] + costs[x])
+                if new < peak and (best is None or new < best[0]) and bins.fits(o, x):
+                    best = (new, (o, x, None))
+                for y in items[o]:
+                    dc = costs[x] - costs[y]
+                    if dc <= 0:
                         continue
                     new = max(peak - dc, bcost[o] + dc)
-                    if new < peak and (best is None or new < best[0]):
+                    if (new < peak and (best is None or new < best[0]) and bins.fits_exchange(o, x, y)
+                            and bins.fits_exchange(top, y, x)):
                         best = (new, (o, x, y))
         if best is None:
             return
@@ -198,25 +279,24 @@ def _improve(bins: list[list[int]], lengths: Sequence[int], costs: Sequence[floa
         for item, src, dst in ((moved, top, other), (swapped, other, top)):
             if item is None:
                 continue
-            bins[src].remove(item)
-            bins[dst].append(item)
-            loads[src] -= lengths[item]
-            loads[dst] += lengths[item]
+            bins.remove(src, item)
+            bins.add(dst, item)
             bcost[src] -= costs[item]
             bcost[dst] += costs[item]
 
 
-def _fit_k(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int, balance: bool) -> list[list[int]] | None:
-    bins = _least_cost_fit(order, lengths, costs, cap, k) if balance else None
+def _fit_k(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int, balance: bool,
+           vision: VisionPatches | None = None) -> list[list[int]] | None:
+    bins = _least_cost_fit(order, lengths, costs, cap, k, vision) if balance else None
     if bins is None:
-        bins = _first_fit(order, lengths, cap, max_bins=k)
-    if bins is None:
+        bins = _first_fit(order, lengths, cap, max_bins=k, vision=vision)
+    if bins is None and vision is None:  # the exact search knows one budget
         bins = _exact_fit(order, lengths, cap, k)
     if bins is None:
         return None
     bins += [[] for _ in range(k - len(bins))]
     if balance:
-        _improve(bins, lengths, costs, cap)
+        _improve(bins, lengths, costs, cap, vision=vision)
     return bins
 
 
@@ -229,8 +309,10 @@ def plan_microbatches(
     num_microbatches: int | None = None,
     budget_key: str = "train.max_tokens_per_microbatch",
     packed: bool = True,
+    vision: VisionPatches | None = None,
 ) -> MicrobatchPlan:
-    """Split sequences into micro-batches of at most ``max_tokens`` real tokens each.
+    """Split sequences into micro-batches of at most ``max_tokens`` real tokens each (and, with
+    ``vision``, at most ``vision.max_patches`` vision-encoder patches each).
 
     Args:
         lengths: real tokens of each sequence (prompt + response), N >= 1 positive ints.
@@ -242,6 +324,8 @@ def plan_microbatches(
         budget_key: the config key named in errors.
         packed: False puts every sequence in a micro-batch of its own (models whose packs are
             not exact, `packrl.models.isolation`); the cap still applies to each.
+        vision: each sequence's image patches and image key, and the patch cap (`VisionPatches`);
+            None = no patch budget.
 
     Returns:
         A `MicrobatchPlan` with the fewest micro-batches found (never more than
@@ -249,10 +333,13 @@ def plan_microbatches(
 
     Raises:
         ValueError: an empty batch, a non-positive length, a cap < 1, a sequence longer than
-            the cap (naming its index, its length and ``budget_key``), or an infeasible
-            ``num_microbatches``.
+            the cap or whose images exceed the patch cap (naming its index, its size and the
+            budget's key), or an infeasible ``num_microbatches``.
     """
     lengths, max_tokens = validate_lengths(lengths, max_tokens, budget_key)
+    if vision is not None:
+        assert len(vision.patches) == len(lengths), "one patch count per sequence"
+        vision.check()
     costs = sequence_costs(lengths, linear_coef)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if not packed:
@@ -262,25 +349,28 @@ def plan_microbatches(
                              "(packing is off for this model)")
         singles = tuple((i,) for i in order) + ((),) * (count - len(lengths))
         return MicrobatchPlan(singles, tuple(lengths), max_tokens)
-    ffd = _first_fit(order, lengths, max_tokens, max_bins=None)
+    ffd = _first_fit(order, lengths, max_tokens, max_bins=None, vision=vision)
     assert ffd is not None
     if num_microbatches is not None:
-        bins = _fit_k(order, lengths, costs, max_tokens, num_microbatches, balance) if num_microbatches >= 1 else None
+        bins = _fit_k(order, lengths, costs, max_tokens, num_microbatches, balance, vision) if num_microbatches >= 1 else None
         if bins is None:
+            patches = "" if vision is None else f" and <= {vision.max_patches:,} vision patches ({vision.BUDGET_KEY})"
             raise ValueError(
                 f"cannot split {len(lengths)} sequences ({sum(lengths):,} tokens) into {num_microbatches} micro-batches "
-                f"of <= {max_tokens:,} tokens ({budget_key}); at least {len(ffd)} may be needed"
+                f"of <= {max_tokens:,} tokens ({budget_key}){patches}; at least {len(ffd)} may be needed"
             )
     else:
         lower = max(math.ceil(sum(lengths) / max_tokens), sum(1 for n in lengths if 2 * n > max_tokens))
+        if vision is not None:
+            lower = max(lower, math.ceil(vision.load(range(len(lengths))) / vision.max_patches))
         bins = None
         for k in range(lower, len(ffd)):
-            bins = _fit_k(order, lengths, costs, max_tokens, k, balance)
+            bins = _fit_k(order, lengths, costs, max_tokens, k, balance, vision)
             if bins is not None:
                 break
         if bins is None:
             bins = ffd
             if balance:
-                _improve(bins, lengths, costs, max_tokens)
+                _improve(bins, lengths, costs, max_tokens, vision=vision)
     bins.sort(key=lambda b: -sum(lengths[i] for i in b))  # largest first: an OOM shows at once
     return MicrobatchPlan(tuple(tuple(sorted(b)) for b in bins), tuple(lengths), max_tokens)

@@ -41,7 +41,8 @@ class Pack:
         owners: per segment, the position in ``indices`` of the sequence whose own segment it
             is, -1 for a shared prompt segment; None = segment i is sequence i.
         images: per packed sequence (in pack order), its prompt's images
-            (`packrl.models.vision.ImageInputs`) or None; None = a text pack.
+            (`packrl.models.vision.ImageInputs`) or None; None = a text pack. Sequences of one
+            prompt hold the same object, which the packed forward encodes once.
     """
 
     input_ids: torch.Tensor
@@ -65,11 +66,21 @@ class Pack:
         return torch.diff(self.cu_seqlens).tolist()
 
     @property
+    def num_vision_patches(self) -> int:
+        """Vision-encoder patches the pack's forward encodes: each distinct `ImageInputs` once."""
+        return sum({id(x): x.num_patches for x in self.images or () if x is not None}.values())
+
+    @property
     def max_seqlen(self) -> int:
         return max(self.seq_lens)
 
     def to(self, device: torch.device | str) -> Pack:
-        images = None if self.images is None else tuple(None if x is None else x.to(device) for x in self.images)
+        """The pack on ``device``; sequences that shared an `ImageInputs` still share one."""
+        moved: dict[int, ImageInputs] = {}
+        for x in self.images or ():
+            if x is not None and id(x) not in moved:
+                moved[id(x)] = x.to(device)
+        images = None if self.images is None else tuple(None if x is None else moved[id(x)] for x in self.images)
         return Pack(self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.indices,
                     self.prefix_of, self.owners, images)
 

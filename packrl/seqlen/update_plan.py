@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from packrl.seqlen.balance import RankPlan, balance_ranks
 from packrl.seqlen.denominators import LossDenominators
-from packrl.seqlen.microbatch import MicrobatchPlan, plan_microbatches, validate_lengths
+from packrl.seqlen.microbatch import MicrobatchPlan, VisionPatches, plan_microbatches, validate_lengths
 
 UPDATE_BUDGET_KEY = "train.max_tokens_per_microbatch"
 
@@ -77,7 +77,7 @@ class PromptSharing:
 
 
 def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
-               packed: bool = True, sharing: PromptSharing | None = None) -> RankPlan:
+               packed: bool = True, sharing: PromptSharing | None = None, vision: VisionPatches | None = None) -> RankPlan:
     """Micro-batches of at most ``max_tokens`` real tokens for each of ``num_ranks`` ranks.
 
     One rank plans with `plan_microbatches` (the fewest micro-batches); several with
@@ -85,13 +85,16 @@ def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balan
     ``lengths``; `RankPlan.restore` puts per-rank results back in that order. ``packed=False``
     gives every sequence a micro-batch of its own (a model whose packs are not exact). With
     ``sharing`` the units planned are `PromptSharing.items` (a group's sequences, its prompt
-    counted once), kept whole and consecutive in their micro-batch.
+    counted once), kept whole and consecutive in their micro-batch. With ``vision`` every
+    micro-batch also holds at most ``vision.max_patches`` vision-encoder patches (a
+    vision-language model's packs never share prompts).
 
     Raises:
-        ValueError: as `plan_microbatches` / `balance_ranks` (a sequence over the cap is named).
+        ValueError: as `plan_microbatches` / `balance_ranks` (a sequence over a cap is named).
     """
     if sharing is None or not packed:
-        return _plan_units(lengths, num_ranks, max_tokens, balance=balance, budget_key=budget_key, packed=packed)
+        return _plan_units(lengths, num_ranks, max_tokens, balance=balance, budget_key=budget_key, packed=packed, vision=vision)
+    assert vision is None, "a vision-language model's packs do not share prompts"
     validate_lengths(lengths, max_tokens, budget_key)  # a sequence over the cap is named by its own index
     items = sharing.items(lengths, max_tokens, min_items=num_ranks)
     local = _plan_units([sharing.cost(u, lengths) for u in items], num_ranks, max_tokens, balance=balance, budget_key=budget_key)
@@ -100,10 +103,11 @@ def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balan
 
 
 def _plan_units(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
-                packed: bool = True) -> RankPlan:
+                packed: bool = True, vision: VisionPatches | None = None) -> RankPlan:
     if num_ranks == 1:
-        return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key, packed=packed),))
-    return balance_ranks(lengths, num_ranks, max_tokens, balance_microbatches=balance, budget_key=budget_key, packed=packed)
+        return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key, packed=packed, vision=vision),))
+    return balance_ranks(lengths, num_ranks, max_tokens, balance_microbatches=balance, budget_key=budget_key, packed=packed,
+                         vision=vision)
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ def plan_update(
     packed: bool = True,
     units: Sequence[int] | None = None,
     sharing: PromptSharing | None = None,
+    vision: VisionPatches | None = None,
 ) -> UpdatePlan:
     """Plan a step's update.
 
@@ -178,11 +183,14 @@ def plan_update(
         units: the response (trajectory) each sequence is a part of, for the sequence count of
             the denominators (`packrl.seqlen.stepwise`); default: each sequence is its own.
         sharing: plan packs that write a group's prompt once (`plan_ranks`).
+        vision: each sequence's vision-encoder patches and the patch cap per micro-batch (`plan_ranks`).
 
     Raises:
-        ValueError: a sequence over ``max_tokens`` (named by its index in the batch), or a
-            mini-batch with fewer sequences than ranks.
+        ValueError: a sequence over ``max_tokens`` or the patch cap (named by its index in the
+            batch), or a mini-batch with fewer sequences than ranks.
     """
+    if vision is not None:
+        vision.check()  # a sequence over the patch cap is named by its index in the batch
     lengths, _ = validate_lengths(lengths, max_tokens, UPDATE_BUDGET_KEY)
     assert len(loss_tokens) == len(lengths) == len(groups), "one count and one group per sequence"
     assert list(groups) == sorted(groups), "the sequences of a group are contiguous"
@@ -192,7 +200,8 @@ def plan_update(
     for start in range(0, len(firsts) - 1, mini_batch_prompts):
         indices = tuple(range(firsts[start], firsts[min(start + mini_batch_prompts, len(firsts) - 1)]))
         local = plan_ranks([lengths[i] for i in indices], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY,
-                           packed=packed, sharing=None if sharing is None else sharing.subset(indices))
+                           packed=packed, sharing=None if sharing is None else sharing.subset(indices),
+                           vision=None if vision is None else vision.subset(indices))
         ranks = RankPlan(tuple(MicrobatchPlan(tuple(tuple(indices[j] for j in mb) for mb in rank.microbatches), tuple(lengths),
                                               max_tokens) for rank in local.ranks), local.linear_coef)
         per_unit: dict[int, int] = {}
@@ -227,6 +236,8 @@ class PassPlanner:
         packed: a micro-batch may hold several sequences (False: one each, packs not exact).
         share_prompts: packs write a group's prompt once (`PromptSharing`).
         mini_batch_prompts / num_epochs / loss_scale_factor: as `plan_update` takes them.
+        max_vision_patches: vision-encoder patches per micro-batch per rank, every pass
+            (``train.max_vision_patches_per_microbatch``; None: no patch budget).
     """
 
     num_ranks: int
@@ -240,6 +251,7 @@ class PassPlanner:
     mini_batch_prompts: int
     num_epochs: int
     loss_scale_factor: int
+    max_vision_patches: int | None = None
 
     LOGPROB_KEY = "train.max_tokens_per_logprob_microbatch"
 
@@ -247,17 +259,27 @@ class PassPlanner:
         """Which sequences share a prompt (``prompts``: each sequence's prompt ids), when packs write it once."""
         return PromptSharing.of(prompts) if self.share_prompts else None
 
-    def scoring(self, lengths: Sequence[int], prompts: Sequence[Sequence[int]]) -> RankPlan:
-        """The log-prob or value pass over sequences of ``lengths`` tokens: each rank's micro-batches.
+    def vision(self, patches: Sequence[int] | None, keys: Sequence[int]) -> VisionPatches | None:
+        """The patch budget over sequences with ``patches`` vision-encoder patches each and image
+        keys ``keys`` (`VisionPatches`); None without images or without a patch budget."""
+        if patches is None or self.max_vision_patches is None:
+            return None
+        return VisionPatches(tuple(patches), tuple(keys), self.max_vision_patches)
+
+    def scoring(self, lengths: Sequence[int], prompts: Sequence[Sequence[int]], vision: VisionPatches | None = None) -> RankPlan:
+        """The log-prob or value pass over sequences of ``lengths`` tokens: each rank's micro-batches
+        (with ``vision``, also under the patch budget).
 
         Raises:
-            ValueError: a sequence over the log-prob budget (named by index).
+            ValueError: a sequence over the log-prob budget or the patch budget (named by index).
         """
+        if vision is not None:
+            vision.check()
         return plan_ranks(lengths, self.num_ranks, self.logprob_tokens * self.sequence_parallel_size, balance=self.balance,
-                          budget_key=self.LOGPROB_KEY, packed=self.packed, sharing=self.sharing(prompts))
+                          budget_key=self.LOGPROB_KEY, packed=self.packed, sharing=self.sharing(prompts), vision=vision)
 
     def update(self, lengths: Sequence[int], loss_tokens: Sequence[int], prompts: Sequence[Sequence[int]], *, groups: Sequence[int],
-               units: Sequence[int] | None = None, critic: bool = False) -> UpdatePlan:
+               units: Sequence[int] | None = None, critic: bool = False, vision: VisionPatches | None = None) -> UpdatePlan:
         """The actor's update (or with ``critic`` the critic's): `plan_update` under its budget.
 
         Raises:
@@ -266,4 +288,5 @@ class PassPlanner:
         tokens = self.critic_tokens if critic else self.update_tokens
         return plan_update(lengths, loss_tokens, groups=groups, mini_batch_prompts=self.mini_batch_prompts, num_epochs=self.num_epochs,
                            num_ranks=self.num_ranks, max_tokens=tokens * self.sequence_parallel_size, balance=self.balance,
-                           loss_scale_factor=self.loss_scale_factor, packed=self.packed, units=units, sharing=self.sharing(prompts))
+                           loss_scale_factor=self.loss_scale_factor, packed=self.packed, units=units, sharing=self.sharing(prompts),
+                           vision=vision)

@@ -38,10 +38,13 @@ logger = logging.getLogger(__name__)
 
 
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
-    train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files")
+    patches = cfg.train.max_vision_patches_per_microbatch
+    train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
+                                max_image_patches=patches)
     val = None
     if cfg.data.val_files and cfg.train.val_every:
-        val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
+        val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files",
+                                  max_image_patches=patches)
     return train, val
 
 
@@ -154,6 +157,8 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
                 logger.warning("%s", workers.plan.compute_dtype.warning)
             run.note("model.txt", workers.model_summary)
             budgets = validate_budgets(budgets_of(cfg, workers.max_context_tokens, workers.rope_factor))
-            run.note("budgets.txt", f"{budgets_table(budgets)}\n{workers.plan.summary()}\n  {workers.packing.describe()}")
+            vision = train_set.vision_summary()
+            run.note("budgets.txt", f"{budgets_table(budgets)}\n{workers.plan.summary()}\n  {workers.packing.describe()}"
+                     + (f"\n{vision}" if vision else ""))
             _train_steps(cfg, run, workers, train_set, val_set)
     return run.dir

@@ -197,6 +197,8 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     totals.max_rank_tokens = max(totals.max_rank_tokens, pack.num_tokens if sp is None else sp.padded(pack.num_tokens) // sp.size)
     totals.num_positions += pack.input_ids.numel()
     totals.num_real_tokens += pack.num_tokens  # a pack has no padding
+    if pack.images is not None:
+        totals.max_vision_patches = max(totals.max_vision_patches, pack.num_vision_patches)
     totals.num_shared_tokens_saved += sum(len(rollout.prompt_ids_of(i)) + len(rollout.responses[i].response_ids)
                                           for i in pack.indices) - pack.num_tokens
     return total
@@ -300,6 +302,8 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t in totals)),
         "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for t in totals) / max(1, positions),
     }
+    if batch.rollout.prompts.images is not None:
+        out["seqlen/microbatch_vision_patches_max"] = float(max(t.max_vision_patches for t in totals))
     saved = sum(t.num_shared_tokens_saved for t in totals)
     if saved:
         out["seqlen/shared_prompt_tokens_saved"] = float(saved)

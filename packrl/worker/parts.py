@@ -123,6 +123,9 @@ def check_vision_run(cfg: RunConfig, model: Any, engine: Any, *, has_critic: boo
             the keys and their fixes.
     """
     if not is_vision_config(cast("PreTrainedModel", model).config):
+        if cfg.train.max_vision_patches_per_microbatch is not None:
+            logger.warning("train.max_vision_patches_per_microbatch=%d has no effect: model.path=%r is not a vision-language model "
+                           "(remove the key)", cfg.train.max_vision_patches_per_microbatch, cfg.model.path)
         return
     problems = vision_run_problems(cfg, engine_takes_images=getattr(engine, "supports_images", False), has_critic=has_critic)
     if problems:

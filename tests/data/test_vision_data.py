@@ -31,14 +31,15 @@ def _row(content: str, images: list, truth: str = "3") -> dict:
             "data_source": "test/vision"}
 
 
-def _build(tmp_path, rows, processor, **data):
+def _build(tmp_path, rows, processor, max_image_patches=None, **data):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     cfg = DataConfig(train_files=[str(path)], batch_size=1, **({"max_prompt_tokens": 512} | data))
-    return PromptDataset.build(cfg.train_files, processor, cfg, seed=0, split="train", key="data.train_files")
+    return PromptDataset.build(cfg.train_files, processor, cfg, seed=0, split="train", key="data.train_files",
+                               max_image_patches=max_image_patches)
 
 
 def test_image_tokens_count_in_the_prompt_and_match_the_images(tmp_path, processor):
@@ -143,3 +144,22 @@ def test_rows_with_the_same_text_and_other_images_are_not_duplicates(tmp_path, p
 def test_rows_no_image_cap_can_hold_name_the_cap(tmp_path, processor):
     with pytest.raises(ValueError, match="raise data.max_image_tokens"):
         _build(tmp_path, [_row("<image>a", [{"bytes": _png(56, 56)}])], processor, max_image_tokens=3)
+
+
+def test_the_patch_budget_resizes_a_rows_images_to_fit_one_micro_batch(tmp_path, processor):
+    rows = [_row("Two: <image> and <image>.", [{"bytes": _png(448, 448)}, {"bytes": _png(300, 200, 1)}])]
+    full = _build(tmp_path, rows, processor).batch([0]).images[0]
+    capped = _build(tmp_path, rows, processor, max_image_patches=400)
+    small = capped.batch([0]).images[0]
+    assert full.num_patches > 400 >= small.num_patches and small.num_images == 2
+    assert small.num_patches == small.num_tokens * 4  # merge 2 x 2
+    assert capped.accounting.outcomes[0].status == "kept"  # asked for, as data.max_image_tokens
+
+
+def test_overlong_error_names_image_rows_whose_images_cannot_fit(tmp_path, processor):
+    rows = [_row("<image>a", [{"bytes": _png(56, 56)}]), _row("word " * 200, [])]
+    with pytest.raises(ValueError) as err:
+        _build(tmp_path, rows, processor, max_prompt_tokens=64, max_image_tokens=3, overlong_prompt="error")
+    message = str(err.value)
+    assert "row 0" in message and "data.max_image_tokens=3" in message and "row 1" in message
+    assert "raise data.max_prompt_tokens to >=" in message and "raise data.max_image_tokens" in message

@@ -92,3 +92,35 @@ def test_lora_with_an_unfrozen_tower_is_refused(tmp_path, vlm_dir):
 
     with pytest.raises(ValueError, match="model.freeze_vision_tower=false has no effect with model.lora.rank > 0"):
         load_policy(ModelConfig(path=str(vlm_dir), dtype="fp32", freeze_vision_tower=False, lora=LoraConfig(rank=4)))
+
+
+def test_the_vision_patch_budget_plans_the_micro_batches(tmp_path, vlm_dir):
+    """train.max_vision_patches_per_microbatch: a 112 x 112 image is 16 tokens = 64 patches, so a
+    64-patch budget holds one prompt's image per micro-batch (its 4 responses share one encoding),
+    where the token budget alone packs the whole step into one; images too big for it are resized."""
+    runs = {}
+    for cap in ("null", "64"):
+        run = tmp_path / f"run_{cap}"
+        assert main(["train", "vision_demo", f"model.path={vlm_dir}", "train.total_steps=1", f"train.out_dir={run}",
+                     "data.shapes.num_rows=8", f"train.max_vision_patches_per_microbatch={cap}"]) == 0
+        runs[cap] = run, json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    (_, free), (capped_run, capped) = runs["null"], runs["64"]
+    assert free["seqlen/num_microbatches"] == 1 and free["seqlen/microbatch_vision_patches_max"] == 4 * 64
+    assert capped["seqlen/num_microbatches"] == 4 and capped["seqlen/microbatch_vision_patches_max"] == 64
+    budgets = (capped_run / "budgets.txt").read_text()
+    assert "<= 64 per micro-batch per rank" in budgets and "vision (data.train_files): prompt tokens per prompt" in budgets
+    small = tmp_path / "small"
+    assert main(["train", "vision_demo", f"model.path={vlm_dir}", "train.total_steps=1", f"train.out_dir={small}",
+                 "data.shapes.num_rows=8", "data.shapes.image_size=224", "train.max_vision_patches_per_microbatch=64"]) == 0
+    line = json.loads((small / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["prompt_length/vision_patches/mean"] <= 64 and line["seqlen/microbatch_vision_patches_max"] <= 64
+
+
+def test_preflight_sizes_images_under_the_patch_budget(vlm_dir):
+    from packrl.inspect.preflight import preflight
+
+    report = preflight("vision_demo", [f"model.path={vlm_dir}", "train.max_vision_patches_per_microbatch=100"])
+    (note,) = [n for n in report.notes if n.startswith("vision-language model")]
+    assert "224x224 -> 140x140: 27 tokens, 100 encoder patches" in note  # 25 placeholders x 4 patches
+    refused = preflight("vision_demo", [f"model.path={vlm_dir}", "train.max_vision_patches_per_microbatch=8"])
+    assert any(p.key == "train.max_vision_patches_per_microbatch" for p in refused.problems)

@@ -34,9 +34,17 @@ def _model(family, tok, dtype=torch.float32):
     return model
 
 
-def _cfg(budget: int, attention: str = "varlen", logprob_budget: int | None = None):
-    return pass_config(batch_size=4, n=2, max_prompt_tokens=256, max_response_tokens=16, update_tokens=budget,
-                       logprob_tokens=logprob_budget or budget, attention=attention, kl_coef=0.1, entropy_coeff=0.01)
+PATCH_BUDGETS = (216, 250)
+"""Vision-patch budgets (`train.max_vision_patches_per_microbatch`) that split `vlm_train_batch`
+(its prompts' images have 32, 36, 0 and 216 patches) where the token budget alone does not."""
+
+
+def _cfg(budget: int, attention: str = "varlen", logprob_budget: int | None = None, patches: int | None = None):
+    from dataclasses import replace
+
+    cfg = pass_config(batch_size=4, n=2, max_prompt_tokens=256, max_response_tokens=16, update_tokens=budget,
+                      logprob_tokens=logprob_budget or budget, attention=attention, kl_coef=0.1, entropy_coeff=0.01)
+    return replace(cfg, train=replace(cfg.train, max_vision_patches_per_microbatch=patches))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -70,18 +78,26 @@ def test_packed_hidden_states_equal_the_models_own_forward(family, tok, batch64)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(family, tok, batch64):
-    def run(budget, num_ranks):
+    def run(cfg, num_ranks):
         model = _model(family, tok, torch.float64)
-        loss = minibatch_grads(model, batch64, _cfg(budget), num_ranks=num_ranks)
-        return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        loss = minibatch_grads(model, batch64, cfg, num_ranks=num_ranks)
+        grads = [(n.startswith("model.visual."), p.grad.reshape(-1)) for n, p in model.named_parameters() if p.grad is not None]
+        return loss, [torch.cat([g for tower, g in grads if tower == part]) for part in (False, True)]
 
-    loss_ref, grad_ref = run(WHOLE, 1)
-    assert grad_ref.abs().max() > 0
-    for budget in SPLITS:
+    loss_ref, grad_ref = run(_cfg(WHOLE), 1)
+    assert all(g.abs().max() > 0 for g in grad_ref)  # the language model's and the vision tower's
+    # transformers' Qwen2.5-VL vision rotary embedding casts q and k to float32 even in a float64
+    # model, so the tower's gradients round at float32 where a shared image's feature gradients
+    # are summed (one encoding per pack) or not (encoded again in another micro-batch)
+    tower_rtol = 1e-4 if family == "qwen2_5_vl" else RTOL
+    splits = [_cfg(budget) for budget in SPLITS] + [_cfg(WHOLE, patches=p) for p in PATCH_BUDGETS]
+    for cfg in splits:
         for num_ranks in (1, 2):
-            loss, grads = run(budget, num_ranks)
-            assert loss == pytest.approx(loss_ref, rel=RTOL), (budget, num_ranks)
-            torch.testing.assert_close(grads, grad_ref, rtol=RTOL, atol=1e-12, msg=f"{family}: budget {budget}, {num_ranks} rank(s)")
+            loss, grads = run(cfg, num_ranks)
+            what = f"{family}: budget {cfg.train.max_tokens_per_microbatch}, patches {cfg.train.max_vision_patches_per_microbatch}"
+            assert loss == pytest.approx(loss_ref, rel=RTOL), (what, num_ranks)
+            torch.testing.assert_close(grads[0], grad_ref[0], rtol=RTOL, atol=1e-12, msg=f"{what}, {num_ranks} rank(s)")
+            torch.testing.assert_close(grads[1], grad_ref[1], rtol=tower_rtol, atol=1e-12, msg=f"{what}, {num_ranks} rank(s), tower")
 
 
 def test_the_splits_really_differ(batch64):
@@ -90,13 +106,44 @@ def test_the_splits_really_differ(batch64):
     from packrl.config.plan import BatchPlan
 
     rollout = batch64.rollout
-    counts = []
-    for budget in (WHOLE, *SPLITS):
-        planner = replace(BatchPlan.from_config(_cfg(budget)).planner(packed=True, share_prompts=False), num_ranks=1, num_epochs=1)
+    plans = []
+    for cfg in [_cfg(WHOLE), *(_cfg(b) for b in SPLITS), *(_cfg(WHOLE, patches=p) for p in PATCH_BUDGETS)]:
+        planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=False), num_ranks=1, num_epochs=1)
         plan = planner.update(rollout.sequence_lengths(), [len(r.response_ids) for r in rollout.responses],
-                              [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=[i // 2 for i in range(len(rollout))])
-        counts.append(len([mb for mb in plan.minibatches[0].microbatches(0) if mb]))
-    assert counts[0] == 1 and len(set(counts)) == 3, counts
+                              [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=[i // 2 for i in range(len(rollout))],
+                              vision=planner.vision(*rollout.image_patches()))
+        plans.append({mb for mb in plan.minibatches[0].microbatches(0) if mb})
+    token_plans = {frozenset(p) for p in plans[: 1 + len(SPLITS)]}
+    assert len(plans[0]) == 1 and len(token_plans) == 1 + len(SPLITS), plans
+    assert all(len(p) > 1 for p in plans[1 + len(SPLITS):]), plans  # the patch budget alone splits the batch
+    patches, _ = rollout.image_patches()
+    for p, plan in zip(PATCH_BUDGETS, plans[-len(PATCH_BUDGETS):]):  # each micro-batch: its distinct images' patches
+        assert all(sum({i // 2: patches[i] for i in mb}.values()) <= p for mb in plan)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_group_in_one_pack_encodes_its_images_once(family, tok, batch64):
+    """A prompt's responses share its `ImageInputs`: the tower runs over each distinct image once,
+    and the pack scores as with a copy of the images per sequence."""
+    from packrl.types import ImageInputs
+
+    model = _model(family, tok)
+    rollout = batch64.rollout
+    seqs = [torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids) for i in range(len(rollout))]
+    shared = [rollout.images_of(i) for i in range(len(rollout))]
+    copies = [None if x is None else ImageInputs(x.pixel_values.clone(), x.image_grid_thw.clone(), x.merge_size) for x in shared]
+    encoded = []
+    hook = model.model.visual.register_forward_hook(lambda _m, args, _out: encoded.append(int(args[0].shape[0])))
+    try:
+        pack = pack_sequences(seqs, images=shared).to("cpu")
+        once = packed_forward(model, pack)
+        per_sequence = packed_forward(model, pack_sequences(seqs, images=copies))
+    finally:
+        hook.remove()
+    distinct = sum(x.num_patches for x in rollout.prompts.images if x is not None)
+    assert pack.num_vision_patches == distinct
+    assert encoded == [distinct, 2 * distinct]  # shared: each image once; copies: once per sequence
+    torch.testing.assert_close(once, per_sequence, rtol=0, atol=1e-6)
 
 
 def test_image_positions_are_m_rope_not_a_count(tok, batch64):
