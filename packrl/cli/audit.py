@@ -11,7 +11,10 @@ Only the tokenizer is loaded, never the weights: ``--model`` may be a model dire
 directory with tokenizer files), a ``.gguf`` file, a hub id or the alias
 ``smollm2-135m-instruct``. For a ``.gguf``, the tokenizer is the one training would use: that
 of its converted copy in the packrl cache when there is one, else the tokenizer files beside
-it (what a conversion stores), else the GGUF is converted once as training would.
+it (what a conversion stores), else the GGUF is converted once as training would. When the
+model's ``config.json`` has a vision tower, its prompt encoder is loaded as training loads it
+(`packrl.models.loading.load_prompt_encoder`): the processor of a vision-language model, which
+reads and sizes the rows' images (another multimodal family is refused, as training refuses it).
 
 Reports are cached under ``<packrl cache>/audit/`` (env ``PACKRL_CACHE``, else
 ``~/.cache/packrl``); ``--no-cache`` skips the cache. Exit status: 0 when the audit ran (what
@@ -22,14 +25,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packrl.config import load_config
+
+if TYPE_CHECKING:
+    from packrl.config.schema import ModelConfig
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w]*(\.[\w]+)+=")
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -37,6 +44,12 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )
 """Files that define a tokenizer and its chat template; their bytes are its identity."""
+
+PROCESSOR_FILES: tuple[str, ...] = (
+    "config.json", "preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
+)
+"""Files that define a vision-language model's processor (image geometry, image token ids, the
+template that places images); with `TOKENIZER_FILES`, their bytes are its identity."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +60,14 @@ class TokenizerSource:
         model: the ``--model`` / ``model.path`` value.
         directory: folder with the tokenizer files; None when a ``.gguf`` must be converted first.
         identity: hex sha256 of the tokenizer files (or of the ``.gguf`` to convert).
+        processor: hex sha256 of `PROCESSOR_FILES` when the directory's ``config.json`` has a
+            vision tower (the audit then loads the prompt encoder training loads); else None.
     """
 
     model: str
     directory: Path | None
     identity: str
+    processor: str | None = None
 
 
 def locate_tokenizer(model: str) -> TokenizerSource:
@@ -74,18 +90,29 @@ def locate_tokenizer(model: str) -> TokenizerSource:
         if (path.parent / "tokenizer.json").is_file():
             return TokenizerSource(model, path.parent, _files_identity(path.parent))
         return TokenizerSource(model, None, hashlib.sha256(f"gguf:{digest}".encode()).hexdigest())
-    if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES):
-        return TokenizerSource(model, path, _files_identity(path))
-    resolved = resolve_model(model, weights=False)
-    return TokenizerSource(model, resolved.tokenizer_dir, _files_identity(resolved.tokenizer_dir))
+    folder = path if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES) else None
+    folder = folder or resolve_model(model, weights=False).tokenizer_dir
+    vision = _has_vision_tower(folder)
+    return TokenizerSource(model, folder, _files_identity(folder), _files_identity(folder, PROCESSOR_FILES) if vision else None)
 
 
-def _files_identity(folder: Path) -> str:
+def _files_identity(folder: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> str:
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    for name in names:
         if (folder / name).is_file():
             h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def _has_vision_tower(folder: Path) -> bool:
+    """True when ``folder/config.json`` names a ``vision_config``: a read of the json alone, so a
+    text model's audit imports neither torch nor the model config classes. Which processor (or
+    refusal) follows is `load_prompt_encoder`'s decision (`packrl.models.vision.is_vision_config`)."""
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # no config (tokenizer files alone) or not json: a text tokenizer
+        return False
+    return isinstance(raw, dict) and raw.get("vision_config") is not None
 
 
 def load_audit_tokenizer(source: TokenizerSource) -> Any:
@@ -101,6 +128,23 @@ def load_audit_tokenizer(source: TokenizerSource) -> Any:
         return load_tokenizer(resolve_model(source.model), source.model)
     folder = source.directory
     return load_tokenizer(ResolvedModel(folder, None, f"tokenizer files in {folder}", folder), source.model)
+
+
+def load_audit_encoder(source: TokenizerSource, model_cfg: ModelConfig) -> Any:
+    """What renders the prompts in training, for the audit: the tokenizer (`load_audit_tokenizer`),
+    or, when the model has a vision tower (``source.processor``), `load_prompt_encoder`'s result
+    for ``model_cfg`` (the ``model`` section): a vision-language model's processor.
+
+    Raises:
+        ValueError: as `load_audit_tokenizer`; a multimodal family packrl does not train, or a
+            vision-language model without its processor files (as `load_prompt_encoder`).
+    """
+    tokenizer = load_audit_tokenizer(source)
+    if source.processor is None:
+        return tokenizer
+    from packrl.models.loading import load_prompt_encoder
+
+    return load_prompt_encoder(model_cfg, tokenizer)
 
 
 def split_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
@@ -132,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         located = locate_tokenizer(cfg.model.path)
         report = audit_sources(
-            sources, cfg, tokenizer_loader=lambda: load_audit_tokenizer(located), tokenizer_id=located.identity,
-            model=cfg.model.path, cache_dir=None if args.no_cache else cache_root() / "audit",
+            sources, cfg, tokenizer_loader=lambda: load_audit_encoder(located, cfg.model), tokenizer_id=located.identity,
+            processor_id=located.processor, model=cfg.model.path, cache_dir=None if args.no_cache else cache_root() / "audit",
         )
         report = report.timed(time.perf_counter() - start)
         if args.html:
@@ -164,11 +208,13 @@ def add_parser(subparsers: Any) -> None:
         help="prompt-length audit of data files: percentiles, overlong rows per policy, bad rows, suggested budgets",
         description="Render and tokenize every row of DATA as training would (chat template, instruction, prompt "
         "policy) and report prompt-length percentiles, what each data.overlong_prompt policy would do at "
-        "data.max_prompt_tokens, bad rows, multimodal image tokens and suggested budgets. Config: --preset "
+        "data.max_prompt_tokens, bad rows, rows with images (through a vision-language model's processor: vision "
+        "and text tokens per row) and suggested budgets. Config: --preset "
         "(default demo) plus dotted key=value overrides. Exit 2 on bad input.",
     )
     p.add_argument("data", nargs="+", metavar="DATA", help=".jsonl/.json/.parquet files or task:arithmetic; key=value overrides may follow")
-    p.add_argument("--model", default=None, help="model dir, .gguf file, hub id or alias (default: the config's model.path)")
+    p.add_argument("--model", default=None, help="model dir, .gguf file, hub id or alias (default: the config's model.path); "
+                   "a vision-language model's processor reads and sizes the rows' images")
     p.add_argument("--preset", default=None, help="preset name or .yaml path (default: demo)")
     p.add_argument("--json", dest="as_json", action="store_true", help="print one JSON object instead of the text table")
     p.add_argument("--html", metavar="FILE", default=None, help="also write a self-contained HTML page with the histogram")
@@ -176,4 +222,4 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run, overrides=[])
 
 
-__all__ = ["TokenizerSource", "add_parser", "load_audit_tokenizer", "locate_tokenizer", "run", "split_arguments"]
+__all__ = ["TokenizerSource", "add_parser", "load_audit_encoder", "load_audit_tokenizer", "locate_tokenizer", "run", "split_arguments"]

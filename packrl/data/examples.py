@@ -175,7 +175,7 @@ def _image_messages(prompt: Any, images: Any, base_dir: Path | None) -> tuple[li
     ``images`` column in order (verl's ``_build_messages``), and list contents' image parts
     (``{"type": "image", "image" | "path": ...}``) theirs. Returns the chat with image messages
     as lists of parts, and the image references; or the reason the row is bad."""
-    prompt, images = _as_list(prompt), _as_list(images)
+    prompt, images = as_list(prompt), as_list(images)
     has_parts = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) and isinstance(m.get("content"), (list, tuple))
                                                              for m in prompt)
     if not images and not has_parts:
@@ -242,7 +242,7 @@ def _content_parts(i: int, content: Any, column: list[Any], refs: list[Any]) -> 
     return parts
 
 
-def _as_list(value: Any) -> Any:
+def as_list(value: Any) -> Any:
     """A numpy array (pandas-read parquet) as a list; anything else as it is."""
     return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)) else value
 
@@ -253,7 +253,7 @@ def _messages(prompt: Any) -> list[dict[str, Any]] | str:
     Parquet gives a list of dicts (pyarrow) or a numpy array of dicts (pandas); struct columns
     fill keys a message lacks with None, and those keys are dropped.
     """
-    prompt = _as_list(prompt)  # numpy array of dicts
+    prompt = as_list(prompt)  # numpy array of dicts
     if not isinstance(prompt, (list, tuple)):
         return f"field 'prompt' is of type {type(prompt).__name__}, expected a list of chat messages"
     if not prompt:

@@ -2,7 +2,7 @@
 
 `audit_sources` reads the data files, renders and tokenizes every row through the path
 training takes (`packrl.data.prompts`: row normalisation, chat template, instruction, system
-prompt, prompt policy), and reports:
+prompt, prompt policy; rows with images through the configured model's processor), and reports:
 
 - prompt tokens (template and generation prompt included, before any truncation): nearest-rank
   percentiles p50/p90/p95/p99/max, mean and a histogram. `length_percentiles` computes them, as
@@ -12,32 +12,35 @@ prompt, prompt policy), and reports:
 - for ``data.max_prompt_tokens``, what each ``data.overlong_prompt`` policy would do;
 - bad rows with their numbers and reasons (the rejection logic of training);
 - suggested budgets (`suggest_budgets`);
-- multimodal rows (`packrl.inspect.images`): image tokens per row, and what each policy would do
-  when image tokens are fixed and only text is shortened.
+- rows with images (`packrl.inspect.audit_images`): what training makes of them, and with a
+  vision-language ``model.path`` their vision and text tokens per row and per fitted image size.
 
 Rows are numbered from 0 across the DATA files in order, as training numbers them (a jsonl row
 is a non-blank line). Percentiles are nearest-rank: ``pQ`` is the smallest length L with at
 least Q% of the rows at or under L, so every value is a length some row has.
 
-Multimodal rows and training: training reads text chats only; a row whose message content is
-a list of parts is a bad row there (``prompt[i].content is list, expected a string``), so it
-is in ``bad_rows`` with that reason. The audit counts such rows separately: each message's
-text parts joined, image parts replaced by `IMAGE_PLACEHOLDER`, rendered through the chat
-template like any row, plus `image_tokens` per image. A truncating policy shortens only that
-text, to ``data.max_prompt_tokens`` minus the image tokens; a row whose text cannot shrink
-enough is counted as filtered (over budget), never cut inside an image.
+Rows with images and training: the audit gets the prompt encoder training gets
+(`packrl.models.loading.load_prompt_encoder`). For a vision-language ``model.path`` that is its
+processor, and image rows go through `packrl.data.vision_prompts` exactly as in training: each
+image sized under ``data.image.*``, ``data.max_image_tokens`` and
+``train.max_vision_patches_per_microbatch``, a row over
+``data.max_prompt_tokens`` truncated by resizing its images (never cut inside one) or filtered,
+an unreadable image a bad row; the counts per policy are what `PromptDataset.build` gives. For a
+text ``model.path`` such rows are rejected with training's reason (``a row with images needs a
+vision-language model.path ...``), and ``problems`` names the fix.
 
 Results are cached (`cache_key`): sha256 of every data file's bytes, the tokenizer identity,
-and the config values the report depends on. A report that read image files, or a hub source,
-is not cached (those inputs are not in the key). Cost, measured with `bench/bench_audit.py` on
-the 2-core CPU (SmolLM2 tokenizer, demo preset, GSM8K train, 7,473 rows): cold 6.8 s wall on a
-lightly loaded machine, 6.3 s of CPU (about 3 s importing transformers and loading the
-tokenizer, 1.1 s the render + tokenize pass `PromptDataset.build` also makes, 1.7 s truncating
-the 732 rows over 128 tokens three ways); warm 0.3 s per command, 0.1 s of it in the audit.
+the processor identity (vision-language models), and the config values the report depends on.
+A report that read image files, or a hub source, is not cached (those inputs are not in the
+key). Cost, measured with `bench/bench_audit.py` on the 2-core CPU (SmolLM2 tokenizer, demo
+preset, GSM8K train, 7,473 rows): cold 6.8 s wall on a lightly loaded machine, 6.3 s of CPU
+(about 3 s importing transformers and loading the tokenizer, 1.1 s the render + tokenize pass
+`PromptDataset.build` also makes, 1.7 s truncating the 732 rows over 128 tokens three ways);
+warm 0.3 s per command, 0.1 s of it in the audit.
 
 JSON keys (`AuditReport.to_dict`; every token count is in tokens of the audited tokenizer):
 
-    schema                  int, report format version (2)
+    schema                  int, report format version (3)
     sources                 [{source, num_rows, sha256 (null for task:/hub sources)}]
     model, tokenizer        the --model value; hex identity of the tokenizer files
     config                  {dotted key: value} of the config values used
@@ -45,15 +48,24 @@ JSON keys (`AuditReport.to_dict`; every token count is in tokens of the audited 
     bad_rows                [{row, source, source_row, reason}], first 1,000
     prompt_tokens           {num_rows, p50, p90, p95, p99, max, mean, histogram: {bin_edges, counts}}
     answer_tokens           same shape, or null when no row has a reference answer
-    num_overlong            rendered rows over data.max_prompt_tokens
+    num_overlong            rows data.overlong_prompt=filter filters: over data.max_prompt_tokens,
+                            or images that do not fit data.max_image_tokens
     policies                {filter|left|right|middle|error: {num_kept, num_truncated,
                             num_filtered, num_rejected, num_tokens_removed, num_rows_affected,
                             rows (first 20 affected rows), stops_training}}
-    multimodal              null, or {num_rows, num_images, image_tokens, text_tokens,
-                            total_tokens (length stats), policies (as above), rows: [{row,
-                            num_images, image_tokens, text_tokens}] (first 20), bad_rows, training}
+    multimodal              null, or the rows with images: {num_rows, num_images, policy (the
+                            configured one, error as filter, that the per-row numbers are under),
+                            vision_tokens, text_tokens, total_tokens (length stats per row),
+                            image_sizes: [{width, height, vision_tokens, encoder_patches,
+                            num_images}] (first 20 fitted sizes), num_sizes, policies (as above,
+                            these rows only), rows and changed: [{row, status, num_images,
+                            vision_tokens, text_tokens, image_sizes, reason}] (first 20; changed:
+                            truncated or filtered), processor (class name, or null for a text
+                            model), geometry ({factor, merge, min_pixels, max_pixels,
+                            extra_tokens}, or null), training}
     suggested               {data.max_prompt_tokens, train.max_tokens_per_microbatch, rule}
-    problems                [str]: what would stop `packrl train` with this data and config
+    problems                [str]: what would stop `packrl train` with this data and config, or
+                            make it reject its rows with images (a text model.path)
     cached                  true when the report came from the cache
     wall_s, rows_per_s      time of this audit (s) and rows per second
 """
@@ -66,33 +78,31 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packrl.data.examples import GSM8K_SOURCE, to_example
 from packrl.data.loaders import BadRow
 from packrl.data.prompts import account_rows, budget_examples, load_examples, rendered_prompt_lengths
+from packrl.inspect.audit_images import NEEDS_VISION_MODEL, image_rows, is_processor, multimodal_stats, reads_image_files
 from packrl.inspect.audit_report import (
     SCHEMA_VERSION,
     AuditReport,
     BadRowInfo,
     LengthStats,
-    MultimodalRow,
-    MultimodalStats,
     PolicyOutcome,
     SourceInfo,
     SuggestedBudgets,
 )
-from packrl.inspect.images import image_size, image_tokens, split_content
+from packrl.models.model_config import VISION_MODEL_TYPES
 from packrl.seqlen.prompt_policy import POLICIES, Policy, RowOutcome
 from packrl.seqlen.stats import length_percentiles
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.schema import DataConfig, RunConfig
     from packrl.data.examples import Example
-    from packrl.data.prompts import LoadedRows, RowSource
+    from packrl.data.prompts import DatasetPrompt, LoadedRows
 
 __all__ = [
     "AuditReport", "LengthStats", "PolicyOutcome", "audit_rows", "audit_sources", "cache_key",
@@ -105,12 +115,6 @@ DATA_KEY = "DATA"
 """The name data-file errors use for the audited sources."""
 
 _CHUNK_ROWS = 1024  # rows per render/tokenize call: the progress bar's step
-_NO_BUDGET = 1 << 62  # a prompt budget no row reaches: renders without truncating
-_MULTIMODAL_TRAINING = (
-    "packrl train reads these rows through a vision-language model's processor (docs/multimodal.md; a text "
-    "model.path rejects them); the counts here are what a Qwen2-VL-style model at the processor's default sizing "
-    "would take: rendered text plus image tokens (packrl preflight gives the sizing of the configured model)"
-)
 
 
 def suggest_budgets(prompt_tokens: LengthStats, max_response_tokens: int) -> SuggestedBudgets:
@@ -151,27 +155,30 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
 
     Args:
         loaded: the rows, their origins, examples and bad-row reasons.
-        tokenizer: HF (fast) tokenizer with a chat template: the model's.
-        cfg: the run config (``data``, ``rollout.max_response_tokens``, ``train``).
+        tokenizer: what renders the model's prompts, as training gets it (`load_prompt_encoder`):
+            the HF (fast) tokenizer with a chat template of a text model, or a vision-language
+            model's processor (``image_processor`` + ``tokenizer``), which reads and sizes images.
+        cfg: the run config (``data``, ``model.path``, ``rollout.max_response_tokens``, ``train``).
         progress: show a tqdm bar on stderr (None: only on a terminal).
 
     Returns:
         The report with ``cached=False``; ``wall_s`` covers this call only.
 
     Raises:
-        ValueError: a multimodal row names an image that needs Pillow when it is not installed.
+        ValueError: a processor without Qwen2-VL-style geometry when rows have images (as
+            training raises, `packrl.data.images.ImageGeometry.of`).
     """
     start = time.perf_counter()
-    data = cfg.data
-    outcomes = _render_all(loaded.examples, tokenizer, data.max_prompt_tokens, progress)
-    accounting = account_rows(outcomes, loaded.bad, loaded.num_rows)
+    passes = _Passes.run(loaded.examples, tokenizer, _Budgets(cfg.data, cfg.train.max_vision_patches_per_microbatch), progress)
+    accounting = account_rows(passes.base, loaded.bad, loaded.num_rows)
     prompt_tokens = LengthStats.from_lengths(rendered_prompt_lengths(accounting))
-    overlong = [loaded.examples[i] for i, o in enumerate(outcomes) if o.status == "filtered"]
-    base = _Counts.of(accounting.outcomes)
-    cuts = _truncate_overlong(overlong, tokenizer, data.max_prompt_tokens, progress)
-    policies = tuple(_policy_outcome(p, base, overlong, cuts.get(p, [])) for p in POLICIES)
-    answers = _answer_lengths(loaded, tokenizer)
-    multimodal, read_images = _multimodal(loaded, tokenizer, cfg)
+    answers = _answer_lengths(loaded, tokenizer.tokenizer if is_processor(tokenizer) else tokenizer)
+    with_images = set(image_rows(loaded))
+    configured = {o.row: o for o in accounting.outcomes} | passes.outcomes(cfg.data.overlong_prompt)
+    multimodal = multimodal_stats(loaded, tokenizer, cfg.data, outcomes=configured,
+                                  prompts=passes.image_prompts(cfg.data.overlong_prompt),
+                                  policies=passes.policies(accounting.outcomes, keep=with_images.__contains__),
+                                  max_image_patches=cfg.train.max_vision_patches_per_microbatch)
     bad_rows = tuple(
         BadRowInfo(o.row, loaded.origins[o.row].source, loaded.origins[o.row].source_row, o.reason)
         for o in accounting.outcomes if o.status == "rejected"
@@ -180,11 +187,12 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
         sources=_source_infos(loaded), model="", tokenizer="", config=_config_values(cfg),
         num_rows=loaded.num_rows, num_bad_rows=len(bad_rows), bad_rows=bad_rows[: AuditReport.MAX_BAD_ROWS],
         prompt_tokens=prompt_tokens, answer_tokens=LengthStats.from_lengths(answers) if answers else None,
-        num_overlong=len(overlong), policies=policies, multimodal=multimodal,
+        num_overlong=len(passes.overlong), policies=passes.policies(accounting.outcomes), multimodal=multimodal,
         suggested=suggest_budgets(prompt_tokens, cfg.rollout.max_response_tokens),
-        problems=(), read_image_files=read_images,
+        problems=(), read_image_files=reads_image_files(loaded, tokenizer),
     )
-    report = replace(report, problems=_problems(report, cfg))
+    needs_vision = 0 if is_processor(tokenizer) else sum(1 for e in loaded.examples if e.images)
+    report = replace(report, problems=_problems(report, cfg, num_need_vision=needs_vision))
     return report.timed(time.perf_counter() - start)
 
 
@@ -203,46 +211,112 @@ class _Counts:
         return cls(*(statuses.count(s) for s in ("kept", "truncated", "filtered", "rejected")))
 
 
-def _render_all(examples: Sequence[Example], tokenizer: Any, max_prompt_tokens: int, progress: bool | None) -> list[RowOutcome]:
+_TRUNCATING = tuple(p for p in POLICIES if p not in ("filter", "error"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Budgets:
+    """What `budget_examples` takes besides the rows, as `PromptDataset.build` passes it in training:
+    the ``data`` section and ``train.max_vision_patches_per_microbatch`` (``max_image_patches``)."""
+
+    data: DataConfig
+    max_image_patches: int | None
+
+    def apply(self, examples: Sequence[Example], encoder: Any, policy: Policy) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
+        return budget_examples(examples, encoder, max_prompt_tokens=self.data.max_prompt_tokens, policy=policy,
+                               data_cfg=self.data, max_image_patches=self.max_image_patches)
+
+
+@dataclass(frozen=True, slots=True)
+class _Passes:
+    """The audit's calls of `budget_examples`, as `PromptDataset.build` makes them for each policy.
+
+    ``base``: every example under ``filter`` (an outcome's ``num_tokens`` is the row's full prompt
+    length); ``overlong``: the rows it filtered (over ``data.max_prompt_tokens``, or images over
+    ``data.max_image_tokens``); ``cuts``: those rows under each truncating policy. Any other row's
+    outcome is its base one under every policy: a row within the budget is kept, and a row
+    rejected before the budget applies is rejected, whatever the policy. ``prompts``: the
+    prompts of rows with images, per pass (``filter`` and each truncating policy).
+    """
+
+    base: list[RowOutcome]
+    overlong: list[int]
+    cuts: dict[str, list[RowOutcome]]
+    prompts: dict[str, list[DatasetPrompt]]
+
+    @classmethod
+    def run(cls, examples: Sequence[Example], encoder: Any, budgets: _Budgets, progress: bool | None) -> _Passes:
+        base, prompts = _render_all(examples, encoder, budgets, progress)
+        overlong = [e for e, o in zip(examples, base) if o.status == "filtered"]
+        cuts, cut_prompts = _truncate_overlong(overlong, encoder, budgets, progress)
+        return cls(base, [e.row for e in overlong], cuts, {"filter": prompts} | cut_prompts)
+
+    def outcomes(self, policy: str) -> dict[int, RowOutcome]:
+        """Global row -> outcome under ``policy`` for the rows a truncating policy changes (none otherwise)."""
+        return {o.row: o for o in self.cuts.get(policy, [])}
+
+    def image_prompts(self, policy: str) -> list[DatasetPrompt]:
+        """The prompts of rows with images under ``policy`` (``error``: as ``filter``), in row order."""
+        cut = self.prompts[policy] if policy in _TRUNCATING else []
+        return sorted([*self.prompts["filter"], *cut], key=lambda p: p.example.row)
+
+    def policies(self, outcomes: Sequence[RowOutcome], keep: Callable[[int], bool] | None = None) -> tuple[PolicyOutcome, ...]:
+        """Every policy's `PolicyOutcome` over ``outcomes`` (the base accounting of all rows, bad rows
+        included), or over the rows ``keep`` accepts."""
+        def kept(items: Sequence[RowOutcome]) -> list[RowOutcome]:
+            return [o for o in items if keep is None or keep(o.row)]
+
+        base, overlong = _Counts.of(kept(outcomes)), [r for r in self.overlong if keep is None or keep(r)]
+        return tuple(_policy_outcome(p, base, overlong, kept(self.cuts.get(p, []))) for p in POLICIES)
+
+
+def _render_all(examples: Sequence[Example], encoder: Any, budgets: _Budgets,
+                progress: bool | None) -> tuple[list[RowOutcome], list[DatasetPrompt]]:
     """Outcomes of every example under ``filter`` (so ``num_tokens`` is each full prompt length),
-    in chunks of `_CHUNK_ROWS` rows for the progress bar."""
+    in chunks of `_CHUNK_ROWS` rows for the progress bar, and the prompts of rows with images."""
     from tqdm import tqdm
 
     outcomes: list[RowOutcome] = []
+    prompts: list[DatasetPrompt] = []
     with tqdm(total=len(examples), unit="row", desc="audit: render + tokenize", disable=_no_bar(progress)) as bar:
         for start in range(0, len(examples), _CHUNK_ROWS):
             chunk = examples[start : start + _CHUNK_ROWS]
-            outcomes += budget_examples(chunk, tokenizer, max_prompt_tokens=max_prompt_tokens, policy="filter")[1]
+            made, outcome = budgets.apply(chunk, encoder, "filter")
+            outcomes += outcome
+            prompts += [p for p in made if p.example.images]
             bar.update(len(chunk))
-    return outcomes
+    return outcomes, prompts
 
 
 def _no_bar(progress: bool | None) -> bool | None:
     return None if progress is None else not progress
 
 
-def _truncate_overlong(
-    overlong: Sequence[Example], tokenizer: Any, budget: int, progress: bool | None
-) -> dict[str, list[RowOutcome]]:
-    """Outcomes of the overlong rows under each truncating policy (left, right, middle)."""
+def _truncate_overlong(overlong: Sequence[Example], encoder: Any, budgets: _Budgets,
+                       progress: bool | None) -> tuple[dict[str, list[RowOutcome]], dict[str, list[DatasetPrompt]]]:
+    """Outcomes of the overlong rows under each truncating policy (left, right, middle), and the
+    prompts of those with images."""
     from tqdm import tqdm
 
-    sides = [p for p in POLICIES if p not in ("filter", "error")]
-    cuts: dict[str, list[RowOutcome]] = {side: [] for side in sides}
-    with tqdm(total=len(sides) * len(overlong), unit="row", desc="audit: truncate overlong rows",
+    cuts: dict[str, list[RowOutcome]] = {side: [] for side in _TRUNCATING}
+    prompts: dict[str, list[DatasetPrompt]] = {side: [] for side in _TRUNCATING}
+    with tqdm(total=len(_TRUNCATING) * len(overlong), unit="row", desc="audit: truncate overlong rows",
               disable=_no_bar(progress) if overlong else True) as bar:
-        for side in sides:
+        for side in _TRUNCATING:
             for start in range(0, len(overlong), _CHUNK_ROWS // 8):
                 chunk = overlong[start : start + _CHUNK_ROWS // 8]
-                cuts[side] += budget_examples(chunk, tokenizer, max_prompt_tokens=budget, policy=side)[1]
+                made, outcomes = budgets.apply(chunk, encoder, side)
+                cuts[side] += outcomes
+                prompts[side] += [p for p in made if p.example.images]
                 bar.update(len(chunk))
-    return cuts
+    return cuts, prompts
 
 
-def _policy_outcome(policy: str, base: _Counts, overlong: Sequence[Example], cuts: list[RowOutcome]) -> PolicyOutcome:
-    """What ``policy`` does with the overlong rows (``cuts``: their outcomes under a truncating
-    policy); every other row is as the base pass left it."""
-    rows = [e.row for e in overlong]
+def _policy_outcome(policy: str, base: _Counts, overlong: Sequence[int], cuts: list[RowOutcome]) -> PolicyOutcome:
+    """What ``policy`` does with the ``overlong`` rows (``cuts``: their outcomes under a truncating
+    policy); every other row is as the base pass left it. A truncating policy filters a row only
+    when its images cannot shrink enough (text rows are truncated or rejected)."""
+    rows = list(overlong)
     common: dict[str, Any] = {"policy": policy, "num_kept": base.kept, "num_rows_affected": len(rows),
                               "rows": tuple(rows[: PolicyOutcome.MAX_ROWS])}
     if policy in ("filter", "error"):
@@ -250,7 +324,7 @@ def _policy_outcome(policy: str, base: _Counts, overlong: Sequence[Example], cut
         return PolicyOutcome(**common, num_truncated=0, num_filtered=filtered, num_rejected=base.rejected,
                              num_tokens_removed=0, stops_training=policy == "error" and bool(rows))
     cut = _Counts.of(cuts)
-    return PolicyOutcome(**common, num_truncated=cut.truncated, num_filtered=0, num_rejected=base.rejected + cut.rejected,
+    return PolicyOutcome(**common, num_truncated=cut.truncated, num_filtered=cut.filtered, num_rejected=base.rejected + cut.rejected,
                          num_tokens_removed=sum(o.num_tokens_removed for o in cuts), stops_training=False)
 
 
@@ -273,113 +347,6 @@ def _answer_lengths(loaded: LoadedRows, tokenizer: Any) -> list[int]:
     return lengths
 
 
-def _text_only_row(raw: Any) -> tuple[dict, list[dict]] | None:
-    """A verl-schema row with image parts as (the row with text-only messages, its image parts);
-    None when the row has no image part."""
-    if not isinstance(raw, dict):
-        return None
-    prompt: Any = raw.get("prompt")  # a list, or a numpy array when read from parquet
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple, str)):
-        prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
-        return None
-    messages, images = [], []
-    for message in prompt:
-        split = split_content(message.get("content")) if isinstance(message, dict) else None
-        if split is None:
-            messages.append(message)
-            continue
-        messages.append({k: v for k, v in message.items() if v is not None} | {"content": split[0]})
-        images += split[1]
-    return (raw | {"prompt": messages}, images) if images else None
-
-
-@dataclass(frozen=True, slots=True)
-class _MultimodalRow:
-    example: Example
-    num_images: int
-    image_tokens: int
-
-
-def _multimodal(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig) -> tuple[MultimodalStats | None, bool]:
-    """The multimodal section, and whether an image file was read to size an image."""
-    rows: list[_MultimodalRow] = []
-    bad: list[BadRowInfo] = []
-    num_found, read_files = 0, False
-    for row, raw in enumerate(loaded.raw_rows):
-        found = _text_only_row(raw)
-        if found is None:
-            continue
-        num_found += 1
-        text_raw, parts = found
-        origin = loaded.origins[row]
-        base_dir = None if origin.source.startswith("task:") else Path(origin.source).expanduser().parent
-        example = to_example(text_raw, row=row, instruction=cfg.data.instruction,
-                             system_prompt=cfg.data.system_prompt, data_source=GSM8K_SOURCE)
-        try:
-            sizes = [image_size(p, base_dir) for p in parts]
-        except ValueError as err:
-            if "Pillow" in str(err):
-                raise
-            example = str(err)
-        read_files |= any(not (_positive_int(p.get("width")) and _positive_int(p.get("height"))) for p in parts)
-        if isinstance(example, str):
-            bad.append(BadRowInfo(row, origin.source, origin.source_row, example))
-        else:
-            rows.append(_MultimodalRow(example, len(parts), sum(image_tokens(w, h) for w, h in sizes)))
-    if not num_found:
-        return None, False
-    return _multimodal_stats(rows, bad, num_found, tokenizer, cfg.data.max_prompt_tokens, loaded.origins), read_files
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _multimodal_stats(
-    rows: list[_MultimodalRow], bad: list[BadRowInfo], num_found: int, tokenizer: Any, budget: int, origins: Sequence[RowSource]
-) -> MultimodalStats:
-    outcomes = budget_examples([r.example for r in rows], tokenizer, max_prompt_tokens=_NO_BUDGET, policy="filter")[1]
-    text = {o.row: o.num_tokens for o in outcomes if o.num_tokens is not None}
-    for o in outcomes:
-        if o.num_tokens is None:
-            bad.append(BadRowInfo(o.row, origins[o.row].source, origins[o.row].source_row, o.reason))
-    rows = [r for r in rows if r.example.row in text]
-    totals = [text[r.example.row] + r.image_tokens for r in rows]
-    policies = tuple(_multimodal_policy(p, rows, text, budget, tokenizer, num_rejected=len(bad)) for p in POLICIES)
-    return MultimodalStats(
-        num_rows=num_found, num_images=sum(r.num_images for r in rows),
-        image_tokens=LengthStats.from_lengths([r.image_tokens for r in rows]),
-        text_tokens=LengthStats.from_lengths([text[r.example.row] for r in rows]),
-        total_tokens=LengthStats.from_lengths(totals), policies=policies,
-        rows=tuple(MultimodalRow(r.example.row, r.num_images, r.image_tokens, text[r.example.row]) for r in rows[: PolicyOutcome.MAX_ROWS]),
-        bad_rows=tuple(sorted(bad, key=lambda b: b.row)), training=_MULTIMODAL_TRAINING,
-    )
-
-
-def _multimodal_policy(
-    policy: Policy, rows: list[_MultimodalRow], text: dict[int, int], budget: int, tokenizer: Any, *, num_rejected: int
-) -> PolicyOutcome:
-    """``policy`` on multimodal rows: images fixed, only text shortened, to ``budget - image tokens``."""
-    over = [r for r in rows if text[r.example.row] + r.image_tokens > budget]
-    truncated = removed = 0
-    if policy in ("left", "right", "middle"):
-        for r in over:
-            text_budget = budget - r.image_tokens
-            if text_budget < 1:
-                continue  # the images alone are over budget: filtered
-            (outcome,) = budget_examples([r.example], tokenizer, max_prompt_tokens=text_budget, policy=policy)[1]
-            if outcome.status == "truncated":
-                truncated, removed = truncated + 1, removed + outcome.num_tokens_removed
-    filtered = 0 if policy == "error" else len(over) - truncated
-    affected = [r.example.row for r in over]
-    return PolicyOutcome(
-        policy=policy, num_kept=len(rows) - len(over), num_truncated=truncated, num_filtered=filtered,
-        num_rejected=num_rejected, num_tokens_removed=removed, num_rows_affected=len(affected),
-        rows=tuple(affected[: PolicyOutcome.MAX_ROWS]), stops_training=policy == "error" and bool(over),
-    )
-
-
 def _source_infos(loaded: LoadedRows) -> tuple[SourceInfo, ...]:
     counts: dict[str, int] = {}
     for origin in loaded.origins:
@@ -397,11 +364,15 @@ def _config_values(cfg: RunConfig) -> dict[str, Any]:
         "data.arithmetic": [a.num_rows, a.digits, a.num_operands, a.operators], "train.seed": cfg.train.seed,
         "rollout.max_response_tokens": cfg.rollout.max_response_tokens,
         "train.max_tokens_per_microbatch": cfg.train.max_tokens_per_microbatch,
+        "data.max_image_tokens": d.max_image_tokens,
+        "train.max_vision_patches_per_microbatch": cfg.train.max_vision_patches_per_microbatch,
+        **{f"data.image.{f.name}": getattr(d.image, f.name) for f in fields(d.image)},
     }
 
 
-def _problems(report: AuditReport, cfg: RunConfig) -> tuple[str, ...]:
-    """What would stop `packrl train` with this data and config, each with its fix."""
+def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int) -> tuple[str, ...]:
+    """What would stop `packrl train` with this data and config, each with its fix; and the
+    ``num_need_vision`` rows with images that a text ``model.path`` makes training reject."""
     data, out = cfg.data, []
     if report.num_bad_rows and not data.skip_bad_rows:
         first = report.bad_rows[0]
@@ -415,14 +386,21 @@ def _problems(report: AuditReport, cfg: RunConfig) -> tuple[str, ...]:
     if usable < data.batch_size and not chosen.stops_training:
         more = " or raise data.max_prompt_tokens" if chosen.num_filtered else ""
         out.append(f"{usable:,} usable prompt(s) < data.batch_size={data.batch_size:,}; add rows or lower data.batch_size{more}")
+    if num_need_vision:
+        out.append(f"{num_need_vision:,} row(s) with images, which training rejects with the text model.path={cfg.model.path!r} "
+                   f"({NEEDS_VISION_MODEL}); set model.path (or --model) to a vision-language model "
+                   f"({', '.join(VISION_MODEL_TYPES)}) to train on them")
     return tuple(out)
 
 
-def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig) -> str | None:
+def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig, processor_id: str | None = None) -> str | None:
     """Hex sha256 of what a report depends on: the format version, each source (its string
-    and the sha256 of its bytes), the tokenizer identity, the transformers and tokenizers
-    versions (rendering and tokenization code) and `_config_values`. None when a source is not
-    a local file or ``task:`` (a hub dataset can change without its id changing)."""
+    and the sha256 of its bytes), the tokenizer identity, the processor identity (its files: the
+    image geometry and how images expand; None for a text model), the transformers and tokenizers
+    versions (rendering, tokenization and image processing code) and `_config_values` (with
+    ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``).
+    None when a source is not a local file or ``task:`` (a hub dataset can change without its id
+    changing)."""
     parts: list[Any] = []
     for source in sources:
         path = Path(source).expanduser()
@@ -433,7 +411,7 @@ def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig) -> str 
         else:
             return None
     versions = [_version("transformers"), _version("tokenizers")]
-    blob = json.dumps([SCHEMA_VERSION, parts, tokenizer_id, versions, _config_values(cfg)], sort_keys=True, default=str)
+    blob = json.dumps([SCHEMA_VERSION, parts, tokenizer_id, processor_id, versions, _config_values(cfg)], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -460,18 +438,22 @@ def audit_sources(
     tokenizer_loader: Callable[[], Any],
     tokenizer_id: str,
     model: str,
+    processor_id: str | None = None,
     cache_dir: Path | None = None,
     progress: bool | None = None,
 ) -> AuditReport:
-    """Audit the rows of ``sources`` with the tokenizer ``tokenizer_loader`` returns, using the cache.
+    """Audit the rows of ``sources`` with the tokenizer (or processor) ``tokenizer_loader`` returns, using the cache.
 
     Args:
         sources: data files (``.jsonl``/``.json``/``.parquet``), ``task:arithmetic`` or hub ids,
             as ``data.train_files`` accepts; read as the training split.
         cfg: the run config.
-        tokenizer_loader: returns the tokenizer; called only on a cache miss.
+        tokenizer_loader: returns what renders the prompts (see `audit_rows`: the tokenizer, or a
+            vision-language model's processor); called only on a cache miss.
         tokenizer_id: identity of that tokenizer (e.g. a hash of its files), part of the cache key.
         model: the model path the tokenizer came from, for the report.
+        processor_id: identity of the processor (a hash of its files) when the loader returns one,
+            part of the cache key; None for a text model.
         cache_dir: where reports are cached (``<packrl cache>/audit``); None = no cache.
         progress: show progress bars (None: only on a terminal).
 
@@ -483,7 +465,7 @@ def audit_sources(
             rows could be read (the message names the file); see also `audit_rows`.
     """
     start = time.perf_counter()
-    key = cache_key(sources, tokenizer_id, cfg) if cache_dir is not None else None
+    key = cache_key(sources, tokenizer_id, cfg, processor_id) if cache_dir is not None else None
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return cached.timed(time.perf_counter() - start)

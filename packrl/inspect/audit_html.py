@@ -11,7 +11,7 @@ import html
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from packrl.inspect.audit_report import AuditReport, LengthStats, PolicyOutcome
+    from packrl.inspect.audit_report import AuditReport, LengthStats, MultimodalStats, PolicyOutcome
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
@@ -48,10 +48,7 @@ def render_html(report: AuditReport) -> str:
               _policy_table(report.policies, c["data.overlong_prompt"])]
     parts += [f"<h2>Bad rows: {report.num_bad_rows:,}</h2>", _bad_rows(report)]
     if report.multimodal is not None:
-        m = report.multimodal
-        parts += [f"<h2>Multimodal rows: {m.num_rows:,} ({m.num_images:,} images)</h2><p>{e(m.training)}</p>",
-                  _stats_table([("image tokens", m.image_tokens), ("text tokens", m.text_tokens), ("total tokens", m.total_tokens)]),
-                  _policy_table(m.policies, c["data.overlong_prompt"])]
+        parts += _multimodal(report.multimodal, c["data.overlong_prompt"])
     s = report.suggested
     parts += ["<h2>Suggested budgets</h2>",
               f"<p><code>data.max_prompt_tokens={s.max_prompt_tokens}</code> "
@@ -62,6 +59,26 @@ def render_html(report: AuditReport) -> str:
               f"<p>audited in {report.wall_s:.2f} s ({report.rows_per_s:,.0f} rows/s){', from the cache' if report.cached else ''}</p>",
               "</body></html>"]
     return "\n".join(parts)
+
+
+def _multimodal(m: MultimodalStats, configured: str) -> list[str]:
+    """The rows-with-images section: what training does with them, tokens per row and per fitted
+    image size (with a processor), the policies over these rows, and the rows a policy changed."""
+    e = html.escape
+    parts = [f"<h2>Multimodal rows: {m.num_rows:,} ({m.num_images:,} images)</h2><p>{e(m.training)}</p>"]
+    if m.geometry is not None:
+        parts += [f"<p>per row under data.overlong_prompt={e(m.policy)} (vision tokens: placeholders and markers)</p>",
+                  _stats_table([("vision tokens", m.vision_tokens), ("text tokens", m.text_tokens),
+                                ("prompt tokens", m.total_tokens)])]
+        head = "<tr><th>fitted size</th><th>tokens</th><th>encoder patches</th><th>images</th></tr>"
+        body = "".join(f"<tr><td>{s.width}x{s.height}</td><td>{s.vision_tokens:,}</td><td>{s.encoder_patches:,}</td>"
+                       f"<td>{s.num_images:,}</td></tr>" for s in m.image_sizes)
+        parts.append(f"<table>{head}{body}</table>")
+    parts.append(_policy_table(m.policies, configured))
+    if m.changed:
+        rows = "".join(f"<tr><td>{r.row}</td><td>{r.status}</td><td>{e(r.reason)}</td></tr>" for r in m.changed)
+        parts.append(f"<table><tr><th>row</th><th>status</th><th>reason</th></tr>{rows}</table>")
+    return parts
 
 
 def _stats_table(rows: list[tuple[str, LengthStats]]) -> str:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from packrl.seqlen.stats import length_percentiles
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the audit JSON (and its cache); raised whenever a key changes."""
 
 NUM_HISTOGRAM_BINS = 20
@@ -128,43 +128,102 @@ class SourceInfo:
 
 @dataclass(frozen=True, slots=True)
 class MultimodalRow:
-    """Tokens of one multimodal row: images (fixed) and rendered text (template included)."""
+    """One row with images under the configured ``data.overlong_prompt`` (as training builds it).
+
+    Attributes:
+        row: global row number.
+        status: ``kept``, ``truncated`` (its images resized to fit), ``filtered`` or ``rejected``.
+        num_images: images of the row.
+        vision_tokens: each image's placeholder tokens plus its start/end markers at the size the
+            row was fitted to (tokens); None without a prompt (filtered, rejected) or a processor.
+        text_tokens: the rest of the prompt ids (template, text, generation prompt); None likewise.
+        image_sizes: ``(width, height)`` pixels of each image as the prompt holds it; empty
+            without a prompt.
+        reason: training's reason for the status ("" when kept).
+    """
 
     row: int
+    status: str
     num_images: int
-    image_tokens: int
-    text_tokens: int
+    vision_tokens: int | None
+    text_tokens: int | None
+    image_sizes: tuple[tuple[int, int], ...]
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields(self) | {"image_sizes": [list(s) for s in self.image_sizes]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MultimodalRow:
+        return cls(**(d | {"image_sizes": tuple(tuple(s) for s in d["image_sizes"])}))
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSizeTokens:
+    """The images of one fitted size: ``vision_tokens`` per image (placeholders + markers),
+    ``encoder_patches`` per image (placeholders x merge^2, what the vision tower runs), and how
+    many images of the prompts have that size."""
+
+    width: int
+    height: int
+    vision_tokens: int
+    encoder_patches: int
+    num_images: int
 
 
 @dataclass(frozen=True, slots=True)
 class MultimodalStats:
-    """Rows with image parts: per-row token statistics and what each policy would do."""
+    """Rows with images: what training makes of them, with vision and text tokens per row.
 
+    Per-row numbers (``vision_tokens``, ``text_tokens``, ``total_tokens``, ``image_sizes``,
+    ``rows``, ``changed``) are those of the prompts the configured ``data.overlong_prompt`` gives
+    (``error``: as ``filter``); ``policies`` counts these rows under each policy. Without a
+    processor (a text ``model.path``) ``processor`` and ``geometry`` are None and no row has tokens.
+    """
+
+    MAX_SIZES: ClassVar[int] = 20
     num_rows: int
     num_images: int
-    image_tokens: LengthStats
+    policy: str
+    vision_tokens: LengthStats
     text_tokens: LengthStats
     total_tokens: LengthStats
+    image_sizes: tuple[ImageSizeTokens, ...]
+    num_sizes: int
     policies: tuple[PolicyOutcome, ...]
     rows: tuple[MultimodalRow, ...]
-    bad_rows: tuple[BadRowInfo, ...]
+    changed: tuple[MultimodalRow, ...]
+    processor: str | None
+    geometry: dict[str, int] | None
     training: str
 
+    def policy_outcome(self, name: str) -> PolicyOutcome:
+        """These rows under ``data.overlong_prompt=name``."""
+        return next(p for p in self.policies if p.policy == name)
+
     def to_dict(self) -> dict[str, Any]:
-        stats = {k: getattr(self, k).to_dict() for k in ("image_tokens", "text_tokens", "total_tokens")}
-        return {"num_rows": self.num_rows, "num_images": self.num_images, **stats,
+        stats = {k: getattr(self, k).to_dict() for k in _MULTIMODAL_STATS}
+        return {"num_rows": self.num_rows, "num_images": self.num_images, "policy": self.policy, **stats,
+                "image_sizes": [_fields(s) for s in self.image_sizes], "num_sizes": self.num_sizes,
                 "policies": {p.policy: p.to_dict() for p in self.policies},
-                "rows": [_fields(r) for r in self.rows],
-                "bad_rows": [_fields(b) for b in self.bad_rows], "training": self.training}
+                "rows": [r.to_dict() for r in self.rows], "changed": [r.to_dict() for r in self.changed],
+                "processor": self.processor, "geometry": dict(self.geometry) if self.geometry else None,
+                "training": self.training}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MultimodalStats:
-        image_tokens, text_tokens, total_tokens = (LengthStats.from_dict(d[k]) for k in ("image_tokens", "text_tokens", "total_tokens"))
+        vision, text, total = (LengthStats.from_dict(d[k]) for k in _MULTIMODAL_STATS)
         return cls(
-            d["num_rows"], d["num_images"], image_tokens, text_tokens, total_tokens,
-            tuple(PolicyOutcome.from_dict(p, v) for p, v in d["policies"].items()),
-            tuple(MultimodalRow(**r) for r in d["rows"]), tuple(BadRowInfo(**b) for b in d["bad_rows"]), d["training"],
+            num_rows=d["num_rows"], num_images=d["num_images"], policy=d["policy"], vision_tokens=vision, text_tokens=text,
+            total_tokens=total, image_sizes=tuple(ImageSizeTokens(**s) for s in d["image_sizes"]), num_sizes=d["num_sizes"],
+            policies=tuple(PolicyOutcome.from_dict(p, v) for p, v in d["policies"].items()),
+            rows=tuple(MultimodalRow.from_dict(r) for r in d["rows"]),
+            changed=tuple(MultimodalRow.from_dict(r) for r in d["changed"]),
+            processor=d["processor"], geometry=dict(d["geometry"]) if d["geometry"] else None, training=d["training"],
         )
+
+
+_MULTIMODAL_STATS = ("vision_tokens", "text_tokens", "total_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,9 +385,23 @@ def _bad_row_lines(num_bad: int, bad_rows: Sequence[BadRowInfo], shown: int = 20
 
 def _multimodal_lines(m: MultimodalStats, configured: str) -> list[str]:
     lines = [f"multimodal rows: {m.num_rows:,} ({m.num_images:,} images); {m.training}"]
-    for title, stats in (("image tokens per row", m.image_tokens), ("text tokens per row", m.text_tokens),
-                         ("total tokens per row", m.total_tokens)):
-        lines += ["  " + line for line in _stats_lines(title, stats, histogram=False)]
-    lines += ["  " + line for line in _policy_lines("images fixed, only text shortened:", m.policies, configured)]
-    lines += ["  " + line for line in _bad_row_lines(len(m.bad_rows), m.bad_rows)] if m.bad_rows else []
+    if m.geometry is not None:
+        under = f"data.overlong_prompt={m.policy}"
+        for title, stats in ((f"vision tokens per row ({under}; markers included)", m.vision_tokens),
+                             ("text tokens per row (the rest of the prompt)", m.text_tokens),
+                             ("prompt tokens per row (vision + text)", m.total_tokens)):
+            lines += ["  " + line for line in _stats_lines(title, stats, histogram=False)]
+        lines += ["  " + line for line in _size_lines(m)]
+    lines += ["  " + line for line in _policy_lines("rows with images under each policy:", m.policies, configured)]
+    if m.changed:
+        lines.append(f"  truncated or filtered under data.overlong_prompt={m.policy} (first {len(m.changed)}):")
+        lines += [f"    row {r.row}: {r.status}: {r.reason}" for r in m.changed]
+    return lines
+
+
+def _size_lines(m: MultimodalStats) -> list[str]:
+    more = f", the {len(m.image_sizes)} most frequent shown" if m.num_sizes > len(m.image_sizes) else ""
+    lines = [f"images per fitted size: {m.num_sizes:,} size(s){more}"]
+    lines += [f"  {s.width}x{s.height} -> {s.vision_tokens:,} tokens (markers included), {s.encoder_patches:,} encoder patches; "
+              f"{s.num_images:,} images" for s in m.image_sizes]
     return lines

@@ -176,7 +176,7 @@ def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
     from packrl.models.processor import load_processor
     from packrl.models.vision import is_vision_config
 
-    resolved = resolve_model(cfg.path)
+    resolved = resolve_model(cfg.path, weights=False)  # configs only: a hub id fetches no weights here
     if resolved.gguf_file is not None:
         return tokenizer
     config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())

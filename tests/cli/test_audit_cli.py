@@ -1,4 +1,5 @@
-"""`packrl audit`: JSON and text output, HTML page, cache, overrides and bad input as exit 2."""
+"""`packrl audit`: JSON and text output, HTML page, cache, overrides, bad input as exit 2, and rows
+with images through a vision-language model.path's processor (or rejected under a text one)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from packrl.cli.audit import locate_tokenizer, split_arguments
 from packrl.cli.main import main
 from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 from tests.conftest import SMOLLM_DIR
+from tests.vlm import image
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +96,66 @@ def test_a_gguf_uses_the_tokenizer_training_would_without_converting():
         pytest.skip(f"{gguf} not found")
     located = locate_tokenizer(str(gguf))
     assert located.directory is not None and (located.directory / "tokenizer.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory, smollm_tokenizer):
+    from tests.vlm import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl", max_pixels=28 * 28 * 256)
+
+
+def image_rows(folder) -> str:
+    """Two rows with image files (chat parts; verl markers) and one whose image file is missing."""
+    image(448, 448).save(folder / "big.png")
+    image(100, 60).save(folder / "small.png")
+    truth = {"reward_model": {"ground_truth": "1"}, "data_source": "test/vision"}
+    return write_jsonl(folder / "vision.jsonl", [
+        {"prompt": [{"role": "user", "content": [{"type": "image", "path": "big.png"}, {"type": "text", "text": "How many? " * 20}]}]}
+        | truth,
+        {"prompt": [{"role": "user", "content": "<image>How many?"}], "images": ["small.png"]} | truth,
+        {"prompt": [{"role": "user", "content": "<image>And?"}], "images": ["gone.png"]} | truth,
+    ])
+
+
+def test_a_vision_model_path_audits_image_rows_through_its_processor(capsys, data, vlm_dir, tmp_path):
+    from packrl.cli.audit import locate_tokenizer
+
+    assert locate_tokenizer(str(vlm_dir)).processor is not None
+    rows = image_rows(tmp_path)
+    out = audit_json(capsys, rows, "--model", str(vlm_dir), "data.overlong_prompt=middle", "data.max_prompt_tokens=200")
+    m = out["multimodal"]
+    assert m["processor"] is not None and m["geometry"]["factor"] == 28 and m["geometry"]["max_pixels"] == 28 * 28 * 256
+    assert [(r["row"], r["status"]) for r in m["rows"]] == [(0, "truncated"), (1, "kept"), (2, "rejected")]
+    assert "images resized" in m["changed"][0]["reason"] and m["rows"][1]["image_sizes"] == [[112, 56]]
+    assert [b["row"] for b in out["bad_rows"]] == [2] and "does not exist" in out["bad_rows"][0]["reason"]
+    assert out["policies"]["middle"]["num_truncated"] == 1 and out["policies"]["filter"]["num_filtered"] == 1
+    again = audit_json(capsys, rows, "--model", str(vlm_dir), "data.overlong_prompt=middle", "data.max_prompt_tokens=200")
+    assert not again["cached"]  # the images are files outside the data file: never cached
+
+
+def test_images_inside_the_data_file_are_cached_with_the_image_settings_in_the_key(capsys, data, vlm_dir, tmp_path):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    png = io.BytesIO()
+    image(56, 56).save(png, format="PNG")
+    row = {"prompt": [{"role": "user", "content": "<image>How many?"}], "images": [{"bytes": png.getvalue()}],
+           "reward_model": {"ground_truth": "1"}, "data_source": "test/vision"}
+    inline = tmp_path / "inline.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), inline)
+    first, second = (audit_json(capsys, str(inline), "--model", str(vlm_dir)) for _ in range(2))
+    assert (first["cached"], second["cached"]) == (False, True)  # the image bytes are in the file's hash
+    assert second["multimodal"] == first["multimodal"] and first["multimodal"]["rows"][0]["vision_tokens"] == 2 * 2 + 2
+    for override in ("data.image.max_pixels=50176", "data.image.min_pixels=1568", "data.max_image_tokens=100"):
+        assert not audit_json(capsys, str(inline), "--model", str(vlm_dir), override)["cached"], override
+
+
+def test_a_text_model_path_rejects_image_rows_and_names_the_fix(capsys, data, model_dir, tmp_path):
+    out = audit_json(capsys, image_rows(tmp_path), "--model", model_dir)
+    assert out["num_bad_rows"] == 3 and out["multimodal"]["processor"] is None and out["multimodal"]["num_images"] == 3
+    assert all(b["reason"].startswith("a row with images needs a vision-language model.path") for b in out["bad_rows"])
+    assert any("row(s) with images" in p and "set model.path (or --model) to a vision-language model" in p for p in out["problems"])
+    assert audit_json(capsys, image_rows(tmp_path), "--model", model_dir)["cached"]  # no image was opened

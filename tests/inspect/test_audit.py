@@ -1,4 +1,5 @@
-"""packrl audit: exact numbers on known lengths, the trainer's p99, bad input, images, the cache.
+"""packrl audit: exact numbers on known lengths, the trainer's p99, bad input, rows with images
+under a text model, the cache (rows with images through a processor: test_audit_images.py).
 
 Exact tests use a character-level tokenizer whose chat template is ``<role>content`` per message
 plus ``<assistant>``, so a prompt's token count is the length of that string, computed here
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -18,7 +18,6 @@ from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainConf
 from packrl.data import PromptDataset, load_examples
 from packrl.inspect.audit import audit_rows, audit_sources, length_percentiles
 from packrl.inspect.audit_html import render_html
-from packrl.inspect.images import image_tokens, smart_resize
 from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 from tests.conftest import SHARED
 
@@ -170,16 +169,6 @@ def test_bad_input_names_the_file(tok, tmp_path, name, content, message):
     assert str(path) in str(err.value)
 
 
-def test_image_tokens_follow_the_qwen2_vl_formula():
-    assert smart_resize(224, 224) == (224, 224) and image_tokens(224, 224) == 64 + 2
-    # 1000 rounds to 1008, 1008^2 > 28*28*1280 pixels: scale by sqrt(1e6 / 1003520), floor to 35 cells
-    assert smart_resize(1000, 1000) == (980, 980) and image_tokens(1000, 1000) == 35 * 35 + 2
-    assert smart_resize(20, 20) == (56, 56) and image_tokens(20, 20) == 2 * 2 + 2  # grown to min_pixels = 56*56
-    assert smart_resize(480, 640) == (476, 644) and image_tokens(640, 480) == 17 * 23 + 2
-    with pytest.raises(ValueError, match="aspect ratio"):
-        image_tokens(10_000, 20)
-
-
 def multimodal_row(text: str, *parts: dict) -> dict:
     content = [*parts, {"type": "text", "text": text}]
     return {"data_source": "demo", "prompt": [{"role": "user", "content": content}], "reward_model": {"ground_truth": "4"}}
@@ -188,53 +177,25 @@ def multimodal_row(text: str, *parts: dict) -> dict:
 IMAGE_224 = {"type": "image", "width": 224, "height": 224}
 
 
-def test_multimodal_rows_keep_their_images_whole(tok, tmp_path):
-    text = "t" * 300
-    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row(text, IMAGE_224), {"question": "q", "answer": "#### 1"}])
-    text_tokens = len(f"<user>{text}<assistant>")  # 317: verl rows get no instruction
-    m = audit([path], tok, config(max_prompt_tokens=150)).multimodal
-    assert (m.num_rows, m.num_images, m.image_tokens.max, m.text_tokens.max) == (1, 1, 66, text_tokens)
-    assert m.total_tokens.max == text_tokens + 66
-    left = next(p for p in m.policies if p.policy == "left")
-    # only text is cut, to 150 - 66 = 84 tokens; the 66 image tokens stay
-    assert (left.num_truncated, left.num_tokens_removed, left.rows) == (1, text_tokens - (150 - 66), (0,))
-    for budget in (60, 70):  # images alone over the budget; text cannot shrink below the template (17)
-        m = audit([path], tok, config(max_prompt_tokens=budget)).multimodal
-        for side in ("left", "right", "middle", "filter"):
-            outcome = next(p for p in m.policies if p.policy == side)
-            assert (outcome.num_truncated, outcome.num_filtered, outcome.num_tokens_removed) == (0, 1, 0)
-
-
-def test_training_needs_a_vision_model_for_multimodal_rows_and_the_audit_says_so(tok, tmp_path):
+def test_a_text_model_rejects_rows_with_images_as_training_does(tok, tmp_path):
     from tests.vlm import image
 
     image(30, 30).save(tmp_path / "a.png")
-    readable = {"type": "image", "path": "a.png", "width": 224, "height": 224}
-    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("look", IMAGE_224, IMAGE_224), multimodal_row("see", readable)])
+    readable = {"type": "image", "path": "a.png"}
+    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("look", IMAGE_224, IMAGE_224), multimodal_row("see", readable),
+                                               {"question": "q", "answer": "#### 1"}])
     report = audit([path], tok, config())
     assert [b.reason for b in report.bad_rows] == [
         "prompt[0].content[0] is an image part without 'image' or 'path' (keys: height, type, width)",
         "a row with images needs a vision-language model.path (this model has no image processor)"]
-    assert report.multimodal.num_images == 3 and report.multimodal.image_tokens.max == 132
-    assert "a text model.path rejects them" in report.multimodal.training
-
-
-def test_image_files_are_sized_with_pillow(tok, tmp_path):
-    from PIL import Image
-
-    Image.new("RGB", (100, 50)).save(tmp_path / "cat.png")
-    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("what?", {"type": "image", "image": "cat.png"}),
-                                               multimodal_row("and?", {"type": "image", "image": "gone.png"})])
-    report = audit([path], tok, config())
-    assert report.multimodal.rows[0].image_tokens == image_tokens(100, 50) and report.read_image_files
-    assert report.multimodal.bad_rows[0].row == 1 and "gone.png" in report.multimodal.bad_rows[0].reason
-
-
-def test_without_pillow_the_error_says_how_to_install(tok, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "PIL", None)
-    path = write_jsonl(tmp_path / "mm.jsonl", [multimodal_row("what?", {"type": "image", "image": "cat.png"})])
-    with pytest.raises(ValueError, match="pip install pillow"):
-        audit([path], tok, config())
+    m = report.multimodal
+    assert (m.num_rows, m.num_images, m.processor, m.vision_tokens.num_rows) == (2, 3, None, 0)
+    assert "packrl train rejects them" in m.training and "set model.path (or --model) to a vision-language model" in m.training
+    assert any(p.startswith("1 row(s) with images") and "set model.path (or --model) to a vision-language model" in p
+               for p in report.problems)
+    assert not report.read_image_files  # a text model opens no image: the report can be cached
+    with pytest.raises(ValueError, match="needs a vision-language model.path"):
+        PromptDataset.build([path], tok, config().data, seed=0, split="train", key="data.train_files")
 
 
 def test_json_has_the_documented_keys_and_round_trips(tok, tmp_path):
@@ -293,11 +254,12 @@ def test_multimodal_parquet_rows_with_struct_parts(tok, tmp_path):
     import pyarrow.parquet as pq
 
     system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
-    row = multimodal_row("What?", IMAGE_224) | {"extra_info": {"answer": "It is 4.\n#### 4"}}
+    row = multimodal_row("What?", {"type": "image", "path": "cat.png"}) | {"extra_info": {"answer": "It is 4.\n#### 4"}}
     row["prompt"] = [system, *row["prompt"]]
     path = tmp_path / "mm.parquet"
     pq.write_table(pa.Table.from_pylist([row]), path)  # parts become structs: absent keys read back as None
     report = audit([str(path)], tok, config())
-    m = report.multimodal
-    assert m.rows[0].text_tokens == len("<system>Be brief.<user>What?<assistant>") and m.rows[0].image_tokens == 66
-    assert report.num_bad_rows == 1 and report.answer_tokens is None  # training rejects the row, so it has no answer stats
+    (only,) = report.multimodal.rows
+    assert (only.status, only.num_images) == ("rejected", 1)  # read as a row with one image, then rejected: a text model
+    assert only.reason.startswith("a row with images needs a vision-language model.path")
+    assert report.num_bad_rows == 1 and report.answer_tokens is not None  # the row was read, so its answer counts
