@@ -1,4 +1,4 @@
-"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL) with a working processor, built
+"""Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with a working processor, built
 offline from the SmolLM2 tokenizer plus the Qwen vision tokens, and synthetic images."""
 
 from __future__ import annotations
@@ -37,8 +37,15 @@ def vlm_tokenizer():
 
 
 def tiny_vlm(family: str = "qwen2_vl", *, tokenizer=None, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A random 2-layer ``family`` model (``qwen2_vl`` or ``qwen2_5_vl``) over ``tokenizer``'s vocabulary."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    """A random 2-layer ``family`` model (`FAMILIES`) over ``tokenizer``'s vocabulary."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
 
     tok = tokenizer or vlm_tokenizer()
     ids = {name: tok.convert_tokens_to_ids(name) for name in VISION_TOKENS}
@@ -58,19 +65,38 @@ def tiny_vlm(family: str = "qwen2_vl", *, tokenizer=None, seed: int = 0, dtype: 
                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
         cls = Qwen2_5_VLForConditionalGeneration
+    elif family == "qwen3_vl":  # patch 16; the tower's first block also feeds the first text layer (deepstack)
+        text["head_dim"] = 8
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config = Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+        cls = Qwen3VLForConditionalGeneration
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
     return cls(config).to(dtype).eval()
 
 
-def tiny_processor(tokenizer=None, max_pixels: int = MAX_PIXELS):
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""The vision-language families packrl trains, as `tiny_vlm` builds them."""
+
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+"""Vision patch side (pixels) per family: an image token is (2 x patch)^2 pixels."""
+
+
+def tiny_processor(tokenizer=None, max_pixels: int = MAX_PIXELS, family: str = "qwen2_vl"):
+    """The family's processor (image-only, `packrl.models.processor.image_only_processor`);
+    ``max_pixels`` is in Qwen2-VL pixels (28 x 28 per token) and scaled to the family's patch."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from packrl.models.processor import image_only_processor
 
     tok = tokenizer or vlm_tokenizer()
-    return image_only_processor("qwen2_vl", Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels), tok, CHAT_TEMPLATE)
+    scale = (PATCH[family] / 14) ** 2
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=int(56 * 56 * scale), max_pixels=int(max_pixels * scale),
+                                               patch_size=PATCH[family])
+    return image_only_processor(family, image_processor, tok, CHAT_TEMPLATE)
 
 
 def save_tiny_vlm(path: Path, family: str = "qwen2_vl", max_pixels: int = MAX_PIXELS) -> Path:
@@ -78,7 +104,7 @@ def save_tiny_vlm(path: Path, family: str = "qwen2_vl", max_pixels: int = MAX_PI
     tok = vlm_tokenizer()
     model = tiny_vlm(family, tokenizer=tok)
     model.save_pretrained(path)
-    tiny_processor(tok, max_pixels).save_pretrained(path)
+    tiny_processor(tok, max_pixels, family).save_pretrained(path)
     return path
 
 

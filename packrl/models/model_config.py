@@ -44,10 +44,9 @@ def load_model_config(path: str) -> Any:
         ) from err
 
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """Vision-language model types packrl trains (`packrl.models.vision`: M-RoPE packing, their
-processors' token counts). Qwen3-VL is not among them: its vision tower also feeds features into
-early language-model layers (deepstack), which the packed forward does not pass yet."""
+processors' token counts, Qwen3-VL's deepstack features)."""
 
 
 def check_text_model(config: Any, path: str) -> None:

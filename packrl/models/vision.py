@@ -4,12 +4,15 @@ that keeps every sequence's images, M-RoPE positions and attention its own.
 Shapes: ``K`` tokens in a pack · ``H`` hidden size · ``n_i`` images of sequence i · ``Np`` vision
 patches (rows of ``pixel_values``) · ``D`` values per patch (3 x temporal patch x patch^2).
 
-Families: Qwen2-VL and Qwen2.5-VL (transformers' ``*ForConditionalGeneration``): a
+Families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers' ``*ForConditionalGeneration``): a
 vision tower turns ``pixel_values`` ([Np, D], every image's patches one after another) into one
 embedding per merged patch (``t*h*w / merge^2`` per image, `ImageInputs.num_tokens`), which
 replace the prompt's image placeholder tokens (``<|image_pad|>``) in order. Positions are 3-D
 (M-RoPE: temporal, height, width; Wang et al. 2024, arXiv 2409.12191, section 2.1): text tokens
-advance all three together, an image's tokens take their grid coordinates.
+advance all three together, an image's tokens take their grid coordinates. Qwen3-VL's tower
+also feeds the first language-model layers (deepstack: transformers' ``Qwen3VLTextModel``
+takes ``deepstack_visual_embeds``): per fed layer one more feature per placeholder, added to that layer's hidden states at
+the image positions; a pack passes them with the mask of its placeholders.
 
 A pack of such sequences (`packed_vision_forward`):
 
@@ -66,13 +69,16 @@ def vision_token_ids(config: Any) -> list[int]:
     return sorted({int(getattr(config, n)) for n in names if isinstance(getattr(config, n, None), int)})
 
 
-def vision_features(model: torch.nn.Module, images: ImageInputs) -> torch.Tensor:
-    """The vision tower's embeddings of ``images``, one per placeholder token, in order.
-    Shape [num_tokens, H], the tower's dtype."""
+def vision_features(model: torch.nn.Module, images: ImageInputs) -> list[torch.Tensor]:
+    """The vision tower's embeddings of ``images``, one row per placeholder token, in order:
+    ``[features, *deepstack]``, each Shape [num_tokens, H] in the tower's dtype. ``deepstack``
+    (Qwen3-VL) holds one tensor per language-model layer the tower also feeds (added to that
+    layer's hidden states at the image positions); empty for Qwen2-VL / Qwen2.5-VL."""
     inner = _inner(model)
     dtype = inner.visual.get_dtype() if hasattr(inner.visual, "get_dtype") else next(inner.visual.parameters()).dtype
     out = inner.get_image_features(images.pixel_values.to(dtype), images.image_grid_thw, return_dict=True)
-    return torch.cat(list(out.pooler_output), dim=0)
+    deepstack = getattr(out, "deepstack_features", None) or []
+    return [torch.cat(list(out.pooler_output), dim=0), *(torch.cat(list(layer), dim=0) for layer in deepstack)]
 
 
 def sequence_positions(model: torch.nn.Module, ids: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
@@ -98,8 +104,9 @@ def merge_images(images: list[ImageInputs]) -> ImageInputs:
                        images[0].merge_size)
 
 
-def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[ImageInputs]) -> torch.Tensor:
-    """Token embeddings with every image placeholder replaced by its vision feature, in order.
+def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[ImageInputs]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Token embeddings with every image placeholder replaced by its vision feature, in order,
+    and the language model's other image arguments.
 
     The vision tower runs once over the distinct images (by object: a group's responses hold
     the same `ImageInputs`), and each sequence's placeholders take its images' features.
@@ -109,7 +116,10 @@ def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[
         images: the images of the rows' placeholders, in row order (rows without images add none).
 
     Returns:
-        Shape [b, L, H], the embeddings' dtype.
+        ``(embeds, extra)``: embeds Shape [b, L, H], the embeddings' dtype; ``extra`` for a
+        Qwen3-VL language model: ``visual_pos_masks`` (Shape [b, L], bool, True = an image
+        placeholder) and ``deepstack_visual_embeds`` (per fed layer, Shape [placeholders, H]);
+        else empty.
 
     Raises:
         ValueError: the placeholders and the images' tokens differ in number (a prompt cut
@@ -127,12 +137,14 @@ def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[
                          "placeholders")
     if present:
         distinct = list({id(x): x for x in present}.values())
-        features = vision_features(model, merge_images(distinct)).to(embeds.dtype)
-        own = dict(zip(map(id, distinct), features.split([x.num_tokens for x in distinct])))
-        embeds = embeds.masked_scatter(placeholders[..., None], torch.cat([own[id(x)] for x in present]))
-    elif _tower_trains(inner) or (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        sizes = [x.num_tokens for x in distinct]
+        own = [dict(zip(map(id, distinct), part.to(embeds.dtype).split(sizes))) for part in vision_features(model, merge_images(distinct))]
+        features, *deepstack = [torch.cat([part[id(x)] for x in present]) for part in own]
+        embeds = embeds.masked_scatter(placeholders[..., None], features)
+        return embeds, ({"visual_pos_masks": placeholders, "deepstack_visual_embeds": deepstack} if deepstack else {})
+    if _tower_trains(inner) or (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         embeds = embeds + 0.0 * _idle_vision(model).to(embeds.dtype)
-    return embeds
+    return embeds, {}
 
 
 def _tower_trains(inner: Any) -> bool:
@@ -152,7 +164,8 @@ def _idle_vision(model: torch.nn.Module) -> torch.Tensor:
     param = next(inner.visual.parameters())
     blank = torch.zeros(16, patch_dim, dtype=param.dtype, device=param.device)
     grid = torch.tensor([[1, 4, 4]], device=param.device)
-    return vision_features(model, ImageInputs(blank, grid, merge_size=getattr(cfg, "spatial_merge_size", 2))).sum()
+    parts = vision_features(model, ImageInputs(blank, grid, merge_size=getattr(cfg, "spatial_merge_size", 2)))
+    return torch.stack([part.sum() for part in parts]).sum()  # every output the tower has (deepstack mergers too)
 
 
 def packed_vision_forward(model: torch.nn.Module, pack: Pack, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -176,6 +189,6 @@ def packed_vision_forward(model: torch.nn.Module, pack: Pack, kwargs: dict[str, 
     rows = [sequence_positions(model, ids[bounds[s]:bounds[s + 1]], images[s]) for s in range(len(images))]
     mrope = torch.cat(rows, dim=1)[:, None]  # [3, 1, K]
     positions = torch.cat([pack.position_ids[None].to(mrope.device), mrope])  # [4, 1, K]: text row first
-    embeds = vision_embeds(model, pack.input_ids, [x for x in images if x is not None])
-    out = _inner(model).language_model(inputs_embeds=embeds, **{**kwargs, "position_ids": positions})
+    embeds, extra = vision_embeds(model, pack.input_ids, [x for x in images if x is not None])
+    out = _inner(model).language_model(inputs_embeds=embeds, **{**kwargs, **extra, "position_ids": positions})
     return out.last_hidden_state[0]

@@ -29,7 +29,7 @@ def _png(width: int, height: int, seed: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, smollm_tokenizer):
-    """``(model dir, parquet of 4 image rows and 4 text rows)``."""
+    """``(model dirs by family, parquet of 4 image rows and 4 text rows)``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -42,7 +42,7 @@ def mixed(tmp_path_factory, smollm_tokenizer):
                          "reward_model": {"ground_truth": "3"}, "data_source": "test/vision"})
     path = root / "mixed.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    return save_tiny_vlm(root / "tiny-qwen2-vl"), path
+    return {family: save_tiny_vlm(root / family, family=family) for family in ("qwen2_vl", "qwen3_vl")}, path
 
 
 def _run(out, model_dir, data, workers: int, freeze: bool):
@@ -53,11 +53,13 @@ def _run(out, model_dir, data, workers: int, freeze: bool):
     return train(cfg)
 
 
-@pytest.mark.parametrize("freeze", [True, False])
-def test_mixed_image_and_text_microbatches_train_on_two_ranks_as_in_one_process(tmp_path, mixed, freeze):
+@pytest.mark.parametrize(("family", "freeze"), [("qwen2_vl", True), ("qwen2_vl", False), ("qwen3_vl", False)])
+def test_mixed_image_and_text_microbatches_train_on_two_ranks_as_in_one_process(tmp_path, mixed, family, freeze):
     """Mini-batches of 2 prompts (4 sequences) over 2 ranks: an image prompt's responses on one rank
-    and a text prompt's on the other; a trainable tower too (its text-only steps: a zero gradient)."""
-    model_dir, data = mixed
+    and a text prompt's on the other; a trainable tower too (its text-only steps: a zero gradient,
+    Qwen3-VL's deepstack mergers included)."""
+    model_dirs, data = mixed
+    model_dir = model_dirs[family]
     one = _run(tmp_path / "one", model_dir, data, 1, freeze)
     two = _run(tmp_path / "two", model_dir, data, 2, freeze)
     lines = metric_lines(two)

@@ -23,9 +23,9 @@ def vlm25_dir(tmp_path_factory, smollm_tokenizer):
     return save_tiny_vlm(tmp_path_factory.mktemp("vlm25") / "tiny-qwen2.5-vl", family="qwen2_5_vl")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_vision_demo_trains_two_steps(tmp_path, vlm_dir, vlm25_dir, family):
-    vlm_dir = vlm_dir if family == "qwen2_vl" else vlm25_dir
+    vlm_dir = {"qwen2_vl": vlm_dir, "qwen2_5_vl": vlm25_dir}.get(family) or save_tiny_vlm(tmp_path / "tiny-qwen3-vl", family=family)
     run = tmp_path / "run"
     code = main(["train", "vision_demo", f"model.path={vlm_dir}", "train.total_steps=2", f"train.out_dir={run}",
                  "model.dtype=fp32", "rollout.return_logprobs=true", "data.shapes.num_rows=16", "train.save_every=2",
@@ -34,7 +34,8 @@ def test_vision_demo_trains_two_steps(tmp_path, vlm_dir, vlm25_dir, family):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:
-        assert line["prompt_length/vision_tokens/mean"] == 16  # a 112 x 112 image: (112 / 28)^2 tokens
+        # a 112 x 112 image: (112 / 28)^2 tokens; Qwen3-VL resizes it to 128 x 128: (128 / 32)^2
+        assert line["prompt_length/vision_tokens/mean"] == 16
         assert line["prompt_length/text_tokens/mean"] + 16 == line["prompt_length/mean"]
         assert line["prompt_length/num_images/mean"] == 1
         assert line["training/rollout_probs_diff_max"] < 1e-4  # the engine and the trainer saw the same prompts and images

@@ -1,6 +1,7 @@
 """Vision-language packs: sequences with images of different sizes (and one without) packed
 together score exactly as each alone, and the loss and gradients do not depend on the
-micro-batch split or the number of ranks (tiny random Qwen2-VL and Qwen2.5-VL)."""
+micro-batch split or the number of ranks (tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose
+deepstack features ride with the pack's placeholders)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from packrl.models.vision import sequence_positions
 from packrl.seqlen.packing import pack_sequences
 from tests.builders import RTOL, pass_config
 from tests.conftest import minibatch_grads, score_of
-from tests.vlm import IMAGE_SIZES, tiny_processor, tiny_vlm, vlm_tokenizer, vlm_train_batch
+from tests.vlm import FAMILIES, IMAGE_SIZES, tiny_processor, tiny_vlm, vlm_tokenizer, vlm_train_batch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 WHOLE, SPLITS = 4096, (120, 200)
 
 
@@ -24,8 +24,14 @@ def tok(smollm_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def batch64(tok):
-    return vlm_train_batch(tiny_processor(tok), torch.float64)
+def batches(tok):
+    """Each family's `vlm_train_batch` (float64), through its own processor."""
+    return {family: vlm_train_batch(tiny_processor(tok, family=family), torch.float64) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def batch64(batches):
+    return batches["qwen2_vl"]
 
 
 def _model(family, tok, dtype=torch.float32):
@@ -34,9 +40,12 @@ def _model(family, tok, dtype=torch.float32):
     return model
 
 
-PATCH_BUDGETS = (216, 250)
-"""Vision-patch budgets (`train.max_vision_patches_per_microbatch`) that split `vlm_train_batch`
-(its prompts' images have 32, 36, 0 and 216 patches) where the token budget alone does not."""
+def patch_budgets(rollout) -> tuple[int, int]:
+    """Vision-patch budgets (`train.max_vision_patches_per_microbatch`) that split ``rollout``
+    where the token budget alone does not: its largest prompt's patches, and those plus the
+    smallest image prompt's (216 and 248 for Qwen2-VL's `vlm_train_batch`: 32, 36, 0, 216)."""
+    patches = sorted({n for n in rollout.image_patches()[0] if n})
+    return patches[-1], patches[-1] + patches[0]
 
 
 def _cfg(budget: int, attention: str = "varlen", logprob_budget: int | None = None, patches: int | None = None):
@@ -49,8 +58,9 @@ def _cfg(budget: int, attention: str = "varlen", logprob_budget: int | None = No
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attention", ["varlen", "block_mask", "position_ids"])
-def test_packed_images_score_as_each_alone(family, attention, tok, batch64):
+def test_packed_images_score_as_each_alone(family, attention, tok, batches):
     model = _model(family, tok)
+    batch64 = batches[family]
     rollout = batch64.rollout
     packed, _ = score_of(model, rollout, _cfg(WHOLE, attention))
     longest = max(rollout.sequence_lengths())
@@ -60,9 +70,10 @@ def test_packed_images_score_as_each_alone(family, attention, tok, batch64):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_hidden_states_equal_the_models_own_forward(family, tok, batch64):
+def test_packed_hidden_states_equal_the_models_own_forward(family, tok, batches):
     """The pack against transformers' own forward of each sequence (its M-RoPE and image merge)."""
     model = _model(family, tok)
+    batch64 = batches[family]
     rollout = batch64.rollout
     seqs = [torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids) for i in range(len(rollout))]
     images = [rollout.images_of(i) for i in range(len(rollout))]
@@ -77,7 +88,9 @@ def test_packed_hidden_states_equal_the_models_own_forward(family, tok, batch64)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(family, tok, batch64):
+def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(family, tok, batches):
+    batch64 = batches[family]
+
     def run(cfg, num_ranks):
         model = _model(family, tok, torch.float64)
         loss = minibatch_grads(model, batch64, cfg, num_ranks=num_ranks)
@@ -86,11 +99,11 @@ def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(family, tok, bat
 
     loss_ref, grad_ref = run(_cfg(WHOLE), 1)
     assert all(g.abs().max() > 0 for g in grad_ref)  # the language model's and the vision tower's
-    # transformers' Qwen2.5-VL vision rotary embedding casts q and k to float32 even in a float64
+    # transformers' Qwen2.5-VL and Qwen3-VL vision rotary embedding casts q and k to float32 even in a float64
     # model, so the tower's gradients round at float32 where a shared image's feature gradients
     # are summed (one encoding per pack) or not (encoded again in another micro-batch)
-    tower_rtol = 1e-4 if family == "qwen2_5_vl" else RTOL
-    splits = [_cfg(budget) for budget in SPLITS] + [_cfg(WHOLE, patches=p) for p in PATCH_BUDGETS]
+    tower_rtol = RTOL if family == "qwen2_vl" else 1e-4
+    splits = [_cfg(budget) for budget in SPLITS] + [_cfg(WHOLE, patches=p) for p in patch_budgets(batch64.rollout)]
     for cfg in splits:
         for num_ranks in (1, 2):
             loss, grads = run(cfg, num_ranks)
@@ -107,7 +120,9 @@ def test_the_splits_really_differ(batch64):
 
     rollout = batch64.rollout
     plans = []
-    for cfg in [_cfg(WHOLE), *(_cfg(b) for b in SPLITS), *(_cfg(WHOLE, patches=p) for p in PATCH_BUDGETS)]:
+    budgets = patch_budgets(rollout)
+    assert budgets == (216, 248)
+    for cfg in [_cfg(WHOLE), *(_cfg(b) for b in SPLITS), *(_cfg(WHOLE, patches=p) for p in budgets)]:
         planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=False), num_ranks=1, num_epochs=1)
         plan = planner.update(rollout.sequence_lengths(), [len(r.response_ids) for r in rollout.responses],
                               [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=[i // 2 for i in range(len(rollout))],
@@ -117,17 +132,18 @@ def test_the_splits_really_differ(batch64):
     assert len(plans[0]) == 1 and len(token_plans) == 1 + len(SPLITS), plans
     assert all(len(p) > 1 for p in plans[1 + len(SPLITS):]), plans  # the patch budget alone splits the batch
     patches, _ = rollout.image_patches()
-    for p, plan in zip(PATCH_BUDGETS, plans[-len(PATCH_BUDGETS):]):  # each micro-batch: its distinct images' patches
+    for p, plan in zip(budgets, plans[-len(budgets):]):  # each micro-batch: its distinct images' patches
         assert all(sum({i // 2: patches[i] for i in mb}.values()) <= p for mb in plan)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_group_in_one_pack_encodes_its_images_once(family, tok, batch64):
+def test_a_group_in_one_pack_encodes_its_images_once(family, tok, batches):
     """A prompt's responses share its `ImageInputs`: the tower runs over each distinct image once,
     and the pack scores as with a copy of the images per sequence."""
     from packrl.types import ImageInputs
 
     model = _model(family, tok)
+    batch64 = batches[family]
     rollout = batch64.rollout
     seqs = [torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids) for i in range(len(rollout))]
     shared = [rollout.images_of(i) for i in range(len(rollout))]

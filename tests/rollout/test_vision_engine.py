@@ -14,19 +14,23 @@ from packrl.rollout.hf_engine import HFEngine
 from packrl.types import PromptBatch, RolloutBatch
 from tests.builders import pass_config
 from tests.conftest import score_of
-from tests.vlm import IMAGE_SIZES, tiny_processor, tiny_vlm, vlm_prompt, vlm_tokenizer
+from tests.vlm import FAMILIES, IMAGE_SIZES, tiny_processor, tiny_vlm, vlm_prompt, vlm_tokenizer
 
 
-@pytest.fixture(scope="module")
-def setup(smollm_tokenizer):
+def _setup(family: str):
     tok = vlm_tokenizer()
-    model = tiny_vlm("qwen2_vl", tokenizer=tok)
+    model = tiny_vlm(family, tokenizer=tok)
     use_packed_attention(model)
-    prompts = [vlm_prompt(tiny_processor(tok), sizes, f"Count {k}", seed=k) for k, sizes in enumerate(IMAGE_SIZES)]
+    prompts = [vlm_prompt(tiny_processor(tok, family=family), sizes, f"Count {k}", seed=k) for k, sizes in enumerate(IMAGE_SIZES)]
     batch = PromptBatch(tuple(p for p, _ in prompts), ("0",) * 4, ("t",) * 4, (0, 1, 2, 3), (False,) * 4,
                         images=tuple(x for _, x in prompts))
     engine = HFEngine(model, tok, max_context_tokens=4096, max_num_seqs=16, shares_policy=True)
     return tok, model, batch, engine
+
+
+@pytest.fixture(scope="module")
+def setup(smollm_tokenizer):
+    return _setup("qwen2_vl")
 
 
 def _generate(engine, batch, **params):
@@ -35,8 +39,9 @@ def _generate(engine, batch, **params):
     return RolloutBatch(batch, 2, tuple(r for g in groups for r in g))
 
 
-def test_engine_logprobs_equal_the_trainers_packed_ones(setup):
-    _, model, batch, engine = setup
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_logprobs_equal_the_trainers_packed_ones(family, smollm_tokenizer):
+    _, model, batch, engine = _setup(family)
     rollout = _generate(engine, batch)
     assert sum(len(r.response_ids) for r in rollout.responses) > 8
     cfg = pass_config(batch_size=4, n=2, max_prompt_tokens=256, max_response_tokens=12, update_tokens=4096)
