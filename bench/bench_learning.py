@@ -16,6 +16,17 @@ Command (about 10 minutes on 2 CPU cores for demo)::
 
     python bench/bench_learning.py [--preset demo] [--steps 30] [--dtype auto] [key=value ...]
 
+With ``--sft-steps N`` it first runs ``packrl sft`` of the preset for N steps (its ``sft``
+section: for ``arithmetic_tool`` calculator traces, docs/sft.md) and trains RL from that
+checkpoint; it also prints validation after the supervised steps, the SFT loss and tokens/s, and
+(for a tool preset) the model's accuracy before training on the same problems without the tool::
+
+    python bench/bench_learning.py --preset arithmetic_tool --steps 10 --sft-steps 8
+
+Measured (AMD EPYC, AVX512_BF16, bf16, 2 cores): held-out 3-digit accuracy 1.6% (1.6% without
+the tool) -> 93.8% after 8 SFT steps (103 s, loss 0.61 -> 0.03) -> 100% after 10 GRPO steps;
+validation tool use 1.6% -> 100%; 759 s in all.
+
 With ``--vs-gae`` it trains the preset twice, as configured (GRPO in ``demo``) and as PPO with a
 critic (``algorithm.adv_estimator=gae`` plus the ``--gae`` overrides), validating every
 ``--val-every`` steps, and prints both arms' reward rise and held-out accuracy at the same wall
@@ -93,6 +104,7 @@ from packrl.data.dataset import PromptDataset  # noqa: E402
 from packrl.distributed.local import local_group  # noqa: E402
 from packrl.errors import ConfigError  # noqa: E402
 from packrl.trainer.loop import train  # noqa: E402
+from packrl.trainer.sft import sft  # noqa: E402
 from packrl.trainer.validate import validate  # noqa: E402
 
 
@@ -116,6 +128,8 @@ def main() -> None:
                              "with --vs-trl resolved once for both arms (TRL's bf16= follows it)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # directory the TRL arm saves its models into
     parser.add_argument("--trl-budget-s", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--sft-steps", type=int, default=0,
+                        help="first fine-tune on the preset's sft.train_files for this many steps (packrl sft), then RL from it")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the preset")
     args = parser.parse_args()
     if any(o.startswith("model.dtype=") for o in args.overrides):
@@ -135,12 +149,17 @@ def main() -> None:
             parser.error(str(err))
         return
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
-    cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out}", f"train.val_every={args.steps}",
-                                    f"model.dtype={args.dtype}", *args.overrides])
+    base = [f"model.dtype={args.dtype}", *args.overrides]
     start = time.perf_counter()
+    before = _validate(load_config(args.preset, base))
+    sft_report: dict = {}
+    if args.sft_steps:
+        sft_report = _sft_arm(args.preset, args.sft_steps, base, out / "sft")
+        base = [*base, f"model.path={sft_report.pop('checkpoint')}"]
+    cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out / 'rl'}",
+                                    f"train.val_every={args.steps}", *base])
     workers = local_group(cfg)
-    val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    before = validate(workers, val_set, cfg)
+    rl_before = _validate(cfg, workers) if args.sft_steps else before
     run_dir = train(cfg, workers)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scores = [line["critic/score/mean"] for line in lines]
@@ -150,18 +169,23 @@ def main() -> None:
         rates = [line["multi_turn/tool_use_rate"] for line in lines]
         tools = {"tool_use_rate_steps_1_5": statistics.mean(rates[:5]), "tool_use_rate_last_5": statistics.mean(rates[-5:]),
                  "val_tool_use_rate_before": before.get("val/multi_turn/tool_use_rate"),
+                 "val_tool_use_rate_after_sft": rl_before.get("val/multi_turn/tool_use_rate") if args.sft_steps else None,
                  "val_tool_use_rate_after": lines[-1].get("val/multi_turn/tool_use_rate"),
                  "malformed_calls_first_5": statistics.mean(line["multi_turn/malformed_calls"] for line in lines[:5]),
                  "malformed_calls_last_5": statistics.mean(line["multi_turn/malformed_calls"] for line in lines[-5:])}
     emit({
         "command": "python bench/bench_learning.py " + " ".join(
-            f"--preset {args.preset} --steps {args.steps} --dtype {args.dtype}".split() + args.overrides),
+            f"--preset {args.preset} --steps {args.steps} --sft-steps {args.sft_steps} --dtype {args.dtype}".split() + args.overrides),
         "steps": args.steps,
         "reward_mean_steps_1_5": first,
         "reward_mean_last_5": last,
         "reward_gain": last - first,
         "val_accuracy_before": before["val/accuracy"],
+        **({"val_accuracy_after_sft": rl_before["val/accuracy"], "sft": sft_report} if args.sft_steps else {}),
         "val_accuracy_after": lines[-1].get("val/accuracy"),
+        **({"val_accuracy_before_without_tool": _validate(load_config(args.preset, [f"model.dtype={args.dtype}", *_NO_TOOL,
+                                                                             *args.overrides]))["val/accuracy"]}
+           if cfg.rollout.multi_turn.tools else {}),
         "response_length_mean_first_5": statistics.mean(line["response_length/mean"] for line in lines[:5]),
         "response_length_mean_last_5": statistics.mean(line["response_length/mean"] for line in lines[-5:]),
         **tools,
@@ -169,6 +193,30 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - start, 1),
         "run_dir": str(run_dir),
     }, dtype=args.dtype)
+
+
+_NO_TOOL = ["rollout.multi_turn.tools=[]", "rollout.stop=[]", "rollout.multi_turn.max_turns=4",
+            "rollout.multi_turn.max_tokens_per_turn=null", "rollout.multi_turn.max_tool_response_tokens=256", "data.system_prompt=null",
+            "data.instruction=Compute it and give the final answer after ####."]
+"""The same problems without the calculator: single-turn, asked for the answer itself."""
+
+
+def _validate(cfg, workers=None) -> dict[str, float]:
+    """Greedy validation of ``cfg``'s model on its val set (a worker of its own unless given)."""
+    workers = workers or local_group(cfg)
+    val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
+    return validate(workers, val_set, cfg)
+
+
+def _sft_arm(preset: str, steps: int, overrides: list[str], out: Path) -> dict:
+    """``packrl sft`` of the preset for ``steps`` steps: its loss, throughput and final checkpoint."""
+    cfg = load_config(preset, [*overrides, f"sft.total_steps={steps}", f"train.out_dir={out}"])
+    run_dir = sft(cfg)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens, seconds = sum(line["sft/num_tokens"] for line in lines), sum(line["perf/update_s"] for line in lines)
+    return {"steps": steps, "loss_first": lines[0]["sft/loss"], "loss_last": lines[-1]["sft/loss"],
+            "tokens_per_s": round(tokens / seconds, 1), "train_s": round(seconds, 1),
+            "checkpoint": str(run_dir / "checkpoints" / f"step_{steps}")}
 
 
 def _arm(preset: str, steps: int, val_every: int, overrides: list[str]) -> dict:

@@ -186,7 +186,7 @@ ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator
 
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss",
                          {"ppo_clip": "packrl.algos.policy_losses", "gspo": "packrl.algos.policy_losses",
-                          "clip_cov": "packrl.algos.cov_losses", "kl_cov": "packrl.algos.cov_losses"},
+                          "sft": "packrl.algos.policy_losses", "clip_cov": "packrl.algos.cov_losses", "kl_cov": "packrl.algos.cov_losses"},
                          checks={"gspo": "packrl.config.relations:gspo_problems"}, args_key="algorithm.policy_loss_args")
 """``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
 

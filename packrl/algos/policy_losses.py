@@ -142,6 +142,19 @@ def ppo_clip(inputs: PolicyLossInputs) -> PolicyLossOutput:
     return PolicyLossOutput(loss, clipped)
 
 
+@POLICY_LOSSES.register("sft")
+def sft_nll(inputs: PolicyLossInputs) -> PolicyLossOutput:
+    """Supervised fine-tuning's negative log-likelihood, ``loss_t = -logprobs_t``: the loss of
+    `packrl sft` (`packrl.trainer.sft`), which sets it; advantages are not read, so an RL run
+    refuses it at config load. Aggregated by ``token-mean`` over the mini-batch's loss tokens (the
+    assistant's tokens), it is the mean NLL per target token, exact under any micro-batch split.
+
+    Returns:
+        token loss Shape [K], float32 nats; no clip.
+    """
+    return PolicyLossOutput(-inputs.logprobs)
+
+
 @POLICY_LOSSES.register("gspo")
 def gspo(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; verl

@@ -1,4 +1,5 @@
-"""`packrl data gsm8k`: GSM8K jsonl -> verl's RL parquet (see `packrl.data.verl_gsm8k`)."""
+"""`packrl data gsm8k`: GSM8K jsonl -> verl's RL parquet (see `packrl.data.verl_gsm8k`);
+`packrl data tool-traces`: calculator traces for `packrl sft` (see `packrl.data.traces`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,27 @@ def _cmd_gsm8k(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tool_traces(args: argparse.Namespace) -> int:
+    from packrl.config import load_config
+    from packrl.data.traces import tool_trace_rows
+
+    cfg = load_config(args.preset, args.overrides)
+    out = args.out.expanduser()
+    try:
+        rows = tool_trace_rows(cfg)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    except (ValueError, OSError) as err:
+        print(f"packrl data tool-traces: {err}", file=sys.stderr)
+        return 2
+    arith = cfg.data.arithmetic
+    print(f"wrote {len(rows)} calculator traces ({arith.digits}-digit, {arith.num_operands} operands, operators "
+          f"{arith.operators!r}) to {out}")
+    command = ["packrl", "sft", *([args.preset] if args.preset else []), *args.overrides, f"sft.train_files=[{out}]", "sft.total_steps=50"]
+    print(f"fine-tune with: {shlex.join(command)}")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``packrl data`` and its ``gsm8k`` subcommand."""
     p = sub.add_parser("data", help="prepare datasets in verl's RL parquet schema",
@@ -57,3 +79,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--out", type=Path, required=True, help="folder to write train.parquet and test.parquet to")
     g.add_argument("--json", action="store_true", help="print the row accounting as JSON")
     g.set_defaults(func=_cmd_gsm8k)
+    t = datasets.add_parser(
+        "tool-traces", help="synthetic calculator traces of task:arithmetic for packrl sft (jsonl of messages)",
+        description="Write sft.num_rows traces of PRESET's task:arithmetic problems (data.arithmetic, train.seed; never a "
+        "validation question) as jsonl rows of 'messages': the prompt as RL renders it (data.system_prompt, "
+        "data.instruction), a <tool_call> with the problem's expression, the calculator's answer as a tool message, "
+        "and the final answer after '####'.",
+    )
+    t.add_argument("preset", nargs="?", default=None, help="preset name or .yaml path (e.g. arithmetic_tool)")
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.arithmetic.digits=3 sft.num_rows=1024")
+    t.add_argument("--out", type=Path, required=True, help="the jsonl file to write")
+    t.set_defaults(func=_cmd_tool_traces)

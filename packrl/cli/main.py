@@ -1,5 +1,5 @@
-"""The `packrl` command: `packrl config`, `train`, `preflight`, `audit`, `report`, `view`, `verl`
-(run verl command lines) and `data` (write verl-schema data)."""
+"""The `packrl` command: `packrl config`, `train`, `sft`, `preflight`, `audit`, `report`, `view`,
+`verl` (run verl command lines) and `data` (write verl-schema data, tool-call traces)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return train_and_report(load_config(args.preset, args.overrides), "packrl train")
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from packrl.cli.training import train_and_report
+    from packrl.trainer.sft import sft
+
+    return train_and_report(load_config(args.preset, args.overrides), "packrl sft", run=sft)
+
+
 def _add_preset_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("preset", nargs="?", default=None, help="preset name or .yaml path (default: demo)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data.max_prompt_tokens=1024")
@@ -69,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_preset_args(p)
     p.set_defaults(func=_cmd_train)
+    p = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning on chat traces (sft.*) with the same budgets, packing and micro-batching",
+        description="Fine-tune model.path on sft.train_files (jsonl rows of 'messages', or task:tool_traces) for "
+        "sft.total_steps steps of sft.batch_size traces; tool messages stay out of the loss. Writes RUN_DIR like "
+        "packrl train; its checkpoints/step_N loads as model.path of an RL run.",
+    )
+    _add_preset_args(p)
+    p.set_defaults(func=_cmd_sft)
     audit.add_parser(sub)
     report.add_parser(sub)
     from packrl.cli import preflight

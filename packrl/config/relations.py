@@ -127,6 +127,14 @@ def group_size(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
+def sft_loss(cfg: RunConfig) -> list[ConfigProblem]:
+    """The supervised loss reads no advantages: it is `packrl sft`'s, which sets it itself."""
+    if cfg.algorithm.policy_loss != "sft":
+        return []
+    return [ConfigProblem("algorithm.policy_loss", "sft", "is the supervised loss of packrl sft and ignores rewards and advantages",
+                          "run packrl sft for supervised fine-tuning, or set algorithm.policy_loss=ppo_clip for RL")]
+
+
 def kl_in_reward(cfg: RunConfig) -> list[ConfigProblem]:
     """In-reward KL needs a KL coefficient."""
     if not (cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0):
@@ -272,7 +280,7 @@ def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
 
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, lora_workers, group_size, kl_in_reward, overlong_buffer, partial_rollouts,
+    parameter_offload, compiled_layers, lora_workers, group_size, sft_loss, kl_in_reward, overlong_buffer, partial_rollouts,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

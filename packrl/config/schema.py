@@ -19,6 +19,7 @@ from typing import Any, Literal
 from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig, algorithm_variant_problems
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
+from packrl.config.sft import SftConfig
 from packrl.errors import ConfigProblem, check_positive
 
 OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
@@ -840,11 +841,12 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
     def section_problems(self) -> list[ConfigProblem]:
         """Every section's own checks (its fields alone). The relations between sections are
         `packrl.config.relations.config_problems`, which calls this first."""
         out: list[ConfigProblem] = []
-        for name in ("model", "data", "rollout", "reward", "train", "algorithm", "critic", "trainer"):
+        for name in ("model", "data", "rollout", "reward", "train", "algorithm", "critic", "trainer", "sft"):
             out += getattr(self, name).problems(name)
         return out

@@ -1,0 +1,214 @@
+"""Chat traces for supervised fine-tuning (`packrl sft`): rows of ``messages`` turned into the
+sequences the RL update trains, token for token as a multi-turn rollout would have built them.
+
+Shapes: ``N`` traces · ``P_i`` prompt tokens · ``R_i`` tokens after the prompt of trace i.
+
+A trace is a list of ``{"role", "content"}`` messages: the system and user messages of the
+request, then the assistant's turns with tool messages between them, ending with an assistant
+turn::
+
+    [{"role": "system", ...}, {"role": "user", "content": "What is 123 * 45?"},
+     {"role": "assistant", "content": '<tool_call>{"name": "calculator", ...}</tool_call>'},
+     {"role": "tool", "content": "5535"},
+     {"role": "assistant", "content": "123 * 45 = 5535\\n#### 5535"}]
+
+The prompt is rendered as RL renders its prompts (`packrl.seqlen.prompt_policy.apply_prompt_policy`:
+chat template, generation prompt, ``data.max_prompt_tokens``); after it, each assistant turn is
+its content's tokens and the template's turn-closing token (True in the loss mask: the policy's
+tokens), and each run of tool messages is what `packrl.rollout.multi_turn.ToolRenderer` appends in
+a rollout (tool messages and the next assistant header; False in the loss mask). So the trained
+sequences are the ones the policy would write in RL, scored in the same contexts.
+
+Every row ends in the accounting: kept, filtered (prompt over ``data.max_prompt_tokens`` or the
+rest over ``rollout.max_response_tokens``: a trace is never cut) or rejected with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from packrl.data.examples import to_example
+from packrl.data.loaders import load_rows
+from packrl.data.tasks import arithmetic_rows
+from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
+from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RunConfig
+
+TOOL_TRACES = "task:tool_traces"
+"""The built-in traces: calculator calls for `task:arithmetic` problems (`tool_trace_rows`)."""
+SFT_SOURCE = "packrl/sft"
+_PROMPT_ROLES = ("system", "user")
+_AFTER_PROMPT = ("assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Traces:
+    """Traces ready to train, in row order, and the accounting of every input row.
+
+    Attributes:
+        prompt_ids: ``N`` x ``[P_i]`` canonical prompt ids (as RL's prompts).
+        response_ids: ``N`` x ``[R_i]`` ids after the prompt.
+        response_masks: ``N`` x ``[R_i]``, True = an assistant token (in the loss).
+        rows: each trace's row number in its data.
+        accounting: every input row: kept, filtered or rejected with the reason.
+    """
+
+    prompt_ids: tuple[tuple[int, ...], ...]
+    response_ids: tuple[tuple[int, ...], ...]
+    response_masks: tuple[tuple[bool, ...], ...]
+    rows: tuple[int, ...]
+    accounting: PromptAccounting
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(sum(m) for m in self.response_masks)
+
+    def train_batch(self, indices: Sequence[int]) -> TrainBatch:
+        """The traces at ``indices`` as the update's batch: each its own group of one, advantages 0
+        (`sft` loss reads none), the assistant tokens as the loss mask, no old or reference log-probs."""
+        prompts = PromptBatch(prompt_ids=tuple(self.prompt_ids[i] for i in indices), ground_truths=("",) * len(indices),
+                              data_sources=(SFT_SOURCE,) * len(indices), rows=tuple(self.rows[i] for i in indices),
+                              prompt_truncated=(False,) * len(indices))
+        responses = tuple(Response(self.response_ids[i], "stop", response_mask=self.response_masks[i]) for i in indices)
+        rollout = RolloutBatch(prompts=prompts, group_size=1, responses=responses)
+        zeros = torch.zeros(len(indices))
+        scored = ScoredBatch(rollout=rollout, scores=zeros, rewards=zeros)
+        masks = tuple(r.generated_mask() for r in responses)
+        return TrainBatch(scored=scored, advantages=tuple(torch.zeros(len(m)) for m in masks), loss_masks=masks,
+                          old_logprobs=None, ref_logprobs=None)
+
+
+def tool_trace_rows(cfg: RunConfig) -> list[dict[str, Any]]:
+    """``sft.num_rows`` calculator traces of `task:arithmetic` problems (``data.arithmetic``,
+    ``train.seed``; never a validation question): the request as RL's prompts hold it
+    (``data.system_prompt``, ``data.instruction``), one call with the problem's expression, the
+    calculator's exact answer, and the final answer after ``####``. Each row: ``{"messages": [...]}``."""
+    from packrl.rollout.tools import calculator
+
+    arith = cfg.data.arithmetic
+    args = (arith.digits, arith.num_operands, arith.operators)
+    val = [r["question"] for r in load_rows("task:arithmetic", arithmetic=arith, seed=cfg.train.seed, split="val")]
+    out = []
+    for k, row in enumerate(arithmetic_rows(cfg.sft.num_rows, *args, cfg.train.seed, exclude=val)):
+        example = to_example(row, row=k, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+        assert not isinstance(example, str), "task:arithmetic rows are well-formed"
+        expression = row["question"].removeprefix("What is ").removesuffix("?")
+        answer = calculator({"expression": expression})
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        out.append({"messages": [*example.chat, {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                                 {"role": "tool", "content": answer},
+                                 {"role": "assistant", "content": f"{expression} = {answer}\n#### {answer}"}]})
+    return out
+
+
+def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
+    """Every row of ``sft.train_files``, rendered and accounted (module docstring).
+
+    Raises:
+        ValueError: no ``sft.train_files``, a source that cannot be read (`load_rows`), or no
+            trace left to train (names the reasons).
+    """
+    if not cfg.sft.train_files:
+        raise ValueError("sft.train_files is empty; give chat traces (jsonl rows with 'messages') or task:tool_traces, "
+                         "e.g. sft.train_files=[task:tool_traces]")
+    rows: list[Any] = []
+    for source in cfg.sft.train_files:
+        rows += tool_trace_rows(cfg) if source == TOOL_TRACES else load_rows(
+            source, arithmetic=cfg.data.arithmetic, seed=cfg.train.seed, split="train", key="sft.train_files")
+    traces = render_traces(rows, tokenizer, cfg)
+    if not len(traces):
+        raise ValueError(f"sft.train_files: no trace can be trained: {traces.accounting.summary()}; fix the rows, or raise "
+                         "data.max_prompt_tokens / rollout.max_response_tokens for filtered ones")
+    return traces
+
+
+def render_traces(rows: Sequence[Any], tokenizer: Any, cfg: RunConfig) -> Traces:
+    """Split each row into its prompt and the rest, render both (module docstring) and account for it."""
+    from packrl.rollout.multi_turn import ToolRenderer
+
+    outcomes: dict[int, RowOutcome] = {}
+    parts: dict[int, tuple[list[dict], list[dict]]] = {}
+    for i, row in enumerate(rows):
+        split = _split(row)
+        if isinstance(split, str):
+            outcomes[i] = RowOutcome(i, "rejected", split)
+        else:
+            parts[i] = split
+    order = sorted(parts)
+    policy = apply_prompt_policy([parts[i][0] for i in order], tokenizer, cfg.data.max_prompt_tokens, "filter", row_numbers=order)
+    renderer = ToolRenderer(tokenizer, cfg.rollout.multi_turn.tool_role)
+    prompts = {order[p.row]: p.prompt_ids for p in policy.prompts}
+    for outcome in policy.accounting.outcomes:
+        if outcome.status != "kept":
+            outcomes[order[outcome.row]] = RowOutcome(order[outcome.row], outcome.status, outcome.reason, outcome.num_tokens)
+    kept: list[tuple[int, tuple[int, ...], list[int], list[bool]]] = []
+    budget = cfg.rollout.max_response_tokens
+    for i in sorted(prompts):
+        ids, mask = _continuation(parts[i][1], tokenizer, renderer)
+        if len(ids) > budget:
+            outcomes[i] = RowOutcome(i, "filtered", f"{len(ids)} tokens after the prompt > rollout.max_response_tokens={budget}",
+                                     len(prompts[i]) + len(ids))
+            continue
+        outcomes[i] = RowOutcome(i, "kept", "", len(prompts[i]) + len(ids))
+        kept.append((i, prompts[i], ids, mask))
+    return Traces(prompt_ids=tuple(p for _, p, _, _ in kept), response_ids=tuple(tuple(ids) for _, _, ids, _ in kept),
+                  response_masks=tuple(tuple(m) for _, _, _, m in kept), rows=tuple(i for i, _, _, _ in kept),
+                  accounting=PromptAccounting(tuple(outcomes[i] for i in range(len(rows)))))
+
+
+def _split(row: Any) -> tuple[list[dict], list[dict]] | str:
+    """``(prompt messages, the messages after them)`` of one row, or why the row is bad."""
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return "no 'messages' list" if not isinstance(row, dict) or "messages" not in row else "'messages' is not a non-empty list"
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {k} is not an object with string 'role' and 'content'"
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        return "no assistant message"
+    first = roles.index("assistant")
+    head, tail = messages[:first], messages[first:]
+    if not head or head[-1]["role"] != "user" or any(r not in _PROMPT_ROLES for r in roles[:first]):
+        return "the messages before the first assistant turn must be system/user messages ending with a user message"
+    if any(m["role"] not in _AFTER_PROMPT for m in tail):
+        bad = next(m["role"] for m in tail if m["role"] not in _AFTER_PROMPT)
+        return f"a {bad!r} message after the first assistant turn (only assistant turns and tool messages may follow it)"
+    if tail[-1]["role"] != "assistant":
+        return "the trace ends with a tool message, not an assistant turn"
+    if any(a["role"] == b["role"] == "assistant" for a, b in zip(tail, tail[1:])):
+        return "two assistant turns in a row (a tool message must come between them)"
+    return head, tail
+
+
+def _continuation(tail: list[dict], tokenizer: Any, renderer: Any) -> tuple[list[int], list[bool]]:
+    """The ids after the prompt and their loss mask: each assistant turn's content and closing
+    token (True), each run of tool messages as a rollout appends it (False)."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    k = 0
+    while k < len(tail):
+        if tail[k]["role"] == "assistant":
+            turn = tokenizer(tail[k]["content"], add_special_tokens=False)["input_ids"] + list(renderer.close)
+            ids += turn
+            mask += [True] * len(turn)
+            k += 1
+            continue
+        end = k
+        while end < len(tail) and tail[end]["role"] == "tool":
+            end += 1
+        answer = renderer.after_close([m["content"] for m in tail[k:end]])
+        ids += answer
+        mask += [False] * len(answer)
+        k = end
+    return ids, mask

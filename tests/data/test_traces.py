@@ -1,0 +1,98 @@
+"""Chat traces for `packrl sft`: rendered token for token as a multi-turn rollout builds them,
+tool messages out of the loss, every row accounted for, and the built-in calculator traces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from packrl.cli.main import main
+from packrl.config import ConfigError, load_config
+from packrl.data.dataset import PromptDataset
+from packrl.data.traces import load_traces, render_traces, tool_trace_rows
+from packrl.rollout.multi_turn import ToolRenderer
+from packrl.rollout.tools import parse_tool_calls, run_tool
+
+TRACE = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 * 34?"},
+         {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'},
+         {"role": "tool", "content": "408"}, {"role": "assistant", "content": "#### 408"}]
+
+
+def _cfg(*more):
+    return load_config("arithmetic_tool", ["sft.num_rows=16", *more])
+
+
+def test_a_trace_is_the_prompt_then_the_rollout_segments(smollm_tokenizer):
+    traces = render_traces([{"messages": TRACE}], smollm_tokenizer, _cfg())
+    prompt = smollm_tokenizer.apply_chat_template(TRACE[:2], add_generation_prompt=True, tokenize=False)
+    assert list(traces.prompt_ids[0]) == smollm_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    renderer = ToolRenderer(smollm_tokenizer, "tool")
+    call = smollm_tokenizer(TRACE[2]["content"], add_special_tokens=False)["input_ids"] + list(renderer.close)
+    answer = renderer.after_close(["408"])
+    final = smollm_tokenizer("#### 408", add_special_tokens=False)["input_ids"] + list(renderer.close)
+    assert list(traces.response_ids[0]) == call + answer + final
+    assert list(traces.response_masks[0]) == [True] * len(call) + [False] * len(answer) + [True] * len(final)
+    # the whole sequence is the conversation as the chat template renders it
+    whole = smollm_tokenizer.decode([*traces.prompt_ids[0], *traces.response_ids[0]])
+    assert whole.startswith(smollm_tokenizer.apply_chat_template(TRACE, tokenize=False).rstrip("\n"))
+
+
+@pytest.mark.parametrize(("messages", "reason"), [
+    (None, "'messages' is not a non-empty list"),
+    ([{"role": "user", "content": "hi"}], "no assistant message"),
+    ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "message 0 is not an object"),
+    ([{"role": "assistant", "content": "x"}], "must be system/user messages ending with a user message"),
+    ([*TRACE[:3], {"role": "user", "content": "more"}, TRACE[4]], "a 'user' message after the first assistant turn"),
+    (TRACE[:4], "ends with a tool message"),
+    ([*TRACE[:3], TRACE[4]], "two assistant turns in a row"),
+])
+def test_bad_traces_are_rejected_with_the_reason(smollm_tokenizer, messages, reason):
+    traces = render_traces([{"messages": TRACE}, {"messages": messages}, "not a row"], smollm_tokenizer, _cfg())
+    assert len(traces) == 1 and traces.rows == (0,)
+    outcomes = traces.accounting.outcomes
+    assert [o.status for o in outcomes] == ["kept", "rejected", "rejected"]
+    assert reason in outcomes[1].reason and outcomes[2].reason == "no 'messages' list"
+
+
+def test_traces_over_a_budget_are_filtered_never_cut(smollm_tokenizer):
+    long_answer = [*TRACE[:4], {"role": "assistant", "content": "so " * 300 + "#### 408"}]
+    traces = render_traces([{"messages": TRACE}, {"messages": long_answer}], smollm_tokenizer, _cfg())
+    assert traces.rows == (0,)
+    assert traces.accounting.outcomes[1].status == "filtered" and "rollout.max_response_tokens=256" in traces.accounting.outcomes[1].reason
+    short = render_traces([{"messages": TRACE}], smollm_tokenizer, _cfg("data.max_prompt_tokens=8"))
+    assert not len(short) and "data.max_prompt_tokens=8" in short.accounting.outcomes[0].reason
+    with pytest.raises(ValueError, match="no trace can be trained"):
+        load_traces(_cfg("data.max_prompt_tokens=8", "sft.train_files=[task:tool_traces]"), smollm_tokenizer)
+
+
+def test_calculator_traces_answer_right_in_the_rl_prompt_format(smollm_tokenizer):
+    cfg = _cfg()
+    rows = tool_trace_rows(cfg)
+    assert len(rows) == 16
+    val = PromptDataset.build(["task:arithmetic"], smollm_tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
+    train = PromptDataset.build(["task:arithmetic"], smollm_tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files")
+    traces = render_traces(rows, smollm_tokenizer, cfg)
+    val_prompts = {tuple(p.prompt_ids) for p in val.prompts}
+    train_prompts = {tuple(p.prompt_ids) for p in train.prompts}
+    for row, prompt in zip(rows, traces.prompt_ids):
+        assert prompt in train_prompts and prompt not in val_prompts  # RL's own prompt ids, never a validation question
+        messages = row["messages"]
+        call = parse_tool_calls(messages[2]["content"], {"calculator"})
+        assert len(call) == 1 and call[0].error is None
+        assert run_tool(call[0]) == (messages[3]["content"], False)
+        question = messages[1]["content"].split("?")[0].removeprefix("What is ")
+        assert messages[4]["content"].endswith(f"#### {eval(question)}")  # noqa: S307 - digits and + * only
+
+
+def test_tool_traces_command_writes_jsonl(tmp_path, capsys):
+    out = tmp_path / "traces.jsonl"
+    assert main(["data", "tool-traces", "arithmetic_tool", "sft.num_rows=5", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and all(r["messages"][2]["role"] == "assistant" for r in rows)
+    assert "packrl sft arithmetic_tool sft.num_rows=5" in capsys.readouterr().out
+
+
+def test_the_sft_loss_is_refused_in_rl():
+    with pytest.raises(ConfigError, match="is the supervised loss of packrl sft"):
+        load_config("demo", ["algorithm.policy_loss=sft"])
