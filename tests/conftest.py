@@ -101,3 +101,14 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
         algo = cfg.algorithm
         total += metrics["actor/pg_loss"] + algo.kl_coef * metrics["actor/kl_loss"] - algo.entropy_coeff * metrics["actor/entropy"]
     return total
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm_tokenizer):
+    """The tiny random policy (tests/diagnostics/tiny_run.py) saved as an HF model folder, as the workers load it."""
+    from tests.diagnostics.tiny_run import tiny_policy  # it imports this module
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_policy(smollm_tokenizer).save_pretrained(path)
+    smollm_tokenizer.save_pretrained(path)
+    return path

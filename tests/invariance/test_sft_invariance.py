@@ -21,21 +21,13 @@ SFT = ["model.dtype=fp64", "sft.train_files=[task:tool_traces]", "sft.num_rows=6
 """A 2-step run of 4 traces a step over 6 traces (the second step spans two epochs)."""
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm_tokenizer):
-    path = tmp_path_factory.mktemp("tiny-sft")
-    tiny_policy(smollm_tokenizer).save_pretrained(path)
-    smollm_tokenizer.save_pretrained(path)
-    return path
-
-
 def _run(out, model_dir, *more):
     return sft(load_config("arithmetic_tool", [f"model.path={model_dir}", f"train.out_dir={out}", *SFT, *more]))
 
 
-def test_sft_is_the_same_for_any_microbatch_split(tmp_path, tiny_dir):
-    whole = _run(tmp_path / "whole", tiny_dir, "train.max_tokens_per_microbatch=4096")
-    split = _run(tmp_path / "split", tiny_dir, "train.max_tokens_per_microbatch=256")
+def test_sft_is_the_same_for_any_microbatch_split(tmp_path, model_dir):
+    whole = _run(tmp_path / "whole", model_dir, "train.max_tokens_per_microbatch=4096")
+    split = _run(tmp_path / "split", model_dir, "train.max_tokens_per_microbatch=256")
     lines = {name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for name, run in
              (("whole", whole), ("split", split))}
     assert [line["seqlen/num_microbatches"] for line in lines["whole"]] == [1.0, 1.0]
@@ -45,10 +37,10 @@ def test_sft_is_the_same_for_any_microbatch_split(tmp_path, tiny_dir):
     assert_same_training(whole / "checkpoints" / "step_2", split / "checkpoints" / "step_2")
 
 
-def test_sft_loss_is_the_mean_nll_of_the_assistant_tokens(tmp_path, tiny_dir, smollm_tokenizer):
-    run = _run(tmp_path / "run", tiny_dir, "train.max_tokens_per_microbatch=256", "sft.total_steps=1")
+def test_sft_loss_is_the_mean_nll_of_the_assistant_tokens(tmp_path, model_dir, smollm_tokenizer):
+    run = _run(tmp_path / "run", model_dir, "train.max_tokens_per_microbatch=256", "sft.total_steps=1")
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    cfg = load_config("arithmetic_tool", [f"model.path={tiny_dir}", *SFT])
+    cfg = load_config("arithmetic_tool", [f"model.path={model_dir}", *SFT])
     traces = load_traces(cfg, smollm_tokenizer)
     model = tiny_policy(smollm_tokenizer).double().eval()
     nll, count = 0.0, 0
