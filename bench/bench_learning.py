@@ -38,6 +38,13 @@ With ``--vs-sync`` the second arm is the same preset with partial rollouts
 
     python bench/bench_learning.py --vs-sync [--steps 30] [--val-every 10] data.arithmetic.digits=2 [--async key=value ...]
 
+With ``--vs-no-tool`` (a tool preset) the first arm is the preset itself, after ``--sft-steps``
+supervised steps when given (their training time counts in the arm's, and the curve starts with
+the base model's accuracy at 0 s), and the second the same problems without the calculator
+(single-turn, asked for the answer itself: ``_NO_TOOL``), both compared the same way::
+
+    python bench/bench_learning.py --vs-no-tool --preset arithmetic_tool --sft-steps 8 --steps 30 --val-every 10
+
 With ``--vs-trl`` (demo preset only) it compares learning per second of training with TRL 1.16's
 ``GRPOTrainer`` on held-out 2-digit arithmetic::
 
@@ -128,6 +135,8 @@ def main() -> None:
                              "with --vs-trl resolved once for both arms (TRL's bf16= follows it)")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)  # directory the TRL arm saves its models into
     parser.add_argument("--trl-budget-s", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--vs-no-tool", action="store_true",
+                        help="tool preset: also train it without the tool (single-turn) and compare at equal wall time")
     parser.add_argument("--sft-steps", type=int, default=0,
                         help="first fine-tune on the preset's sft.train_files for this many steps (packrl sft), then RL from it")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides of the preset")
@@ -142,7 +151,9 @@ def main() -> None:
         if not Path(args.trl_python).is_file():
             parser.error(f"--trl-python {args.trl_python} does not exist; create TRL's venv as bench/bench_trl_step.py's docstring says")
         return compare_trl(args)
-    if args.vs_gae or args.vs_sync:
+    if args.vs_no_tool and not load_config(args.preset).rollout.multi_turn.tools:
+        parser.error(f"--vs-no-tool compares a tool preset with itself without the tool; {args.preset} names no tool")
+    if args.vs_gae or args.vs_sync or args.vs_no_tool:
         try:
             compare_arms(args)
         except ConfigError as err:
@@ -219,23 +230,31 @@ def _sft_arm(preset: str, steps: int, overrides: list[str], out: Path) -> dict:
             "checkpoint": str(run_dir / "checkpoints" / f"step_{steps}")}
 
 
-def _arm(preset: str, steps: int, val_every: int, overrides: list[str]) -> dict:
-    """One arm of --vs-gae / --vs-sync / --vs-trl: validation before, training with validation every
-    ``val_every`` steps; its per-step scores and times, training seconds and validation accuracies."""
+def _arm(preset: str, steps: int, val_every: int, overrides: list[str], sft_steps: int = 0) -> dict:
+    """One arm of --vs-gae / --vs-sync / --vs-no-tool / --vs-trl: validation before, training with
+    validation every ``val_every`` steps; its per-step scores and times, training seconds and
+    validation accuracies. With ``sft_steps`` the arm starts with that many `packrl sft` steps:
+    their training seconds count in the arm's time, validated before and after them."""
     out = Path(tempfile.mkdtemp(prefix="packrl-learning-"))
+    elapsed, curve, warm = 0.0, [], {}
+    if sft_steps:
+        curve.append((0.0, _validate(load_config(preset, overrides))["val/accuracy"]))
+        warm = _sft_arm(preset, sft_steps, overrides, out / "sft")
+        overrides, elapsed = [*overrides, f"model.path={warm.pop('checkpoint')}"], warm["train_s"]
     cfg = load_config(preset, [f"train.total_steps={steps}", f"train.out_dir={out}", f"train.val_every={val_every}", *overrides])
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    before = validate(workers, val_set, cfg)["val/accuracy"]
+    curve.append((elapsed, validate(workers, val_set, cfg)["val/accuracy"]))
     run_dir = train(cfg, workers)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    elapsed, curve = 0.0, [(0.0, before)]
     for line in lines:
         elapsed += line["timing_s/step"]
         if "val/accuracy" in line:
             curve.append((elapsed, line["val/accuracy"]))
+    tool_use = [line["val/multi_turn/tool_use_rate"] for line in lines if "val/multi_turn/tool_use_rate" in line]
     return {"scores": [line["critic/score/mean"] for line in lines], "step_s": [line["timing_s/step"] for line in lines],
-            "train_s": elapsed, "curve": curve, "run_dir": str(run_dir)}
+            "train_s": elapsed, "curve": curve, "run_dir": str(run_dir)} | ({"sft": warm} if warm else {}) | (
+            {"val_tool_use_curve": tool_use} if tool_use else {})
 
 
 def _summary(arm: dict, wall: float) -> dict:
@@ -248,31 +267,34 @@ def _summary(arm: dict, wall: float) -> dict:
             "val_accuracy_before": arm["curve"][0][1], "val_accuracy_at_equal_wall": reached[-1],
             "val_accuracy_end": arm["curve"][-1][1], "train_s": round(arm["train_s"], 1),
             "step_s_median": round(statistics.median(arm["step_s"]), 2),
-            "val_curve": [(round(t, 1), acc) for t, acc in arm["curve"]]}
+            "val_curve": [(round(t, 1), acc) for t, acc in arm["curve"]]} | (
+            {"val_tool_use_curve": arm["val_tool_use_curve"]} if "val_tool_use_curve" in arm else {})
 
 
 def compare_arms(args: argparse.Namespace) -> None:
-    """Both arms of --vs-gae or --vs-sync, then each one's reward rise and accuracy at the shorter
-    arm's training time."""
+    """Both arms of --vs-gae, --vs-sync or --vs-no-tool, then each one's reward rise and accuracy at
+    the shorter arm's training time (an arm's supervised warm start, --sft-steps, counts in it)."""
     overrides = [f"model.dtype={args.dtype}", *args.overrides]
     if args.vs_gae:
         flag, extra = "--vs-gae", (["--gae", *args.gae] if args.gae else [])
         second = {"ppo_gae": ["algorithm.adv_estimator=gae", *args.gae]}
         first = "grpo"
-    else:
+    elif args.vs_sync:
         flag, extra = "--vs-sync", (["--async", *args.async_overrides] if args.async_overrides else [])
         second = {"colocate_async": ["trainer.rollout_mode=colocate_async", *args.async_overrides]}
         first = "sync"
+    else:
+        flag, extra, second, first = "--vs-no-tool", [f"--sft-steps {args.sft_steps}"], {"no_tool": _NO_TOOL}, "tool"
     for more in [[], *second.values()]:  # both arms' settings checked before either trains
         load_config(args.preset, [f"train.total_steps={args.steps}", f"train.val_every={args.val_every}", *overrides, *more])
-    arms = {first: _arm(args.preset, args.steps, args.val_every, overrides)}
+    arms = {first: _arm(args.preset, args.steps, args.val_every, overrides, sft_steps=args.sft_steps if args.vs_no_tool else 0)}
     arms |= {name: _arm(args.preset, args.steps, args.val_every, [*overrides, *more]) for name, more in second.items()}
     wall = min(arm["train_s"] for arm in arms.values())
     report = {"command": f"python bench/bench_learning.py {flag} " + " ".join(
         [f"--preset {args.preset} --steps {args.steps} --val-every {args.val_every} --dtype {args.dtype}", *args.overrides] + extra),
         "equal_wall_s": round(wall, 1)}
     for name, arm in arms.items():
-        report[name] = _summary(arm, wall) | {"run_dir": arm["run_dir"]}
+        report[name] = _summary(arm, wall) | {"run_dir": arm["run_dir"]} | ({"sft": arm["sft"]} if "sft" in arm else {})
     emit(report, dtype=args.dtype)
 
 

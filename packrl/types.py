@@ -118,6 +118,8 @@ class Trajectory:
         num_tool_calls: tool calls the policy wrote, malformed ones included.
         num_malformed_calls: calls that did not parse or named no allowed tool.
         num_tool_errors: well-formed calls whose tool reported an error.
+        tool_answers: the content of each answer a tool gave without an error, in order, as the
+            policy saw it (after ``rollout.multi_turn.max_tool_response_tokens`` cut it).
         ended_by: what ended it: ``answer`` (a turn without a tool call), ``max_turns``,
             ``turn_tokens``, ``response_tokens``, ``trajectory_tokens``, ``context`` or ``abort``.
         context_starts: per assistant turn, the response offset (tokens) where its context
@@ -132,6 +134,7 @@ class Trajectory:
     num_tool_errors: int = 0
     ended_by: str = "answer"
     context_starts: tuple[int, ...] = ()
+    tool_answers: tuple[str, ...] = ()
 
     @property
     def num_turns(self) -> int:
@@ -279,12 +282,16 @@ class ScoredBatch:
 
     Attributes:
         scores: task score of each response (e.g. 1.0 correct). Shape [N], float32.
-        rewards: score plus shaping (overlong penalty). Shape [N], float32.
+        rewards: score plus shaping (overlong penalty, format reward). Shape [N], float32.
+        parts: shaping parts included in ``rewards`` by name (``format/call``: the tool-call
+            format reward's parts, `packrl.reward.tool_format`), each Shape [N], float32;
+            reported as ``reward/<name>`` metrics.
     """
 
     rollout: RolloutBatch
     scores: torch.Tensor
     rewards: torch.Tensor
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,16 @@ def multi_turn_off(cfg: RunConfig) -> list[ConfigProblem]:
                           f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
 
 
+def format_reward(cfg: RunConfig) -> list[ConfigProblem]:
+    """The tool-call format reward scores tool calls: without tools it would add nothing."""
+    if not cfg.reward.format_weight or cfg.rollout.multi_turn.enabled:
+        return []
+    return [ConfigProblem("reward.format_weight", cfg.reward.format_weight, "has no effect: multi-turn is off "
+                          "(rollout.multi_turn.tools is empty), so no response holds a tool call",
+                          "name a tool in rollout.multi_turn.tools (e.g. [calculator]) or set reward.format_weight=0",
+                          keys=("reward.format_weight", "rollout.multi_turn.tools"))]
+
+
 def shared_prompts(cfg: RunConfig) -> list[ConfigProblem]:
     """``train.share_prompts=true`` where it cannot run (known from the config alone)."""
     if cfg.train.share_prompts is not True:
@@ -279,7 +289,7 @@ def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
 
 
 RULES: tuple[Rule, ...] = (
-    critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
+    critic, shared_prompts, token_budgets, multi_turn_off, format_reward, mini_batches, ranks_have_work, sequence_parallel_attention,
     parameter_offload, compiled_layers, lora_workers, group_size, sft_loss, kl_in_reward, overlong_buffer, partial_rollouts,
 )
 """Every cross-field rule, in the order their problems are reported."""

@@ -40,6 +40,7 @@ Extraction = Literal["strict", "flexible"]
 RopeType = Literal["none", "linear", "dynamic", "yarn"]
 ContextPolicy = Literal["error", "end", "rolling"]
 TruncationSide = Literal["left", "right", "middle"]
+ToolSchemas = Literal["template", "none"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 FilterMetric = Literal["score", "reward"]
 
@@ -339,6 +340,13 @@ class MultiTurnConfig:
     tool_role: str = "tool"
     """The chat-template role of tool messages (`user` for templates without a tool role)."""
 
+    tool_schemas: ToolSchemas = "template"
+    """`template`: the tools' JSON schemas go to the chat template's `tools=` argument in every
+    render of the run (prompts, tool messages, SFT traces), for templates that render them
+    (Qwen2.5/Qwen3, Llama 3.1+, Hermes); a template that ignores them (SmolLM2's) leaves the prompt
+    (`data.system_prompt`) to describe the call format, with a warning. `none`: no schemas
+    (`packrl.rollout.tool_schemas`)."""
+
     context_policy: ContextPolicy = "error"
     """When a trajectory could outgrow the model context: `error` refuses such budgets before the
     run (prompt + response and the trajectory budget must fit the context); `end` lets them
@@ -491,6 +499,12 @@ class RewardConfig:
     overlong_penalty_factor: float = 1.0
     """Largest overlong penalty, reached at `rollout.max_response_tokens`."""
 
+    format_weight: float = 0.0
+    """Weight `w` of the tool-call format reward added to the task reward of multi-turn
+    responses: +w/2 for a well-formed call, +w/2 for a final answer that uses a tool's answer,
+    -w for a malformed call; each part is its own metric `reward/format/*`
+    (`packrl.reward.tool_format`). 0 = off; needs `rollout.multi_turn.tools`."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = []
         if self.overlong_buffer_tokens < 0:
@@ -499,6 +513,9 @@ class RewardConfig:
         if not 0 <= self.overlong_penalty_factor < math.inf:
             out.append(ConfigProblem(f"{prefix}.overlong_penalty_factor", self.overlong_penalty_factor,
                                      "must be a finite number >= 0 (it is subtracted)", "set reward.overlong_penalty_factor=1.0"))
+        if not 0 <= self.format_weight < math.inf:
+            out.append(ConfigProblem(f"{prefix}.format_weight", self.format_weight,
+                                     "must be a finite number >= 0 (a malformed call already scores -w)", "set reward.format_weight=0.2"))
         return out
 
 

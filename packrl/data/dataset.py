@@ -74,6 +74,7 @@ class PromptDataset:
         split: str,
         key: str,
         max_image_patches: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> PromptDataset:
         """Load, normalise and budget every row of ``sources``.
 
@@ -87,6 +88,7 @@ class PromptDataset:
                 the first ``max_val_rows`` rows (in source order) are read into the dataset.
             key: the config key of ``sources``, for messages.
             max_image_patches: ``train.max_vision_patches_per_microbatch`` (`budget_examples`).
+            chat_template_kwargs: extra ``apply_chat_template`` arguments (`budget_examples`).
 
         Returns:
             The dataset; its accounting covers every row read.
@@ -102,7 +104,7 @@ class PromptDataset:
         # under `error` the budget is applied as `filter` first, so one message names every bad and overlong row
         prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,
                                             policy="filter" if policy == "error" else policy, data_cfg=data_cfg,
-                                            max_image_patches=max_image_patches)
+                                            max_image_patches=max_image_patches, chat_template_kwargs=chat_template_kwargs)
         bad = {} if data_cfg.skip_bad_rows else rows.bad | {o.row: o.reason for o in outcomes if o.status == "rejected"}
         # a filtered outcome always records its prompt's token count (`apply_prompt_policy`)
         # (an image row whose images cannot fit data.max_image_tokens has no prompt length: its reason is named)

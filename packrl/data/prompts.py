@@ -124,7 +124,7 @@ def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split:
 
 def budget_examples(
     examples: Sequence[Example], tokenizer: Any, *, max_prompt_tokens: int, policy: Policy, data_cfg: DataConfig | None = None,
-    max_image_patches: int | None = None,
+    max_image_patches: int | None = None, chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
     """Render, tokenize and fit each example's chat to the prompt budget (`apply_prompt_policy`;
     rows with images through the model's processor, `packrl.data.vision_prompts`).
@@ -138,6 +138,8 @@ def budget_examples(
         data_cfg: the ``data`` section, for image rows (``image``, ``max_image_tokens``).
         max_image_patches: ``train.max_vision_patches_per_microbatch``: a row's images are
             resized to fit one micro-batch's patch budget (None: no bound).
+        chat_template_kwargs: extra arguments of the text rows' ``apply_chat_template`` (the tool
+            schemas, `packrl.rollout.tool_schemas.template_kwargs`).
 
     Returns:
         ``(prompts, outcomes)``: the surviving prompts in row order, and one `RowOutcome` per
@@ -150,7 +152,7 @@ def budget_examples(
     processor = tokenizer if hasattr(tokenizer, "image_processor") else None
     text = [e for e in examples if not e.images]
     result = apply_prompt_policy([e.chat for e in text], getattr(processor, "tokenizer", tokenizer), max_prompt_tokens, policy,
-                                 row_numbers=[e.row for e in text])
+                                 row_numbers=[e.row for e in text], chat_template_kwargs=chat_template_kwargs)
     outcomes = [RowOutcome(text[o.row].row, o.status, o.reason, o.num_tokens, o.num_tokens_removed) for o in result.accounting.outcomes]
     prompts = [DatasetPrompt(text[p.row], p.prompt_ids, p.truncated) for p in result.prompts]
     with_images = [e for e in examples if e.images]

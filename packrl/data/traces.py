@@ -135,6 +135,7 @@ def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
 def render_traces(rows: Sequence[Any], tokenizer: Any, cfg: RunConfig) -> Traces:
     """Split each row into its prompt and the rest, render both (module docstring) and account for it."""
     from packrl.rollout.multi_turn import ToolRenderer
+    from packrl.rollout.tool_schemas import template_kwargs
 
     outcomes: dict[int, RowOutcome] = {}
     parts: dict[int, tuple[list[dict], list[dict]]] = {}
@@ -145,8 +146,10 @@ def render_traces(rows: Sequence[Any], tokenizer: Any, cfg: RunConfig) -> Traces
         else:
             parts[i] = split
     order = sorted(parts)
-    policy = apply_prompt_policy([parts[i][0] for i in order], tokenizer, cfg.data.max_prompt_tokens, "filter", row_numbers=order)
-    renderer = ToolRenderer(tokenizer, cfg.rollout.multi_turn.tool_role)
+    kwargs = template_kwargs(cfg.rollout.multi_turn)
+    policy = apply_prompt_policy([parts[i][0] for i in order], tokenizer, cfg.data.max_prompt_tokens, "filter", row_numbers=order,
+                                 chat_template_kwargs=kwargs)
+    renderer = ToolRenderer(tokenizer, cfg.rollout.multi_turn.tool_role, kwargs)
     prompts = {order[p.row]: p.prompt_ids for p in policy.prompts}
     for outcome in policy.accounting.outcomes:
         if outcome.status != "kept":

@@ -96,6 +96,7 @@ from packrl.inspect.audit_report import (
     SuggestedBudgets,
 )
 from packrl.models.model_config import VISION_MODEL_TYPES
+from packrl.rollout.tool_schemas import template_kwargs
 from packrl.seqlen.prompt_policy import POLICIES, Policy, RowOutcome
 from packrl.seqlen.stats import length_percentiles
 
@@ -169,7 +170,8 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
             training raises, `packrl.data.images.ImageGeometry.of`).
     """
     start = time.perf_counter()
-    passes = _Passes.run(loaded.examples, tokenizer, _Budgets(cfg.data, cfg.train.max_vision_patches_per_microbatch), progress)
+    budgets = _Budgets(cfg.data, cfg.train.max_vision_patches_per_microbatch, template_kwargs(cfg.rollout.multi_turn))
+    passes = _Passes.run(loaded.examples, tokenizer, budgets, progress)
     accounting = account_rows(passes.base, loaded.bad, loaded.num_rows)
     prompt_tokens = LengthStats.from_lengths(rendered_prompt_lengths(accounting))
     answers = _answer_lengths(loaded, tokenizer.tokenizer if is_processor(tokenizer) else tokenizer)
@@ -217,14 +219,17 @@ _TRUNCATING = tuple(p for p in POLICIES if p not in ("filter", "error"))
 @dataclass(frozen=True, slots=True)
 class _Budgets:
     """What `budget_examples` takes besides the rows, as `PromptDataset.build` passes it in training:
-    the ``data`` section and ``train.max_vision_patches_per_microbatch`` (``max_image_patches``)."""
+    the ``data`` section, ``train.max_vision_patches_per_microbatch`` (``max_image_patches``) and
+    the tool schemas (`packrl.rollout.tool_schemas.template_kwargs`)."""
 
     data: DataConfig
     max_image_patches: int | None
+    chat_template_kwargs: dict[str, Any]
 
     def apply(self, examples: Sequence[Example], encoder: Any, policy: Policy) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
         return budget_examples(examples, encoder, max_prompt_tokens=self.data.max_prompt_tokens, policy=policy,
-                               data_cfg=self.data, max_image_patches=self.max_image_patches)
+                               data_cfg=self.data, max_image_patches=self.max_image_patches,
+                               chat_template_kwargs=self.chat_template_kwargs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Score a rollout: decode each response, apply the registered reward, add the overlong penalty.
+"""Score a rollout: decode each response, apply the registered reward, add the overlong penalty
+and the tool-call format reward (`packrl.reward.tool_format`).
 
 Shapes: ``N`` responses (``B`` prompts x ``G`` per prompt); response ``i`` is scored against the
 ground truth and data source of prompt ``i // G``.
@@ -14,6 +15,7 @@ import torch
 from packrl.config.schema import RewardConfig
 from packrl.reward.overlong import soft_overlong_penalty
 from packrl.reward.registry import get_reward, scores_truncated
+from packrl.reward.tool_format import format_parts
 from packrl.types import Response, RolloutBatch, ScoredBatch
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,8 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
     Args:
         rollout: N responses and their prompts.
         tokenizer: the policy's tokenizer; responses are decoded with special tokens skipped.
-        cfg: the ``reward`` section (``name``, extraction, ``format_score``, overlong shaping).
+        cfg: the ``reward`` section (``name``, extraction, ``format_score``, overlong shaping,
+            ``format_weight``).
         max_response_tokens: the step's response budget (``rollout.max_response_tokens``, or the
             current stage's under a length curriculum), where the overlong ramp ends.
 
@@ -34,8 +37,9 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
     on its policy turns only (`policy_texts`).
 
     Returns:
-        `ScoredBatch` with ``scores`` (the reward function's value, Shape [N], float32) and
-        ``rewards`` (scores plus the overlong penalty, Shape [N], float32).
+        `ScoredBatch` with ``scores`` (the reward function's value, Shape [N], float32),
+        ``rewards`` (scores plus the overlong penalty and the format reward, Shape [N], float32)
+        and ``parts`` (the format reward's parts when ``reward.format_weight`` > 0).
 
     Raises:
         ValueError: ``cfg.name`` is not registered, or the overlong buffer exceeds the budget.
@@ -58,11 +62,9 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         )
         scores.append(score)
         rewards.append(score + penalty)
-    return ScoredBatch(
-        rollout=rollout,
-        scores=torch.tensor(scores, dtype=torch.float32),
-        rewards=torch.tensor(rewards, dtype=torch.float32),
-    )
+    parts = format_parts(rollout.responses, tokenizer, cfg.format_weight) if cfg.format_weight else {}
+    shaped = torch.tensor(rewards, dtype=torch.float32) + sum(parts.values(), torch.zeros(len(rewards)))
+    return ScoredBatch(rollout=rollout, scores=torch.tensor(scores, dtype=torch.float32), rewards=shaped, parts=parts)
 
 
 def policy_texts(responses: tuple[Response, ...], tokenizer: Any) -> list[str]:

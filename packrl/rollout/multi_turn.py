@@ -37,12 +37,14 @@ request is then ``prompt + response[start:]``; each turn records its ``start``
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from packrl.rollout.engine import RolloutEngine, SamplingParams
+from packrl.rollout.tool_schemas import renders_tools, template_kwargs
 from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
 from packrl.types import FinishReason, Response, Trajectory
@@ -50,6 +52,7 @@ from packrl.types import FinishReason, Response, Trajectory
 if TYPE_CHECKING:
     from packrl.config.schema import MultiTurnConfig
 
+logger = logging.getLogger(__name__)
 TRUNCATION_MARKER = "...(truncated)..."
 """Stands where a long tool answer was cut (its tokens count in ``max_tool_response_tokens``)."""
 _PROBE_USER, _PROBE_ASSISTANT = "packrl probe question", "packrl probe answer"
@@ -181,6 +184,7 @@ class _State:
     num_tool_calls: int = 0
     num_malformed_calls: int = 0
     num_tool_errors: int = 0
+    tool_answers: list[str] = field(default_factory=list)
     context_start: int = 0
     """Response offset where the context resumes after the prompt (the rolling window's start)."""
     turn_starts: list[int] = field(default_factory=list)
@@ -213,7 +217,8 @@ class _State:
     def response(self, with_logprobs: bool) -> Response:
         trajectory = Trajectory(segments=tuple(self.segments), num_tool_calls=self.num_tool_calls,
                                 num_malformed_calls=self.num_malformed_calls, num_tool_errors=self.num_tool_errors,
-                                ended_by=self.ended_by, context_starts=tuple(self.context_starts) if any(self.context_starts) else ())
+                                ended_by=self.ended_by, context_starts=tuple(self.context_starts) if any(self.context_starts) else (),
+                                tool_answers=tuple(self.tool_answers))
         n = self.num_prompt_tokens
         assert self.finish_reason is not None, "every trajectory ends before it is returned"
         return Response(tuple(self.ids[n:]), self.finish_reason,
@@ -311,13 +316,15 @@ class MultiTurnEngine:
     def _answer(self, state: _State, turn: Response, calls: list[ToolCall], limits: TurnLimits) -> None:
         close = self.renderer.close
         closing = () if tuple(turn.response_ids[-len(close):]) == close else close  # ended on a stop string: close it
-        contents = []
+        contents, answered = [], []
         for call in calls:
             answer, failed = run_tool(call, self.tool_timeout_s)
             state.num_tool_calls += 1
             state.num_malformed_calls += call.error is not None
             state.num_tool_errors += failed and call.error is None
             contents.append(self._cut(answer))
+            if not failed:
+                answered.append(contents[-1])
         ids = self.renderer.after_close(contents)
         # under the rolling window the next request must hold the prompt and this turn's round at least
         window = state.num_prompt_tokens + state.num_response_tokens - state.turn_starts[-1] if self.rolling else None
@@ -327,6 +334,7 @@ class MultiTurnEngine:
             return
         state.add("template", closing)
         state.add("tool", ids)
+        state.tool_answers += answered
 
     def _cut(self, answer: str) -> str:
         """``answer`` within ``max_tool_response_tokens`` tokens: a longer one loses its start
@@ -379,7 +387,12 @@ def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, mt: MultiTurnConfig
     limits = TurnLimits(max_tokens_per_turn=mt.max_tokens_per_turn or response, max_response_tokens=response,
                         max_trajectory_tokens=mt.max_trajectory_tokens or max_prompt_tokens + response,
                         max_context_tokens=max_context_tokens)
-    renderer = ToolRenderer(tokenizer, mt.tool_role)
+    kwargs = template_kwargs(mt)
+    if kwargs and not renders_tools(tokenizer, kwargs):
+        logger.warning("the chat template ignores tools=, so the tools' JSON schemas (rollout.multi_turn.tool_schemas=template) "
+                       "do not reach the policy: the prompt (data.system_prompt / data.instruction) must describe the call "
+                       "format; set rollout.multi_turn.tool_schemas=none to silence this")
+    renderer = ToolRenderer(tokenizer, mt.tool_role, kwargs)
     return MultiTurnEngine(engine, tokenizer, tools=mt.tools, max_turns=mt.max_turns, limits=limits,
                            max_tool_response_tokens=mt.max_tool_response_tokens,
                            truncation_side=mt.tool_response_truncation_side, renderer=renderer, tool_timeout_s=mt.tool_timeout_s,

@@ -24,7 +24,9 @@ counted as a tool error (``multi_turn/tool_errors``).
             raise ToolError("echo needs a 'text' argument")
         return str(arguments["text"])
 
-Built in: ``calculator``, exact rational arithmetic on one expression (below).
+Built in: ``calculator``, exact rational arithmetic on one expression (below). A tool's JSON schema
+(`packrl.rollout.tool_schemas.describe_tool`) reaches the policy through the chat template's
+``tools=`` argument where the template renders it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fractions import Fraction
 from typing import Any, Protocol
 
 from packrl.registry import TOOLS
+from packrl.rollout.tool_schemas import describe_tool
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +281,9 @@ def evaluate(expression: str) -> Fraction:
 
 
 @TOOLS.register("calculator")
+@describe_tool("Exact arithmetic on one expression: numbers, + - * / // % ** and parentheses. Returns the value as text.",
+               {"type": "object", "properties": {"expression": {"type": "string", "description": "the expression, e.g. 12 * (3 + 4)"}},
+                "required": ["expression"]})
 def calculator(arguments: dict[str, Any]) -> str:
     """Exact arithmetic: ``{"expression": "12 * (3 + 4) / 5"}`` -> ``"16.8"`` (see `evaluate`).
 

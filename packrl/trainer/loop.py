@@ -28,6 +28,7 @@ from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
 from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
+from packrl.rollout.tool_schemas import template_kwargs
 from packrl.trainer.batch import build_train_batch
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.sampling import SamplingStage, sampling_stage
@@ -38,13 +39,13 @@ logger = logging.getLogger(__name__)
 
 
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
-    patches = cfg.train.max_vision_patches_per_microbatch
+    patches, kwargs = cfg.train.max_vision_patches_per_microbatch, template_kwargs(cfg.rollout.multi_turn)
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
-                                max_image_patches=patches)
+                                max_image_patches=patches, chat_template_kwargs=kwargs)
     val = None
     if cfg.data.val_files and cfg.train.val_every:
         val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files",
-                                  max_image_patches=patches)
+                                  max_image_patches=patches, chat_template_kwargs=kwargs)
     return train, val
 
 

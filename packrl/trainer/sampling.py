@@ -250,13 +250,14 @@ def fit_to_ranks(num_prompts: int, mini_batch_prompts: int, group_size: int, num
 
 def select_groups(scored: ScoredBatch, groups: Sequence[int]) -> ScoredBatch:
     """The groups ``groups`` of ``scored`` (prompt indices, in the given order), with their prompts,
-    responses, scores and rewards."""
+    responses, scores, rewards and reward parts."""
     rollout, size = scored.rollout, scored.rollout.group_size
     responses = [i * size + j for i in groups for j in range(size)]
     prompts = rollout.prompts.select(groups)
     sub = dataclasses.replace(rollout, prompts=prompts, responses=tuple(rollout.responses[i] for i in responses))
     index = torch.tensor(responses, dtype=torch.long)
-    return dataclasses.replace(scored, rollout=sub, scores=scored.scores[index], rewards=scored.rewards[index])
+    return dataclasses.replace(scored, rollout=sub, scores=scored.scores[index], rewards=scored.rewards[index],
+                               parts={name: values[index] for name, values in scored.parts.items()})
 
 
 def concat_scored(parts: Sequence[ScoredBatch]) -> ScoredBatch:
@@ -266,5 +267,6 @@ def concat_scored(parts: Sequence[ScoredBatch]) -> ScoredBatch:
     responses = tuple(r for part in parts for r in part.rollout.responses)
     rollout = dataclasses.replace(first.rollout, prompts=prompts, responses=responses)
     return dataclasses.replace(first, rollout=rollout, scores=torch.cat([p.scores for p in parts]),
-                               rewards=torch.cat([p.rewards for p in parts]))
+                               rewards=torch.cat([p.rewards for p in parts]),
+                               parts={name: torch.cat([p.parts[name] for p in parts]) for name in first.parts})
 
