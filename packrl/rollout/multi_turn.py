@@ -69,7 +69,7 @@ class ToolRenderer:
     Args:
         tokenizer: the policy's tokenizer, with a chat template.
         role: the role tool messages take (``rollout.multi_turn.tool_role``).
-        chat_template_kwargs: passed to ``apply_chat_template`` (``data.chat_template_kwargs``).
+        chat_template_kwargs: passed to ``apply_chat_template`` (the tool schemas, `packrl.rollout.tool_schemas.template_kwargs`).
 
     Raises:
         ValueError: the template does not render a conversation that ends in tool messages as
