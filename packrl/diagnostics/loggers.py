@@ -56,11 +56,14 @@ class ConsoleLogger:
         self.bar.update(done_steps - self.bar.n)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.bar.set_postfix(
-            score=f"{metrics.get('critic/score/mean', 0.0):.3f}",
-            resp_len=f"{metrics.get('response_length/mean', 0.0):.0f}",
-            clip=f"{metrics.get('response_length/clip_ratio', 0.0):.2f}",
-        )
+        if "sft/loss" in metrics:  # a packrl sft step: no rollout to show
+            self.bar.set_postfix(loss=f"{metrics['sft/loss']:.4f}", tokens=f"{metrics.get('sft/num_tokens', 0.0):.0f}")
+        else:
+            self.bar.set_postfix(
+                score=f"{metrics.get('critic/score/mean', 0.0):.3f}",
+                resp_len=f"{metrics.get('response_length/mean', 0.0):.0f}",
+                clip=f"{metrics.get('response_length/clip_ratio', 0.0):.2f}",
+            )
         self.bar.update(step - self.bar.n)  # the step's own number: a resumed run starts past 0
 
     def close(self) -> None:

@@ -96,3 +96,13 @@ def test_tool_traces_command_writes_jsonl(tmp_path, capsys):
 def test_the_sft_loss_is_refused_in_rl():
     with pytest.raises(ConfigError, match="is the supervised loss of packrl sft"):
         load_config("demo", ["algorithm.policy_loss=sft"])
+
+
+def test_the_progress_bar_shows_the_sft_loss_not_rollout_fields(capsys):
+    from packrl.diagnostics.loggers import ConsoleLogger
+
+    bar = ConsoleLogger(total_steps=2)
+    bar.log(1, {"sft/loss": 0.6116, "sft/num_tokens": 1234.0})
+    bar.close()
+    err = capsys.readouterr().err
+    assert "loss=0.6116" in err and "tokens=1234" in err and "resp_len" not in err
