@@ -30,6 +30,9 @@ MAX_PIXELS = 28 * 28 * 64  # at most 64 image tokens: small test images stay sma
 def vlm_tokenizer():
     from transformers import AutoTokenizer
 
+    if not (SMOLLM_DIR / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"the tiny VLMs use SmolLM2's tokenizer, not found under {SMOLLM_DIR}; "
+                                "set PACKRL_SHARED to the shared/ folder (PACKRL_SHARED=/path/to/shared)")
     tok = AutoTokenizer.from_pretrained(SMOLLM_DIR)
     tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     tok.chat_template = CHAT_TEMPLATE

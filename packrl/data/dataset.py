@@ -125,7 +125,7 @@ class PromptDataset:
                        "and sampled as often as they appear (listed as duplicate_of in RUN_DIR/data_accounting.json)",
                        key, len(dataset.duplicates), *first)
         if not dataset.prompts:
-            raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); {_fix_hint(dataset.accounting)}")
+            raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); {_fix_hint(dataset.accounting, policy)}")
         if split == "train":
             check_enough_prompts(dataset, data_cfg.batch_size)
         return dataset
@@ -212,7 +212,8 @@ def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int | str], origins
     the overlong ones (row -> prompt tokens, or why an image row cannot fit), each with its file and
     row inside the file."""
     def where(row: int) -> str:
-        return f"row {row} ({origins[row].source} row {origins[row].source_row})"
+        source, inner = origins[row].source, origins[row].source_row
+        return f"row {row} ({source} line {inner + 1})" if source.endswith(".jsonl") else f"row {row} ({source} row {inner})"
 
     def listed(items: list[str]) -> str:
         more = f"; and {len(items) - _SHOWN_BAD_ROWS} more" if len(items) > _SHOWN_BAD_ROWS else ""
@@ -220,7 +221,7 @@ def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int | str], origins
 
     parts, fixes = [], []
     if bad:
-        counted = f"{len(bad)} bad row(s) of {len(origins)} (rows count from 0, file lines from 1)"
+        counted = f"{len(bad)} bad row(s) of {len(origins)} (rows count from 0, jsonl lines from 1)"
         parts.append(f"{counted}: " + listed([f"{where(r)}: {why}" for r, why in sorted(bad.items())]))
         fixes.append("fix the rows, or set data.skip_bad_rows=true to skip and count them")
     if overlong:
@@ -272,19 +273,23 @@ def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:
         )
 
 
-def _fix_hint(accounting: PromptAccounting) -> str:
-    """Raising the prompt budget helps rows the budget filtered out, and rows whose chat template
-    alone fills it (truncation cannot help those)."""
+def _fix_hint(accounting: PromptAccounting, policy: str = "filter") -> str:
+    """The fix for a dataset with no usable prompt, by what filtered its rows: the chat template
+    alone over the budget (truncation cannot help), an image budget (``data.max_image_tokens``,
+    ``train.max_vision_patches_per_microbatch``), or the prompt budget (raising it, or a
+    truncating ``data.overlong_prompt`` when ``policy`` is not one already)."""
     overheads = [int(m.group(1)) for o in accounting.outcomes if (m := _NO_ROOM.search(o.reason))]
     if overheads:
         return (f"raise data.max_prompt_tokens above {max(overheads)} tokens: the chat template alone takes that many, "
                 "so no truncation can fit the prompt")
-    image_capped = [o for o in accounting.outcomes if o.status == "filtered" and "data.max_image_tokens" in o.reason]
-    if image_capped:
-        return (f"raise data.max_image_tokens (its images do not fit it even at data.image.min_pixels in "
-                f"{len(image_capped):,} rows) or lower data.image.min_pixels")
+    for key in ("data.max_image_tokens", "train.max_vision_patches_per_microbatch"):
+        capped = [o for o in accounting.outcomes if o.status == "filtered" and key in o.reason]
+        if capped:
+            return (f"raise {key} (the images of {len(capped):,} rows do not fit it even at data.image.min_pixels) "
+                    "or lower data.image.min_pixels")
     if accounting.num_filtered:
-        return f"raise data.max_prompt_tokens (it filtered {accounting.num_filtered:,} rows) or set data.overlong_prompt=left"
+        truncate = "" if policy in ("left", "right", "middle") else " or set data.overlong_prompt=left"
+        return f"raise data.max_prompt_tokens (it filtered {accounting.num_filtered:,} rows){truncate}"
     return "fix the rejected rows (reasons in parentheses); data.skip_bad_rows=true trains on the rest"
 
 

@@ -20,6 +20,8 @@ filtered (or, under ``data.overlong_prompt=error``, named).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
 from dataclasses import dataclass
@@ -53,6 +55,13 @@ def image_ref(value: Any, base_dir: Path | None) -> ImageRef | str:
         data, ref = value.get("bytes"), value.get("path") or value.get("image")
         if isinstance(ref, dict) or (hasattr(ref, "size") and hasattr(ref, "convert")):
             return image_ref(ref, base_dir)
+    if isinstance(data, str):  # text formats (jsonl) carry bytes as base64
+        if not data:
+            return "an image has empty bytes"
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            return "an image's 'bytes' is text that is not base64 (a jsonl row holds an image's bytes as base64, or give its path)"
     if isinstance(data, (bytes, bytearray)):
         return ImageRef(data=bytes(data)) if data else "an image has empty bytes"
     if isinstance(ref, str) and ref:
@@ -60,8 +69,9 @@ def image_ref(value: Any, base_dir: Path | None) -> ImageRef | str:
             return f"image {ref!r} is a URL; packrl reads images from files or bytes (download it first)"
         path = Path(ref.removeprefix("file://")).expanduser()
         return ImageRef(path=path if path.is_absolute() or base_dir is None else base_dir / path)
-    keys = ", ".join(sorted(map(str, value))) if isinstance(value, dict) else type(value).__name__
-    return f"an image is neither a path, bytes nor a Pillow image ({keys})"
+    seen = f"a dict with keys {', '.join(sorted(map(str, value)))}" if isinstance(value, dict) else f"a {type(value).__name__}"
+    return (f"an image is neither a path, bytes (base64 text in jsonl) nor a Pillow image ({seen}; give 'path' or 'bytes' "
+            "a non-empty value)")
 
 
 def open_image(ref: ImageRef) -> Any:
@@ -75,6 +85,8 @@ def open_image(ref: ImageRef) -> Any:
         from PIL import Image
     except ImportError as err:
         raise ValueError("images need Pillow, which is not installed: pip install 'packrl[vision]'") from err
+    if ref.path is not None and ref.path.is_file() and ref.path.stat().st_size == 0:
+        raise ValueError(f"image file {ref.describe()} is empty (0 bytes)")
     try:
         if ref.image is not None:
             image = ref.image

@@ -91,12 +91,11 @@ def load_rows(
     path = Path(source).expanduser()
     if path.is_file():
         return _file_rows(path, key)
+    built_in = "task:tool_traces (calculator traces)" if key.startswith("sft.") else "task:arithmetic or a hub id such as openai/gsm8k"
     if path.exists():
-        raise ValueError(f"{key}: {source!r} is not a file; give a .jsonl, .json or .parquet file, task:arithmetic or a hub id")
+        raise ValueError(f"{key}: {source!r} is not a file; give a .jsonl, .json or .parquet file, or {built_in}")
     if path.suffix.lower() in FILE_SUFFIXES or not _HUB_ID.match(source):
-        raise ValueError(
-            f"{key}: {source!r} does not exist; fix the path in {key}, or use task:arithmetic or a hub id such as openai/gsm8k"
-        )
+        raise ValueError(f"{key}: {source!r} does not exist; fix the path in {key}, or use {built_in}")
     return _hub_rows(source, split=split, key=key)
 
 

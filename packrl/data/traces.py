@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from packrl.data.examples import to_example
-from packrl.data.loaders import load_rows
+from packrl.data.loaders import BadRow, load_rows
 from packrl.data.tasks import arithmetic_rows
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
@@ -171,6 +171,8 @@ def render_traces(rows: Sequence[Any], tokenizer: Any, cfg: RunConfig) -> Traces
 
 def _split(row: Any) -> tuple[list[dict], list[dict]] | str:
     """``(prompt messages, the messages after them)`` of one row, or why the row is bad."""
+    if isinstance(row, BadRow):  # a line the loader could not read (invalid JSON or UTF-8)
+        return row.reason
     messages = row.get("messages") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         return "no 'messages' list" if not isinstance(row, dict) or "messages" not in row else "'messages' is not a non-empty list"

@@ -390,6 +390,9 @@ def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int) -> t
     usable = chosen.num_kept + chosen.num_truncated
     if usable < data.batch_size and not chosen.stops_training:
         more = " or raise data.max_prompt_tokens" if chosen.num_filtered else ""
+        if chosen.num_filtered and report.multimodal is not None:
+            more += (" (for image rows, also data.max_image_tokens and train.max_vision_patches_per_microbatch; "
+                     "the filtered rows' reasons are in the rows listed above)")
         out.append(f"{usable:,} usable prompt(s) < data.batch_size={data.batch_size:,}; add rows or lower data.batch_size{more}")
     if num_need_vision:
         out.append(f"{num_need_vision:,} row(s) with images, which training rejects with the text model.path={cfg.model.path!r} "

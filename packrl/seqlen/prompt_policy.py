@@ -123,7 +123,8 @@ class PromptAccounting:
             f"({self.num_tokens_removed:,} tokens removed), {self.num_filtered:,} filtered, {self.num_rejected:,} rejected"
         )
         if reasons:
-            text += " (" + "; ".join(f"{n} {r}" for r, n in reasons.most_common(5)) + ")"
+            more = f"; and {len(reasons) - 5} more reason(s)" if len(reasons) > 5 else ""
+            text += " (" + "; ".join(f"{n} {r}" for r, n in reasons.most_common(5)) + more + ")"
         return text
 
 

@@ -112,6 +112,9 @@ def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic
         problems.append("a critic (algorithm.adv_estimator=gae) does not read images (use grpo, rloo or another critic-free estimator)")
     if cfg.trainer.rollout_mode != "sync":
         problems.append(f"trainer.rollout_mode={cfg.trainer.rollout_mode} does not carry images across steps (set it to sync)")
+    if cfg.model.lora.rank > 0 and not cfg.model.freeze_vision_tower:  # also refused where the model loads (loading.py)
+        problems.append("model.freeze_vision_tower=false has no effect with model.lora.rank > 0: the adapters go on the language "
+                        "model only (set model.freeze_vision_tower=true, or model.lora.rank=0 to train the tower too)")
     return problems
 
 

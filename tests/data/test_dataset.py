@@ -54,17 +54,17 @@ def test_bad_rows_stop_the_build_with_row_numbers(smollm_tokenizer, two_files):
     with pytest.raises(ValueError) as err:
         _build(two_files, smollm_tokenizer)
     msg = str(err.value)
-    assert msg.startswith("data.train_files: 4 bad row(s) of 8 (rows count from 0, file lines from 1): row 1 (")
-    assert "row 1 (" in msg and "a.jsonl row 1): non-numeric answer: 'six'" in msg
+    assert msg.startswith("data.train_files: 4 bad row(s) of 8 (rows count from 0, jsonl lines from 1): row 1 (")
+    assert "row 1 (" in msg and "a.jsonl line 2): non-numeric answer: 'six'" in msg
     assert "row 2 (" in msg and "line 3: invalid UTF-8" in msg
     assert "row 3 (" in msg and "row is of type str, not an object" in msg
-    assert "row 6 (" in msg and "b.jsonl row 1): field 'question' is of type list, expected a string" in msg
+    assert "row 6 (" in msg and "b.jsonl line 2): field 'question' is of type list, expected a string" in msg
     assert msg.endswith("set data.skip_bad_rows=true to skip and count them")
 
 
 def test_more_than_ten_bad_rows_are_summarised(smollm_tokenizer, tmp_path):
     path = _write_jsonl(tmp_path / "bad.jsonl", [b"{oops"] * 12 + [_gsm8k("What is 2 + 2?")])
-    with pytest.raises(ValueError, match=r"12 bad row\(s\) of 13 \(rows count from 0, file lines from 1\): "
+    with pytest.raises(ValueError, match=r"12 bad row\(s\) of 13 \(rows count from 0, jsonl lines from 1\): "
                                          r"row 0 .* row 9 \([^)]*\): line 10: invalid JSON [^;]*; and 2 more"):
         _build([path], smollm_tokenizer)
 

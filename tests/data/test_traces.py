@@ -106,3 +106,16 @@ def test_the_progress_bar_shows_the_sft_loss_not_rollout_fields(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "loss=0.6116" in err and "tokens=1234" in err and "resp_len" not in err
+
+
+def test_unreadable_lines_keep_their_reason_and_every_reason_is_counted(tmp_path, smollm_tokenizer):
+    path = tmp_path / "traces.jsonl"
+    bad = [[{"role": "user", "content": "hi"}], TRACE[:4], [*TRACE[:3], TRACE[4]], [{"role": "assistant", "content": "x"}],
+           [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]]
+    path.write_text("{not json\n" + "".join(json.dumps({"messages": m}) + "\n" for m in [TRACE, *bad]))
+    traces = load_traces(_cfg(f"sft.train_files=[{path}]"), smollm_tokenizer)
+    assert traces.accounting.outcomes[0].reason.startswith("line 1: invalid JSON")
+    summary = traces.accounting.summary()
+    assert "6 rejected" in summary and "and 1 more reason(s)" in summary
+    with pytest.raises(ValueError, match="or use task:tool_traces"):
+        load_traces(_cfg(f"sft.train_files=[{tmp_path / 'nope.jsonl'}]"), smollm_tokenizer)

@@ -4,6 +4,7 @@ budget, images resized (never cut) to fit, bad images counted and named."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import pytest
 
@@ -95,6 +96,31 @@ def test_bad_images_are_counted_and_named(tmp_path, processor):
     assert "aspect ratio over 200" in reasons[4]
     with pytest.raises(ValueError, match="not a readable image"):
         _build(tmp_path, rows, processor, image=ImageConfig(max_images_per_row=2))
+
+
+def test_jsonl_images_as_base64_and_empty_files(tmp_path, processor):
+    import base64
+    import json
+
+    (tmp_path / "empty.png").write_bytes(b"")
+    rows = [_row("<image>a", [{"bytes": base64.b64encode(_png(40, 40)).decode()}]), _row("<image>b", [{"bytes": "%%%"}]),
+            _row("<image>c", [{"path": "empty.png"}]), _row("<image>d", [{"bytes": ""}])]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(train_files=[str(path)], batch_size=1, max_prompt_tokens=512, skip_bad_rows=True)
+    dataset = PromptDataset.build(cfg.train_files, processor, cfg, seed=0, split="train", key="data.train_files")
+    reasons = [o.reason for o in dataset.accounting.outcomes]
+    assert [o.status for o in dataset.accounting.outcomes] == ["kept"] + ["rejected"] * 3
+    assert "not base64" in reasons[1] and "is empty (0 bytes)" in reasons[2] and "empty bytes" in reasons[3]
+    with pytest.raises(ValueError, match=r"row 1 \(.*rows.jsonl line 2\): image 0: an image's 'bytes' is text that is not base64"):
+        PromptDataset.build(cfg.train_files, processor, replace(cfg, skip_bad_rows=False), seed=0, split="train",
+                            key="data.train_files")
+
+
+def test_a_patch_budget_that_fits_no_image_names_its_key(tmp_path, processor):
+    rows = [_row("<image>a", [{"bytes": _png(40, 40)}])]
+    with pytest.raises(ValueError, match=r"no usable prompt .*raise train.max_vision_patches_per_microbatch"):
+        _build(tmp_path, rows, processor, max_image_patches=1)
 
 
 def test_image_rows_need_a_vision_model(tmp_path, smollm_tokenizer):

@@ -111,11 +111,11 @@ def test_error_policy_fails_before_training_naming_every_problem_row(tmp_path, s
         tiny_run(tmp_path, smollm_tokenizer, [f"data.train_files=[{path}]", f"data.max_prompt_tokens={BUDGET}",
                                               "data.overlong_prompt=error", "train.total_steps=2"])
     message = str(err.value)
-    assert message.startswith("data.train_files: 9 bad row(s) of 18 (rows count from 0, file lines from 1): row 1 (")
+    assert message.startswith("data.train_files: 9 bad row(s) of 18 (rows count from 0, jsonl lines from 1): row 1 (")
     for row in (1, 2, 7, 8, 9, 10, 11, 12, 13):
         assert f"row {row} (" in message
     assert f"2 prompt(s) exceed data.max_prompt_tokens={BUDGET}: row 3 (" in message
-    assert f"row 6 ({path} row 6): {BUDGET + 1} tokens" in message
+    assert f"row 6 ({path} line 7): {BUDGET + 1} tokens" in message
     assert "data.skip_bad_rows=true" in message and "data.overlong_prompt to filter, left, right or middle" in message
     assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("checkpoints"))
 
