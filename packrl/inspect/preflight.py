@@ -263,10 +263,12 @@ def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigPr
                                  f"is below the {least} encoder patches of one image at the smallest size "
                                  f"(min_pixels={geometry.min_pixels:,}): every image row would be filtered",
                                  f"set train.max_vision_patches_per_microbatch >= {least}, or lower data.image.min_pixels"))
-    if cfg.data.max_prompt_tokens <= smallest:
+    template = _template_tokens(processor, cfg.data.system_prompt)
+    if cfg.data.max_prompt_tokens <= smallest + template:
         out.append(ConfigProblem("data.max_prompt_tokens", cfg.data.max_prompt_tokens,
-                                 f"leaves no room for text beside one image at its smallest size ({smallest} tokens)",
-                                 f"raise data.max_prompt_tokens well above {smallest}"))
+                                 f"leaves no room for text beside the chat template ({template} tokens with one word of text) and "
+                                 f"one image at its smallest size ({smallest} tokens)",
+                                 f"raise data.max_prompt_tokens well above {smallest + template}"))
     rows = []
     for width, height in VISION_SIZES:
         cap, cap_key = image_token_cap(geometry, 1, cfg.data.max_image_tokens, patch_cap)
@@ -282,6 +284,15 @@ def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigPr
     pixels = f"{geometry.min_pixels:,}..{geometry.max_pixels:,} pixels per image (data.image.min_pixels/max_pixels or the processor's)"
     return [f"vision-language model: one image token per {geometry.factor}x{geometry.factor} pixels, {pixels}; per image: "
             + "; ".join(rows)], out
+
+
+def _template_tokens(processor: Any, system_prompt: str | None) -> int:
+    """Tokens of the chat template around a one-word user message (with ``data.system_prompt``)
+    and its generation prompt, as the processor's tokenizer renders it."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    chat = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": "x"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any) -> list[ConfigProblem]:

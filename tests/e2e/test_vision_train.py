@@ -70,6 +70,8 @@ def test_preflight_reports_image_tokens_and_what_cannot_run(vlm_dir):
     refused = preflight("vision_demo", [f"model.path={vlm_dir}", "rollout.engine=vllm", "algorithm.adv_estimator=gae"])
     messages = " ".join(p.message for p in refused.problems)
     assert "rollout.engine=vllm does not generate from images" in messages and "a critic" in messages
+    tight = preflight("vision_demo", [f"model.path={vlm_dir}", "data.max_prompt_tokens=8"])
+    assert any(p.key == "data.max_prompt_tokens" and "no room for text beside the chat template" in p.message for p in tight.problems)
     lora = preflight("vision_demo", [f"model.path={vlm_dir}", "model.lora.rank=8", "model.freeze_vision_tower=false"])
     assert any("model.freeze_vision_tower=false has no effect with model.lora.rank > 0" in p.message for p in lora.problems)
 
