@@ -31,7 +31,10 @@ With ``--vs-gae`` it trains the preset twice, as configured (GRPO in ``demo``) a
 critic (``algorithm.adv_estimator=gae`` plus the ``--gae`` overrides), validating every
 ``--val-every`` steps, and prints both arms' reward rise and held-out accuracy at the same wall
 time: the last validation each reached within the shorter arm's training time (generation,
-reward, log-prob, value and update time, ``timing_s/step``; validation excluded).
+reward, log-prob, value and update time, ``timing_s/step``; validation excluded), and the accuracy
+read off each arm's curve linearly at that time (``val_accuracy_at_equal_wall_interpolated``: the
+last validation within the time favours the shorter arm, which is validated at its end, while the
+other's last validation may be up to ``--val-every`` steps earlier).
 
 With ``--vs-sync`` the second arm is the same preset with partial rollouts
 (``trainer.rollout_mode=colocate_async`` plus the ``--async`` overrides), compared the same way::
@@ -44,6 +47,10 @@ the base model's accuracy at 0 s), and the second the same problems without the 
 (single-turn, asked for the answer itself: ``_NO_TOOL``), both compared the same way::
 
     python bench/bench_learning.py --vs-no-tool --preset arithmetic_tool --sft-steps 8 --steps 30 --val-every 10
+
+Measured (Intel Xeon with AMX, AVX512, bf16, 2 cores): at equal wall time (1,111.3 s, the no-tool
+arm's training time) 100% with the tool (SFT 114.6 s, then 30 GRPO steps; 92.2% after SFT) against
+1.6% without it (its training reward stayed 0.0); both 1.6% before training.
 
 With ``--vs-trl`` (demo preset only) it compares learning per second of training with TRL 1.16's
 ``GRPOTrainer`` on held-out 2-digit arithmetic::
@@ -257,14 +264,25 @@ def _arm(preset: str, steps: int, val_every: int, overrides: list[str], sft_step
             {"val_tool_use_curve": tool_use} if tool_use else {})
 
 
+def _interpolated(curve: list[tuple[float, float]], wall: float) -> float:
+    """The accuracy at ``wall`` training seconds read off ``curve`` linearly between the two
+    validations around it (the last one when ``wall`` is at or past it)."""
+    for (t0, a0), (t1, a1) in zip(curve, curve[1:]):
+        if t0 <= wall <= t1:
+            return a0 + (a1 - a0) * (wall - t0) / (t1 - t0) if t1 > t0 else a1
+    return curve[-1][1]
+
+
 def _summary(arm: dict, wall: float) -> dict:
     """An arm's reward rise and held-out accuracy before, at ``wall`` training seconds (its last
-    validation at or before them) and at its end."""
+    validation at or before them; and read off its curve linearly between the validations around
+    them, which does not favour the arm whose end defines ``wall``) and at its end."""
     reached = [acc for t, acc in arm["curve"] if t <= wall + 1e-6]
     return {"steps": len(arm["scores"]),
             "reward_mean_steps_1_5": statistics.mean(arm["scores"][:5]),
             "reward_mean_last_5": statistics.mean(arm["scores"][-5:]),
             "val_accuracy_before": arm["curve"][0][1], "val_accuracy_at_equal_wall": reached[-1],
+            "val_accuracy_at_equal_wall_interpolated": round(_interpolated(arm["curve"], wall), 4),
             "val_accuracy_end": arm["curve"][-1][1], "train_s": round(arm["train_s"], 1),
             "step_s_median": round(statistics.median(arm["step_s"]), 2),
             "val_curve": [(round(t, 1), acc) for t, acc in arm["curve"]]} | (

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from packrl.data.examples import to_example
 from packrl.data.loaders import BadRow, load_rows
+from packrl.data.prompts import RowSource
 from packrl.data.tasks import arithmetic_rows
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
@@ -58,6 +59,7 @@ class Traces:
         response_masks: ``N`` x ``[R_i]``, True = an assistant token (in the loss).
         rows: each trace's row number in its data.
         accounting: every input row: kept, filtered or rejected with the reason.
+        origins: where each input row came from (one per accounted row; empty when not known).
     """
 
     prompt_ids: tuple[tuple[int, ...], ...]
@@ -65,6 +67,7 @@ class Traces:
     response_masks: tuple[tuple[bool, ...], ...]
     rows: tuple[int, ...]
     accounting: PromptAccounting
+    origins: tuple[RowSource, ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -72,6 +75,16 @@ class Traces:
     @property
     def num_loss_tokens(self) -> int:
         return sum(sum(m) for m in self.response_masks)
+
+    def accounting_dict(self) -> dict[str, Any]:
+        """`PromptAccounting.to_dict` with, per row, ``source`` and ``source_row`` (the file or task and
+        the row's 0-based index inside it; None when not known), as ``data_accounting.json`` of RL."""
+        out = self.accounting.to_dict()
+        for entry in out["rows"]:
+            origin = self.origins[entry["row"]] if self.origins else None
+            entry["source"] = origin and origin.source
+            entry["source_row"] = origin and origin.source_row
+        return out
 
     def train_batch(self, indices: Sequence[int]) -> TrainBatch:
         """The traces at ``indices`` as the update's batch: each its own group of one, advantages 0
@@ -122,10 +135,13 @@ def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
         raise ValueError("sft.train_files is empty; give chat traces (jsonl rows with 'messages') or task:tool_traces, "
                          "e.g. sft.train_files=[task:tool_traces]")
     rows: list[Any] = []
+    origins: list[RowSource] = []
     for source in cfg.sft.train_files:
-        rows += tool_trace_rows(cfg) if source == TOOL_TRACES else load_rows(
+        loaded = tool_trace_rows(cfg) if source == TOOL_TRACES else load_rows(
             source, arithmetic=cfg.data.arithmetic, seed=cfg.train.seed, split="train", key="sft.train_files")
-    traces = render_traces(rows, tokenizer, cfg)
+        rows += loaded
+        origins += [RowSource(source, k) for k in range(len(loaded))]
+    traces = replace(render_traces(rows, tokenizer, cfg), origins=tuple(origins))
     if not len(traces):
         raise ValueError(f"sft.train_files: no trace can be trained: {traces.accounting.summary()}; fix the rows, or raise "
                          "data.max_prompt_tokens / rollout.max_response_tokens for filtered ones")

@@ -119,3 +119,27 @@ def test_unreadable_lines_keep_their_reason_and_every_reason_is_counted(tmp_path
     assert "6 rejected" in summary and "and 1 more reason(s)" in summary
     with pytest.raises(ValueError, match="or use task:tool_traces"):
         load_traces(_cfg(f"sft.train_files=[{tmp_path / 'nope.jsonl'}]"), smollm_tokenizer)
+
+
+def test_the_accounting_names_each_rows_file_and_line(tmp_path, smollm_tokenizer):
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [TRACE, TRACE[:4]]))
+    traces = load_traces(_cfg(f"sft.train_files=[task:tool_traces,{path}]", "sft.num_rows=3"), smollm_tokenizer)
+    rows = traces.accounting_dict()["rows"]
+    assert [(r["source"], r["source_row"], r["status"]) for r in rows] == [
+        ("task:tool_traces", 0, "kept"), ("task:tool_traces", 1, "kept"), ("task:tool_traces", 2, "kept"),
+        (str(path), 0, "kept"), (str(path), 1, "rejected")]
+
+
+def test_an_sft_summary_has_no_generation_phrase():
+    from packrl.trainer.sft import training_summary
+
+    line = "policy: 10 parameters; compute dtype fp32; generation: engine-made KV cache (x; y); shared prompts: on"
+    assert training_summary(line) == "policy: 10 parameters; compute dtype fp32; shared prompts: on"
+
+
+def test_a_batch_over_the_traces_is_warned_about():
+    from packrl.trainer.sft import repeat_warning
+
+    assert repeat_warning(4, 4) is None
+    assert "sft.batch_size=8 > 4 trace(s)" in repeat_warning(8, 4) and "2.0 epochs" in repeat_warning(8, 4)
