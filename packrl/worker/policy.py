@@ -50,7 +50,7 @@ from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_sc
 from packrl.worker.critic import CRITIC_FILE, CriticRole, CriticStats
 from packrl.worker.optim import Optimization
 from packrl.worker.parts import WorkerParts, build_engine, check_vision_run, compiled_layers, shares_prompts
-from packrl.worker.strategy import FSDP2, SingleProcess, Strategy
+from packrl.worker.strategy import FSDP2, SingleProcess, Strategy, write_on_writer
 
 logger = logging.getLogger(__name__)
 
@@ -319,14 +319,11 @@ class PolicyWorker:
         optimizer = full_optimizer_state(self.model, self.optimizer)
         critic = self.parts.critic
         critic_state = None if critic is None else critic.state(self.strategy.full_weights(critic.model))
-        path = None
-        if self.strategy.is_writer:
-            path = save_checkpoint(Path(run_dir), step, self.model, tokenizer=self.tokenizer, copy_files=self.processor_files,
-                                   optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
-                                   trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()},
-                                   keep_last=self.cfg.train.keep_last, state_dict=weights,
-                                   extra_files={CRITIC_FILE: critic_state} if critic_state is not None else None)
-        self.strategy.barrier()
+        path = write_on_writer(self.strategy, f"checkpoint step_{step} under {run_dir}", lambda: save_checkpoint(
+            Path(run_dir), step, self.model, tokenizer=self.tokenizer, copy_files=self.processor_files,
+            optimizer_state={"optimizer": optimizer, "scheduler": self.opt.scheduler.state_dict()},
+            trainer_state=trainer_state | {"skips": self.opt.skips.state_dict()}, keep_last=self.cfg.train.keep_last,
+            state_dict=weights, extra_files={CRITIC_FILE: critic_state} if critic_state is not None else None))
         return None if path is None else str(path)
 
     def load_checkpoint(self, path: str | Path) -> dict:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from packrl.config.schema import RunConfig
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank that never joins a collective fails the run instead of hanging it
 
@@ -166,6 +168,11 @@ class Strategy(Protocol):
         """Wait for every rank."""
         ...
 
+    def all_ok(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a collective under FSDP2: call it on every rank),
+        so that one rank's failure reaches the others instead of leaving them waiting."""
+        ...
+
     def close(self) -> None:
         """Leave the process group."""
         ...
@@ -173,6 +180,29 @@ class Strategy(Protocol):
     def describe(self) -> str:
         """The strategy's phrase of the run's model summary."""
         ...
+
+
+def write_on_writer(strategy: Strategy, what: str, write: Callable[[], T]) -> T | None:
+    """Run ``write`` on the writer rank only, then tell every rank whether it succeeded (in place
+    of a barrier): a write that fails on the writer (a full disk, a permission) fails every rank at
+    once instead of leaving the others waiting in their next collective until `COLLECTIVE_TIMEOUT`.
+    Call it on every rank. Returns what ``write`` returned on the writer, else None.
+
+    Raises:
+        Exception: the writer's own error, on the writer.
+        RuntimeError: on the other ranks when the writer failed, naming ``what``.
+    """
+    result, failure = None, None
+    if strategy.is_writer:
+        try:
+            result = write()
+        except Exception as error:  # noqa: BLE001 - re-raised below, once every rank has heard of it
+            failure = error
+    if not strategy.all_ok(failure is None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"the writer rank (rank 0) failed to write {what}; its own error names the cause")
+    return result
 
 
 class SingleProcess:
@@ -226,6 +256,9 @@ class SingleProcess:
 
     def barrier(self) -> None:
         pass
+
+    def all_ok(self, ok: bool) -> bool:
+        return ok
 
     def close(self) -> None:
         pass
@@ -403,6 +436,14 @@ class FSDP2:
         import torch.distributed as dist
 
         dist.barrier()
+
+    def all_ok(self, ok: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int32)  # gloo reduces CPU tensors
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def close(self) -> None:
         import torch.distributed as dist
