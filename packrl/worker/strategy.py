@@ -164,10 +164,6 @@ class Strategy(Protocol):
         """Load a checkpoint's weights into ``model`` (sharding them under FSDP2)."""
         ...
 
-    def barrier(self) -> None:
-        """Wait for every rank."""
-        ...
-
     def all_ok(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank (a collective under FSDP2: call it on every rank),
         so that one rank's failure reaches the others instead of leaving them waiting."""
@@ -253,9 +249,6 @@ class SingleProcess:
         from packrl.worker.checkpoint import load_weights
 
         load_weights(model, path)
-
-    def barrier(self) -> None:
-        pass
 
     def all_ok(self, ok: bool) -> bool:
         return ok
@@ -431,11 +424,6 @@ class FSDP2:
         # torch annotates an invariant dict of the union of every state-dict value: a dict of tensors is one
         weights = cast("dict[str, Any]", weights_state_dict(path))
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
 
     def all_ok(self, ok: bool) -> bool:
         import torch
