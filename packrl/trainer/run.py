@@ -60,6 +60,17 @@ class _OneLine(logging.Filter):
         return True
 
 
+def _detach_run_handlers() -> None:
+    """Remove and close the handlers a `Run` attached (marked ``_packrl_run``) from the
+    ``packrl`` logger and the libraries' loggers."""
+    from packrl.models.quiet import LIBRARY_LOGGERS
+
+    for owner in (logging.getLogger("packrl"), *(logging.getLogger(name) for name in LIBRARY_LOGGERS)):
+        for handler in [h for h in owner.handlers if getattr(h, "_packrl_run", False)]:
+            owner.removeHandler(handler)
+            handler.close()
+
+
 class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
     ``metrics.jsonl`` (one JSON object per step) and the loggers of ``train.loggers`` (``console``:
@@ -88,14 +99,10 @@ class Run:
         from packrl.models.quiet import LIBRARY_LOGGERS, quiet_libraries
 
         quiet_libraries()
+        _detach_run_handlers()
         root = logging.getLogger("packrl")
         root.setLevel(logging.INFO)
         libraries = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
-        for owner in (root, *libraries):
-            for handler in list(owner.handlers):
-                if getattr(handler, "_packrl_run", False):
-                    owner.removeHandler(handler)
-                    handler.close()
         handler = logging.FileHandler(self.dir / "train.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.addFilter(_OneLine())
@@ -144,15 +151,11 @@ class Run:
         self.last_step = last_step
 
     def close(self) -> None:
-        """Close the loggers and stop writing the libraries' records to this run's train.log."""
-        from packrl.models.quiet import LIBRARY_LOGGERS
-
+        """Close the loggers and stop writing packrl's and the libraries' records to this run's
+        train.log and console: after the run its folder may be moved or deleted."""
         for sink in self.loggers:
             sink.close()
-        for name in LIBRARY_LOGGERS:
-            library = logging.getLogger(name)
-            for handler in [h for h in library.handlers if getattr(h, "_packrl_run", False)]:
-                library.removeHandler(handler)
+        _detach_run_handlers()
 
     def __enter__(self) -> "Run":
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -61,4 +62,8 @@ def test_library_warnings_and_records_go_to_train_log_only(tmp_path, capsys):
     assert "a packrl warning" in console  # packrl's own warnings still reach the console, above the bar
     log = (tmp_path / "train.log").read_text()
     assert "FutureWarning: old API" in log and "second line" not in log and "a transformers notice" in log
-    assert not any(getattr(h, "_packrl_run", False) for h in logging.getLogger("py.warnings").handlers)  # detached at close
+    for owner in ("py.warnings", "packrl"):  # detached at close: the run's folder may be deleted after it
+        assert not any(getattr(h, "_packrl_run", False) for h in logging.getLogger(owner).handlers), owner
+    shutil.rmtree(tmp_path)
+    logging.getLogger("packrl.test").warning("after the run")  # no handler reopens the deleted train.log
+    assert not (tmp_path / "train.log").exists()
