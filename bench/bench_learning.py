@@ -201,8 +201,8 @@ def main() -> None:
         "val_accuracy_before": before["val/accuracy"],
         **({"val_accuracy_after_sft": rl_before["val/accuracy"], "sft": sft_report} if args.sft_steps else {}),
         "val_accuracy_after": lines[-1].get("val/accuracy"),
-        **({"val_accuracy_before_without_tool": _validate(load_config(args.preset, [f"model.dtype={args.dtype}", *_NO_TOOL,
-                                                                             *args.overrides]))["val/accuracy"]}
+        **({"val_accuracy_before_without_tool": _validate(load_config(args.preset, [f"model.dtype={args.dtype}", *args.overrides,
+                                                                             *_NO_TOOL]))["val/accuracy"]}
            if cfg.rollout.multi_turn.tools else {}),
         "response_length_mean_first_5": statistics.mean(line["response_length/mean"] for line in lines[:5]),
         "response_length_mean_last_5": statistics.mean(line["response_length/mean"] for line in lines[-5:]),
@@ -215,8 +215,9 @@ def main() -> None:
 
 _NO_TOOL = ["rollout.multi_turn.tools=[]", "rollout.stop=[]", "rollout.multi_turn.max_turns=4",
             "rollout.multi_turn.max_tokens_per_turn=null", "rollout.multi_turn.max_tool_response_tokens=256", "data.system_prompt=null",
-            "data.instruction=Compute it and give the final answer after ####."]
-"""The same problems without the calculator: single-turn, asked for the answer itself."""
+            "data.instruction=Compute it and give the final answer after ####.", "reward.format_weight=0"]
+"""The same problems without the calculator: single-turn, asked for the answer itself, and no
+format reward (it scores tool calls); applied after the user's overrides."""
 
 
 def _validate(cfg, workers=None) -> dict[str, float]:
