@@ -53,19 +53,6 @@ def repeat_warning(batch_size: int, num_traces: int) -> str | None:
             f"{batch_size / num_traces:.1f} epochs); lower sft.batch_size or add traces to sft.train_files")
 
 
-def training_summary(model_summary: str) -> str:
-    """``model.txt`` of an SFT run: the workers' one-line summary without its generation phrase
-    (`packrl.worker.parts.WorkerParts.summary`), since nothing is generated."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(model_summary):  # split at "; " outside parentheses: a phrase may hold "; " in its own
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0 and model_summary.startswith("; ", i):
-            parts.append(model_summary[start:i])
-            start = i + 2
-    parts.append(model_summary[start:])
-    return "; ".join(part for part in parts if not part.startswith("generation: "))
-
-
 def step_indices(num_traces: int, batch_size: int, step: int, seed: int) -> list[int]:
     """The traces of ``step`` (1-based): positions ``(step - 1) * batch_size ...`` of the epochs,
     each a permutation of the traces drawn from ``seed`` and the epoch (a step may span two)."""
@@ -101,7 +88,7 @@ def sft(cfg: RunConfig) -> Path:
         if (repeats := repeat_warning(cfg.sft.batch_size, len(traces))) is not None:
             logger.warning(repeats)
         with open_worker_group(run_cfg, run.dir) as workers:
-            run.note("model.txt", training_summary(workers.model_summary))
+            run.note("model.txt", workers.model_summary)
             run.note("budgets.txt", workers.plan.summary())
             _steps(run_cfg, run, workers, traces)
     return run.dir

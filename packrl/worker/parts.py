@@ -66,9 +66,10 @@ class WorkerParts:
     engine_phrase: str = ""
 
     def summary(self, cfg: RunConfig, compute_dtype: ComputeDtype, strategy: str) -> str:
-        """One line for ``model.txt``; it ends with the shared-prompts phrase."""
+        """One line for ``model.txt``; it ends with the shared-prompts phrase. The engine's phrase is
+        left out under the ``sft`` loss (`packrl.trainer.sft`): nothing is generated there."""
         parts = [describe_policy(self.model, cfg, self.max_context_tokens), compute_dtype.describe(), strategy, self.packing.describe()]
-        parts += [self.engine_phrase] if self.engine_phrase else []
+        parts += [self.engine_phrase] if self.engine_phrase and cfg.algorithm.policy_loss != "sft" else []
         parts += [self.critic.describe()] if self.critic is not None else []
         parts += [f"compiled layers: {'off' if self.compiled['actor'] is None else 'on'}", f"shared prompts: {self.share_phrase}"]
         return "; ".join(parts)

@@ -131,13 +131,6 @@ def test_the_accounting_names_each_rows_file_and_line(tmp_path, smollm_tokenizer
         (str(path), 0, "kept"), (str(path), 1, "rejected")]
 
 
-def test_an_sft_summary_has_no_generation_phrase():
-    from packrl.trainer.sft import training_summary
-
-    line = "policy: 10 parameters; compute dtype fp32; generation: engine-made KV cache (x; y); shared prompts: on"
-    assert training_summary(line) == "policy: 10 parameters; compute dtype fp32; shared prompts: on"
-
-
 def test_a_batch_over_the_traces_is_warned_about():
     from packrl.trainer.sft import repeat_warning
 

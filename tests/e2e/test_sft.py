@@ -26,6 +26,7 @@ def test_sft_then_rl_from_its_checkpoint(tmp_path):
     assert lines[-1]["sft/loss"] < lines[0]["sft/loss"]
     assert all(0 < line["sft/num_loss_tokens"] < line["sft/num_tokens"] for line in lines)  # prompts and tool answers out of the loss
     assert "12 kept" in (run / "sft_accounting.txt").read_text()
+    assert "generation" not in (run / "model.txt").read_text()  # nothing is generated: no engine phrase
     rl = tmp_path / "rl"
     assert main(["train", "arithmetic_tool", f"model.path={run / 'checkpoints' / 'step_3'}", "train.total_steps=1",
                  "data.batch_size=2", "rollout.n=2", "model.dtype=fp32", f"train.out_dir={rl}"]) == 0

@@ -52,4 +52,5 @@ def test_sft_loss_is_the_mean_nll_of_the_assistant_tokens(tmp_path, model_dir, s
         nll -= float(logp[mask].sum())
         count += int(mask.sum())
     assert first["sft/num_loss_tokens"] == count
+    assert "generation" not in (run / "model.txt").read_text()  # nothing is generated: no engine phrase
     assert first["sft/loss"] == pytest.approx(nll / count, rel=1e-9)
