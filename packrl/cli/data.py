@@ -47,12 +47,21 @@ def _cmd_tool_traces(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.preset, args.overrides)
     out = args.out.expanduser()
+    if out.is_dir():
+        print(f"packrl data tool-traces: --out={str(args.out)!r} is a folder; give the jsonl file to write, "
+              "e.g. --out traces.jsonl", file=sys.stderr)
+        return 2
     try:
         rows = tool_trace_rows(cfg)
+    except ValueError as err:
+        print(f"packrl data tool-traces: {err}", file=sys.stderr)
+        return 2
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    except (ValueError, OSError) as err:
-        print(f"packrl data tool-traces: {err}", file=sys.stderr)
+    except OSError as err:
+        print(f"packrl data tool-traces: --out={str(out)!r} cannot be written ({err}); choose a writable --out path",
+              file=sys.stderr)
         return 2
     arith = cfg.data.arithmetic
     print(f"wrote {len(rows)} calculator traces ({arith.digits}-digit, {arith.num_operands} operands, operators "

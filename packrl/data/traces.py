@@ -110,6 +110,11 @@ def tool_trace_rows(cfg: RunConfig) -> list[dict[str, Any]]:
 
     arith = cfg.data.arithmetic
     args = (arith.digits, arith.num_operands, arith.operators)
+    space = (10**arith.digits) ** arith.num_operands * len(set(arith.operators)) ** (arith.num_operands - 1)
+    if cfg.sft.num_rows > space:
+        raise ValueError(f"sft.num_rows={cfg.sft.num_rows:,} is more than the {space:,} distinct problems of data.arithmetic "
+                         f"(digits={arith.digits}, num_operands={arith.num_operands}, operators={arith.operators!r}): every "
+                         "trace past them repeats one; lower sft.num_rows or raise data.arithmetic.digits")
     val = [r["question"] for r in load_rows("task:arithmetic", arithmetic=arith, seed=cfg.train.seed, split="val")]
     out = []
     for k, row in enumerate(arithmetic_rows(cfg.sft.num_rows, *args, cfg.train.seed, exclude=val)):
@@ -143,8 +148,10 @@ def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
         origins += [RowSource(source, k) for k in range(len(loaded))]
     traces = replace(render_traces(rows, tokenizer, cfg), origins=tuple(origins))
     if not len(traces):
-        raise ValueError(f"sft.train_files: no trace can be trained: {traces.accounting.summary()}; fix the rows, or raise "
-                         "data.max_prompt_tokens / rollout.max_response_tokens for filtered ones")
+        accounting = traces.accounting
+        fixes = (["fix the rejected rows (reasons above, rows in data_accounting.json)"] if accounting.num_rejected else []) + (
+            ["raise data.max_prompt_tokens / rollout.max_response_tokens for the filtered ones"] if accounting.num_filtered else [])
+        raise ValueError(f"sft.train_files: no trace can be trained: {accounting.summary()}; {' or '.join(fixes) or 'add traces'}")
     return traces
 
 

@@ -62,7 +62,8 @@ def test_traces_over_a_budget_are_filtered_never_cut(smollm_tokenizer):
     assert traces.accounting.outcomes[1].status == "filtered" and "rollout.max_response_tokens=256" in traces.accounting.outcomes[1].reason
     short = render_traces([{"messages": TRACE}], smollm_tokenizer, _cfg("data.max_prompt_tokens=8"))
     assert not len(short) and "data.max_prompt_tokens=8" in short.accounting.outcomes[0].reason
-    with pytest.raises(ValueError, match="no trace can be trained"):
+    with pytest.raises(ValueError, match=r"no trace can be trained: .*; raise data.max_prompt_tokens / rollout.max_response_tokens "
+                       r"for the filtered ones$"):
         load_traces(_cfg("data.max_prompt_tokens=8", "sft.train_files=[task:tool_traces]"), smollm_tokenizer)
 
 
@@ -91,6 +92,18 @@ def test_tool_traces_command_writes_jsonl(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5 and all(r["messages"][2]["role"] == "assistant" for r in rows)
     assert "packrl sft arithmetic_tool sft.num_rows=5" in capsys.readouterr().out
+
+
+def test_tool_traces_refuses_a_folder_an_unwritable_path_and_more_rows_than_problems(tmp_path, capsys):
+    assert main(["data", "tool-traces", "arithmetic_tool", "sft.num_rows=5", "--out", str(tmp_path)]) == 2
+    assert "is a folder; give the jsonl file to write" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["data", "tool-traces", "arithmetic_tool", "sft.num_rows=5", "--out", str(tmp_path / "file" / "x.jsonl")]) == 2
+    assert "cannot be written" in capsys.readouterr().err
+    assert main(["data", "tool-traces", "arithmetic_tool", "data.arithmetic.digits=1", "data.arithmetic.operators=+",
+                 "sft.num_rows=101", "--out", str(tmp_path / "t.jsonl")]) == 2
+    assert "sft.num_rows=101 is more than the 100 distinct problems of data.arithmetic" in capsys.readouterr().err
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 def test_the_sft_loss_is_refused_in_rl():
