@@ -60,6 +60,12 @@ def _draw(rng: random.Random, high: int, num_operands: int, ops: list[str]) -> d
     return {"question": f"What is {_render(operands, chosen)}?", "answer": f"{worked}\n#### {value}"}
 
 
+def num_arithmetic_problems(digits: int, num_operands: int, operators: str) -> int:
+    """How many distinct questions `_draw` can make: every operand in ``0 .. 10**digits - 1`` and
+    every operator between them."""
+    return (10**digits) ** num_operands * len(set(operators)) ** (num_operands - 1)
+
+
 def _check_args(num_rows: int, digits: int, num_operands: int, operators: str) -> None:
     for name, value in (("num_rows", num_rows), ("digits", digits), ("num_operands", num_operands)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -35,7 +35,7 @@ import torch
 from packrl.data.examples import to_example
 from packrl.data.loaders import BadRow, load_rows
 from packrl.data.prompts import RowSource
-from packrl.data.tasks import arithmetic_rows
+from packrl.data.tasks import arithmetic_rows, num_arithmetic_problems
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
 
@@ -110,7 +110,7 @@ def tool_trace_rows(cfg: RunConfig) -> list[dict[str, Any]]:
 
     arith = cfg.data.arithmetic
     args = (arith.digits, arith.num_operands, arith.operators)
-    space = (10**arith.digits) ** arith.num_operands * len(set(arith.operators)) ** (arith.num_operands - 1)
+    space = num_arithmetic_problems(*args)
     if cfg.sft.num_rows > space:
         raise ValueError(f"sft.num_rows={cfg.sft.num_rows:,} is more than the {space:,} distinct problems of data.arithmetic "
                          f"(digits={arith.digits}, num_operands={arith.num_operands}, operators={arith.operators!r}): every "
