@@ -348,10 +348,12 @@ def _critic_path_problems(cfg: RunConfig) -> list[ConfigProblem]:
     path = cfg.critic.model.path
     if path is None or not cfg.critic.enabled(cfg.algorithm.adv_estimator):
         return []
-    from packrl.models.model_config import load_model_config
+    from packrl.models.model_config import ModelConfigFileError, load_model_config
 
     try:
         load_model_config(path)
+    except ModelConfigFileError as err:
+        return [ConfigProblem("critic.model.path", path, err.problem, err.fix)]
     except ValueError as err:
         return [ConfigProblem("critic.model.path", path, str(err), "set critic.model.path to a model dir, .gguf file or hub id, "
                               "or null for the policy's checkpoint")]
@@ -364,13 +366,15 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
     (2,048 for Llama) and every context check would rest on a guess."""
     import json
 
-    from packrl.models.model_config import check_text_model, load_model_config
+    from packrl.models.model_config import ModelConfigFileError, check_text_model, load_model_config
     from packrl.models.resolve import resolve_model
 
     fix = "set model.path to a model dir, .gguf file or hub id"
     try:
         model_config = load_model_config(cfg.model.path)
         check_text_model(model_config, cfg.model.path)
+    except ModelConfigFileError as err:
+        return None, [ConfigProblem("model.path", cfg.model.path, err.problem, err.fix)]
     except ValueError as err:
         multimodal = "multimodal" in str(err)
         return None, [ConfigProblem("model.path", cfg.model.path, str(err),

@@ -54,14 +54,15 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
         ValueError: ``model.path`` does not resolve, its directory has no weights, its tokenizer
             is missing, has no chat template or no eos/pad token, or has more tokens than the
             model's embedding; ``model.rope_scaling`` cannot apply to its config; or
-            ``model.lora.target_modules`` names no Linear module.
+            ``model.lora.target_modules`` names no Linear module. A broken ``config.json`` is a
+            `packrl.models.model_config.ModelConfigFileError` (a ValueError) naming the file.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from packrl.models.attention import use_packed_attention
     from packrl.models.lora import apply_lora, parameter_counts
-    from packrl.models.model_config import apply_rope_scaling, check_text_model
+    from packrl.models.model_config import apply_rope_scaling, check_text_model, read_model_config
     from packrl.models.vision import freeze_vision_tower, is_vision_config
 
     compute = compute_dtype or resolve_dtype(cfg.dtype)
@@ -70,7 +71,7 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
     if resolved.gguf_file is None and not has_weights(resolved.model_dir):
         raise ValueError(_missing_weights_message(cfg.path, resolved.model_dir))
     tokenizer = load_tokenizer(resolved, cfg.path)
-    config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
+    config = read_model_config(resolved, cfg.path)
     check_text_model(config, cfg.path)
     vision = is_vision_config(config)
     config = config if vision else apply_rope_scaling(config, cfg.rope_scaling)
@@ -170,16 +171,14 @@ def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
     Raises:
         ValueError: as `resolve_model`; a vision-language model without an image processor config.
     """
-    from transformers import AutoConfig
-
-    from packrl.models.model_config import check_text_model
+    from packrl.models.model_config import check_text_model, read_model_config
     from packrl.models.processor import load_processor
     from packrl.models.vision import is_vision_config
 
     resolved = resolve_model(cfg.path, weights=False)  # configs only: a hub id fetches no weights here
     if resolved.gguf_file is not None:
         return tokenizer
-    config = AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
+    config = read_model_config(resolved, cfg.path)
     check_text_model(config, cfg.path)  # another multimodal family: refused here, before its rows are read
     return load_processor(resolved.model_dir, config.model_type, tokenizer) if is_vision_config(config) else tokenizer
 
@@ -206,10 +205,16 @@ def load_tokenizer(resolved: ResolvedModel, path: str) -> Any:
         The tokenizer with ``padding_side="left"`` and a pad token (the eos token if it had none).
 
     Raises:
+        ModelConfigFileError: the model's ``config.json`` (which transformers reads to pick the
+            tokenizer class) is not valid JSON or has a wrong-typed field
+            (`packrl.models.model_config.check_config_file`).
         ValueError: no tokenizer can be loaded, it has no chat template, or no pad/eos token.
     """
     from transformers import AutoTokenizer
 
+    from packrl.models.model_config import check_config_file
+
+    check_config_file(resolved, path)  # else a broken config.json reads as a tokenizer problem
     where = resolved.tokenizer_dir / (resolved.gguf_file or "")
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved.tokenizer_dir, padding_side="left", **resolved.load_kwargs())

@@ -5,11 +5,15 @@ before any weight is loaded."""
 from __future__ import annotations
 
 import copy
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from packrl.config.schema import LoraConfig, RopeScalingConfig
+    from packrl.models.resolve import ResolvedModel
 
 
 def load_model_config(path: str) -> Any:
@@ -30,18 +34,187 @@ def load_model_config(path: str) -> Any:
         ValueError: the path does not resolve, has no config, or cannot be read; the message
             names ``model.path`` and the value.
     """
-    from transformers import AutoConfig
-
     from packrl.models.resolve import resolve_model
 
-    resolved = resolve_model(path, weights=False)
+    return read_model_config(resolve_model(path, weights=False), path)
+
+
+def read_model_config(resolved: ResolvedModel, path: str) -> Any:
+    """The `transformers.PretrainedConfig` of a resolved model, its ``config.json`` checked first
+    (`check_config_file`) so a broken file is reported as such, not as a library traceback.
+
+    Args:
+        resolved: from `packrl.models.resolve.resolve_model`.
+        path: the ``model.path`` value, for messages.
+
+    Raises:
+        ModelConfigFileError: ``config.json`` is not valid JSON, a field packrl reads has the wrong
+            type, or transformers' config class refuses a field (its strict validation).
+        ValueError: the config cannot be read otherwise (e.g. a GGUF header without ``gguf``).
+    """
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    check_config_file(resolved, path)
     try:
         return AutoConfig.from_pretrained(resolved.model_dir, **resolved.load_kwargs())
+    except StrictDataclassError as err:
+        file = resolved.model_dir / "config.json"
+        said = " ".join(str(err).split())
+        named = re.search(r"field '([^']+)'", said)
+        field = named.group(1) if named else None
+        where = f"the field {field}" if field else "the field the message names"
+        raise ModelConfigFileError(
+            path, file, field, f"transformers refuses its config file {file}: {said}",
+            f"correct {where} in {file} (the type or value the message asks for), or copy that config.json again "
+            "from the model's source",
+        ) from err
     except (OSError, ValueError, ImportError) as err:
         raise ValueError(
             f"cannot read the model config of model.path={path!r} from {resolved.source}: {err}. "
             "Set model.path to a local model directory, a .gguf file or a reachable hub id"
         ) from err
+
+
+class ModelConfigFileError(ValueError):
+    """A model's ``config.json`` that is not the config it should be: not valid JSON (often a
+    truncated copy or download), or a field with the wrong type.
+
+    Attributes:
+        path: the ``model.path`` value.
+        file: the ``config.json``.
+        field: the dotted field at fault (``text_config.hidden_size``); None when the file does
+            not parse.
+        problem: what is wrong, naming the file, the field and the value seen.
+        fix: what to change in the file.
+    """
+
+    def __init__(self, path: str, file: Path, field: str | None, problem: str, fix: str):
+        self.path, self.file, self.field, self.problem, self.fix = path, file, field, problem, fix
+        super().__init__(f"model.path={path!r}: {problem}; fix: {fix}")
+
+
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+"""The sizes packrl reads from a model config (the memory estimate, the model context)."""
+_NULLABLE = ("intermediate_size", "num_key_value_heads", "head_dim")
+"""Sizes a config may leave null: packrl and transformers then derive them from the others."""
+_ROPE_SECTIONS = ("rope_scaling", "rope_parameters")
+
+
+def check_config_file(resolved: ResolvedModel, path: str) -> None:
+    """Check the ``config.json`` of a resolved model directory before transformers reads it.
+
+    The file must be a JSON object, and the fields packrl reads must have their types:
+    `_POSITIVE_INTS` positive integers (``num_key_value_heads``, ``head_dim`` and
+    ``intermediate_size`` may be null), ``rope_theta`` a number, ``model_type`` a string, the
+    RoPE sections (``rope_scaling``, ``rope_parameters``, also per layer type) objects or null with
+    a numeric ``factor``, a positive integer ``original_max_position_embeddings`` and a string
+    ``rope_type``/``type``; the same inside ``text_config``. transformers >= 5 validates its own
+    fields too (`read_model_config` reports that); earlier versions keep ``"hidden_size": "576"``
+    as a string, which would break far from the file. A ``.gguf`` (no ``config.json``) is not
+    checked.
+
+    Raises:
+        ModelConfigFileError: the file is not valid UTF-8 JSON, not an object, or a field above
+            has the wrong type; the message names the file, the field, the value and the fix.
+    """
+    file = resolved.model_dir / "config.json"
+    if resolved.gguf_file is not None or not file.is_file():
+        return
+    text = file.read_bytes().decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        cut = "; it ends before its closing brace, as a truncated copy does" if not text.rstrip().endswith("}") else ""
+        raise ModelConfigFileError(
+            path, file, None, f"its config file {file} is not valid JSON ({err.msg}: line {err.lineno} column {err.colno}"
+            f"{cut})",
+            "copy or download that config.json again from the model's source (it must parse as one JSON object)",
+        ) from err
+    if not isinstance(data, dict):
+        raise ModelConfigFileError(path, file, None, f"its config file {file} holds a JSON "
+                                   f"{type(data).__name__}, not an object of fields",
+                                   "copy or download that config.json again from the model's source")
+    wrong = _wrong_fields(data, "")
+    if wrong:
+        field, value, expected = wrong[0]
+        more = f" (also wrong: {', '.join(w[0] for w in wrong[1:])})" if len(wrong) > 1 else ""
+        raise ModelConfigFileError(path, file, field, f"its config file {file} has {field}={value!r} "
+                                   f"({_json_type(value)}), where {expected} is expected{more}",
+                                   _type_fix(file, field, value, expected))
+
+
+def _wrong_fields(data: dict[str, Any], prefix: str) -> list[tuple[str, Any, str]]:
+    """``(dotted field, value, what was expected)`` for each field of `check_config_file` with the wrong type."""
+    wrong = []
+    for key in _POSITIVE_INTS:
+        value = data.get(key)
+        if key in data and not (_is_positive_int(value) or value is None and key in _NULLABLE):
+            wrong.append((prefix + key, value, "a positive integer" + (" or null" if key in _NULLABLE else "")))
+    if "rope_theta" in data and not _is_number(data["rope_theta"]):
+        wrong.append((prefix + "rope_theta", data["rope_theta"], "a number"))
+    if "model_type" in data and not isinstance(data["model_type"], str):
+        wrong.append((prefix + "model_type", data["model_type"], "a string"))
+    for key in _ROPE_SECTIONS:
+        wrong += _wrong_rope(data.get(key), prefix + key)
+    text = data.get("text_config")
+    if isinstance(text, dict):
+        wrong += _wrong_fields(text, prefix + "text_config.")
+    elif "text_config" in data and text is not None:
+        wrong.append((prefix + "text_config", text, "an object or null"))
+    return wrong
+
+
+def _wrong_rope(section: Any, field: str) -> list[tuple[str, Any, str]]:
+    if section is None:
+        return []
+    if not isinstance(section, dict):
+        return [(field, section, "an object or null")]
+    if section and all(isinstance(v, dict) for v in section.values()):  # per layer type
+        return [w for name, sub in section.items() for w in _wrong_rope(sub, f"{field}.{name}")]
+    wrong = []
+    if section.get("factor") is not None and not _is_number(section["factor"]):
+        wrong.append((f"{field}.factor", section["factor"], "a number"))
+    original = section.get("original_max_position_embeddings")
+    if original is not None and not _is_positive_int(original):
+        wrong.append((f"{field}.original_max_position_embeddings", original, "a positive integer"))
+    for key in ("rope_type", "type"):
+        if section.get(key) is not None and not isinstance(section[key], str):
+            wrong.append((f"{field}.{key}", section[key], "a string"))
+    return wrong
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json_type(value: Any) -> str:
+    names = {str: "a string", bool: "a boolean", float: "a number", int: "an integer", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _type_fix(file: Path, field: str, value: Any, expected: str) -> str:
+    """Write the number a quoted number meant; otherwise set the field to what is expected."""
+    key = field.rsplit(".", 1)[-1]
+    if isinstance(value, str) and "a string" not in expected:
+        try:
+            number = json.loads(value.strip())
+        except json.JSONDecodeError:
+            number = None
+        if _is_number(number) and (_is_int(number) or "a number" in expected):
+            return f"write it as a JSON number without quotes in {file}: \"{key}\": {json.dumps(number)}"
+    if isinstance(value, float) and value.is_integer() and "integer" in expected:
+        return f"write it as an integer in {file}: \"{key}\": {int(value)}"
+    return f"set {field} in {file} to {expected} (the value the model's source publishes)"
 
 
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
