@@ -181,7 +181,9 @@ REWARDS = Registry("REWARDS", "reward.name", "reward", {"gsm8k": "packrl.reward.
 """``fn(response_text, ground_truth, *, data_source, cfg: RewardConfig) -> float`` (`packrl.reward.registry.RewardFn`)."""
 
 ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator", "advantage estimator",
-                                {"grpo": "packrl.algos.advantages", "rloo": "packrl.algos.advantages", "gae": "packrl.algos.gae"})
+                                {"grpo": "packrl.algos.advantages", "rloo": "packrl.algos.advantages", "gae": "packrl.algos.gae",
+                                 "reinforce_plus_plus": "packrl.algos.reinforce_pp",
+                                 "reinforce_plus_plus_baseline": "packrl.algos.reinforce_pp"})
 """``fn(inputs: AdvantageInputs) -> N tensors [R_i]`` (`packrl.algos.advantages.AdvantageFn`)."""
 
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss",

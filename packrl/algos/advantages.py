@@ -4,10 +4,11 @@ to an advantage per response token.
 Shapes: ``B`` prompts · ``G`` responses per prompt · ``N = B*G`` (groups contiguous) · ``R_i``
 tokens of response i.
 
-An estimator takes `AdvantageInputs` (the scored batch, its rewards after any in-reward KL, the
-response masks and the log-probs known at that point) and returns ``N`` tensors of Shape [R_i],
-float32: token-level estimators (GAE, per-turn credit) fill each token; outcome estimators give
-every token of a response the same value (`per_token`). Register one with
+An estimator takes `AdvantageInputs` (the scored batch, its rewards after any in-reward KL, per
+response and per token, the response masks and the log-probs known at that point) and returns
+``N`` tensors of Shape [R_i], float32: token-level estimators (GAE, REINFORCE++) read the token
+rewards and fill each token; outcome estimators read one reward per response and give every token
+of a response the same value (`per_token`). Register one with
 ``@packrl.registry.ADVANTAGE_ESTIMATORS.register("name")`` (see `packrl.registry`).
 
 The outcome estimators built in:
@@ -39,7 +40,12 @@ class AdvantageInputs:
 
     Attributes:
         scored: the scored rollout (responses, prompts, task scores).
-        rewards: one reward per response after shaping and any in-reward KL. Shape [N], float32.
+        rewards: one reward per response after shaping and any in-reward KL (the sum of its
+            ``token_rewards``). Shape [N], float32.
+        token_rewards: the reward of each response token, verl's ``token_level_rewards``: the
+            response's reward on its last policy token, minus ``kl_coef x KL_t`` on every policy
+            token t with ``algorithm.kl_in_reward``, 0 elsewhere (`token_rewards_of`). ``N``
+            tensors of Shape [R_i], float32.
         response_masks: True = a token the policy generated (False for tool output in a
             multi-turn trajectory). ``N`` tensors of Shape [R_i], bool.
         old_logprobs / ref_logprobs: ``N`` tensors of Shape [R_i], float32 nats, or None when
@@ -53,6 +59,7 @@ class AdvantageInputs:
 
     scored: ScoredBatch
     rewards: torch.Tensor
+    token_rewards: tuple[torch.Tensor, ...]
     response_masks: tuple[torch.Tensor, ...]
     old_logprobs: tuple[torch.Tensor, ...] | None
     ref_logprobs: tuple[torch.Tensor, ...] | None
@@ -67,6 +74,32 @@ class AdvantageInputs:
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, ...]]
 """``fn(inputs) -> N tensors of Shape [R_i], float32`` (advantage of every response token)."""
+
+
+def token_rewards_of(rewards: torch.Tensor, policy_masks: Sequence[torch.Tensor],
+                     token_penalties: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """Each response's reward on its last policy token, minus ``token_penalties`` (the in-reward
+    KL, ``kl_coef x KL_t``) on its policy tokens.
+
+    Args:
+        rewards: one reward per response. Shape [N], float.
+        policy_masks: True = a token the policy generated. ``N`` x Shape [R_i], bool.
+        token_penalties: subtracted at the policy tokens, ``N`` x Shape [R_i], float; None = none.
+
+    Returns:
+        ``N`` tensors of Shape [R_i], float32, 0 at tokens the policy did not generate; each sums
+        to its reward minus its penalties. A response with no policy token gets all zeros.
+    """
+    out = []
+    for i, mask in enumerate(policy_masks):
+        token = torch.zeros(mask.shape[0])
+        steps = mask.nonzero().squeeze(1)
+        if len(steps):
+            token[steps[-1]] = float(rewards[i])
+            if token_penalties is not None:
+                token = token - torch.where(mask, token_penalties[i].float(), 0.0)
+        out.append(token)
+    return tuple(out)
 
 
 def per_token(per_response: torch.Tensor, inputs: AdvantageInputs) -> tuple[torch.Tensor, ...]:
@@ -106,7 +139,7 @@ def check_advantages(advantages: Sequence[torch.Tensor], inputs: AdvantageInputs
     return tuple(out)
 
 
-def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def grouped_rewards(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of rollout.n={group_size}")
     return rewards.float().view(-1, group_size)
@@ -127,7 +160,7 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, norm_by_std: bool
     Raises:
         ValueError: N is not a multiple of G.
     """
-    r = _groups(rewards, group_size)
+    r = grouped_rewards(rewards, group_size)
     if group_size == 1:
         return torch.zeros_like(r).view(-1)
     centred = r - r.mean(dim=1, keepdim=True)
@@ -145,7 +178,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, **_: object) -> torc
     Returns:
         Shape [N], float32 (``G/(G-1) * (r_i - mean)``).
     """
-    r = _groups(rewards, group_size)
+    r = grouped_rewards(rewards, group_size)
     if group_size == 1:
         return torch.zeros_like(r).view(-1)
     return ((r - r.mean(dim=1, keepdim=True)) * group_size / (group_size - 1)).view(-1)

@@ -21,6 +21,9 @@ instead of re-drawing it from the drifting policy. Clip-Cov's random pick is see
 seed and the mini-batch index, so a rerun or a resumed run draws the same tokens.
 
 Their knobs (`ClipCovOptions`, `KlCovOptions`) are set under ``algorithm.policy_loss_args``.
+Log-ratios are clamped to +-20 before exp() as in ``ppo_clip``; verl clamps them in its vanilla
+loss but not in Clip-Cov or KL-Cov, so the two differ only where |log r| > 20 (where verl's
+ratio is e^20 or more, or overflows).
 
 - Clip-Cov: candidates are loss tokens with ``clip_cov_lb < cov < clip_cov_ub`` (verl also
   requires the PPO clip to be inactive; at selection time the ratio is 1, so no candidate is

@@ -15,9 +15,15 @@ Each mode is a sum of per-sequence terms over denominators counted once for the 
 mini-batch (every micro-batch, every rank, after every mask). Summing the micro-batch and rank
 results therefore gives exactly the full-batch value: gradients across ranks must be summed,
 not averaged (or multiply by the rank count before an averaging all-reduce). A micro-batch whose
-tokens are all masked contributes exactly 0. verl computes T from each micro-batch by default,
-which makes token-mean depend on micro-batching (verl issue #5625); verl's default C for
-sum-norm is the padded width, which changes with batching; here C is a constant.
+tokens are all masked contributes exactly 0.
+
+Against verl 0.9.1's ``agg_loss``: its token-mean is split-invariant too (its engine all-reduces
+the mini-batch's token count, ``batch_num_tokens``), so T agrees. Its sequence-mean modes divide
+by ``global_batch_size`` = the mini-batch's sequences (prompts x n), counting sequences whose
+tokens are all masked (cut under ``truncated=mask``, rejected by rollout correction, filtered by
+entropy); here S counts only sequences with a loss token, so a masked response does not dilute
+the others' weight (docs/verl.md, deliberate differences). verl's default C for sum-norm is the
+padded width, which changes with batching; here C is a constant.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-_LOG_RATIO_CLAMP = 20.0  # keeps exp() finite; verl clamps log-ratios the same way
+_LOG_RATIO_CLAMP = 20.0  # keeps exp() finite; verl clamps its vanilla loss's log-ratios the same way
 _KL_CLAMP = 10.0  # verl's bound for the k3 (low_var_kl) estimator
 
 
@@ -43,6 +43,28 @@ def ppo_clip_loss(
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def dual_clip(token_loss: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    Reinforcement Learning", arXiv 1912.09729; verl's ``clip_ratio_c``): for a token with A < 0 the
+    clipped surrogate is bounded above by ``-c x A``, so a ratio that has run far above 1 on a bad
+    token cannot grow the loss (or its gradient) without bound; tokens with A >= 0 are unchanged.
+
+    loss' = min(loss, -c x A) where A < 0, loss elsewhere.
+
+    Args:
+        token_loss: the PPO clipped surrogate per token (`ppo_clip_loss`). Shape [M], float.
+        advantages: Shape [M], float.
+        clip_ratio_c: c > 1 (``algorithm.clip_ratio_c``; verl's default 3.0).
+
+    Returns:
+        ``(token_loss, bound)``: Shape [M] float, and Shape [M] bool (True where the bound is
+        active: A < 0 and ``loss > -c x A``, i.e. a ratio above c; ``actor/pg_clipfrac_lower``).
+    """
+    cap = -advantages * clip_ratio_c
+    bound = (advantages < 0) & (token_loss > cap)
+    return torch.where(bound, cap, token_loss), bound
+
+
 def _k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return logprobs - ref_logprobs
 
@@ -60,11 +82,11 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) (Schulman, "Approximating KL Divergence", 2020).
+    """Per-token estimate of KL(pi_theta || pi_ref) (Schulman, "Approximating KL Divergence", 2020),
+    with r = pi_ref / pi the ratio of the reference to the policy at the sampled token:
 
-    ``k1`` = log pi - log pi_ref (unbiased, high variance); ``k2`` = (log pi - log pi_ref)^2 / 2;
-    ``k3`` = r - 1 - log r with r = pi_ref / pi (unbiased, low variance; verl's ``low_var_kl``,
-    clamped to [-10, 10]).
+    ``k1`` = log pi - log pi_ref = -log r (unbiased, high variance); ``k2`` = (log r)^2 / 2;
+    ``k3`` = r - 1 - log r (unbiased, low variance, >= 0; verl's ``low_var_kl``, clamped to [-10, 10]).
 
     Args:
         logprobs: Shape [M], float, nats. ref_logprobs: Shape [M], float, nats.

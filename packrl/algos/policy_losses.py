@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from packrl.algos.losses import ppo_clip_loss
+from packrl.algos.losses import dual_clip, ppo_clip_loss
 from packrl.config.load import build_options
 from packrl.config.schema import AlgorithmConfig
 from packrl.errors import ConfigError, ConfigProblem
@@ -136,10 +136,16 @@ def prepare_update(batch: TrainBatch, minibatches: Sequence[Sequence[int]], cfg:
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """The PPO clipped surrogate (`packrl.algos.losses.ppo_clip_loss`) with
-    ``algorithm.clip_ratio_low|high``."""
+    ``algorithm.clip_ratio_low|high``, and with ``algorithm.clip_ratio_c`` the dual clip of
+    negative-advantage tokens (`packrl.algos.losses.dual_clip`, as verl's vanilla loss), whose
+    share of the mini-batch's loss tokens is the metric ``actor/pg_clipfrac_lower`` (verl's name)."""
+    cfg = inputs.cfg
     loss, clipped = ppo_clip_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages,
-                                  clip_ratio_low=inputs.cfg.clip_ratio_low, clip_ratio_high=inputs.cfg.clip_ratio_high)
-    return PolicyLossOutput(loss, clipped)
+                                  clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high)
+    if cfg.clip_ratio_c is None:
+        return PolicyLossOutput(loss, clipped)
+    loss, bound = dual_clip(loss, inputs.advantages, cfg.clip_ratio_c)
+    return PolicyLossOutput(loss, clipped, {"actor/pg_clipfrac_lower": inputs.denominators.token_share(bound.float(), inputs.loss_mask)})
 
 
 @POLICY_LOSSES.register("sft")
@@ -165,8 +171,8 @@ def gspo(inputs: PolicyLossInputs) -> PolicyLossOutput:
     loss_t = max(-A_t s_i,t, -A_t clip(s_i,t, 1 - clip_ratio_low, 1 + clip_ratio_high)).
     The paper clips at about 3e-4 / 4e-4 (``algorithm.clip_ratio_low|high``), far tighter than
     token-level PPO; its objective averages each sequence's tokens (``loss_agg_mode=
-    seq-mean-token-mean``, which verl forces; here the configured mode is used). The log-ratio is
-    clamped at 10 before exp() as verl does.
+    seq-mean-token-mean``); here, as in verl 0.9, the configured ``algorithm.loss_agg_mode`` is
+    used. The log-ratio is clamped at 10 before exp() as verl does.
 
     A sequence's mean needs all of its loss tokens in this micro-batch, which holds unless
     sequence parallelism splits it or the rolling window cuts a trajectory into samples (both

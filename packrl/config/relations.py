@@ -118,20 +118,11 @@ def compiled_layers(cfg: RunConfig) -> list[ConfigProblem]:
                           keys=("model.compile", "trainer.num_workers", "model.gradient_checkpointing"))]
 
 
-def lora_workers(cfg: RunConfig) -> list[ConfigProblem]:
-    """LoRA runs in one process."""
-    workers, rank = cfg.trainer.num_workers, cfg.model.lora.rank
-    if workers <= 1 or rank <= 0:
-        return []
-    return [ConfigProblem("trainer.num_workers", workers, f"is not supported with LoRA (model.lora.rank={rank}) yet",
-                          "set trainer.num_workers=1 for LoRA runs", keys=("trainer.num_workers", "model.lora.rank"))]
-
-
 def group_size(cfg: RunConfig) -> list[ConfigProblem]:
     """Group-relative estimators need two responses per prompt, as does dynamic sampling."""
     out = cfg.algorithm.filter_groups.relation_problems("algorithm.filter_groups", cfg.rollout.n)
     estimator = cfg.algorithm.adv_estimator
-    if cfg.rollout.n == 1 and estimator in ("grpo", "rloo"):
+    if cfg.rollout.n == 1 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
         out.insert(0, ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {estimator} (one response per group)",
                                     "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
     return out
@@ -202,11 +193,13 @@ def _without_critic(cfg: RunConfig) -> list[ConfigProblem]:
     out = [ConfigProblem(f"critic.{key}", section.model.path if key == "model.path" else getattr(section, key),
                          "has no effect: this run has no critic",
                          f"set algorithm.adv_estimator=gae (or critic.enable=true), or remove critic.{key}") for key in keys]
-    for name in ("gamma", "lam"):  # the built-in outcome estimators read neither
-        if estimator in ("grpo", "rloo") and getattr(cfg.algorithm, name) != 1.0:
+    readers = {"gamma": "gae, reinforce_plus_plus", "lam": "gae"}  # the other built-in estimators read neither
+    for name, ignoring in (("gamma", ("grpo", "rloo", "reinforce_plus_plus_baseline")),
+                           ("lam", ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))):
+        if estimator in ignoring and getattr(cfg.algorithm, name) != 1.0:
             out.append(ConfigProblem(f"algorithm.{name}", getattr(cfg.algorithm, name), f"has no effect with "
-                                     f"algorithm.adv_estimator={estimator} (GAE reads it)",
-                                     f"set algorithm.adv_estimator=gae or remove algorithm.{name}"))
+                                     f"algorithm.adv_estimator={estimator} (read by {readers[name]})",
+                                     f"set algorithm.adv_estimator to one that reads it or remove algorithm.{name}"))
     return out
 
 
@@ -290,7 +283,7 @@ def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
 
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, format_reward, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, lora_workers, group_size, sft_loss, kl_in_reward, overlong_buffer, partial_rollouts,
+    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, overlong_buffer, partial_rollouts,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

@@ -700,8 +700,10 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, a name in `packrl.registry.ADVANTAGE_ESTIMATORS`: `grpo`
-    (group-normalised reward), `rloo` (leave-one-out baseline), or one registered through
-    `trainer.plugins`. It gives every response token its advantage."""
+    (group-normalised reward), `rloo` (leave-one-out baseline), `gae` (PPO with a critic),
+    `reinforce_plus_plus` / `reinforce_plus_plus_baseline` (REINFORCE++, arXiv 2501.03262:
+    batch-whitened returns / group-centred rewards), or one registered through `trainer.plugins`.
+    It gives every response token its advantage."""
 
     policy_loss: str = "ppo_clip"
     """Policy loss, a name in `packrl.registry.POLICY_LOSSES`: `ppo_clip` (the PPO clipped
@@ -726,15 +728,26 @@ class AlgorithmConfig:
     clip_ratio_high: float = 0.2
     """PPO clip: the ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: 0.28)."""
 
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (arXiv 1912.09729): a token with a negative advantage has its clipped loss
+    bounded by `-clip_ratio_c x A`, so a ratio that ran above c stops pushing (> 1; verl's
+    `clip_ratio_c`, whose default 3.0 is on in every verl run and which `packrl verl` sets). null
+    (packrl's default) = off: on-policy, one mini-batch per step (`train.mini_batch_size` null), the
+    ratio is 1 and the bound never binds; it matters once updates go off-policy (several
+    mini-batches, partial or asynchronous rollouts). `ppo_clip` only, as verl's vanilla loss."""
+
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (0 = no reference model is loaded)."""
 
     kl_estimator: KlEstimator = "k3"
-    """KL estimator (Schulman, "Approximating KL divergence"): `k1` = log r, `k2` = (log r)^2/2,
-    `k3` = r - 1 - log r (verl's low_var_kl), with r = pi_ref / pi."""
+    """KL estimator (Schulman, "Approximating KL divergence"): with r = pi_ref / pi at the sampled
+    token, `k1` = -log r = log pi - log pi_ref, `k2` = (log r)^2/2, `k3` = r - 1 - log r (verl's
+    low_var_kl)."""
 
     kl_in_reward: bool = False
-    """True subtracts kl_coef x KL from the token rewards (PPO style); False adds it to the loss."""
+    """True subtracts kl_coef x KL_t from the reward of every policy token t (PPO style, verl's
+    `use_kl_in_reward`: token-level estimators see it per token, outcome ones summed over the
+    response); False adds the KL to the loss."""
 
     entropy_coeff: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
@@ -752,7 +765,8 @@ class AlgorithmConfig:
     Denominators are global over the mini-batch, so micro-batching and ranks never change it."""
 
     gamma: float = 1.0
-    """GAE discount per policy token (`adv_estimator=gae`; verl's `algorithm.gamma`, default 1.0)."""
+    """Discount per policy token of `adv_estimator=gae` and `reinforce_plus_plus` (verl's
+    `algorithm.gamma`, default 1.0)."""
 
     lam: float = 1.0
     """GAE lambda (`adv_estimator=gae`; verl's `algorithm.lam`, default 1.0)."""
@@ -788,10 +802,25 @@ class AlgorithmConfig:
                                          f"set {prefix}.{name} to a non-negative number"))
         if self.clip_ratio_low >= 1:
             out.append(ConfigProblem(f"{prefix}.clip_ratio_low", self.clip_ratio_low, "must be < 1", "set algorithm.clip_ratio_low=0.2"))
+        out += self._dual_clip_problems(prefix)
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be in [0, 1]", f"set {prefix}.{name}=1.0"))
         return out
+
+    def _dual_clip_problems(self, prefix: str) -> list[ConfigProblem]:
+        value = self.clip_ratio_c
+        if value is None:
+            return []
+        if not 1.0 < value < math.inf:
+            return [ConfigProblem(f"{prefix}.clip_ratio_c", value, "must be a finite number > 1 (the bound on the ratio of a "
+                                  "negative-advantage token)", f"set {prefix}.clip_ratio_c=3.0 (verl's default) or null (off)")]
+        if self.policy_loss != "ppo_clip":
+            return [ConfigProblem(f"{prefix}.clip_ratio_c", value, f"has no effect with {prefix}.policy_loss={self.policy_loss}: "
+                                  "only the ppo_clip surrogate is dual-clipped (as verl's vanilla loss)",
+                                  f"remove {prefix}.clip_ratio_c, or set {prefix}.policy_loss=ppo_clip",
+                                  keys=(f"{prefix}.clip_ratio_c", f"{prefix}.policy_loss"))]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

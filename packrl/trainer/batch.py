@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from packrl.algos.advantages import AdvantageInputs, check_advantages
+from packrl.algos.advantages import AdvantageInputs, check_advantages, token_rewards_of
 from packrl.algos.entropy_filter import apply_entropy_filter
 from packrl.algos.gae import gae_of
 from packrl.algos.losses import kl_penalty
@@ -43,8 +43,11 @@ def build_train_batch(
     """Advantages for every response token (``algorithm.adv_estimator``, looked up in
     `packrl.registry.ADVANTAGE_ESTIMATORS`) and the batch the update consumes.
 
-    With ``algorithm.kl_in_reward`` and a reference model, each response's reward is lowered by
-    ``kl_coef x sum_t KL_t`` over the tokens the policy generated (verl's in-reward KL) before the advantage is estimated.
+    With ``algorithm.kl_in_reward`` and a reference model, every token t the policy generated gets
+    the reward ``-kl_coef x KL_t`` (KL of the old to the reference log-probs, ``algorithm.kl_estimator``)
+    and the response's reward sits on its last policy token, as verl's ``apply_kl_penalty`` builds
+    ``token_level_rewards``: token-level estimators (GAE, REINFORCE++) read these token rewards,
+    outcome estimators (GRPO, RLOO) the response's reward ``r - kl_coef x sum_t KL_t``.
     ``old_logprobs`` is None when the update is on-policy (`packrl.config.plan.BatchPlan`). The
     batch's ``scored.rewards`` are the rewards the advantages were computed from (KL-shaped if asked).
 
@@ -57,7 +60,9 @@ def build_train_batch(
 
     Returns:
         ``(batch, metrics)``; metrics hold ``seqlen/masked_tokens/truncated`` (loss tokens removed
-        by ``algorithm.truncated=mask``), with in-reward KL ``critic/kl_in_reward/mean``,
+        by ``algorithm.truncated=mask``), with in-reward KL ``critic/kl_in_reward/mean`` (the
+        mean over responses of sum_t KL_t) and verl's ``actor/reward_kl_penalty`` (of mean_t KL_t)
+        and ``actor/reward_kl_penalty_coeff``,
         with values `value_metrics`, and those of `response_filters`.
 
     Raises:
@@ -66,15 +71,22 @@ def build_train_batch(
     rewards = scored.rewards.clone()
     metrics: dict[str, float] = {}
     generated = tuple(r.generated_mask() for r in scored.rollout.responses)
+    penalties = None
     if cfg.kl_in_reward and ref_logprobs is not None:
         assert old_logprobs is not None, "in-reward KL needs the old log-probs"
-        seq_kl = torch.stack([kl_penalty(old, ref, cfg.kl_estimator)[g].sum()  # the policy's tokens only, not tool answers
-                              for old, ref, g in zip(old_logprobs, ref_logprobs, generated)])
+        token_kl = tuple(torch.where(g, kl_penalty(old, ref, cfg.kl_estimator), 0.0)  # the policy's tokens only, not tool answers
+                         for old, ref, g in zip(old_logprobs, ref_logprobs, generated))
+        penalties = tuple(cfg.kl_coef * kl for kl in token_kl)
+        seq_kl = torch.stack([kl.sum() for kl in token_kl])
         rewards = rewards - cfg.kl_coef * seq_kl
         metrics["critic/kl_in_reward/mean"] = seq_kl.mean().item()
+        seq_mean_kl = [float(kl.sum() / g.sum()) for kl, g in zip(token_kl, generated) if g.any()]
+        metrics["actor/reward_kl_penalty"] = sum(seq_mean_kl) / max(len(seq_mean_kl), 1)
+        metrics["actor/reward_kl_penalty_coeff"] = cfg.kl_coef
+    token_rewards = token_rewards_of(scored.rewards, generated, penalties)
     critic_values = None if values is None else values.values
-    inputs = AdvantageInputs(scored=scored, rewards=rewards, response_masks=generated, old_logprobs=old_logprobs,
-                             ref_logprobs=ref_logprobs, cfg=cfg, values=critic_values,
+    inputs = AdvantageInputs(scored=scored, rewards=rewards, token_rewards=token_rewards, response_masks=generated,
+                             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, cfg=cfg, values=critic_values,
                              bootstrap_values=None if values is None else values.bootstrap)
     advantages = check_advantages(ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator)(inputs), inputs)
     returns: tuple[torch.Tensor, ...] | None = None

@@ -31,7 +31,7 @@ from packrl.worker.checkpoint import resume_candidates
 logger = logging.getLogger(__name__)
 
 _SET_HERE = ("algorithm.policy_loss", "rollout.n")  # this command's own choices: the sft loss, one trace per group
-_RL_ONLY = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss")  # an update's RL metrics, meaningless here
+_RL_ONLY = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss")  # an update's RL metrics, meaningless here
 
 
 def sft_run_config(cfg: RunConfig) -> RunConfig:

@@ -18,7 +18,7 @@ GAMMA, LAM = 0.9, 0.8
 def test_gae_bootstraps_only_a_truncated_response():
     values = (torch.tensor([0.5, 0.2, 0.1]), torch.tensor([0.3, 9.9, 0.4]))  # B: a tool token (9.9) between two steps
     masks = (torch.tensor([True, True, True]), torch.tensor([True, False, True]))
-    rewards, bootstrap = torch.tensor([1.0, 0.0]), torch.tensor([0.7, 0.6])
+    rewards, bootstrap = (torch.tensor([0.0, 0.0, 1.0]), torch.zeros(3)), torch.tensor([0.7, 0.6])  # each reward on its last policy token
     adv, ret = gae(rewards, values, bootstrap, [False, True], masks, gamma=GAMMA, lam=LAM)
     # A, finished: delta = r + gamma V' - V with V' = 0 after the last token (the 0.7 is not used)
     torch.testing.assert_close(adv[0], torch.tensor([-0.32 + 0.72 * 0.538, 0.538, 0.9]))
@@ -33,7 +33,7 @@ def test_gae_bootstraps_only_a_truncated_response():
 
 def test_gae_with_gamma_and_lambda_one_is_reward_minus_value():
     values, masks = (torch.tensor([0.25, 0.5, 0.75]),), (torch.ones(3, dtype=torch.bool),)
-    adv, ret = gae(torch.tensor([2.0]), values, torch.zeros(1), [False], masks, gamma=1.0, lam=1.0)
+    adv, ret = gae((torch.tensor([0.0, 0.0, 2.0]),), values, torch.zeros(1), [False], masks, gamma=1.0, lam=1.0)
     torch.testing.assert_close(adv[0], 2.0 - values[0])
     torch.testing.assert_close(ret[0], torch.full((3,), 2.0))
 

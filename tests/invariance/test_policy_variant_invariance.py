@@ -1,4 +1,4 @@
-"""Invariant 4 for the policy-loss family: GSPO, Clip-Cov, KL-Cov and truncated importance weights
+"""Invariant 4 for the policy-loss family: GSPO, Clip-Cov, KL-Cov, truncated importance weights and dual-clip PPO
 give the same mini-batch loss and gradient whole, micro-batched under two budgets and over two
 simulated ranks, and that loss equals a direct computation over the whole mini-batch.
 
@@ -26,6 +26,7 @@ CASES = {  # the algorithm section of each case
     "clip_cov": dict(policy_loss="clip_cov", policy_loss_args=dict(clip_cov_ratio=0.1, clip_cov_lb=0.0)),
     "kl_cov": dict(policy_loss="kl_cov", policy_loss_args=dict(kl_cov_ratio=0.1, ppo_kl_coef=1.0)),
     "tis": dict(policy_loss="ppo_clip"),
+    "dual_clip": dict(policy_loss="ppo_clip", clip_ratio_c=1.1),
 }
 
 
@@ -74,7 +75,7 @@ def _reference_token_losses(case: str, cfg, batch, logprobs) -> list[list[float]
     opts = loss_options(algo)
     masks, adv, old = batch.loss_masks, batch.advantages, batch.old_logprobs
     flat = [(i, t) for i, m in enumerate(masks) for t in range(len(m)) if m[t]]
-    out = []
+    out, bound = [], 0
     if case in ("clip_cov", "kl_cov"):  # the selection from the covariance over the whole mini-batch, by hand
         a = [float(adv[i][t]) for i, t in flat]
         lp = [float(old[i][t]) for i, t in flat]
@@ -101,9 +102,13 @@ def _reference_token_losses(case: str, cfg, batch, logprobs) -> list[list[float]
                 row.append(0.0 if (i, t) in chosen else ppo)
             elif case == "tis":
                 row.append(ppo * float(batch.extras["rollout_is_weights"][i][t]))
+            elif case == "dual_clip":  # Ye et al. 2020: bounded by -c A where A < 0
+                row.append(min(ppo, -a * algo.clip_ratio_c) if a < 0 else ppo)
+                bound += a < 0 and r > algo.clip_ratio_c and bool(m[t])
             else:
                 row.append(ppo)
         out.append(row)
+    assert case != "dual_clip" or bound > 0, "the dual clip binds on no token of the batch: the case tests nothing"
     return out
 
 
