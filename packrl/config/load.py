@@ -2,8 +2,12 @@
 
 PyYAML's safe loader reads preset files (data only: no code, no interpolation); OmegaConf
 parses the dotlist overrides with YAML typing. A preset file is a whole config: keys it leaves
-out take the schema defaults (they do not inherit from another preset). This module then checks
-every value against the dataclass schema.
+out take the schema defaults (they do not inherit from another preset). A key written twice in
+one mapping of a preset is refused, naming both values and lines (YAML 1.2 requires unique keys;
+OmegaConf's loader refuses them too, where PyYAML keeps the last silently). A key given twice
+among the overrides takes the last value, as OmegaConf's dotlist and Hydra do (a script that
+ends with ``"$@"`` relies on it), with a warning naming the key and every value. This module
+then checks every value against the dataclass schema.
 Unknown keys, wrong types, bad choices, out-of-range values and broken relations between
 budgets are all collected and raised as one `ConfigError`.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import types
 import typing
 from importlib import resources
@@ -29,6 +34,8 @@ from packrl.errors import ConfigError, ConfigProblem
 from packrl.registry import CONFIG_REGISTRIES, Registry, import_plugins
 
 DEFAULT_PRESET = "demo"
+
+logger = logging.getLogger("packrl.config")
 
 
 def preset_names() -> list[str]:
@@ -56,14 +63,44 @@ def _read_preset(preset: str) -> dict[str, Any]:
         raise ConfigError([ConfigProblem("preset", preset, f"no such preset (known: {names})", "pass a preset name or a .yaml path")])
     try:
         data = yaml.safe_load(text)
+        repeated = _repeated_yaml_keys(yaml.compose(text, Loader=yaml.SafeLoader), text)
     except yaml.YAMLError as err:
         raise ConfigError([ConfigProblem("preset", preset, f"unreadable YAML: {err}", "fix the YAML syntax")]) from err
+    if repeated:
+        raise ConfigError([ConfigProblem(key, second, f"is written twice in the same mapping of preset {preset}: {first} "
+                                         f"(line {line1}) and {second} (line {line2}); YAML keys must be unique, and which "
+                                         "value is meant is unknown", f"delete one of the two lines of {key}")
+                           for key, first, line1, second, line2 in repeated])
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([ConfigProblem("preset", preset, "top level is not a mapping",
                                          "write sections such as `data:` at the top level")])
     return data
+
+
+def _repeated_yaml_keys(node: yaml.Node | None, text: str, prefix: str = "") -> list[tuple[str, str, int, str, int]]:
+    """``(dotted key, first value, its line, next value, its line)`` for each key written twice
+    in one mapping of a composed YAML document (values as written in ``text``; lines from 1)."""
+    if isinstance(node, yaml.SequenceNode):
+        return [r for item in node.value for r in _repeated_yaml_keys(item, text, prefix)]
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    seen: dict[str, yaml.Node] = {}
+    out = []
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}" if isinstance(key_node, yaml.ScalarNode) else f"{prefix}?"
+        if key in seen:
+            out.append((key, _as_written(seen[key], text), seen[key].start_mark.line + 1,
+                        _as_written(value_node, text), value_node.start_mark.line + 1))
+        seen[key] = value_node
+        out += _repeated_yaml_keys(value_node, text, f"{key}.")
+    return out
+
+
+def _as_written(node: yaml.Node, text: str) -> str:
+    written = " ".join(text[node.start_mark.index:node.end_mark.index].split())
+    return written if len(written) <= 60 else written[:57] + "..."
 
 
 def _literal_if_needed(item: str) -> str:
@@ -93,6 +130,7 @@ def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
             problems.append(ConfigProblem("override", item, "is not a key=value override", fix))
     if problems:
         raise ConfigError(problems)
+    _warn_repeated_overrides(overrides)
     try:
         # a dotlist always builds a DictConfig with string keys, so its container is a dict[str, Any]
         parsed = OmegaConf.to_container(OmegaConf.from_dotlist([_literal_if_needed(o) for o in overrides]), resolve=False)
@@ -100,6 +138,18 @@ def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
     except OmegaConfBaseException as err:
         raise ConfigError([ConfigProblem("overrides", overrides, f"could not parse: {err}",
                                          "write overrides as dotted.key=value")]) from err
+
+
+def _warn_repeated_overrides(overrides: list[str]) -> None:
+    """Warn for each key given more than once among the overrides: the last value is used."""
+    values: dict[str, list[str]] = {}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        values.setdefault(key.strip(), []).append(value)
+    for key, given in values.items():
+        if len(given) > 1:
+            logger.warning("%s is overridden %d times on the command line (%s); the last, %s=%s, is used", key, len(given),
+                           ", then ".join(f"{key}={v}" for v in given), key, given[-1])
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:

@@ -13,8 +13,12 @@ A source is one of:
 
 A jsonl line that is not valid UTF-8, not valid JSON or not an object does not stop the load:
 it becomes a `BadRow` with its reason (non-objects are passed on for `examples` to reject), so
-the dataset can count it or name it. A source that cannot be read at all is a ValueError
-naming the file and the config key.
+the dataset can count it or name it. A row (jsonl line, or element of a ``.json`` list) with
+the same key twice in one of its objects is a `BadRow` too, naming the key and both values:
+JSON names should be unique (RFC 8259, section 4: readers of a repeated name behave
+unpredictably; Python's json keeps the last), so packrl does not guess which one the row
+meant. A parquet file with a column twice is refused by pyarrow when read. A source that
+cannot be read at all is a ValueError naming the file and the config key.
 """
 
 from __future__ import annotations
@@ -132,9 +136,55 @@ def _file_rows(path: Path, key: str) -> list[Any]:
     return rows
 
 
+class _KeyRecorder:
+    """``object_pairs_hook`` for `json.loads`: builds each object as a dict, as json does, and
+    records the keys that appear more than once in one object (``found``: key, first value, next
+    value), where plain json would keep the last value silently. An object with such a key is
+    returned as a `_DuplicatedKeys` so the row holding it can be found in a parsed list."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, Any, Any]] = []
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) == len(pairs):
+            return obj
+        first: dict[str, Any] = {}
+        repeated = []
+        for key, value in pairs:
+            if key in first:
+                repeated.append((key, first[key], value))
+            else:
+                first[key] = value
+        self.found += repeated
+        return _DuplicatedKeys(obj, repeated)
+
+
+class _DuplicatedKeys(dict[str, Any]):
+    """A JSON object that had a key twice (the row holding it is bad); ``repeated`` holds
+    ``(key, first value, next value)`` for each repeat."""
+
+    def __init__(self, obj: dict[str, Any], repeated: list[tuple[str, Any, Any]]):
+        super().__init__(obj)
+        self.repeated = repeated
+
+
+def _duplicate_reason(found: list[tuple[str, Any, Any]]) -> str:
+    key, first, then = found[0]
+    more = f" (and {len(found) - 1} more repeated key(s))" if len(found) > 1 else ""
+    return (f"key {key!r} appears twice in one object ({_short(first)}, then {_short(then)}){more}; JSON keys must be "
+            "unique, and which value the row meant is unknown: keep one")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _jsonl_rows(path: Path) -> list[Any]:
     """One row per non-blank line. Each line is decoded on its own, so one bad byte costs one row."""
     rows: list[Any] = []
+    keys = _KeyRecorder()
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
@@ -147,17 +197,21 @@ def _jsonl_rows(path: Path) -> list[Any]:
             if not text.strip():
                 continue
             try:
-                rows.append(json.loads(text))
+                row = json.loads(text, object_pairs_hook=keys)
             except json.JSONDecodeError as err:
                 rows.append(BadRow(f"line {line_no}: invalid JSON ({err.msg.removesuffix(' at')} at column {err.colno})"))
             except (ValueError, RecursionError) as err:  # a 5,000-digit number, nesting deeper than Python's stack
                 rows.append(BadRow(f"line {line_no}: unreadable JSON ({type(err).__name__}: {str(err)[:80]})"))
+            else:
+                rows.append(BadRow(f"line {line_no}: {_duplicate_reason(keys.found)}") if keys.found else row)
+            keys.found.clear()
     return rows
 
 
 def _json_rows(path: Path, key: str) -> list[Any]:
+    keys = _KeyRecorder()
     try:
-        data = json.loads(path.read_bytes().decode("utf-8-sig"))
+        data = json.loads(path.read_bytes().decode("utf-8-sig"), object_pairs_hook=keys)
     except (ValueError, RecursionError) as err:  # invalid UTF-8 or JSON, huge numbers, deep nesting
         raise ValueError(f"{key}: {str(path)!r} is not valid UTF-8 JSON ({err}); fix the file, or use .jsonl to skip bad lines") from err
     if not isinstance(data, list):
@@ -165,7 +219,22 @@ def _json_rows(path: Path, key: str) -> list[Any]:
             f"{key}: {str(path)!r} holds a JSON {type(data).__name__}, expected a list of row objects; "
             "wrap the rows in [...] or write one object per line to a .jsonl file"
         )
+    if keys.found:  # rare: find the rows that hold an object with a repeated key
+        return [BadRow(f"row {i}: {_duplicate_reason(found)}") if (found := _repeated_in(row)) else row
+                for i, row in enumerate(data)]
     return data
+
+
+def _repeated_in(value: Any) -> list[tuple[str, Any, Any]]:
+    """The repeated keys of every object inside ``value`` (a parsed row), outermost first."""
+    found = list(value.repeated) if isinstance(value, _DuplicatedKeys) else []
+    if isinstance(value, dict):
+        for v in value.values():
+            found += _repeated_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            found += _repeated_in(v)
+    return found
 
 
 def _parquet_rows(path: Path, key: str) -> list[Any]:

@@ -189,3 +189,31 @@ def test_common_slips_get_the_fix_they_need():
     assert "rollot.n=3: unknown key; fix: did you mean rollout.n?" in text
     with pytest.raises(ConfigError, match=r"train.total_steps'?: is a config key without a value.*write train.total_steps=<value>"):
         load_config("train.total_steps")
+
+
+def test_a_yaml_key_written_twice_is_refused_with_both_values_and_lines(tmp_path: Path):
+    """PyYAML keeps the last of two equal keys silently; OmegaConf and YAML 1.2 refuse them, and so does packrl."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("data:\n  max_prompt_tokens: 256\n  batch_size: 4\n  max_prompt_tokens: 512\nrollout:\n  n: 2\n"
+                    "rollout:\n  n: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert [str(p) for p in err.value.problems] == [
+        f"data.max_prompt_tokens='512': is written twice in the same mapping of preset {path}: 256 (line 2) and 512 "
+        "(line 4); YAML keys must be unique, and which value is meant is unknown; fix: delete one of the two lines of "
+        "data.max_prompt_tokens",
+        f"rollout='n: 4': is written twice in the same mapping of preset {path}: n: 2 (line 6) and n: 4 (line 8); YAML "
+        "keys must be unique, and which value is meant is unknown; fix: delete one of the two lines of rollout",
+    ]
+
+
+def test_an_override_given_twice_takes_the_last_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="packrl.config"):
+        cfg = load_config("demo", ["data.batch_size=4", "rollout.n=2", "data.batch_size=8"])
+    assert cfg.data.batch_size == 8
+    assert caplog.messages == ["data.batch_size is overridden 2 times on the command line (data.batch_size=4, then "
+                               "data.batch_size=8); the last, data.batch_size=8, is used"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="packrl.config"):
+        load_config("demo", ["data.batch_size=4", "rollout.n=2"])
+    assert caplog.messages == []

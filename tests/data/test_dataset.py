@@ -229,3 +229,16 @@ def test_overlong_error_names_rows_by_their_number_in_the_data(smollm_tokenizer,
     # rows the policy sees.
     with pytest.raises(ValueError, match=r"1 prompt\(s\) exceed data.max_prompt_tokens=96: row 4 \("):
         _build(two_files, smollm_tokenizer, skip_bad_rows=True, overlong_prompt="error")
+
+
+def test_a_row_with_a_key_twice_is_named_or_counted_like_other_bad_rows(smollm_tokenizer, tmp_path):
+    path = _write_jsonl(tmp_path / "dup.jsonl", [_gsm8k("What is 2 + 2?"),
+                                                 b'{"question": "What is 1 + 1?", "answer": "#### 2", "answer": "#### 3"}'])
+    with pytest.raises(ValueError) as err:
+        _build([path], smollm_tokenizer)
+    assert str(err.value) == (
+        f"data.train_files: 1 bad row(s) of 2 (rows count from 0, jsonl lines from 1): row 1 ({path} line 2): line 2: key "
+        "'answer' appears twice in one object (\"#### 2\", then \"#### 3\"); JSON keys must be unique, and which value the "
+        "row meant is unknown: keep one. Fix the rows, or set data.skip_bad_rows=true to skip and count them")
+    ds = _build([path], smollm_tokenizer, skip_bad_rows=True)
+    assert (ds.accounting.num_kept, ds.accounting.num_rejected) == (1, 1) and len(ds) == 1

@@ -170,3 +170,20 @@ def test_hub_split_choice(monkeypatch):
     assert load_rows("openai/gsm8k:main", arithmetic=ARITH, seed=0, split="train") == [ROWS[0]]
     assert load_rows("openai/gsm8k", arithmetic=ARITH, seed=0, split="val") == [ROWS[1]]
     assert calls == [("openai/gsm8k", "main"), ("openai/gsm8k", None)]
+
+
+def test_a_key_twice_in_a_row_is_a_bad_row_naming_the_key_and_both_values(tmp_path):
+    """Python's json keeps the last value of a repeated key; packrl refuses the row instead."""
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text('{"question": "What is 2 + 2?", "answer": "#### 4", "answer": "#### 5"}\n' + json.dumps(ROWS[1]) + "\n")
+    rows = _load(jsonl)
+    assert rows[0] == BadRow("line 1: key 'answer' appears twice in one object (\"#### 4\", then \"#### 5\"); JSON keys "
+                             "must be unique, and which value the row meant is unknown: keep one")
+    assert rows[1] == ROWS[1]
+    listed = tmp_path / "rows.json"  # a .json list: the row is found even when the repeat is nested
+    listed.write_text('[{"question": "q", "answer": "#### 1"}, {"question": "r", "answer": "#### 2", '
+                      '"extra_info": {"index": 3, "index": 4}}]')
+    rows = _load(listed)
+    assert rows[0] == {"question": "q", "answer": "#### 1"}
+    assert rows[1] == BadRow("row 1: key 'index' appears twice in one object (3, then 4); JSON keys must be unique, "
+                             "and which value the row meant is unknown: keep one")
