@@ -215,7 +215,7 @@ def main() -> None:
 
 _NO_TOOL = ["rollout.multi_turn.tools=[]", "rollout.stop=[]", "rollout.multi_turn.max_turns=4",
             "rollout.multi_turn.max_tokens_per_turn=null", "rollout.multi_turn.max_tool_response_tokens=256", "data.system_prompt=null",
-            "data.instruction=Compute it and give the final answer after ####.", "reward.format_weight=0"]
+            "data.instruction=Compute it and give the final answer after ####.", "reward.shaping.tool_format=null"]
 """The same problems without the calculator: single-turn, asked for the answer itself, and no
 format reward (it scores tool calls); applied after the user's overrides."""
 

@@ -1,8 +1,10 @@
 """Open registries: the parts a config names by string, and the one way to add a part.
 
-Four config keys take a registered name: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
-(`ADVANTAGE_ESTIMATORS`), ``algorithm.policy_loss`` (`POLICY_LOSSES`) and ``rollout.engine``
-(`ROLLOUT_ENGINES`). A user adds a part with one decorated function in a file of their own::
+Six config keys take registered names: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
+(`ADVANTAGE_ESTIMATORS`), ``algorithm.policy_loss`` (`POLICY_LOSSES`), ``rollout.engine``
+(`ROLLOUT_ENGINES`), each of ``rollout.multi_turn.tools`` (`TOOLS`) and each key of
+``reward.shaping`` (`REWARD_SHAPING`, whose values are the parts' options). A user adds a part with
+one decorated function in a file of their own::
 
     from packrl.registry import POLICY_LOSSES
 
@@ -134,7 +136,8 @@ class Registry(Mapping[str, Any]):
             return None
         names = self.names()
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
-        nearest = f"did you mean {self.key}={close[0]}? " if close else ""
+        spelled = f"{self.key}.{close[0]}" if close and self.args_key == self.key else f"{self.key}={close[0] if close else ''}"
+        nearest = f"did you mean {spelled}? " if close else ""
         return (f"is not a registered {self.kind}",
                 f"{nearest}registered: {', '.join(names)}; or register one with "
                 f"@packrl.registry.{self.name}.register in a file named in trainer.plugins")
@@ -200,8 +203,18 @@ ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine"
 TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"})
 """``fn(arguments: dict) -> str`` (`packrl.rollout.tools.Tool`); raises `packrl.rollout.tools.ToolError` for a bad call."""
 
-CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS)}
-"""Config key -> the registry its value (or each value of a list) is looked up in (checked by `packrl.config.load`)."""
+REWARD_SHAPING = Registry("REWARD_SHAPING", "reward.shaping", "reward-shaping part",
+                          {"overlong": "packrl.reward.overlong", "tool_format": "packrl.reward.tool_format"},
+                          checks={"overlong": "packrl.reward.overlong:config_problems",
+                                  "tool_format": "packrl.reward.tool_format:config_problems"},
+                          args_key="reward.shaping")
+"""``fn(inputs: ShapingInputs) -> ShapingOutput`` (`packrl.reward.shaping.ShapingFn`). Its config key holds a
+mapping, part name -> that part's options (``args_key`` is the key itself)."""
+
+CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
+                                                             REWARD_SHAPING)}
+"""Config key -> the registry its value (each value of a list, each key of a mapping) is looked up in (checked by
+`packrl.config.load`)."""
 
 
 def import_plugins(plugins: list[str]) -> list[tuple[str, str]]:

@@ -282,10 +282,10 @@ class ScoredBatch:
 
     Attributes:
         scores: task score of each response (e.g. 1.0 correct). Shape [N], float32.
-        rewards: score plus shaping (overlong penalty, format reward). Shape [N], float32.
-        parts: shaping parts included in ``rewards`` by name (``format/call``: the tool-call
-            format reward's parts, `packrl.reward.tool_format`), each Shape [N], float32;
-            reported as ``reward/<name>`` metrics.
+        rewards: score plus every reward-shaping part (``reward.shaping``). Shape [N], float32.
+        parts: the shaping parts included in ``rewards`` by name, and their terms as
+            ``<part>/<term>`` (`packrl.reward.shaping.shape_rewards`), each Shape [N], float32;
+            reported as ``reward/<name>/mean`` metrics.
     """
 
     rollout: RolloutBatch

@@ -1,6 +1,6 @@
 """The length curriculum's key, ``rollout.max_response_tokens_schedule``: what makes its value a
 schedule (`schedule_problems`) and the reward setting every stage must hold
-(`overlong_buffer_problems`). The schedule itself is `packrl.seqlen.curriculum`."""
+(`overlong_buffer_problems`, the ``overlong`` shaping part's). The schedule itself is `packrl.seqlen.curriculum`."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def schedule_problems(raw: Any, max_response_tokens: int, key: str = SCHEDULE_KE
 
 
 def overlong_buffer_problems(raw: Any, max_response_tokens: int, overlong_buffer_tokens: int) -> list[ConfigProblem]:
-    """A problem for each stage shorter than ``reward.overlong_buffer_tokens``.
+    """A problem for each stage shorter than ``reward.shaping.overlong.buffer_tokens``.
 
     The DAPO overlong ramp covers the last ``overlong_buffer_tokens`` of the current stage's
     budget (`packrl.reward.overlong`), so it must fit inside every stage. None when ``raw`` is
@@ -65,9 +65,10 @@ def overlong_buffer_problems(raw: Any, max_response_tokens: int, overlong_buffer
         return []
     schedule = ResponseBudgetSchedule(tuple((start, budget) for start, budget in raw))
     return [ConfigProblem(
-        "reward.overlong_buffer_tokens", overlong_buffer_tokens,
+        "reward.shaping.overlong.buffer_tokens", overlong_buffer_tokens,
         f"> the budget of {schedule.label(i)} of {SCHEDULE_KEY}; the overlong ramp covers the last "
-        "reward.overlong_buffer_tokens of each stage's budget, so it must fit the smallest",
-        f"set reward.overlong_buffer_tokens <= {schedule.min_response_tokens:,} or raise that stage's budget ({SCHEDULE_KEY}[{i}][1])",
-        keys=("reward.overlong_buffer_tokens", SCHEDULE_KEY),
+        "buffer_tokens of each stage's budget, so it must fit the smallest",
+        f"set reward.shaping.overlong.buffer_tokens <= {schedule.min_response_tokens:,} or raise that stage's budget "
+        f"({SCHEDULE_KEY}[{i}][1])",
+        keys=("reward.shaping.overlong.buffer_tokens", SCHEDULE_KEY),
     ) for i, (_, budget) in enumerate(raw) if overlong_buffer_tokens > budget]

@@ -280,6 +280,8 @@ def _option_home(key: str) -> str | None:
     """The fix for an unknown ``key`` of a section whose leaf is an option of a registered part
     there (``algorithm.clip_cov_ub`` -> ``algorithm.policy_loss_args.clip_cov_ub`` with
     ``algorithm.policy_loss=clip_cov``), or None. Imports the parts' modules: an error path only."""
+    if key in MOVED:
+        return f"{key} moved: write {MOVED[key]}"
     section, leaf = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
     for registry in CONFIG_REGISTRIES.values():
         if registry.args_key is None or registry.args_key.split(".", 1)[0] != section:
@@ -287,8 +289,18 @@ def _option_home(key: str) -> str | None:
         for name in registry.names():
             cls = registry.options_class(name)
             if cls is not None and leaf in {f.name for f in dataclasses.fields(cls)}:
+                if registry.args_key == registry.key:  # a mapping of parts to their options
+                    return f"did you mean {registry.key}.{name}.{leaf}? (an option of the {registry.kind} {name})"
                 return f"did you mean {registry.args_key}.{leaf}? (an option of {registry.key}={name})"
     return None
+
+
+MOVED = {
+    "reward.overlong_buffer_tokens": "reward.shaping.overlong.buffer_tokens=N (the overlong ramp is a reward-shaping part)",
+    "reward.overlong_penalty_factor": "reward.shaping.overlong.penalty_factor=F (the overlong ramp is a reward-shaping part)",
+    "reward.format_weight": "reward.shaping.tool_format.weight=W (the tool-call format reward is a reward-shaping part)",
+}
+"""Keys of earlier releases -> where their setting lives now (named in the unknown-key problem)."""
 
 
 def build_options(cls: type, args: dict[str, Any], prefix: str) -> tuple[Any, list[ConfigProblem]]:
@@ -379,6 +391,9 @@ def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
         value: Any = cfg
         for part in key.split("."):
             value = getattr(value, part)
+        if isinstance(value, dict):  # name -> the part's options (reward.shaping)
+            problems += _mapping_problems(registry, value, cfg, bad)
+            continue
         for name in (value if isinstance(value, list) else [value]):
             problem = None if key in bad else registry.problem(name)
             if problem is not None:
@@ -386,6 +401,28 @@ def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
                                               problem[1]))
             elif key not in bad:
                 problems += registry.config_problems(name, cfg) + _options_problems(registry, name, cfg)
+    return problems
+
+
+def _mapping_problems(registry: Registry, value: dict[str, Any], cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
+    """A mapping of registered names to each part's options: every name known, every mapping
+    fitting its part's options, every part's check (a name set to null is off and not checked)."""
+    problems: list[ConfigProblem] = []
+    for name, args in value.items():
+        key = f"{registry.key}.{name}"
+        if args is None or key in bad or not isinstance(args, dict):
+            continue  # off, or the section's own check names a value that is not a mapping
+        problem = registry.problem(name)
+        if problem is not None:
+            problems.append(ConfigProblem(key, args, problem[0], problem[1]))
+            continue
+        cls = registry.options_class(name)
+        if cls is None and args:
+            problems.append(ConfigProblem(key, args, f"has no effect: {registry.kind} {name} reads no options",
+                                          f"set {key}={{}}"))
+        elif cls is not None:
+            problems += build_options(cls, args, f"{key}.")[1]
+        problems += registry.config_problems(name, cfg)
     return problems
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 from packrl.config.budgets import budget_problems, budgets_of
 from packrl.config.critic import CriticConfig
-from packrl.config.curriculum import overlong_buffer_problems
 from packrl.config.schema import RunConfig
 from packrl.errors import ConfigProblem
 
@@ -38,16 +37,6 @@ def multi_turn_off(cfg: RunConfig) -> list[ConfigProblem]:
     changed = [f.name for f in dataclasses.fields(mt) if f.name != "tools" and getattr(mt, f.name) != f.default]
     return [ConfigProblem(f"{key}.{name}", getattr(mt, name), f"has no effect: multi-turn is off ({key}.tools is empty)",
                           f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
-
-
-def format_reward(cfg: RunConfig) -> list[ConfigProblem]:
-    """The tool-call format reward scores tool calls: without tools it would add nothing."""
-    if not cfg.reward.format_weight or cfg.rollout.multi_turn.enabled:
-        return []
-    return [ConfigProblem("reward.format_weight", cfg.reward.format_weight, "has no effect: multi-turn is off "
-                          "(rollout.multi_turn.tools is empty), so no response holds a tool call",
-                          "name a tool in rollout.multi_turn.tools (e.g. [calculator]) or set reward.format_weight=0",
-                          keys=("reward.format_weight", "rollout.multi_turn.tools"))]
 
 
 def shared_prompts(cfg: RunConfig) -> list[ConfigProblem]:
@@ -143,17 +132,6 @@ def kl_in_reward(cfg: RunConfig) -> list[ConfigProblem]:
     return [ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
                           "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false",
                           keys=("algorithm.kl_in_reward", "algorithm.kl_coef"))]
-
-
-def overlong_buffer(cfg: RunConfig) -> list[ConfigProblem]:
-    """The DAPO overlong buffer fits the response budget, and every curriculum stage."""
-    buffer, budget = cfg.reward.overlong_buffer_tokens, cfg.rollout.max_response_tokens
-    out = []
-    if buffer > budget:
-        out.append(ConfigProblem("reward.overlong_buffer_tokens", buffer, f"> rollout.max_response_tokens={budget}",
-                                 "set reward.overlong_buffer_tokens below the response budget",
-                                 keys=("reward.overlong_buffer_tokens", "rollout.max_response_tokens")))
-    return out + overlong_buffer_problems(cfg.rollout.max_response_tokens_schedule, budget, buffer)
 
 
 def critic(cfg: RunConfig) -> list[ConfigProblem]:
@@ -282,8 +260,8 @@ def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
 
 
 RULES: tuple[Rule, ...] = (
-    critic, shared_prompts, token_budgets, multi_turn_off, format_reward, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, overlong_buffer, partial_rollouts,
+    critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
+    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, partial_rollouts,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

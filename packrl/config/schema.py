@@ -490,33 +490,23 @@ class RewardConfig:
     budget cut short is never credited as if it had ended on its own); true = scored like any
     other (what verl and TRL do); false = score 0."""
 
-    overlong_buffer_tokens: int = 0
-    """DAPO soft overlong punishment: the last this-many tokens before
-    `rollout.max_response_tokens` ramp the penalty from 0 to -`overlong_penalty_factor`
-    (DAPO, arXiv 2503.14476, Eq. 13); under a length curriculum, before the current stage's
-    budget (it must fit the smallest stage). 0 = off."""
+    shaping: dict[str, Any] = field(default_factory=dict)
+    """Reward-shaping parts added to the task score, each a name in
+    `packrl.registry.REWARD_SHAPING` mapped to its own knobs (`packrl.reward.shaping`), checked at
+    load against the part's options: `overlong` (DAPO's soft overlong punishment:
+    `reward.shaping.overlong.buffer_tokens`, `penalty_factor`), `tool_format` (the tool-call format
+    reward: `reward.shaping.tool_format.weight`), or one registered through `trainer.plugins`. An
+    empty mapping (`reward.shaping.<part>={}`) takes the part's defaults; null turns a preset's part
+    off. Each part is reported as `reward/<part>/mean`."""
 
-    overlong_penalty_factor: float = 1.0
-    """Largest overlong penalty, reached at `rollout.max_response_tokens`."""
-
-    format_weight: float = 0.0
-    """Weight `w` of the tool-call format reward added to the task reward of multi-turn
-    responses: +w/2 for a well-formed call, +w/2 for a final answer that uses a tool's answer,
-    -w for a malformed call; each part is its own metric `reward/format/*`
-    (`packrl.reward.tool_format`). 0 = off; needs `rollout.multi_turn.tools`."""
+    def shaping_parts(self) -> dict[str, dict[str, Any]]:
+        """The parts `shaping` turns on, name -> its options mapping (a part set to null is off)."""
+        return {name: dict(args or {}) for name, args in self.shaping.items() if args is not None}
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
-        out = []
-        if self.overlong_buffer_tokens < 0:
-            out.append(ConfigProblem(f"{prefix}.overlong_buffer_tokens", self.overlong_buffer_tokens, "must be >= 0",
-                                     "set reward.overlong_buffer_tokens=0 (off)"))
-        if not 0 <= self.overlong_penalty_factor < math.inf:
-            out.append(ConfigProblem(f"{prefix}.overlong_penalty_factor", self.overlong_penalty_factor,
-                                     "must be a finite number >= 0 (it is subtracted)", "set reward.overlong_penalty_factor=1.0"))
-        if not 0 <= self.format_weight < math.inf:
-            out.append(ConfigProblem(f"{prefix}.format_weight", self.format_weight,
-                                     "must be a finite number >= 0 (a malformed call already scores -w)", "set reward.format_weight=0.2"))
-        return out
+        bad = [(name, args) for name, args in self.shaping.items() if args is not None and not isinstance(args, dict)]
+        return [ConfigProblem(f"{prefix}.shaping.{name}", args, "must be a mapping of the part's knobs (or {} for its defaults, "
+                              "null for off)", f"write {prefix}.shaping.{name}.<knob>=value") for name, args in bad]
 
 
 _LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}

@@ -99,12 +99,13 @@ def score_metrics(batch: TrainBatch) -> dict[str, float]:
     """``critic/score/mean|max|min`` and ``critic/rewards/mean|max|min`` (per response), and
     ``critic/advantages/mean|max|min`` over every response token the policy generated (verl's
     meaning: advantages are per token; an outcome estimator's mean is then length-weighted); and
-    ``reward/<part>`` (mean per response) for each shaping part in the rewards (``reward/format/call``,
-    ``reward/format/answer_used``, ``reward/format/malformed``: `packrl.reward.tool_format`)."""
+    ``reward/<part>/mean`` (mean per response) for each shaping part in the rewards and each of its
+    terms (``reward/overlong/mean``, ``reward/tool_format/mean``, ``reward/tool_format/call/mean``:
+    `packrl.reward.shaping`)."""
     scored = batch.scored
     generated = [a[r.generated_mask()] for a, r in zip(batch.advantages, batch.rollout.responses)]
     tokens = torch.cat(generated) if generated else torch.zeros(0)
-    parts = {f"reward/{name}": float(values.mean()) if len(values) else 0.0 for name, values in scored.parts.items()}
+    parts = {f"reward/{name}/mean": float(values.mean()) if len(values) else 0.0 for name, values in scored.parts.items()}
     return (
         _stats("critic/score", scored.scores.tolist())
         | _stats("critic/rewards", scored.rewards.tolist())

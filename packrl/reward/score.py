@@ -1,5 +1,5 @@
-"""Score a rollout: decode each response, apply the registered reward, add the overlong penalty
-and the tool-call format reward (`packrl.reward.tool_format`).
+"""Score a rollout: decode each response, apply the registered reward, add the reward-shaping
+parts of ``reward.shaping`` (`packrl.reward.shaping.shape_rewards`).
 
 Shapes: ``N`` responses (``B`` prompts x ``G`` per prompt); response ``i`` is scored against the
 ground truth and data source of prompt ``i // G``.
@@ -13,23 +13,22 @@ from typing import Any
 import torch
 
 from packrl.config.schema import RewardConfig
-from packrl.reward.overlong import soft_overlong_penalty
 from packrl.reward.registry import get_reward, scores_truncated
-from packrl.reward.tool_format import format_parts
+from packrl.reward.shaping import ShapingInputs, shape_rewards
 from packrl.types import Response, RolloutBatch, ScoredBatch
 
 logger = logging.getLogger(__name__)
 
-def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_response_tokens: int) -> ScoredBatch:
+def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_response_tokens: int, *, step: int = 0) -> ScoredBatch:
     """Task scores and shaped rewards of every response.
 
     Args:
         rollout: N responses and their prompts.
         tokenizer: the policy's tokenizer; responses are decoded with special tokens skipped.
-        cfg: the ``reward`` section (``name``, extraction, ``format_score``, overlong shaping,
-            ``format_weight``).
+        cfg: the ``reward`` section (``name``, extraction, ``format_score``, ``shaping``).
         max_response_tokens: the step's response budget (``rollout.max_response_tokens``, or the
             current stage's under a length curriculum), where the overlong ramp ends.
+        step: the training step (for shaping parts that change over training; 0 in validation).
 
     A response a budget cut (finish reason ``length`` or ``context``) scores 0 without calling
     the reward function unless the reward's rule or ``reward.score_truncated`` says otherwise
@@ -38,11 +37,11 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
 
     Returns:
         `ScoredBatch` with ``scores`` (the reward function's value, Shape [N], float32),
-        ``rewards`` (scores plus the overlong penalty and the format reward, Shape [N], float32)
-        and ``parts`` (the format reward's parts when ``reward.format_weight`` > 0).
+        ``rewards`` (scores plus every shaping part, Shape [N], float32) and ``parts`` (each
+        shaping part's values and its terms, `packrl.reward.shaping.shape_rewards`).
 
     Raises:
-        ValueError: ``cfg.name`` is not registered, or the overlong buffer exceeds the budget.
+        ValueError: ``cfg.name`` or a shaping part is not registered, or a part returned bad values.
         RuntimeError: the reward function raised twice on one response (it is retried once);
             names the response index, data source, ground truth and the cause.
     """
@@ -50,21 +49,17 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
     texts = policy_texts(rollout.responses, tokenizer)
     score_cut = scores_truncated(reward_fn, cfg)
     prompts, group = rollout.prompts, rollout.group_size
-    scores, rewards = [], []
+    scores = []
     for i, (text, response) in enumerate(zip(texts, rollout.responses)):
         truth, source = prompts.ground_truths[i // group], prompts.data_sources[i // group]
         if response.truncated and not score_cut:
-            score = 0.0
+            scores.append(0.0)
         else:
-            score = _score_with_retry(reward_fn, text, truth, source, cfg, i)
-        penalty = soft_overlong_penalty(
-            len(response.response_ids), max_response_tokens, cfg.overlong_buffer_tokens, cfg.overlong_penalty_factor
-        )
-        scores.append(score)
-        rewards.append(score + penalty)
-    parts = format_parts(rollout.responses, tokenizer, cfg.format_weight) if cfg.format_weight else {}
-    shaped = torch.tensor(rewards, dtype=torch.float32) + sum(parts.values(), torch.zeros(len(rewards)))
-    return ScoredBatch(rollout=rollout, scores=torch.tensor(scores, dtype=torch.float32), rewards=shaped, parts=parts)
+            scores.append(_score_with_retry(reward_fn, text, truth, source, cfg, i))
+    task = torch.tensor(scores, dtype=torch.float32)
+    shaping, parts = shape_rewards(ShapingInputs(rollout=rollout, scores=task, texts=tuple(texts), tokenizer=tokenizer,
+                                                 max_response_tokens=max_response_tokens, step=step), cfg)
+    return ScoredBatch(rollout=rollout, scores=task, rewards=task + shaping, parts=parts)
 
 
 def policy_texts(responses: tuple[Response, ...], tokenizer: Any) -> list[str]:

@@ -61,7 +61,8 @@ def test_registered_outcome_estimators_give_every_token_the_response_advantage(n
 
 
 def test_advantage_errors():
-    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='gea' is not a registered advantage estimator.*gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"):
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='gea' is not a registered advantage estimator.*gae, grpo, "
+                                         r"reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"):
         ADVANTAGE_ESTIMATORS.lookup("gea")
     with pytest.raises(ValueError, match="rollout.n=4"):
         grpo_advantages(torch.zeros(6), 4)

@@ -167,9 +167,9 @@ def test_override_values_yaml_cannot_read_are_plain_text():
 def test_settings_that_silently_do_nothing_are_problems():
     with pytest.raises(ConfigError) as err:
         load_config("demo", ["rollout.n=1", "algorithm.kl_in_reward=true", "rollout.stop=['']", "train.lr=.inf",
-                             "reward.overlong_penalty_factor=-5"])
+                             "reward.shaping.overlong.buffer_tokens=8", "reward.shaping.overlong.penalty_factor=-5"])
     keys = {p.key for p in err.value.problems}
-    assert keys == {"rollout.n", "algorithm.kl_in_reward", "rollout.stop", "train.lr", "reward.overlong_penalty_factor"}
+    assert keys == {"rollout.n", "algorithm.kl_in_reward", "rollout.stop", "train.lr", "reward.shaping.overlong.penalty_factor"}
 
 
 def test_loss_scale_factor_is_refused_where_the_loss_mode_does_not_use_it():

@@ -29,5 +29,5 @@ def test_penalty_table(tokens, max_tokens, buffer, factor, penalty):
 
 @pytest.mark.parametrize("buffer", [-1, 101])
 def test_buffer_outside_the_budget(buffer):
-    with pytest.raises(ValueError, match=r"reward.overlong_buffer_tokens=.* rollout.max_response_tokens=100"):
+    with pytest.raises(ValueError, match=r"reward.shaping.overlong.buffer_tokens=.* rollout.max_response_tokens=100"):
         soft_overlong_penalty(50, 100, buffer, 1.0)

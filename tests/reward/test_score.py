@@ -40,10 +40,11 @@ def test_overlong_penalty_is_added_to_rewards_not_scores(smollm_tokenizer):
     rollout = _rollout(tok, ["#### 4", "word " * 40 + "#### 4"], ("4",), eos=False)
     lengths = [len(r.response_ids) for r in rollout.responses]
     max_tokens = lengths[1]
-    cfg = RewardConfig(overlong_buffer_tokens=max_tokens - lengths[0], overlong_penalty_factor=0.5, score_truncated=True)
+    cfg = RewardConfig(shaping={"overlong": {"buffer_tokens": max_tokens - lengths[0], "penalty_factor": 0.5}}, score_truncated=True)
     scored = score_rollout(rollout, tok, cfg, max_response_tokens=max_tokens)
     assert scored.scores.tolist() == [1.0, 1.0]
     assert scored.rewards.tolist() == pytest.approx([1.0, 0.5])  # at the ramp start: 0; at the budget: -0.5
+    assert scored.parts["overlong"].tolist() == pytest.approx([0.0, -0.5])  # reported as a part
 
 
 def test_a_response_a_budget_cut_gets_no_answer_credit_unless_configured(smollm_tokenizer):

@@ -1,4 +1,4 @@
-"""The tool-call format reward (reward.format_weight): each part per response from the trajectory
+"""The tool-call format reward (the tool_format shaping part, reward.shaping.tool_format.weight): each part per response from the trajectory
 the multi-turn engine built, added to rewards and not to scores, kept through group selection and
 concatenation, reported per part; refused where it would have no effect."""
 
@@ -43,18 +43,18 @@ def test_each_part_per_response(smollm_tokenizer, responses):
     assert responses[0].trajectory.tool_answers == ("408",)
     assert responses[2].trajectory.num_malformed_calls == 1 and responses[2].trajectory.tool_answers == ("408",)
     parts = format_parts(responses, smollm_tokenizer, 0.4)
-    assert set(parts) == {"format/call", "format/answer_used", "format/malformed"}
+    assert set(parts) == {"call", "answer_used", "malformed"}
     assert all(v.dtype == torch.float32 and v.shape == (5,) for v in parts.values())
-    assert parts["format/call"].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.0, 0.2])
-    assert parts["format/answer_used"].tolist() == pytest.approx([0.2, 0.0, 0.2, 0.0, 0.0])  # max_turns: no answer turn
-    assert parts["format/malformed"].tolist() == pytest.approx([0.0, 0.0, -0.4, 0.0, 0.0])
+    assert parts["call"].tolist() == pytest.approx([0.2, 0.2, 0.2, 0.0, 0.2])
+    assert parts["answer_used"].tolist() == pytest.approx([0.2, 0.0, 0.2, 0.0, 0.0])  # max_turns: no answer turn
+    assert parts["malformed"].tolist() == pytest.approx([0.0, 0.0, -0.4, 0.0, 0.0])
 
 
 def test_a_tool_error_is_no_answer_to_use(smollm_tokenizer):
     response = _trajectory(smollm_tokenizer, [CALL % "1 / 0", "#### Error: division by zero"])
     assert response.trajectory.num_tool_errors == 1 and response.trajectory.tool_answers == ()
     parts = format_parts([response], smollm_tokenizer, 1.0)
-    assert parts["format/call"].tolist() == [0.5] and parts["format/answer_used"].tolist() == [0.0]
+    assert parts["call"].tolist() == [0.5] and parts["answer_used"].tolist() == [0.0]
 
 
 def _rollout(responses):
@@ -67,25 +67,33 @@ def _rollout(responses):
 def test_rewards_carry_the_parts_and_scores_do_not(smollm_tokenizer, responses):
     rollout = _rollout(responses)
     plain = score_rollout(rollout, smollm_tokenizer, RewardConfig(extraction="flexible"), max_response_tokens=400)
-    shaped = score_rollout(rollout, smollm_tokenizer, RewardConfig(extraction="flexible", format_weight=0.4), max_response_tokens=400)
+    shaped = score_rollout(rollout, smollm_tokenizer, RewardConfig(extraction="flexible", shaping={"tool_format": {"weight": 0.4}}),
+                           max_response_tokens=400)
     assert plain.parts == {} and torch.equal(plain.scores, shaped.scores)
     assert shaped.scores.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
     assert shaped.rewards.tolist() == pytest.approx([1.4, 0.2, 1.0, 1.0, 0.2])
-    assert torch.allclose(shaped.rewards, plain.rewards + sum(shaped.parts.values()))
+    assert torch.allclose(shaped.rewards, plain.rewards + shaped.parts["tool_format"])
+    assert torch.allclose(shaped.parts["tool_format"], sum(shaped.parts[f"tool_format/{t}"] for t in ("call", "answer_used", "malformed")))
     # dynamic sampling selects and concatenates groups: each part follows its response
     picked = concat_scored([select_groups(shaped, [2, 0]), select_groups(shaped, [4])])
-    assert picked.parts["format/malformed"].tolist() == pytest.approx([-0.4, 0.0, 0.0])
-    assert picked.parts["format/call"].tolist() == pytest.approx([0.2, 0.2, 0.2])
+    assert picked.parts["tool_format/malformed"].tolist() == pytest.approx([-0.4, 0.0, 0.0])
+    assert picked.parts["tool_format/call"].tolist() == pytest.approx([0.2, 0.2, 0.2])
     zeros = tuple(torch.zeros(len(r.response_ids)) for r in responses)
     masks = tuple(torch.ones(len(r.response_ids), dtype=torch.bool) for r in responses)
     metrics = score_metrics(TrainBatch(shaped, zeros, masks, None, None))
-    assert metrics["reward/format/call"] == pytest.approx(0.16) and metrics["reward/format/malformed"] == pytest.approx(-0.08)
-    assert metrics["reward/format/answer_used"] == pytest.approx(0.08)
+    assert metrics["reward/tool_format/call/mean"] == pytest.approx(0.16)
+    assert metrics["reward/tool_format/malformed/mean"] == pytest.approx(-0.08)
+    assert metrics["reward/tool_format/answer_used/mean"] == pytest.approx(0.08)
+    assert metrics["reward/tool_format/mean"] == pytest.approx(0.16)
 
 
 def test_the_format_reward_is_refused_without_tools_or_below_zero():
-    with pytest.raises(ConfigError, match="reward.format_weight.*has no effect: multi-turn is off"):
-        load_config("demo", ["reward.format_weight=0.2"])
-    with pytest.raises(ConfigError, match="reward.format_weight.*must be a finite number >= 0"):
-        load_config("arithmetic_tool", ["reward.format_weight=-1"])
-    assert load_config("arithmetic_tool", ["reward.format_weight=0.2"]).reward.format_weight == 0.2
+    key = "reward.shaping.tool_format"
+    with pytest.raises(ConfigError, match=f"{key}=.*has no effect: multi-turn is off"):
+        load_config("demo", [f"{key}.weight=0.2"])
+    with pytest.raises(ConfigError, match=f"{key}.weight=-1.0: must be a finite number > 0"):
+        load_config("arithmetic_tool", [f"{key}.weight=-1"])
+    assert load_config("arithmetic_tool", [f"{key}.weight=0.3"]).reward.shaping == {"tool_format": {"weight": 0.3}}
+    with pytest.raises(ConfigError, match=r"reward.format_weight=0.2: unknown key; fix: reward.format_weight moved: write "
+                                          r"reward.shaping.tool_format.weight"):
+        load_config("arithmetic_tool", ["reward.format_weight=0.2"])

@@ -61,7 +61,8 @@ def _varied(rows):
 def _cfg(*, enable=True, batch_size=4, n=2, max_rounds=10, mini=None, workers=1, metric="score", buffer=0) -> RunConfig:
     return RunConfig(
         data=DataConfig(batch_size=batch_size, shuffle=False), rollout=RolloutConfig(n=n),
-        reward=RewardConfig(name="test_scripted_value", overlong_buffer_tokens=buffer), train=TrainConfig(mini_batch_size=mini),
+        reward=RewardConfig(name="test_scripted_value", shaping={"overlong": {"buffer_tokens": buffer}} if buffer else {}),
+        train=TrainConfig(mini_batch_size=mini),
         algorithm=AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=enable, max_num_gen_batches=max_rounds, metric=metric)),
         trainer=TrainerConfig(num_workers=workers),
     )

@@ -103,9 +103,10 @@ def test_every_stage_must_fit_the_micro_batch_budgets_at_config_load():
 
 
 def test_the_overlong_buffer_must_fit_the_smallest_stage():
-    found = _about(_problems(f"{KEY}=[[1,16],[3,64]]", "reward.overlong_buffer_tokens=20"), "reward.overlong_buffer_tokens")
+    key = "reward.shaping.overlong.buffer_tokens"
+    found = _about(_problems(f"{KEY}=[[1,16],[3,64]]", f"{key}=20"), key)
     assert len(found) == 1 and "stage 1 (steps 1-2, 16 tokens)" in found[0] and "<= 16" in found[0], found
-    assert not _about(_problems(f"{KEY}=[[1,16],[3,64]]", "reward.overlong_buffer_tokens=16"), "reward.overlong_buffer_tokens")
+    assert not _about(_problems(f"{KEY}=[[1,16],[3,64]]", f"{key}=16"), key)
 
 
 def test_the_budget_table_lists_the_stages():
