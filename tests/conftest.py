@@ -1,4 +1,9 @@
-"""Shared fixtures: a tiny random Llama (float32) and the SmolLM2 tokenizer from ../shared."""
+"""Shared fixtures: a tiny random Llama (float32) and the SmolLM2 tokenizer from ../shared.
+
+Tests that read ../shared (the SmolLM2 files, GSM8K) skip without it through `needs_shared` /
+`skip_without_shared`, whose reasons start with `NO_SHARED`: the run's summary says once how many
+tests that skipped, and with ``PACKRL_REQUIRE_SHARED=1`` (set by .ci/run) the session fails instead
+of passing with them skipped."""
 
 from __future__ import annotations
 
@@ -13,6 +18,47 @@ from packrl.models.attention import use_packed_attention
 
 SHARED = Path(os.environ.get("PACKRL_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 SMOLLM_DIR = SHARED / "models" / "smollm2-135m-instruct"
+GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GSM8K_DIR = SHARED / "data" / "gsm8k"
+NO_SHARED = "needs ../shared"
+"""The start of every skip reason for a missing ../shared file (counted by `pytest_terminal_summary`)."""
+_shared_skips: list[str] = []
+
+
+def _missing_reason(paths: tuple[Path, ...]) -> str | None:
+    missing = [str(p) for p in paths if not p.exists()]
+    return f"{NO_SHARED}: {', '.join(missing)} not found (set PACKRL_SHARED to the shared/ folder)" if missing else None
+
+
+def needs_shared(*paths: Path) -> pytest.MarkDecorator:
+    """A skip mark for tests that read ``paths`` under ../shared."""
+    reason = _missing_reason(paths)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def skip_without_shared(*paths: Path) -> None:
+    """Skip the running test (or fixture) when one of ``paths`` under ../shared is missing."""
+    reason = _missing_reason(paths)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple) and NO_SHARED in str(report.longrepr[2]):
+        _shared_skips.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _shared_skips:
+        required = os.environ.get("PACKRL_REQUIRE_SHARED") == "1"
+        terminalreporter.write_line(f"{len(_shared_skips)} tests skipped because ../shared was not found at {SHARED} "
+                                    "(set PACKRL_SHARED to the shared/ folder)" + ("; PACKRL_REQUIRE_SHARED=1 fails the run" if required else ""),
+                                    red=required, yellow=not required, bold=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _shared_skips and os.environ.get("PACKRL_REQUIRE_SHARED") == "1":
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def tiny_llama(*, attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = 97) -> LlamaForCausalLM:
@@ -37,8 +83,7 @@ def model() -> LlamaForCausalLM:
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
-    if not (SMOLLM_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"SmolLM2 tokenizer not found under {SMOLLM_DIR} (set PACKRL_SHARED to the shared/ folder)")
+    skip_without_shared(SMOLLM_DIR / "tokenizer.json")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(SMOLLM_DIR)

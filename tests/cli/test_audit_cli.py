@@ -10,7 +10,7 @@ import pytest
 from packrl.cli.audit import locate_tokenizer, split_arguments
 from packrl.cli.main import main
 from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import GGUF, skip_without_shared
 from tests.vlm import image
 
 
@@ -91,9 +91,9 @@ def test_split_arguments_tells_overrides_from_sources():
 
 
 def test_a_gguf_uses_the_tokenizer_training_would_without_converting():
-    gguf = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = GGUF
     if not gguf.is_file():
-        pytest.skip(f"{gguf} not found")
+        skip_without_shared(gguf)
     located = locate_tokenizer(str(gguf))
     assert located.directory is not None and (located.directory / "tokenizer.json").is_file()
 

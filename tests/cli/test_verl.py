@@ -17,7 +17,7 @@ from packrl.cli.verl import count_rows
 from packrl.compat.verl import parse_override, translate
 from packrl.compat.verl.keys import FAMILIES, VERL_KEYS
 from packrl.config import ConfigError, load_config
-from tests.conftest import SHARED, SMOLLM_DIR
+from tests.conftest import GGUF, GSM8K_DIR, SHARED, needs_shared, skip_without_shared
 
 AR = "actor_rollout_ref"
 COMMON = [
@@ -239,18 +239,15 @@ def write_verl_parquet(path, rows: int) -> None:
 
 def test_total_epochs_counts_parquet_rows(tmp_path):
     pytest.importorskip("pyarrow")
-    if not (SHARED / "data" / "gsm8k" / "train.jsonl").is_file():
-        pytest.skip("needs the shared GSM8K data")
+    skip_without_shared(GSM8K_DIR / "train.jsonl")
     write_verl_parquet(tmp_path / "train.parquet", 10)
     assert count_rows([str(tmp_path / "train.parquet")]) == 10 and count_rows(["openai/gsm8k"]) is None
 
 
-GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (GGUF.is_file() and (SHARED / "data" / "gsm8k" / "train.jsonl").is_file()),
-                    reason="needs the shared model and GSM8K")
+@needs_shared(GGUF, GSM8K_DIR / "train.jsonl")
 def test_translated_gsm8k_grpo_command_trains_one_step(tmp_path, capsys):
     write_verl_parquet(tmp_path / "train.parquet", 8)
     out_dir = tmp_path / "run"

@@ -12,9 +12,8 @@ from packrl.cli.main import main
 from packrl.data.examples import to_example
 from packrl.data.loaders import load_rows
 from packrl.data.verl_gsm8k import VERL_GSM8K_INSTRUCTION, extract_answer, verl_schema, write_verl_gsm8k
-from tests.conftest import SHARED
+from tests.conftest import GSM8K_DIR, needs_shared
 
-GSM8K_DIR = SHARED / "data" / "gsm8k"
 ROWS = [
     {"question": "Natalia sold 48 clips in April and half as many in May. How many?", "answer": "48/2 = 24\n#### 72"},
     {"question": "Big number?", "answer": "so\n#### 1,234"},
@@ -90,7 +89,7 @@ def test_a_file_with_no_convertible_row_is_an_error(tmp_path):
         write_verl_gsm8k(source, "train", tmp_path / "train.parquet")
 
 
-@pytest.mark.skipif(not (GSM8K_DIR / "train.jsonl").is_file(), reason=f"GSM8K jsonl not under {GSM8K_DIR}")
+@needs_shared(GSM8K_DIR / "train.jsonl")
 def test_the_shared_gsm8k_converts_every_row_and_matches_packrls_jsonl_reading(tmp_path):
     for split in ("train", "test"):
         account = write_verl_gsm8k(GSM8K_DIR / f"{split}.jsonl", split, tmp_path / f"{split}.parquet")

@@ -14,6 +14,7 @@ from tests.builders import metric_lines
 from tests.diagnostics.tiny_run import BASE
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # every test here starts Ray and worker processes
 
 SEPARATE = ["trainer.rollout_mode=separate_async", "trainer.num_rollout_workers=1", "rollout.over_provision=1",
             "rollout.partial_chunk_tokens=4", "reward.name=test_letter_e", "train.dump_rollouts=true", "train.lr=1e-2"]

@@ -105,6 +105,7 @@ def _run(out, model_dir, *overrides: str):
     return train(cfg)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_holds_what_one_rank_cannot_and_trains_as_one_process(tmp_path, model_dir):
     with pytest.raises(ConfigError, match=r"train.max_tokens_per_microbatch=80: smaller than the longest possible sequence"):
         _run(tmp_path / "refused", model_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # every test here starts Ray and worker processes
 
 from packrl.config import load_config  # noqa: E402
 from packrl.trainer.sft import sft  # noqa: E402

@@ -10,6 +10,7 @@ import io
 import pytest
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # every test here starts Ray and worker processes
 
 from packrl.config import load_config  # noqa: E402
 from packrl.trainer.loop import train  # noqa: E402

@@ -10,13 +10,11 @@ import pytest
 
 from packrl.config import load_config
 from packrl.trainer.loop import train
-from tests.conftest import SMOLLM_DIR
-
-GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tests.conftest import GGUF, needs_shared
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GGUF.is_file(), reason=f"needs {GGUF}")
+@needs_shared(GGUF)
 def test_arithmetic_tool_preset_two_steps(tmp_path):
     # A smaller batch than the preset's to keep CI short; the multi-turn settings are the preset's.
     cfg = load_config("arithmetic_tool", [f"model.path={GGUF}", "train.total_steps=2", f"train.out_dir={tmp_path}",

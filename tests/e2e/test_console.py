@@ -16,10 +16,9 @@ import pytest
 
 from packrl.config import load_config
 from packrl.trainer.run import Run
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import GGUF, needs_shared
 
 ROOT = Path(__file__).resolve().parents[2]
-GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = ["data.batch_size=2", "rollout.n=2", "rollout.max_response_tokens=8", "train.total_steps=1", "train.save_every=1",
         "data.val_files=[]", "train.val_every=0", "train.max_tokens_per_microbatch=512"]
 BAR = re.compile(r"\d+%\||\d+/\d+ \[")  # tqdm's "40%|" or "1/1 [" in a bar line
@@ -27,7 +26,7 @@ LIBRARY_NOISE = ("Loading weights", "Writing model shards", "de-quantizing", "Fe
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GGUF.is_file(), reason=f"no {GGUF}")
+@needs_shared(GGUF)
 def test_a_one_step_run_shows_one_bar_and_no_library_output(tmp_path):
     env = {**os.environ, "PACKRL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "default"}
     env.pop("TQDM_DISABLE", None)

@@ -9,16 +9,15 @@ import pytest
 
 from packrl.config import load_config
 from packrl.trainer.loop import train
-from tests.conftest import SHARED, SMOLLM_DIR
+from tests.conftest import GGUF, GSM8K_DIR, needs_shared
 
-GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
-TRAIN = SHARED / "data" / "gsm8k" / "train.jsonl"
+TRAIN = GSM8K_DIR / "train.jsonl"
 
 pytest.importorskip("ray")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (GGUF.is_file() and TRAIN.is_file()), reason=f"needs {GGUF} and {TRAIN}")
+@needs_shared(GGUF, TRAIN)
 def test_gsm8k_preset_two_steps_on_two_workers(tmp_path):
     # Smaller than the preset's batch and response budget to keep CI short; everything else is the preset's.
     cfg = load_config("gsm8k", [f"data.train_files=[{TRAIN}]", f"model.path={GGUF}", "trainer.num_workers=2",

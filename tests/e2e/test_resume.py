@@ -46,6 +46,7 @@ def _train_until_killed(run_dir: Path, checkpoint: Path, common: list[str]) -> N
     assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow  # a training run in a subprocess, killed, then resumed
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_resume_after_sigkill_matches_four_straight(tmp_path, smollm_tokenizer, mode):
     """``colocate_async``: the checkpoint carries partial groups, and the resumed run trains the

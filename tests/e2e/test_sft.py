@@ -8,13 +8,11 @@ import json
 import pytest
 
 from packrl.cli.main import main
-from tests.conftest import SMOLLM_DIR
-
-GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tests.conftest import GGUF, needs_shared
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GGUF.is_file(), reason=f"needs {GGUF}")
+@needs_shared(GGUF)
 def test_sft_then_rl_from_its_checkpoint(tmp_path):
     traces = tmp_path / "traces.jsonl"
     assert main(["data", "tool-traces", "arithmetic_tool", "sft.num_rows=12", "--out", str(traces)]) == 0

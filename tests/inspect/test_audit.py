@@ -19,7 +19,7 @@ from packrl.data import PromptDataset, load_examples
 from packrl.inspect.audit import audit_rows, audit_sources, length_percentiles
 from packrl.inspect.audit_html import render_html
 from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
-from tests.conftest import SHARED
+from tests.conftest import GSM8K_DIR, skip_without_shared
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +112,9 @@ def test_audit_p99_equals_the_trainers(tok, ten_rows, tmp_path):
 
 
 def test_audit_p99_equals_the_trainers_with_smollm2(smollm_tokenizer, tmp_path):
-    gsm8k = SHARED / "data" / "gsm8k" / "train.jsonl"
+    gsm8k = GSM8K_DIR / "train.jsonl"
     if not gsm8k.is_file():
-        pytest.skip(f"{gsm8k} not found")
+        skip_without_shared(gsm8k)
     path = tmp_path / "gsm8k_600.jsonl"
     path.write_text("".join(gsm8k.read_text().splitlines(keepends=True)[:600]))
     cfg = config(instruction=DataConfig().instruction, max_prompt_tokens=128)

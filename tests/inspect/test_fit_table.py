@@ -15,10 +15,10 @@ from packrl.cli.main import main
 from packrl.config import load_config
 from packrl.inspect.fit_table import DEFAULT_MEMORY_GIB, _with_sequence, fit_table
 from packrl.inspect.memory import GIB, ModelShape, estimate_memory
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import SMOLLM_DIR, needs_shared
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_smollm = pytest.mark.skipif(not (SMOLLM_DIR / "config.json").is_file(), reason=f"no SmolLM2 config under {SMOLLM_DIR}")
+needs_smollm = needs_shared(SMOLLM_DIR / "config.json")
 
 
 @needs_smollm

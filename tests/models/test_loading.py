@@ -23,13 +23,13 @@ from packrl.models import resolve
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.model_config import load_model_config
 from packrl.models.resolve import MARKER, extract_gguf, resolve_model
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import SMOLLM_DIR, needs_shared, skip_without_shared
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF = SMOLLM_DIR / GGUF_NAME
 ALIAS = "smollm2-135m-instruct"
 MESSAGES = [{"role": "user", "content": "What is 2 + 3? Reply with only the number."}]
-needs_gguf = pytest.mark.skipif(not GGUF.is_file(), reason=f"no SmolLM2 GGUF under {SMOLLM_DIR}")
+needs_gguf = needs_shared(GGUF)
 
 
 def _go_offline(mp: pytest.MonkeyPatch, hf_cache: Path) -> None:
@@ -49,8 +49,7 @@ def offline(monkeypatch, tmp_path):
 
 @pytest.fixture
 def smollm_dir():
-    if not (SMOLLM_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"no SmolLM2 files under {SMOLLM_DIR}")
+    skip_without_shared(SMOLLM_DIR / "tokenizer.json")
     return SMOLLM_DIR
 
 
@@ -288,7 +287,7 @@ def gguf_logits(smollm_tokenizer_module):
 @pytest.fixture(scope="module")
 def smollm_tokenizer_module():
     if not GGUF.is_file():
-        pytest.skip(f"no SmolLM2 GGUF under {SMOLLM_DIR}")
+        skip_without_shared(GGUF)
     return AutoTokenizer.from_pretrained(SMOLLM_DIR)
 
 
@@ -296,7 +295,7 @@ def smollm_tokenizer_module():
 def converted(tmp_path_factory):
     """The shared GGUF converted once into a fresh packrl cache: (cache root, resolved, seconds)."""
     if not GGUF.is_file():
-        pytest.skip(f"no SmolLM2 GGUF under {SMOLLM_DIR}")
+        skip_without_shared(GGUF)
     root = tmp_path_factory.mktemp("packrl_cache")
     start = time.perf_counter()
     resolved = resolve_model(str(GGUF), cache_dir=root)

@@ -6,13 +6,12 @@ import pytest
 
 from packrl.models.model_config import load_model_config
 from packrl.seqlen.budgets import model_context_tokens
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import SMOLLM_DIR, skip_without_shared
 
 
 @pytest.fixture
 def smollm_dir():
-    if not (SMOLLM_DIR / "config.json").is_file():
-        pytest.skip(f"no SmolLM2 files under {SMOLLM_DIR}")
+    skip_without_shared(SMOLLM_DIR / "config.json")
     return SMOLLM_DIR
 
 

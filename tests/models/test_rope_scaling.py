@@ -16,7 +16,7 @@ from packrl.models.logprobs import pack_logprobs
 from packrl.models.model_config import apply_rope_scaling, load_model_config
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 from packrl.seqlen.packing import pack_sequences
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import SMOLLM_DIR, skip_without_shared
 
 
 def _config(vocab_size: int = 97, **kw) -> LlamaConfig:
@@ -64,8 +64,7 @@ def test_a_config_without_max_position_embeddings_is_an_error():
 
 @pytest.fixture
 def tiny_dir(tmp_path):
-    if not (SMOLLM_DIR / "tokenizer.json").is_file():
-        pytest.skip(f"no SmolLM2 tokenizer under {SMOLLM_DIR}")
+    skip_without_shared(SMOLLM_DIR / "tokenizer.json")
     torch.manual_seed(0)
     d = tmp_path / "tiny"
     LlamaForCausalLM(_config(vocab_size=49152)).save_pretrained(d)  # SmolLM2's vocabulary, context 64

