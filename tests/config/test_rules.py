@@ -1,0 +1,103 @@
+"""Every cross-field rule in `packrl.config.relations.RULES`, and every registered part's config
+check, triggered at least once by a config that breaks it, and passed by every shipped preset.
+A new rule without a case here fails `test_every_rule_has_a_case`."""
+
+from __future__ import annotations
+
+import pytest
+
+from packrl.config import check_config, load_config
+from packrl.config.load import preset_names
+from packrl.config.relations import RULES
+from packrl.registry import CONFIG_REGISTRIES
+
+ASYNC = "trainer.rollout_mode=colocate_async"
+SEPARATE = "trainer.rollout_mode=separate_async"
+
+CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo preset, the problem's key, a fragment of it)
+    ("critic", ["algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable", "needs the critic's values"),
+    ("critic", ["critic.cliprange_value=0.2"], "critic.cliprange_value", "has no effect: this run has no critic"),
+    ("critic", ["algorithm.lam=0.9"], "algorithm.lam", "has no effect with algorithm.adv_estimator=grpo"),
+    ("critic", ["algorithm.adv_estimator=gae", "trainer.num_workers=2", "trainer.sequence_parallel_size=2"], "critic.enable",
+     "does not run under sequence parallelism"),
+    ("critic", ["algorithm.adv_estimator=gae", "critic.warmup_steps=50", "train.total_steps=5"], "critic.warmup_steps",
+     "leaves no step"),
+    ("shared_prompts", ["train.share_prompts=true", "model.packed_attention=position_ids"], "train.share_prompts",
+     "position-id detection"),
+    ("shared_prompts", ["train.share_prompts=true", "trainer.num_workers=2", "trainer.sequence_parallel_size=2"],
+     "train.share_prompts", "under sequence parallelism"),
+    ("token_budgets", ["train.max_tokens_per_microbatch=100"], "train.max_tokens_per_microbatch", "longest possible sequence"),
+    ("multi_turn_off", ["rollout.multi_turn.max_turns=3"], "rollout.multi_turn.max_turns", "has no effect: multi-turn is off"),
+    ("mini_batches", ["train.mini_batch_size=3"], "train.mini_batch_size", "does not divide data.batch_size=8"),
+    ("ranks_have_work", ["trainer.num_workers=64"], "trainer.num_workers", "more than the 32 sequences of a mini-batch"),
+    ("sequence_parallel_attention", ["trainer.num_workers=2", "trainer.sequence_parallel_size=2", "model.packed_attention=block_mask"],
+     "trainer.sequence_parallel_size", "not model.packed_attention=block_mask"),
+    ("parameter_offload", ["model.param_offload=true"], "model.param_offload", "trainer.num_workers=1 runs one process"),
+    ("compiled_layers", ["model.compile=true", "trainer.num_workers=2"], "model.compile", "cannot run with trainer.num_workers=2"),
+    ("group_size", ["rollout.n=1"], "rollout.n", "gives every response advantage 0 under grpo"),
+    ("group_size", ["rollout.n=1", "algorithm.adv_estimator=gae", "algorithm.filter_groups.enable=true"],
+     "algorithm.filter_groups.enable", "rollout.n"),
+    ("sft_loss", ["algorithm.policy_loss=sft"], "algorithm.policy_loss", "supervised loss of packrl sft"),
+    ("kl_in_reward", ["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "has no effect with algorithm.kl_coef=0"),
+    ("partial_rollouts", ["algorithm.rollout_correction.rollout_is_threshold=3.0"], "algorithm.rollout_correction.rollout_is_threshold",
+     "has no effect: algorithm.rollout_correction.rollout_is is null"),
+    ("partial_rollouts", ["trainer.num_rollout_workers=2"], "trainer.num_rollout_workers", "has no effect: trainer.rollout_mode=sync"),
+    ("partial_rollouts", [SEPARATE, "trainer.num_rollout_workers=0"], "trainer.num_rollout_workers", "must be >= 1"),
+    ("partial_rollouts", ["rollout.max_staleness=3"], "rollout.max_staleness", "has no effect: trainer.rollout_mode=sync"),
+    ("partial_rollouts", [ASYNC, "rollout.over_provision=0"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
+    ("partial_rollouts", [ASYNC, "rollout.over_provision=9"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
+    ("partial_rollouts", [SEPARATE, "rollout.max_staleness=1"], "rollout.max_staleness", "must be >= 2"),
+    ("partial_rollouts", [ASYNC, "rollout.partial_chunk_tokens=32"], "rollout.partial_chunk_tokens",
+     "has no effect: the hf engine on one rank"),
+    ("partial_rollouts", [ASYNC, "rollout.multi_turn.tools=[calculator]"], "trainer.rollout_mode", "does not carry multi-turn"),
+    ("partial_rollouts", [ASYNC, "algorithm.filter_groups.enable=true"], "trainer.rollout_mode", "does not combine with dynamic sampling"),
+]
+
+PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's own config check (checks= in packrl.registry)
+    ("algorithm.policy_loss=gspo", ["trainer.num_workers=2", "trainer.sequence_parallel_size=2"], "algorithm.policy_loss",
+     "needs each sequence on one rank"),
+    ("algorithm.policy_loss=gspo", ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.context_policy=rolling"],
+     "algorithm.policy_loss", "trains a trajectory as several step-wise samples"),
+    ("reward.shaping.overlong", ["reward.shaping.overlong.buffer_tokens=65"], "reward.shaping.overlong.buffer_tokens",
+     "> rollout.max_response_tokens=64"),
+    ("reward.shaping.tool_format", ["reward.shaping.tool_format.weight=0.2"], "reward.shaping.tool_format",
+     "has no effect: multi-turn is off"),
+]
+
+
+def _problems(overrides: list[str]) -> list:
+    return check_config("demo", overrides)[1]
+
+
+def test_every_rule_has_a_case():
+    assert {rule.__name__ for rule in RULES} == {name for name, *_ in CASES}
+
+
+@pytest.mark.parametrize(("rule", "overrides", "key", "fragment"), CASES, ids=[f"{c[0]}:{c[2]}" for c in CASES])
+def test_a_config_that_breaks_the_rule_is_refused_with_its_key(rule, overrides, key, fragment):
+    cfg, problems, _ = check_config("demo", overrides)
+    by_rule = next(r for r in RULES if r.__name__ == rule)(cfg)
+    assert any(p.key == key and fragment in str(p) for p in by_rule), [str(p) for p in by_rule]
+    assert any(p.key == key and fragment in str(p) for p in problems), "load_config reports the rule's problem"
+    assert all(p.fix for p in by_rule), "every problem names its fix"
+
+
+@pytest.mark.parametrize(("selector", "overrides", "key", "fragment"), PART_CHECKS, ids=[c[0] for c in PART_CHECKS])
+def test_a_registered_parts_check_runs_when_the_part_is_chosen(selector, overrides, key, fragment):
+    extra = [selector] if "=" in selector else []
+    assert any(p.key == key and fragment in str(p) for p in _problems([*extra, *overrides])), [str(p) for p in _problems(overrides)]
+
+
+def test_every_registry_with_checks_is_covered():
+    checked = {f"{registry.key}={name}" if registry.args_key != registry.key else f"{registry.key}.{name}"
+               for registry in CONFIG_REGISTRIES.values() for name in registry._checks}
+    covered = {selector for selector, *_ in PART_CHECKS}
+    missing_optional = {"rollout.engine=vllm", "reward.name=math_verify"}  # their checks are about installed packages
+    assert checked - missing_optional <= covered, checked - covered
+
+
+@pytest.mark.parametrize("preset", preset_names())
+def test_no_rule_fires_on_a_shipped_preset(preset):
+    cfg = load_config(preset)
+    for rule in RULES:
+        assert rule(cfg) == [], (preset, rule.__name__)
