@@ -1,7 +1,8 @@
 """Sequence-length management, the length core: budgets, prompt policy, packing, micro-batching,
 balancing, the update plan with its loss denominators, chunked log-probs and length statistics.
 Pure functions on lengths and tensors, unit-testable on CPU; nothing here imports the rest of
-packrl (the tools that inspect data and configs before a run live in `packrl.inspect`).
+packrl but its bottom layer (`packrl.types`, `packrl.errors`); the tools that inspect data and
+configs before a run live in `packrl.inspect`.
 
 Names are imported on first use, so config-only tools (``packrl config``) do not load torch.
 """

@@ -41,7 +41,7 @@ class Pack:
         owners: per segment, the position in ``indices`` of the sequence whose own segment it
             is, -1 for a shared prompt segment; None = segment i is sequence i.
         images: per packed sequence (in pack order), its prompt's images
-            (`packrl.models.vision.ImageInputs`) or None; None = a text pack. Sequences of one
+            (`packrl.types.ImageInputs`) or None; None = a text pack. Sequences of one
             prompt hold the same object, which the packed forward encodes once.
     """
 
