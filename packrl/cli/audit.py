@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         report = audit_sources(
             sources, cfg, tokenizer_loader=lambda: load_audit_encoder(located, cfg.model), tokenizer_id=located.identity,
             processor_id=located.processor, model=cfg.model.path, cache_dir=None if args.no_cache else cache_root() / "audit",
+            max_context_tokens=_model_context(cfg.model),
         )
         report = report.timed(time.perf_counter() - start)
         if args.html:
@@ -187,6 +188,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(report.to_json() if args.as_json else report.to_text())
     return 0
+
+
+def _model_context(model_cfg: ModelConfig) -> int | None:
+    """The model context the suggested budgets must fit, from the model's config; None (no bound,
+    and the report's rule does not claim one) when there is no readable config (tokenizer files
+    alone, or a config without a context)."""
+    from packrl.models.model_config import load_model_context
+
+    try:
+        return load_model_context(model_cfg)
+    except ValueError:
+        return None
 
 
 def _write_html(report: Any, path: Path) -> None:

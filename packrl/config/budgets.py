@@ -10,7 +10,7 @@ keys, the values, the limits and the fixes.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from packrl.config.curriculum import SCHEDULE_KEY, schedule_problems
@@ -53,6 +53,65 @@ def budgets_of_model(cfg: RunConfig, model_config: Any) -> Budgets:
     """`budgets_of` with the model context read from ``model_config`` (`packrl.seqlen.model_context_tokens`)."""
     context, factor = model_context_tokens(model_config)
     return budgets_of(cfg, context, factor)
+
+
+MAX_ROPE_FACTOR = 4
+"""The largest RoPE factor a fix proposes (``model.rope_scaling``): Qwen2.5 and Qwen3 document
+YaRN with factor 4 (32,768 -> 131,072 tokens) as the extension their models support at
+inference; past it, a longer-context model is the fix, not a larger factor."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRoom:
+    """What the model context leaves for a prompt once the response budget is reserved.
+
+    Attributes:
+        max_context_tokens: the model context, tokens (``model.rope_scaling`` included).
+        max_response_tokens: ``rollout.max_response_tokens`` (the largest stage of a schedule).
+    """
+
+    max_context_tokens: int
+    max_response_tokens: int
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The largest ``data.max_prompt_tokens`` the context holds: context - response budget."""
+        return self.max_context_tokens - self.max_response_tokens
+
+    @classmethod
+    def of(cls, cfg: RunConfig, max_context_tokens: int | None) -> PromptRoom | None:
+        """The room of ``cfg`` in a context of ``max_context_tokens``; None when the context is unknown."""
+        return None if max_context_tokens is None else cls(max_context_tokens, cfg.rollout.max_response_tokens)
+
+    def describe(self) -> str:
+        return (f"the model context {self.max_context_tokens:,} - rollout.max_response_tokens={self.max_response_tokens:,} "
+                f"leaves {self.max_prompt_tokens:,}")
+
+
+def prompt_budget_fix(needed: int, room: PromptRoom | None) -> str:
+    """The fix that gives a ``needed``-token prompt its room, satisfiable within the model context.
+
+    Args:
+        needed: the prompt length to make room for, tokens.
+        room: what the model context leaves for a prompt; None when the context is unknown.
+
+    Returns:
+        ``raise data.max_prompt_tokens to >= needed`` when that fits the context (or the context
+        is unknown); otherwise that no prompt budget fits, with what does: filtering or cutting
+        the prompts at the largest budget that fits, a smaller response budget when the prompt
+        alone fits the context, or a model with a longer context.
+    """
+    if room is None or needed <= room.max_prompt_tokens:
+        within = "" if room is None else f" ({room.describe()})"
+        return f"raise data.max_prompt_tokens to >= {needed:,}{within}"
+    options = []
+    if room.max_prompt_tokens >= 1:
+        options.append(f"set data.max_prompt_tokens <= {room.max_prompt_tokens:,} with data.overlong_prompt=filter (drop the "
+                       "longer prompts) or left/right/middle (cut them to the budget)")
+    if needed < room.max_context_tokens:
+        options.append(f"lower rollout.max_response_tokens to <= {room.max_context_tokens - needed:,} to make room")
+    options.append(f"use a model whose context holds {needed + room.max_response_tokens:,} tokens")
+    return f"no data.max_prompt_tokens fits a {needed:,}-token prompt ({room.describe()}): " + ", or ".join(options)
 
 
 def _response_stages(rollout: RolloutConfig) -> tuple[tuple[int, int], ...]:
@@ -137,6 +196,11 @@ def _microbatch_problem(budgets: Budgets, v: BudgetViolation) -> ConfigProblem:
         message = f"smaller than {longest}"
         fix = (f"raise {key} to >= {seq:,} or lower the prompt/response budgets (or split each pack over ranks "
                "with trainer.sequence_parallel_size)")
+    context = budgets.max_context_tokens
+    if context is not None and seq > context:  # the sum itself breaks the context: a budget that large can never be needed
+        fix = (f"first fit data.max_prompt_tokens + rollout.max_response_tokens into the model context {context:,} (the "
+               f"rollout.max_response_tokens problem), then raise {key} to >= their sum"
+               + (f" / trainer.sequence_parallel_size={size}" if size > 1 else "") + f" ({-(-context // size):,} always suffices)")
     return ConfigProblem(key, v.value, message, fix, keys=(key, "data.max_prompt_tokens", "rollout.max_response_tokens"))
 
 

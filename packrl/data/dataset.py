@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from packrl.config.budgets import PromptRoom, prompt_budget_fix
 from packrl.config.schema import DataConfig
 from packrl.data.prompts import (
     DatasetPrompt,
@@ -50,12 +51,16 @@ class PromptDataset:
         key: str = "data.train_files",
         origins: Sequence[RowSource] = (),
         images: tuple[Any, Any] | None = None,
+        room: PromptRoom | None = None,
     ):
         """``images``: ``(processor, geometry)`` that read a drawn prompt's images
-        (`packrl.data.vision_prompts.image_inputs`); None for a text dataset."""
+        (`packrl.data.vision_prompts.image_inputs`); None for a text dataset. ``room``: what the
+        model context leaves for a prompt, so a fix never proposes a prompt budget it cannot hold
+        (None: the context was not read)."""
         self.prompts: tuple[DatasetPrompt, ...] = tuple(prompts)
         self.accounting = accounting
         self.key = key
+        self.room = room
         self.origins: tuple[RowSource, ...] = tuple(origins)
         self.duplicates: dict[int, int] = duplicate_rows(self.prompts)
         self.images = images if any(p.image_sizes for p in self.prompts) else None
@@ -75,6 +80,7 @@ class PromptDataset:
         key: str,
         max_image_patches: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        room: PromptRoom | None = None,
     ) -> PromptDataset:
         """Load, normalise and budget every row of ``sources``.
 
@@ -89,6 +95,8 @@ class PromptDataset:
             key: the config key of ``sources``, for messages.
             max_image_patches: ``train.max_vision_patches_per_microbatch`` (`budget_examples`).
             chat_template_kwargs: extra ``apply_chat_template`` arguments (`budget_examples`).
+            room: what the model context leaves for a prompt (`PromptRoom.of`); the fixes of
+                the errors below stay within it. None when the context is unknown.
 
         Returns:
             The dataset; its accounting covers every row read.
@@ -110,9 +118,9 @@ class PromptDataset:
         # (an image row whose images cannot fit data.max_image_tokens has no prompt length: its reason is named)
         overlong = {o.row: o.num_tokens or o.reason for o in outcomes if o.status == "filtered"} if policy == "error" else {}
         if bad or overlong:
-            _raise_bad_rows(bad, overlong, rows.origins, key, budget)
+            _raise_bad_rows(bad, overlong, rows.origins, key, budget, room)
         dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins,
-                      images=_image_reader(tokenizer, data_cfg))
+                      images=_image_reader(tokenizer, data_cfg), room=room)
         lengths = dataset.prompt_length_percentiles()
         logger.info("%s: %s; prompt_length p50 %s, p99 %s, max %s tokens", key, dataset.accounting.summary(),
                     lengths["p50"], lengths["p99"], lengths["max"])
@@ -125,7 +133,8 @@ class PromptDataset:
                        "and sampled as often as they appear (listed as duplicate_of in RUN_DIR/data_accounting.json)",
                        key, len(dataset.duplicates), *first)
         if not dataset.prompts:
-            raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); {_fix_hint(dataset.accounting, policy)}")
+            raise ValueError(f"{key}: no usable prompt ({dataset.accounting.summary()}); "
+                             f"{_fix_hint(dataset.accounting, policy, room)}")
         if split == "train":
             check_enough_prompts(dataset, data_cfg.batch_size)
         return dataset
@@ -207,10 +216,11 @@ class PromptDataset:
             yield self.batch(range(start, min(start + batch_size, len(self))))
 
 
-def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int | str], origins: tuple[RowSource, ...], key: str, budget: int) -> None:
+def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int | str], origins: tuple[RowSource, ...], key: str, budget: int,
+                    room: PromptRoom | None) -> None:
     """One error naming the bad rows (unreadable or unusable) and, under ``data.overlong_prompt=error``,
     the overlong ones (row -> prompt tokens, or why an image row cannot fit), each with its file and
-    row inside the file."""
+    row inside the file. The fix for the overlong ones stays within ``room`` (`prompt_budget_fix`)."""
     def where(row: int) -> str:
         source, inner = origins[row].source, origins[row].source_row
         return f"row {row} ({source} line {inner + 1})" if source.endswith(".jsonl") else f"row {row} ({source} row {inner})"
@@ -230,7 +240,8 @@ def _raise_bad_rows(bad: dict[int, str], overlong: dict[int, int | str], origins
         parts.append(f"{len(overlong)} prompt(s) exceed data.max_prompt_tokens={budget}{' or their image budget' if unsized else ''}: "
                      + listed([f"{where(r)}: {n} tokens" if isinstance(n, int) else f"{where(r)}: {n}"
                                for r, n in sorted(overlong.items())]))
-        raise_to = f", or raise data.max_prompt_tokens to >= {max(lengths)}" if lengths else ""
+        fits = not lengths or room is None or max(lengths) <= room.max_prompt_tokens
+        raise_to = f"{', or ' if fits else '; '}{prompt_budget_fix(max(lengths), room)}" if lengths else ""
         images = "; raise data.max_image_tokens or train.max_vision_patches_per_microbatch for the image rows" if unsized else ""
         fixes.append(f"set data.overlong_prompt to filter, left, right or middle{raise_to}{images}")
     message = "; ".join(fixes)
@@ -269,17 +280,21 @@ def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:
         raise ValueError(
             f"{dataset.key}: {len(dataset)} usable prompt(s) < data.batch_size={batch_size} "
             f"({dataset.accounting.summary()}); add rows or lower data.batch_size"
-            + (f", or {_fix_hint(dataset.accounting)}" if dataset.accounting.num_filtered else "")
+            + (f", or {_fix_hint(dataset.accounting, room=dataset.room)}" if dataset.accounting.num_filtered else "")
         )
 
 
-def _fix_hint(accounting: PromptAccounting, policy: str = "filter") -> str:
+def _fix_hint(accounting: PromptAccounting, policy: str = "filter", room: PromptRoom | None = None) -> str:
     """The fix for a dataset with no usable prompt, by what filtered its rows: the chat template
     alone over the budget (truncation cannot help), an image budget (``data.max_image_tokens``,
-    ``train.max_vision_patches_per_microbatch``), or the prompt budget (raising it, or a
-    truncating ``data.overlong_prompt`` when ``policy`` is not one already)."""
+    ``train.max_vision_patches_per_microbatch``), or the prompt budget (raising it, within what
+    ``room`` leaves, or a truncating ``data.overlong_prompt`` when ``policy`` is not one already)."""
     overheads = [int(m.group(1)) for o in accounting.outcomes if (m := _NO_ROOM.search(o.reason))]
     if overheads:
+        if room is not None and max(overheads) >= room.max_prompt_tokens:
+            return (f"the chat template alone takes {max(overheads)} tokens, and no prompt budget the model context holds "
+                    f"has room for more ({room.describe()}): shorten data.system_prompt / data.instruction, lower "
+                    "rollout.max_response_tokens, or use a model with a longer context")
         return (f"raise data.max_prompt_tokens above {max(overheads)} tokens: the chat template alone takes that many, "
                 "so no truncation can fit the prompt")
     for key in ("data.max_image_tokens", "train.max_vision_patches_per_microbatch"):
@@ -289,7 +304,13 @@ def _fix_hint(accounting: PromptAccounting, policy: str = "filter") -> str:
                     "or lower data.image.min_pixels")
     if accounting.num_filtered:
         truncate = "" if policy in ("left", "right", "middle") else " or set data.overlong_prompt=left"
-        return f"raise data.max_prompt_tokens (it filtered {accounting.num_filtered:,} rows){truncate}"
+        shortest = min((o.num_tokens for o in accounting.outcomes if o.status == "filtered" and o.num_tokens), default=None)
+        if room is not None and shortest is not None and shortest > room.max_prompt_tokens:
+            return (f"no data.max_prompt_tokens the model context holds keeps the {accounting.num_filtered:,} filtered rows "
+                    f"(the shortest has {shortest:,} tokens; {room.describe()}): set data.overlong_prompt=left, right or middle "
+                    "to cut them to the budget, or use a model with a longer context")
+        up_to = "" if room is None else f" up to {room.max_prompt_tokens:,} ({room.describe()})"
+        return f"raise data.max_prompt_tokens{up_to} (it filtered {accounting.num_filtered:,} rows){truncate}"
     return "fix the rejected rows (reasons in parentheses); data.skip_bad_rows=true trains on the rest"
 
 

@@ -150,7 +150,8 @@ def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
     if not len(traces):
         accounting = traces.accounting
         fixes = (["fix the rejected rows (reasons above, rows in data_accounting.json)"] if accounting.num_rejected else []) + (
-            ["raise data.max_prompt_tokens / rollout.max_response_tokens for the filtered ones"] if accounting.num_filtered else [])
+            ["raise data.max_prompt_tokens / rollout.max_response_tokens for the filtered ones (their sum at most the "
+             "model context)"] if accounting.num_filtered else [])
         raise ValueError(f"sft.train_files: no trace can be trained: {accounting.summary()}; {' or '.join(fixes) or 'add traces'}")
     return traces
 

@@ -83,6 +83,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packrl.config.budgets import PromptRoom, prompt_budget_fix
 from packrl.data.loaders import BadRow
 from packrl.data.prompts import account_rows, budget_examples, load_examples, rendered_prompt_lengths
 from packrl.inspect.audit_images import NEEDS_VISION_MODEL, image_rows, is_processor, multimodal_stats, reads_image_files
@@ -118,12 +119,15 @@ DATA_KEY = "DATA"
 _CHUNK_ROWS = 1024  # rows per render/tokenize call: the progress bar's step
 
 
-def suggest_budgets(prompt_tokens: LengthStats, max_response_tokens: int) -> SuggestedBudgets:
-    """Budgets that fit the audited prompts.
+def suggest_budgets(prompt_tokens: LengthStats, max_response_tokens: int, max_context_tokens: int | None = None) -> SuggestedBudgets:
+    """Budgets that fit the audited prompts, within the model context.
 
     Rules:
         ``data.max_prompt_tokens`` = p99 of the prompt tokens rounded up to a multiple of 64:
-        at most 1% of the rows are over it.
+        at most 1% of the rows are over it. When the model context minus
+        ``rollout.max_response_tokens`` (`packrl.config.budgets.PromptRoom`) is smaller, that
+        room instead (rounded down to a multiple of 64 when it is at least 64): more than 1% of
+        the rows are then over it, and the rule says so and what to do with them.
         ``train.max_tokens_per_microbatch`` = (that prompt budget + ``rollout.max_response_tokens``)
         rounded up to a multiple of 256: one micro-batch holds the longest sequence the two
         budgets allow, which is also the smallest value the config accepts for that pair.
@@ -131,19 +135,30 @@ def suggest_budgets(prompt_tokens: LengthStats, max_response_tokens: int) -> Sug
     Args:
         prompt_tokens: the audited prompt lengths (tokens).
         max_response_tokens: ``rollout.max_response_tokens``.
+        max_context_tokens: the model context (``model.rope_scaling`` included); None when the
+            model config was not read (no bound then).
 
     Returns:
-        `SuggestedBudgets`; ``max_prompt_tokens`` is None when no row rendered.
+        `SuggestedBudgets`; the budgets are None when no row rendered, or when the response
+        budget leaves no room for a prompt in the model context.
     """
     if prompt_tokens.p99 is None:
         return SuggestedBudgets(None, None, "no rendered prompt: no suggestion")
     prompt = _round_up(prompt_tokens.p99, PROMPT_BUDGET_MULTIPLE)
+    rule = f"data.max_prompt_tokens = p99 ({prompt_tokens.p99:,}) rounded up to a multiple of {PROMPT_BUDGET_MULTIPLE}"
+    room = None if max_context_tokens is None else PromptRoom(max_context_tokens, max_response_tokens)
+    if room is not None and prompt > room.max_prompt_tokens:
+        if room.max_prompt_tokens < 1:
+            return SuggestedBudgets(None, None, f"no prompt budget fits: {room.describe()}; lower rollout.max_response_tokens "
+                                                "or use a model with a longer context")
+        fitted = room.max_prompt_tokens // PROMPT_BUDGET_MULTIPLE * PROMPT_BUDGET_MULTIPLE or room.max_prompt_tokens
+        rule = (f"p99 rounded up ({prompt:,}) does not fit: {room.describe()}, so data.max_prompt_tokens = {fitted:,} and more "
+                "than 1% of the rows are over it: set data.overlong_prompt=filter (drop them) or left/right/middle (cut them), "
+                "or use a model with a longer context")
+        prompt = fitted
     microbatch = _round_up(prompt + max_response_tokens, MICROBATCH_MULTIPLE)
-    rule = (
-        f"data.max_prompt_tokens = p99 ({prompt_tokens.p99:,}) rounded up to a multiple of {PROMPT_BUDGET_MULTIPLE}; "
-        f"train.max_tokens_per_microbatch = ({prompt:,} + rollout.max_response_tokens={max_response_tokens:,}) "
-        f"rounded up to a multiple of {MICROBATCH_MULTIPLE}"
-    )
+    rule += (f"; train.max_tokens_per_microbatch = ({prompt:,} + rollout.max_response_tokens={max_response_tokens:,}) "
+             f"rounded up to a multiple of {MICROBATCH_MULTIPLE}")
     return SuggestedBudgets(prompt, microbatch, rule)
 
 
@@ -151,7 +166,8 @@ def _round_up(value: int, multiple: int) -> int:
     return max(multiple, -(-value // multiple) * multiple)
 
 
-def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: bool | None = None) -> AuditReport:
+def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: bool | None = None,
+               max_context_tokens: int | None = None) -> AuditReport:
     """Audit rows already read and normalised (`packrl.data.load_examples`).
 
     Args:
@@ -161,6 +177,8 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
             model's processor (``image_processor`` + ``tokenizer``), which reads and sizes images.
         cfg: the run config (``data``, ``model.path``, ``rollout.max_response_tokens``, ``train``).
         progress: show a tqdm bar on stderr (None: only on a terminal).
+        max_context_tokens: the model context (`packrl.models.model_config.load_model_context`);
+            the suggested budgets and the fixes stay within it. None: not read.
 
     Returns:
         The report with ``cached=False``; ``wall_s`` covers this call only.
@@ -190,11 +208,12 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
         num_rows=loaded.num_rows, num_bad_rows=len(bad_rows), bad_rows=bad_rows[: AuditReport.MAX_BAD_ROWS],
         prompt_tokens=prompt_tokens, answer_tokens=LengthStats.from_lengths(answers) if answers else None,
         num_overlong=len(passes.overlong), policies=passes.policies(accounting.outcomes), multimodal=multimodal,
-        suggested=suggest_budgets(prompt_tokens, cfg.rollout.max_response_tokens),
+        suggested=suggest_budgets(prompt_tokens, cfg.rollout.max_response_tokens, max_context_tokens),
         problems=(), read_image_files=reads_image_files(loaded, tokenizer),
     )
     needs_vision = 0 if is_processor(tokenizer) else sum(1 for e in loaded.examples if e.images)
-    report = replace(report, problems=_problems(report, cfg, num_need_vision=needs_vision))
+    room = PromptRoom.of(cfg, max_context_tokens)
+    report = replace(report, problems=_problems(report, cfg, num_need_vision=needs_vision, room=room))
     return report.timed(time.perf_counter() - start)
 
 
@@ -375,9 +394,10 @@ def _config_values(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int) -> tuple[str, ...]:
-    """What would stop `packrl train` with this data and config, each with its fix; and the
-    ``num_need_vision`` rows with images that a text ``model.path`` makes training reject."""
+def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int, room: PromptRoom | None) -> tuple[str, ...]:
+    """What would stop `packrl train` with this data and config, each with its fix (a prompt
+    budget within ``room``, what the model context leaves); and the ``num_need_vision`` rows with
+    images that a text ``model.path`` makes training reject."""
     data, out = cfg.data, []
     if report.num_bad_rows and not data.skip_bad_rows:
         first = report.bad_rows[0]
@@ -385,11 +405,20 @@ def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int) -> t
                    "fix the rows or set data.skip_bad_rows=true")
     chosen = report.policy(data.overlong_prompt)
     if chosen.stops_training:
+        longest = report.prompt_tokens.max or 0
+        fix = (f"{prompt_budget_fix(longest, room)}, or pick another policy" if room is None or longest <= room.max_prompt_tokens
+               else f"pick another policy: {prompt_budget_fix(longest, room)}")
         out.append(f"{report.num_overlong:,} prompt(s) > data.max_prompt_tokens={data.max_prompt_tokens:,} with "
-                   f"data.overlong_prompt=error; raise data.max_prompt_tokens to >= {report.prompt_tokens.max:,} or pick another policy")
+                   f"data.overlong_prompt=error; {fix}")
     usable = chosen.num_kept + chosen.num_truncated
     if usable < data.batch_size and not chosen.stops_training:
-        more = " or raise data.max_prompt_tokens" if chosen.num_filtered else ""
+        can_raise = room is None or data.max_prompt_tokens < room.max_prompt_tokens
+        more = ""
+        if chosen.num_filtered:
+            more = (" or raise data.max_prompt_tokens" + ("" if room is None else f" (up to {room.max_prompt_tokens:,}: "
+                                                          f"{room.describe()})") if can_raise else
+                    f" (data.max_prompt_tokens cannot grow: {room.describe() if room else ''}; a truncating "
+                    "data.overlong_prompt keeps the filtered rows)")
         if chosen.num_filtered and report.multimodal is not None:
             more += (" (for image rows, also data.max_image_tokens and train.max_vision_patches_per_microbatch; "
                      "the filtered rows' reasons are in the rows listed above)")
@@ -401,12 +430,14 @@ def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int) -> t
     return tuple(out)
 
 
-def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig, processor_id: str | None = None) -> str | None:
+def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig, processor_id: str | None = None,
+              max_context_tokens: int | None = None) -> str | None:
     """Hex sha256 of what a report depends on: the format version, each source (its string
     and the sha256 of its bytes), the tokenizer identity, the processor identity (its files: the
     image geometry and how images expand; None for a text model), the transformers and tokenizers
-    versions (rendering, tokenization and image processing code) and `_config_values` (with
-    ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``).
+    versions (rendering, tokenization and image processing code), `_config_values` (with
+    ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``)
+    and the model context (it bounds the suggested budgets; None when not read).
     None when a source is not a local file or ``task:`` (a hub dataset can change without its id
     changing)."""
     parts: list[Any] = []
@@ -419,7 +450,8 @@ def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig, process
         else:
             return None
     versions = [_version("transformers"), _version("tokenizers")]
-    blob = json.dumps([SCHEMA_VERSION, parts, tokenizer_id, processor_id, versions, _config_values(cfg)], sort_keys=True, default=str)
+    blob = json.dumps([SCHEMA_VERSION, parts, tokenizer_id, processor_id, versions, _config_values(cfg), max_context_tokens],
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -449,6 +481,7 @@ def audit_sources(
     processor_id: str | None = None,
     cache_dir: Path | None = None,
     progress: bool | None = None,
+    max_context_tokens: int | None = None,
 ) -> AuditReport:
     """Audit the rows of ``sources`` with the tokenizer (or processor) ``tokenizer_loader`` returns, using the cache.
 
@@ -464,6 +497,7 @@ def audit_sources(
             part of the cache key; None for a text model.
         cache_dir: where reports are cached (``<packrl cache>/audit``); None = no cache.
         progress: show progress bars (None: only on a terminal).
+        max_context_tokens: the model context, as `audit_rows` takes it; part of the cache key.
 
     Returns:
         The report; ``cached`` says whether it came from the cache, ``wall_s`` is this call's time.
@@ -473,13 +507,13 @@ def audit_sources(
             rows could be read (the message names the file); see also `audit_rows`.
     """
     start = time.perf_counter()
-    key = cache_key(sources, tokenizer_id, cfg, processor_id) if cache_dir is not None else None
+    key = cache_key(sources, tokenizer_id, cfg, processor_id, max_context_tokens) if cache_dir is not None else None
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return cached.timed(time.perf_counter() - start)
     loaded = load_examples(sources, cfg.data, seed=cfg.train.seed, split="train", key=DATA_KEY)
     _check_readable(loaded)
-    report = audit_rows(loaded, tokenizer_loader(), cfg, progress=progress)
+    report = audit_rows(loaded, tokenizer_loader(), cfg, progress=progress, max_context_tokens=max_context_tokens)
     report = replace(report, model=model, tokenizer=tokenizer_id, sources=_with_hashes(report.sources))
     if cache_dir is not None and key is not None and not report.read_image_files:  # key is None iff cache_dir is
         _write_cache(cache_dir, key, report)

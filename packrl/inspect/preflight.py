@@ -7,7 +7,8 @@ its header) and reports, all at once:
   relations among budgets and batch sizes);
 - prompt + response budget against the model context (with ``model.rope_scaling`` applied);
   when they do not fit, a proposed ``model.rope_scaling`` (``yarn``, the smallest integer
-  factor that fits) and the context it gives;
+  factor that fits, at most `packrl.config.budgets.MAX_ROPE_FACTOR`) and the context it gives;
+  past that factor, the fix says that no scaling packrl proposes fits;
 - LoRA target modules that match nothing in the architecture;
 - the memory estimate per device (`packrl.inspect.memory`) and, given the device memory, the
   largest ``train.max_tokens_per_microbatch`` that fits; a phase that does not fit is a problem.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
-from packrl.config.budgets import budget_problems, budgets_of, budgets_table
+from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
 from packrl.hardware import probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 from packrl.models.isolation import config_packing
@@ -147,7 +148,10 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
         else:
             budgets = budgets_of(cfg, context, factor)
             rope = _rope_proposal(budgets, base)
-            problems += [_with_rope_fix(p, rope) for p in budget_problems(budgets) if not bad.intersection(p.involved_keys)]
+            unread = {str(p) for p in budget_problems(budgets_of(cfg, max_context_tokens=None))}  # said again with the context
+            problems = [p for p in problems if str(p) not in unread]
+            problems += [_with_rope_fix(p, rope, budgets, base) for p in budget_problems(budgets)
+                         if not bad.intersection(p.involved_keys)]
             if rope is not None:
                 notes.append(f"set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
                              f"for a model context of {rope['max_context_tokens']:,} tokens (base {base:,})")
@@ -177,7 +181,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             problems += _sequence_parallel_problems(cfg, model_config, packing)
             notes += _engine_notes(cfg, shape, budgets, device)
             notes += _multi_turn_notes(cfg) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
-            vision_notes, vision_problems = _vision(cfg, model_config)
+            vision_notes, vision_problems = _vision(cfg, model_config, PromptRoom.of(cfg, budgets.max_context_tokens))
             notes, problems = notes + vision_notes, problems + vision_problems
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
@@ -228,11 +232,12 @@ VISION_SIZES = ((224, 224), (448, 448), (1024, 768), (1920, 1080))
 """Image sizes (width, height) preflight reports for a vision-language model."""
 
 
-def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigProblem]]:
+def _vision(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple[list[str], list[ConfigProblem]]:
     """For a vision-language model: the image tokens of `VISION_SIZES` as its processor (with
     ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``)
     sizes them, the prompt budget each leaves for text, and what it cannot run with
-    (`packrl.worker.parts.vision_run_problems`)."""
+    (`packrl.worker.parts.vision_run_problems`); a prompt budget it proposes stays within
+    ``room`` (what the model context leaves for a prompt; None when unknown)."""
     from packrl.config.plan import BatchPlan
     from packrl.data.images import ImageGeometry, fit_sizes
     from packrl.data.vision_prompts import image_token_cap
@@ -268,7 +273,12 @@ def _vision(cfg: RunConfig, model_config: Any) -> tuple[list[str], list[ConfigPr
         out.append(ConfigProblem("data.max_prompt_tokens", cfg.data.max_prompt_tokens,
                                  f"leaves no room for text beside the chat template ({template} tokens with one word of text) and "
                                  f"one image at its smallest size ({smallest} tokens)",
-                                 f"raise data.max_prompt_tokens well above {smallest + template}"))
+                                 f"raise data.max_prompt_tokens well above {smallest + template}"
+                                 if room is None or smallest + template < room.max_prompt_tokens else
+                                 f"no data.max_prompt_tokens the model context holds is well above {smallest + template} "
+                                 f"({room.describe()}): lower rollout.max_response_tokens or data.image.min_pixels, or use a "
+                                 "model with a longer context"))
+
     rows = []
     for width, height in VISION_SIZES:
         cap, cap_key = image_token_cap(geometry, 1, cfg.data.max_image_tokens, patch_cap)
@@ -404,19 +414,35 @@ def _context(cfg: RunConfig, model_config: Any) -> tuple[int, float, int]:
     return context, factor, base
 
 
-def _rope_proposal(budgets: Budgets, base: int) -> dict[str, Any] | None:
+def _rope_factor_needed(budgets: Budgets, base: int) -> int | None:
+    """The smallest integer RoPE factor >= 2 whose context ``base x factor`` holds prompt +
+    response; None when the budgets fit the context already (or it is unknown)."""
     if budgets.max_context_tokens is None or budgets.max_sequence_tokens <= budgets.max_context_tokens:
         return None
-    factor = max(2, math.ceil(budgets.max_sequence_tokens / base))
+    return max(2, math.ceil(budgets.max_sequence_tokens / base))
+
+
+def _rope_proposal(budgets: Budgets, base: int) -> dict[str, Any] | None:
+    """``yarn`` with `_rope_factor_needed`, or None when none is needed or it is above `MAX_ROPE_FACTOR`."""
+    factor = _rope_factor_needed(budgets, base)
+    if factor is None or factor > MAX_ROPE_FACTOR:
+        return None
     return {"type": "yarn", "factor": float(factor), "max_context_tokens": base * factor}
 
 
-def _with_rope_fix(problem: ConfigProblem, rope: dict[str, Any] | None) -> ConfigProblem:
-    """Add the RoPE proposal to the fix of the prompt + response > context problem."""
-    if rope is None or "model context" not in problem.message:
+def _with_rope_fix(problem: ConfigProblem, rope: dict[str, Any] | None, budgets: Budgets, base: int) -> ConfigProblem:
+    """Add the RoPE proposal to the fix of the prompt + response > context problem, or say that
+    the factor it would take is beyond `MAX_ROPE_FACTOR`."""
+    factor = _rope_factor_needed(budgets, base)
+    if factor is None or "model context" not in problem.message:
         return problem
-    fix = (f"{problem.fix}; or set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
-           f"(model context {rope['max_context_tokens']:,} tokens)")
+    if rope is not None:
+        fix = (f"{problem.fix}; or set model.rope_scaling.type={rope['type']} model.rope_scaling.factor={rope['factor']:g} "
+               f"(model context {rope['max_context_tokens']:,} tokens)")
+    else:
+        fix = (f"{problem.fix}; RoPE scaling cannot make up the difference: it would take model.rope_scaling.factor={factor:,} "
+               f"on the model's {base:,} tokens, more than the factor {MAX_ROPE_FACTOR} packrl proposes (the YaRN extension "
+               "Qwen2.5 and Qwen3 document)")
     return ConfigProblem(problem.key, problem.value, problem.message, fix, problem.keys)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from packrl.config.schema import LoraConfig, RopeScalingConfig
+    from packrl.config.schema import LoraConfig, ModelConfig, RopeScalingConfig
     from packrl.models.resolve import ResolvedModel
 
 
@@ -215,6 +215,24 @@ def _type_fix(file: Path, field: str, value: Any, expected: str) -> str:
     if isinstance(value, float) and value.is_integer() and "integer" in expected:
         return f"write it as an integer in {file}: \"{key}\": {int(value)}"
     return f"set {field} in {file} to {expected} (the value the model's source publishes)"
+
+
+def load_model_context(model: ModelConfig) -> int:
+    """The context in tokens a run of the ``model`` section gets, from the config alone: as
+    `packrl.models.loading.load_policy` builds it (``model.rope_scaling`` applied to a text
+    model; a vision-language model's language model as its config states it), measured by
+    `packrl.seqlen.budgets.model_context_tokens`.
+
+    Raises:
+        ValueError: as `load_model_config`, `apply_rope_scaling` and `model_context_tokens`.
+    """
+    from packrl.seqlen.budgets import model_context_tokens
+
+    config = load_model_config(model.path)
+    check_text_model(config, model.path)  # then a vision tower means a family of VISION_MODEL_TYPES
+    vision = getattr(config, "vision_config", None) is not None
+    scaled = config if vision else apply_rope_scaling(config, model.rope_scaling)
+    return model_context_tokens(scaled)[0]
 
 
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")

@@ -16,7 +16,7 @@ import logging
 from contextlib import closing
 from pathlib import Path
 
-from packrl.config.budgets import budgets_of, budgets_table, response_schedule, validate_budgets
+from packrl.config.budgets import PromptRoom, budgets_of, budgets_table, response_schedule, validate_budgets
 from packrl.config.schema import RunConfig
 from packrl.data.dataset import PromptDataset, PromptSampler
 from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_metrics, rollout_mismatch_metrics, score_metrics
@@ -26,6 +26,7 @@ from packrl.diagnostics.trace import build_tracer
 from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
+from packrl.models.model_config import load_model_context
 from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.tool_schemas import template_kwargs
@@ -40,12 +41,16 @@ logger = logging.getLogger(__name__)
 
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
     patches, kwargs = cfg.train.max_vision_patches_per_microbatch, template_kwargs(cfg.rollout.multi_turn)
+    try:  # the model's context bounds the prompt budgets the data errors may propose (configs only, no weights)
+        room = PromptRoom.of(cfg, load_model_context(cfg.model))
+    except ValueError:  # the same problem stops the run when the workers read the model
+        room = None
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
-                                max_image_patches=patches, chat_template_kwargs=kwargs)
+                                max_image_patches=patches, chat_template_kwargs=kwargs, room=room)
     val = None
     if cfg.data.val_files and cfg.train.val_every:
         val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files",
-                                  max_image_patches=patches, chat_template_kwargs=kwargs)
+                                  max_image_patches=patches, chat_template_kwargs=kwargs, room=room)
     return train, val
 
 

@@ -44,10 +44,10 @@ def two_files(tmp_path):
     return [a, b]
 
 
-def _build(sources, tok, split="train", **cfg):
+def _build(sources, tok, split="train", room=None, **cfg):
     cfg = {"batch_size": 1, "max_prompt_tokens": 96} | cfg
     key = "data.train_files" if split == "train" else "data.val_files"
-    return PromptDataset.build(sources, tok, DataConfig(**cfg), seed=0, split=split, key=key)
+    return PromptDataset.build(sources, tok, DataConfig(**cfg), seed=0, split=split, key=key, room=room)
 
 
 def test_bad_rows_stop_the_build_with_row_numbers(smollm_tokenizer, two_files):
@@ -242,3 +242,36 @@ def test_a_row_with_a_key_twice_is_named_or_counted_like_other_bad_rows(smollm_t
         "row meant is unknown: keep one. Fix the rows, or set data.skip_bad_rows=true to skip and count them")
     ds = _build([path], smollm_tokenizer, skip_bad_rows=True)
     assert (ds.accounting.num_kept, ds.accounting.num_rejected) == (1, 1) and len(ds) == 1
+
+
+def test_overlong_fixes_propose_only_prompt_budgets_the_model_context_holds(smollm_tokenizer, two_files):
+    """The long row needs N > 200 tokens; a 200-token context with 100-token responses leaves 100."""
+    import re
+
+    from packrl.config.budgets import PromptRoom
+
+    with pytest.raises(ValueError) as roomy:
+        _build(two_files, smollm_tokenizer, skip_bad_rows=True, overlong_prompt="error", room=PromptRoom(100_000, 200))
+    needed = int(re.search(r"row 4 \([^)]*\): (\d+) tokens", str(roomy.value)).group(1))
+    assert needed > 200
+    assert str(roomy.value).endswith(f"Set data.overlong_prompt to filter, left, right or middle, or raise data.max_prompt_tokens "
+                                     f"to >= {needed:,} (the model context 100,000 - rollout.max_response_tokens=200 leaves "
+                                     "99,800)")
+    with pytest.raises(ValueError) as tight:
+        _build(two_files, smollm_tokenizer, skip_bad_rows=True, overlong_prompt="error", room=PromptRoom(200, 100))
+    assert str(tight.value).endswith(
+        f"Set data.overlong_prompt to filter, left, right or middle; no data.max_prompt_tokens fits a {needed:,}-token "
+        "prompt (the model context 200 - rollout.max_response_tokens=100 leaves 100): set data.max_prompt_tokens <= 100 "
+        "with data.overlong_prompt=filter (drop the longer prompts) or left/right/middle (cut them to the budget), or "
+        f"use a model whose context holds {needed + 100:,} tokens")
+    with pytest.raises(ValueError) as few:  # 3 usable of 4 wanted: raising the budget cannot keep the filtered row
+        _build(two_files, smollm_tokenizer, skip_bad_rows=True, batch_size=4, room=PromptRoom(200, 100))
+    assert str(few.value).endswith(
+        "add rows or lower data.batch_size, or no data.max_prompt_tokens the model context holds keeps the 1 filtered rows "
+        f"(the shortest has {needed:,} tokens; the model context 200 - rollout.max_response_tokens=100 leaves 100): set "
+        "data.overlong_prompt=left, right or middle to cut them to the budget, or use a model with a longer context")
+    with pytest.raises(ValueError) as roomy_few:
+        _build(two_files, smollm_tokenizer, skip_bad_rows=True, batch_size=4, room=PromptRoom(100_000, 200))
+    assert str(roomy_few.value).endswith("or raise data.max_prompt_tokens up to 99,800 (the model context 100,000 - "
+                                         "rollout.max_response_tokens=200 leaves 99,800) (it filtered 1 rows) or set "
+                                         "data.overlong_prompt=left")

@@ -263,3 +263,28 @@ def test_multimodal_parquet_rows_with_struct_parts(tok, tmp_path):
     assert (only.status, only.num_images) == ("rejected", 1)  # read as a row with one image, then rejected: a text model
     assert only.reason.startswith("a row with images needs a vision-language model.path")
     assert report.num_bad_rows == 1 and report.answer_tokens is not None  # the row was read, so its answer counts
+
+
+def test_suggestions_and_fixes_stay_within_the_model_context(tok, ten_rows):
+    """The longest prompt is 224 tokens (p99 of ten rows), 256 rounded up; responses take 100."""
+    longest = prompt_chars("q" * 200)
+    assert longest == 224
+    sources = load_examples([ten_rows], config().data, seed=0, split="train", key="DATA")
+    tight = audit_rows(sources, tok, config(overlong_prompt="error"), progress=False, max_context_tokens=200)
+    assert (tight.suggested.max_prompt_tokens, tight.suggested.max_tokens_per_microbatch) == (64, 256)
+    assert tight.suggested.rule == (
+        "p99 rounded up (256) does not fit: the model context 200 - rollout.max_response_tokens=100 leaves 100, so "
+        "data.max_prompt_tokens = 64 and more than 1% of the rows are over it: set data.overlong_prompt=filter (drop "
+        "them) or left/right/middle (cut them), or use a model with a longer context; train.max_tokens_per_microbatch = "
+        "(64 + rollout.max_response_tokens=100) rounded up to a multiple of 256")
+    assert tight.problems[0].endswith(
+        "with data.overlong_prompt=error; pick another policy: no data.max_prompt_tokens fits a 224-token prompt (the "
+        "model context 200 - rollout.max_response_tokens=100 leaves 100): set data.max_prompt_tokens <= 100 with "
+        "data.overlong_prompt=filter (drop the longer prompts) or left/right/middle (cut them to the budget), or use a "
+        "model whose context holds 324 tokens")
+    roomy = audit_rows(sources, tok, config(overlong_prompt="error"), progress=False, max_context_tokens=400)
+    assert roomy.suggested.max_prompt_tokens == 256  # 256 + 100 fits 400: the plain rule
+    assert roomy.problems[0].endswith("raise data.max_prompt_tokens to >= 224 (the model context 400 - "
+                                      "rollout.max_response_tokens=100 leaves 300), or pick another policy")
+    none = audit_rows(sources, tok, config(), progress=False, max_context_tokens=100)
+    assert none.suggested.max_prompt_tokens is None and none.suggested.rule.startswith("no prompt budget fits")

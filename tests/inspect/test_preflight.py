@@ -275,3 +275,18 @@ def test_activation_count_is_what_autograd_saves_per_layer(lora_rank):
     per_layer = (_saved_bytes_per_token(3, tokens, lora_rank) - _saved_bytes_per_token(1, tokens, lora_rank)) / 2
     shape = ModelShape.from_config(_config(), LoraConfig(rank=lora_rank))
     assert activation_bytes_per_token_layer(shape, 2, lora_rank) == pytest.approx(per_layer, rel=0.03)
+
+
+def test_no_rope_factor_above_four_is_proposed(model_dir):
+    """128 + 5,000 tokens in a 512-token model would take factor 11: the fix says so instead of proposing it."""
+    over = [f"model.path={model_dir}", "rollout.max_response_tokens=5000", "train.max_tokens_per_microbatch=8192",
+            "train.max_tokens_per_logprob_microbatch=8192"]
+    report = preflight("demo", over)
+    assert report.rope_scaling is None and not any("rope_scaling" in n for n in report.notes)
+    problem = next(p for p in report.problems if p.key == "rollout.max_response_tokens")
+    assert problem.fix == (
+        "lower data.max_prompt_tokens or rollout.max_response_tokens so their sum is <= 512, or use a model with a longer "
+        "context; RoPE scaling cannot make up the difference: it would take model.rope_scaling.factor=11 on the model's "
+        "512 tokens, more than the factor 4 packrl proposes (the YaRN extension Qwen2.5 and Qwen3 document)")
+    four = preflight("demo", [*over[:1], "rollout.max_response_tokens=1900", *over[2:]])  # 2,028 tokens: factor 4 fits
+    assert four.rope_scaling == {"type": "yarn", "factor": 4.0, "max_context_tokens": 2048}

@@ -119,3 +119,11 @@ def test_a_truncated_config_is_not_reported_as_a_tokenizer_problem(smollm_dir, t
                 "that config.json again from the model's source (it must parse as one JSON object)")
     assert str(config_err) == expected and str(tokenizer_err) == expected and str(problem) == expected
     assert "tokenizer" not in expected
+
+
+def test_the_model_context_of_a_run_includes_its_rope_scaling(smollm_dir):
+    from packrl.config.schema import ModelConfig, RopeScalingConfig
+    from packrl.models.model_config import load_model_context
+
+    assert load_model_context(ModelConfig(path=str(smollm_dir))) == 8192
+    assert load_model_context(ModelConfig(path=str(smollm_dir), rope_scaling=RopeScalingConfig(type="yarn", factor=2.0))) == 16384

@@ -82,3 +82,34 @@ def test_from_model_config():
     b = budgets_of_model(cfg, {"max_position_embeddings": 2048, "rope_scaling": {"type": "linear", "factor": 2}})
     assert (b.max_context_tokens, b.rope_factor) == (4096, 2.0)
     assert b.max_prompt_tokens == cfg.data.max_prompt_tokens
+
+
+def test_a_prompt_budget_fix_stays_within_the_model_context():
+    """8,192-token context, 512-token responses: 7,680 tokens of room for a prompt."""
+    from packrl.config.budgets import PromptRoom, prompt_budget_fix
+
+    room = PromptRoom(max_context_tokens=8192, max_response_tokens=512)
+    assert prompt_budget_fix(7000, None) == "raise data.max_prompt_tokens to >= 7,000"
+    assert prompt_budget_fix(7000, room) == ("raise data.max_prompt_tokens to >= 7,000 (the model context 8,192 - "
+                                             "rollout.max_response_tokens=512 leaves 7,680)")
+    assert prompt_budget_fix(8000, room) == (
+        "no data.max_prompt_tokens fits a 8,000-token prompt (the model context 8,192 - rollout.max_response_tokens=512 "
+        "leaves 7,680): set data.max_prompt_tokens <= 7,680 with data.overlong_prompt=filter (drop the longer prompts) or "
+        "left/right/middle (cut them to the budget), or lower rollout.max_response_tokens to <= 192 to make room, or use a "
+        "model whose context holds 8,512 tokens")
+    assert prompt_budget_fix(20050, room) == (
+        "no data.max_prompt_tokens fits a 20,050-token prompt (the model context 8,192 - rollout.max_response_tokens=512 "
+        "leaves 7,680): set data.max_prompt_tokens <= 7,680 with data.overlong_prompt=filter (drop the longer prompts) or "
+        "left/right/middle (cut them to the budget), or use a model whose context holds 20,562 tokens")
+
+
+def test_a_micro_batch_fix_never_asks_for_more_than_the_model_context():
+    from dataclasses import replace
+
+    budgets = replace(budgets_of_model(RunConfig(), {"max_position_embeddings": 8192}), max_response_tokens=100_000_000)
+    by_key = {p.key: p for p in budget_problems(budgets)}
+    assert by_key["train.max_tokens_per_microbatch"].fix == (
+        "first fit data.max_prompt_tokens + rollout.max_response_tokens into the model context 8,192 (the "
+        "rollout.max_response_tokens problem), then raise train.max_tokens_per_microbatch to >= their sum (8,192 always "
+        "suffices)")
+    assert "so their sum is <= 8,192" in by_key["rollout.max_response_tokens"].fix
