@@ -278,7 +278,6 @@ def _vision(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple
                                  f"no data.max_prompt_tokens the model context holds is well above {smallest + template} "
                                  f"({room.describe()}): lower rollout.max_response_tokens or data.image.min_pixels, or use a "
                                  "model with a longer context"))
-
     rows = []
     for width, height in VISION_SIZES:
         cap, cap_key = image_token_cap(geometry, 1, cfg.data.max_image_tokens, patch_cap)
