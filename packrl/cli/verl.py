@@ -4,8 +4,11 @@ The overrides are verl's, as written after ``python3 -m verl.trainer.main_ppo`` 
 ``+key=value``, ``++key=value``). `packrl.compat.verl.translate` turns them into the ``gsm8k``
 preset plus packrl overrides; ``--dry-run`` prints that command, every mapping with its unit
 conversion, the verl keys packrl ignores with the reason, and the resolved config, and trains
-nothing. Exit status: 0 done, 2 a key verl does not have, a value packrl cannot honour, or a
-problem in the translated config (each named with the verl keys it came from). See docs/verl.md.
+nothing. When ``actor_rollout_ref.model.path`` is local, the model's config is read and prompt +
+response budgets beyond its context are refused here (a hub id is not downloaded: the dry run says
+the context was not checked). Exit status: 0 done, 2 a key verl does not have, a value packrl
+cannot honour, or a problem in the translated config (each named with the verl keys it came
+from). See docs/verl.md.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from packrl.errors import ConfigProblem
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RunConfig
 
 
 def count_rows(files: list[str]) -> int | None:
@@ -39,6 +49,37 @@ def count_rows(files: list[str]) -> int | None:
     return total
 
 
+def model_context_problems(cfg: RunConfig) -> tuple[list[ConfigProblem], str | None]:
+    """Prompt + response budgets against the model's context, read from the model's config when
+    ``model.path`` is a local directory or file (`packrl.config.budgets.budgets_of_model`, the
+    check `packrl train` and `packrl preflight` make); nothing is downloaded.
+
+    Returns:
+        ``(problems, note)``: the budget problems only the context reveals, each also naming
+        ``model.path`` (so the message names ``actor_rollout_ref.model.path`` too), or one problem
+        when the local config cannot be read; ``note`` says why the context was not checked (a
+        hub id or alias), else None.
+    """
+    from packrl.config.budgets import budget_problems, budgets_of, budgets_of_model
+    from packrl.models.model_config import ModelConfigFileError, apply_rope_scaling, load_model_config
+
+    path = cfg.model.path
+    if not Path(path).expanduser().exists():
+        return [], (f"the model context was not checked: model.path={path} is not a local path (a hub id is not downloaded "
+                    "here); packrl train and packrl preflight check data.max_prompt_tokens + rollout.max_response_tokens "
+                    "against it once the model is reachable")
+    try:
+        model_config = apply_rope_scaling(load_model_config(path), cfg.model.rope_scaling)
+        with_context = budget_problems(budgets_of_model(cfg, model_config))
+    except ModelConfigFileError as err:
+        return [ConfigProblem("model.path", path, err.problem, err.fix)], None
+    except ValueError as err:
+        return [ConfigProblem("model.path", path, f"the model context cannot be read: {err}",
+                              "point actor_rollout_ref.model.path at a model directory with a config.json")], None
+    known = {str(p) for p in budget_problems(budgets_of(cfg))}
+    return [replace(p, keys=(*p.involved_keys, "model.path")) for p in with_context if str(p) not in known], None
+
+
 def _cmd_verl(args: argparse.Namespace) -> int:
     from packrl.compat.verl import sources_of, train_files_of, translate
     from packrl.config import ConfigError, check_config, to_yaml
@@ -48,13 +89,17 @@ def _cmd_verl(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"packrl verl: {err}", file=sys.stderr)
         return 2
-    cfg, problems, _ = check_config(translation.preset, translation.overrides)
+    cfg, problems, bad = check_config(translation.preset, translation.overrides)
+    context_problems, unchecked = model_context_problems(cfg) if not bad & {"model.path", "model.rope_scaling"} else ([], None)
+    problems += context_problems
     print(translation.command())
     print(translation.report())
     if args.dry_run:  # a translation made here for another machine: what this one lacks is only a warning
         for problem in [p for p in problems if p.machine]:
             print(f"packrl verl: warning: {problem} (the translation is printed anyway; training needs it)", file=sys.stderr)
         problems = [p for p in problems if not p.machine]
+        if unchecked:
+            print(f"packrl verl: note: {unchecked}", file=sys.stderr)
     if problems:
         lines = [f"packrl verl: the translated config has {len(problems)} problem(s):"]
         for problem in problems:

@@ -25,12 +25,13 @@ from packrl.compat.verl.keys import ACTOR, AR, BEHAVIOUR, DEFAULTS, FAMILIES, RE
 from packrl.compat.verl.overrides import Translation, format_value
 from packrl.config import ConfigError
 from tests.cli.test_verl import GRPO, LORA, PPO, SEQ_BALANCE, SMALL
+from tests.cli.test_verl_09 import GEO_RS, GRPO_09
 
 ROWS = 7473
 COV = f"{ACTOR}.policy_loss"
 MT = f"{ROLLOUT}.multi_turn"
 RC = "algorithm.rollout_correction"
-OB, OBC = "reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg"
+OB, OBC, OB9 = "reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg", "reward.reward_kwargs.overlong_buffer_cfg"
 SAMPLES: dict[str, Any] = {
     # executable keys verl gives no default here
     "data.seed": 7, f"{AR}.model.path": "Qwen/Qwen2.5-0.5B-Instruct",
@@ -65,6 +66,9 @@ SAMPLES: dict[str, Any] = {
     "critic.use_dynamic_bsz": True, "critic.ppo_epochs": 1, "critic.loss_agg_mode": "token-mean",
     "reward_model.reward_kwargs.max_resp_len": 512, f"{OBC}.enable": True, f"{OBC}.len": 64, f"{OBC}.penalty_factor": 1.0,
     f"{OB}.enable": True, f"{OB}.len": 64, f"{OB}.penalty_factor": 1.0, "reward_model.reward_manager": "dapo",
+    "reward_manager.name": "dapo", "reward.reward_manager.name": "dapo", "reward.reward_kwargs.max_resp_len": 512,
+    f"{OB9}.enable": True, f"{OB9}.len": 64, f"{OB9}.penalty_factor": 1.0, "critic.loss_scale_factor": 2048,
+    f"{ACTOR}.clip_ratio_c": 10.0,
     "algorithm.gamma": 0.99, "algorithm.lam": 0.95, "algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc",
     "algorithm.filter_groups.max_num_gen_batches": 10, f"{RC}.rollout_is": "token", f"{RC}.rollout_is_threshold": 2.0,
     f"{RC}.rollout_rs": "geometric", f"{RC}.rollout_rs_threshold": 1.001, f"{RC}.rollout_rs_threshold_lower": 0.999,
@@ -93,6 +97,9 @@ CLUSTER = [*PPO, "trainer.nnodes=2", "trainer.default_local_dir=/tmp/run", "trai
 SCRIPTS = {
     "ppo": PPO + SMALL, "grpo": GRPO, "grpo_small": GRPO + SMALL, "seq_balance": SEQ_BALANCE + SMALL + ["trainer.n_gpus_per_node=2"],
     "lora": LORA + SMALL, "dapo": DAPO, "cluster": CLUSTER,
+    "verl09": GRPO_09 + SMALL + GEO_RS + ["reward.reward_manager.name=dapo", f"+{OB9}.enable=True", f"+{OB9}.len=256",
+                                          f"{ACTOR}.optim.lr_warmup_steps_ratio=0.1", f"{ACTOR}.clip_ratio_c=5.0",
+                                          "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.99"],
     "clip_cov": GRPO + SMALL + [f"{COV}.loss_mode=clip_cov", f"{COV}.clip_cov_ratio=0.0004", f"{COV}.kl_cov_ratio=0.002"],
     "micro_global": GRPO + SMALL + ["trainer.n_gpus_per_node=4", f"{ACTOR}.ppo_micro_batch_size=8",
                                     f"{ACTOR}.ppo_micro_batch_size_per_gpu=null"],

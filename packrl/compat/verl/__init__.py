@@ -3,8 +3,10 @@
 =================  ==================================================================
 module             holds
 =================  ==================================================================
-``keys``           the key table: every verl key packrl knows and the packrl keys it
-                   reaches, executable (``convert``) or relational (``by``); verl's defaults
+``rules``          `KeyRule` (what packrl does with one verl key) and its three forms
+``keys``           the key table: every verl key packrl knows (verl 0.9.1's config and the
+                   older spellings) and the packrl keys it reaches, executable (``convert``)
+                   or relational (``by``); verl's defaults
 ``convert``        the one-value conversions the executable rules apply
 ``overrides``      Hydra override parsing; `Translation` and its parts
 ``context``        the state of one translation (`Context`)

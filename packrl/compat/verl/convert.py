@@ -18,6 +18,7 @@ that need several verl keys live in `packrl.compat.verl.relational`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -185,8 +186,11 @@ DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"}
 """verl's ``fsdp_config.dtype`` -> packrl's ``model.dtype``."""
 LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"}
 """verl's ``policy_loss.loss_mode`` -> packrl's ``algorithm.policy_loss``."""
-ESTIMATORS = {"gae": "gae", "grpo": "grpo", "rloo": "rloo"}
-"""verl's ``algorithm.adv_estimator`` values packrl has (same names)."""
+ESTIMATORS = {name: name for name in ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")}
+"""verl's ``algorithm.adv_estimator`` values packrl has (same names and formulas: verl 0.9.1
+``core_algos.py``)."""
+LOSS_AGG_MODES = {name: name for name in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")}
+"""verl's ``actor.loss_agg_mode`` values packrl has (same names; verl 0.9's ``token-sum`` is not one)."""
 KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 """verl's ``kl_loss_type`` / ``kl_penalty`` -> packrl's ``algorithm.kl_estimator``."""
 
@@ -195,4 +199,51 @@ dtype = one_of(DTYPES, "packrl computes in bf16 or fp32", "set {key}=bfloat16 (o
 policy_loss = one_of(LOSS_MODES, f"has no packrl policy loss (packrl: {', '.join(LOSS_MODES)})",
                      "set {key}=vanilla (or gspo, clip_cov, kl_cov), or register the loss in a trainer.plugins file")
 estimator = one_of(ESTIMATORS, f"has no packrl estimator (packrl: {', '.join(ESTIMATORS)})",
-                   "set {key}=grpo (or gae, rloo), or register the estimator in a trainer.plugins file")
+                   "set {key}=grpo (or gae, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline), or register the "
+                   "estimator in a trainer.plugins file")
+loss_agg_mode = one_of(LOSS_AGG_MODES, f"has no packrl loss aggregation (packrl: {', '.join(LOSS_AGG_MODES)})",
+                       "set {key}=token-mean (or seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm)")
+trainer_mode = one_of({"sync": "sync"}, "is an asynchronous verl trainer; packrl's colocate_async and separate_async modes "
+                      "bound staleness and carry partial rollouts their own way (docs/async.md), so they are not the same run",
+                      "set {key}=sync, or drop it and add trainer.rollout_mode=colocate_async (or separate_async) to the "
+                      "printed packrl train command")
+
+
+def _ratio_bound(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < math.inf:
+        raise ValueError(text)
+    return value
+
+
+def geometric_bounds(value: Any) -> tuple[float, float | None]:
+    """verl >= 0.7.1's ``rollout_rs=seq_mean_k1`` threshold -> packrl's geometric rejection
+    bounds ``(rollout_rs_threshold, rollout_rs_threshold_lower)``.
+
+    verl (``rollout_corr_helper.compute_rollout_rejection_mask``) keeps a response when
+    ``log(lower) <= mean_t(-log r_t) <= log(upper)``, r_t = pi_old / pi_rollout with each log r_t
+    clamped to +-20: its bounds are on the inverse geometric-mean ratio 1/rho. packrl keeps it when
+    ``lower' <= rho <= upper'`` (`packrl.algos.rollout_correction`), so ``upper' = 1 / lower`` and
+    ``lower' = 1 / upper``. verl's spec is ``"lower_upper"`` or one number u, which verl reads as
+    ``[1/u, u]``: packrl's ``(u, null)`` (null = 1 / u), the same interval.
+
+    Raises:
+        Refused: not one ``lower_upper`` pair or one number, or bounds that do not bracket 1
+            (packrl's bounds are lower' < 1 < upper').
+    """
+    fix = "set {key}='0.999_1.001' (lower_upper on verl's inverse ratio; packrl keeps 1/1.001 <= rho <= 1/0.999)"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or "," in str(value):
+        raise Refused("must be one lower_upper pair or one number (packrl has one rejection criterion)", fix)
+    lower_text, sep, upper_text = str(value).strip().partition("_")
+    try:
+        lower = _ratio_bound(lower_text) if sep else None
+        upper = _ratio_bound(upper_text if sep else lower_text)
+    except ValueError:
+        raise Refused("is not a number or a lower_upper pair of positive numbers", fix) from None
+    if lower is None:
+        if upper <= 1.0:
+            raise Refused("must be > 1: verl keeps [1/u, u]", fix)
+        return upper, None
+    if not lower < 1.0 < upper:
+        raise Refused("must bracket 1 (lower < 1 < upper): a window without ratio 1 rejects on-policy responses", fix)
+    return 1.0 / lower, 1.0 / upper

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from packrl.compat.verl.context import Context, preset_value
-from packrl.compat.verl.convert import KL_ESTIMATORS, files
+from packrl.compat.verl.convert import KL_ESTIMATORS, Refused, files, geometric_bounds
 from packrl.compat.verl.keys import ACTOR, AR, REF, ROLLOUT, VLLM_PASSED, rule_of
 from packrl.compat.verl.overrides import format_value
 
@@ -155,7 +155,8 @@ def _offload(c: Context) -> None:
     c.set("model.param_offload", on, *keys, conversion="parameters, gradients and optimizer states of the policy, reference "
           "and critic stay in host memory (FSDP2 CPUOffloadPolicy; verl's param_offload/optimizer_offload move them between "
           "phases instead)" if on else "")
-    for key in (f"{REF}.fsdp_config.param_offload", "critic.model.fsdp_config.param_offload", "critic.model.fsdp_config.optimizer_offload"):
+    critic = [f"critic.{fsdp}.{name}" for fsdp in ("fsdp", "model.fsdp_config") for name in ("param_offload", "optimizer_offload")]
+    for key in (f"{REF}.fsdp_config.param_offload", *critic):
         c.ignore(key, f"packrl offloads the reference and the critic with the policy: model.param_offload={format_value(on)}, "
                  f"from {ACTOR}.fsdp_config")
 
@@ -246,10 +247,11 @@ def _smaller(budgets: list[Budget]) -> Budget:
 
 
 def _gae(c: Context) -> None:
-    """``algorithm.gamma`` and ``lam``, read by gae only."""
+    """``algorithm.gamma`` (read by gae and reinforce_plus_plus) and ``lam`` (gae only)."""
     estimator = c.get("algorithm.adv_estimator")
-    for key in ("algorithm.gamma", "algorithm.lam"):
-        if c.ignore_unless(estimator == "gae", [key], f"read only by gae (algorithm.adv_estimator={estimator})") and c.has(key):
+    for key, readers in (("algorithm.gamma", ("gae", "reinforce_plus_plus")), ("algorithm.lam", ("gae",))):
+        read = c.ignore_unless(estimator in readers, [key], f"read only by {' and '.join(readers)} (algorithm.adv_estimator={estimator})")
+        if read and c.has(key):
             c.set(key, c.float(key), key)
 
 
@@ -262,12 +264,13 @@ def _filter_groups(c: Context) -> None:
         return
     c.set(f"{prefix}.enable", True, f"{prefix}.enable")
     metric = c.get(f"{prefix}.metric")
-    if metric in ("acc", "score", None):
-        c.set(f"{prefix}.metric", "score", f"{prefix}.metric")
-    elif metric in ("seq_reward", "seq_final_reward"):
-        c.set(f"{prefix}.metric", "reward", f"{prefix}.metric", conversion=f"{metric}: the score plus shaping")
+    if metric in ("acc", "score"):
+        c.set(f"{prefix}.metric", "score", f"{prefix}.metric", conversion=f"{metric}: the reward function's score")
+    elif metric in ("reward", "seq_reward", "seq_final_reward"):
+        c.set(f"{prefix}.metric", "reward", f"{prefix}.metric", conversion=f"{metric}: the score plus shaping, before in-reward KL")
     else:
-        c.refuse(f"{prefix}.metric", "packrl filters on score or reward", f"set {prefix}.metric=score")
+        c.refuse(f"{prefix}.metric", "packrl filters on the score (verl's acc) or the reward (verl's reward)",
+                 f"set {prefix}.metric=reward")
     rounds, batch = c.int(f"{prefix}.max_num_gen_batches"), _batch_size(c)
     if batch is None:
         return
@@ -284,39 +287,80 @@ def _filter_groups(c: Context) -> None:
 
 def _rollout_correction(c: Context) -> None:
     """Token-level importance weights (``rollout_is``, or the older ``actor.tis_imp_ratio_cap``)
-    and geometric rejection (``rollout_rs``) with their thresholds."""
+    and geometric-mean rejection (`_geometric_rejection`); verl's other modes are refused."""
     p = "algorithm.rollout_correction"
     level, cap_key = c.get(f"{p}.rollout_is"), f"{ACTOR}.tis_imp_ratio_cap"
     if level is None and c.get(cap_key) is not None and c.float(cap_key) > 0:
         c.set(f"{p}.rollout_is", "token", cap_key, conversion="tis_imp_ratio_cap > 0 turns token TIS on")
         c.set(f"{p}.rollout_is_threshold", c.float(cap_key), cap_key)
     elif level is not None and level != "token":
-        c.refuse(f"{p}.rollout_is", "packrl weights tokens only", f"set {p}.rollout_is=token")
+        c.refuse(f"{p}.rollout_is", "packrl weights tokens only (verl's sequence level multiplies every token's ratio)",
+                 f"set {p}.rollout_is=token")
     elif c.ignore_unless(level == "token", [f"{p}.rollout_is_threshold", cap_key], f"no effect: {p}.rollout_is is null"):
         c.set(f"{p}.rollout_is", "token", f"{p}.rollout_is")
-        if c.has(f"{p}.rollout_is_threshold"):
+        threshold = c.get(f"{p}.rollout_is_threshold")
+        if isinstance(threshold, str) and "_" in threshold:
+            c.refuse(f"{p}.rollout_is_threshold", "lower_upper is verl's IcePop (weights outside the window set to 0); packrl "
+                     "truncates weights at one upper bound", f"set {p}.rollout_is_threshold=2.0")
+        elif c.has(f"{p}.rollout_is_threshold"):
             c.set(f"{p}.rollout_is_threshold", c.float(f"{p}.rollout_is_threshold"), f"{p}.rollout_is_threshold")
         c.ignore(cap_key, f"superseded by {p}.rollout_is")
-    rs, bounds = c.get(f"{p}.rollout_rs"), [f"{p}.rollout_rs_threshold", f"{p}.rollout_rs_threshold_lower"]
-    if rs is not None and rs != "geometric":
-        c.refuse(f"{p}.rollout_rs", "packrl rejects by the geometric-mean ratio only", f"set {p}.rollout_rs=geometric")
-    elif c.ignore_unless(rs == "geometric", bounds, f"no effect: {p}.rollout_rs is null"):
-        c.set(f"{p}.rollout_rs", "geometric", f"{p}.rollout_rs")
-        for key in bounds:
-            if c.get(key) is not None and not isinstance(c.get(key), (int, float)):
-                c.refuse(key, "must be a number", f"set {key} to a number such as 1.001")
-            elif c.get(key) is not None:
+    _geometric_rejection(c)
+
+
+def _geometric_rejection(c: Context) -> None:
+    """``rollout_rs`` -> packrl's geometric-mean rejection: verl >= 0.7.1's ``seq_mean_k1`` (the
+    ``decoupled_geo_rs`` preset; its threshold bounds the inverse ratio, `convert.geometric_bounds`)
+    or verl <= 0.7.0's ``geometric`` (the bounds as packrl's, with ``rollout_rs_threshold_lower``)."""
+    p = "algorithm.rollout_correction"
+    rs, upper_key, lower_key = c.get(f"{p}.rollout_rs"), f"{p}.rollout_rs_threshold", f"{p}.rollout_rs_threshold_lower"
+    if rs is not None and rs not in ("seq_mean_k1", "geometric"):
+        c.refuse(f"{p}.rollout_rs", "packrl rejects by the geometric-mean ratio only (verl's seq_mean_k1; the other k1/k2/k3 "
+                 "criteria and comma-separated lists are not offered)", f"set {p}.rollout_rs=seq_mean_k1")
+        return
+    if not c.ignore_unless(rs is not None, [upper_key, lower_key], f"no effect: {p}.rollout_rs is null"):
+        return
+    c.set(f"{p}.rollout_rs", "geometric", f"{p}.rollout_rs", conversion="seq_mean_k1 -> geometric" if rs == "seq_mean_k1" else "")
+    if c.get(upper_key) is None:
+        c.refuse(upper_key, f"is needed with {p}.rollout_rs={rs} (verl stops without it)", f"set {upper_key}='0.999_1.001'")
+    elif rs == "geometric":
+        for key in (upper_key, lower_key):
+            if c.get(key) is not None:
                 c.set(key, c.float(key), key)
+    else:
+        c.ignore(lower_key, f"verl <= 0.7.0's key; with {p}.rollout_rs=seq_mean_k1 the bounds are {upper_key}'s lower_upper")
+        try:
+            upper, lower = geometric_bounds(c.get(upper_key))
+        except Refused as refused:
+            c.refuse(upper_key, refused.message, refused.fix.format(key=upper_key))
+            return
+        if lower is None:
+            c.set(upper_key, upper, upper_key, conversion=f"[1/{upper!r}, {upper!r}] in both")
+            return
+        low_text, high_text = str(c.get(upper_key)).strip().split("_", 1)
+        inverse = f"seq_mean_k1 bounds 1/rho to [{low_text}, {high_text}], so rho"
+        c.set(upper_key, upper, upper_key, conversion=f"{inverse} <= 1/{low_text} = {upper!r}")
+        c.set(lower_key, lower, upper_key, conversion=f"{inverse} >= 1/{high_text} = {lower!r}")
 
 
 def _clip_ratio(c: Context) -> None:
-    """``clip_ratio_low``/``high``, each falling back to ``clip_ratio`` (verl reads it where they are null)."""
+    """``clip_ratio_low``/``high``, each falling back to ``clip_ratio`` (verl reads it where they are
+    null); the dual clip ``clip_ratio_c``, which verl's vanilla loss always applies (its default
+    3.0 included, asserted > 1), under ``loss_mode=vanilla`` only (verl's other losses do not read it)."""
     base = f"{ACTOR}.clip_ratio"
     for side in ("low", "high"):
         key = f"{base}_{side}"
         source = key if c.has(key) else base
         fallback = f"clip_ratio -> both bounds (verl reads it where clip_ratio_{side} is null)"
         c.set(f"algorithm.clip_ratio_{side}", c.float(source), source, conversion="" if c.has(key) or not c.has(base) else fallback)
+    dual, mode = f"{base}_c", c.get(f"{ACTOR}.policy_loss.loss_mode")
+    if not c.ignore_unless(mode == "vanilla", [dual], f"read only by loss_mode=vanilla ({ACTOR}.policy_loss.loss_mode={mode})"):
+        return
+    bound = c.float(dual)
+    if not 1.0 < bound < math.inf:
+        c.refuse(dual, "must be a finite number > 1 (verl asserts clip_ratio_c > 1)", f"set {dual}=3.0", value=c.get(dual))
+        return
+    c.set("algorithm.clip_ratio_c", bound, dual, conversion="" if c.has(dual) else "verl's dual clip is on in every vanilla-loss run")
 
 
 _COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
@@ -371,17 +415,30 @@ def _grad_clip(c: Context) -> None:
 
 
 def _warmup(c: Context) -> None:
-    """``lr_warmup_steps`` when >= 0, else int(``lr_warmup_steps_ratio`` x the run's steps), as verl."""
+    """verl's warmup in training steps (``lr_warmup_steps`` when > 0, else int(``lr_warmup_steps_ratio``
+    x the run's steps): verl 0.9.1's FSDP engine) -> ``train.warmup_steps`` in optimizer steps:
+    x (mini-batches per step x ``ppo_epochs``), so the warmup ends after the same training step.
+    verl steps its schedule once per training step (lr x t / W in step t, 0 in the first);
+    packrl ramps per optimizer step, lr x (s + 1) / W'."""
     steps_key, ratio_key = f"{ACTOR}.optim.lr_warmup_steps", f"{ACTOR}.optim.lr_warmup_steps_ratio"
-    if c.get(steps_key) is not None and c.int(steps_key) >= 0:
-        c.set("train.warmup_steps", c.int(steps_key), steps_key)
-        c.ignore(ratio_key, f"verl reads the ratio only when {steps_key} < 0")
-        return
-    ratio, total = c.float(ratio_key), c.total_steps
-    if total is None:
-        return
-    warmup = int(ratio * total)
-    c.set("train.warmup_steps", warmup, ratio_key, conversion=f"int({ratio} x {total:,} steps) = {warmup:,}")
+    used: tuple[str, ...]
+    if c.get(steps_key) is not None and c.int(steps_key) > 0:
+        steps, used, how = c.int(steps_key), (steps_key,), ""
+        c.ignore(ratio_key, f"verl reads the ratio only when {steps_key} <= 0")
+    else:
+        ratio, total = c.float(ratio_key), c.total_steps
+        if total is None:
+            return
+        steps, used, how = int(ratio * total), (steps_key, ratio_key), f"int({ratio} x {total:,} steps) = {int(ratio * total):,} steps"
+    batch, mini, epochs = c.int("data.train_batch_size"), c.int(f"{ACTOR}.ppo_mini_batch_size"), c.int(f"{ACTOR}.ppo_epochs")
+    per_step = max(1, batch // max(1, mini)) * max(1, epochs)
+    warmup = steps * per_step
+    if steps and per_step > 1:
+        how += ("; " if how else "") + (f"{steps:,} training steps x {per_step} optimizer steps each (data.train_batch_size / "
+                                        f"ppo_mini_batch_size x ppo_epochs) = {warmup:,}")
+    if steps and (c.get("algorithm.adv_estimator") == "gae" or c.get("critic.enable")):
+        how += "; packrl's critic warms up with it (verl's critic.optim.lr_warmup_steps: none by default)"
+    c.set("train.warmup_steps", warmup, *used, conversion=how)
 
 
 def _val_temperature(c: Context) -> None:
@@ -455,7 +512,7 @@ def _critic(c: Context) -> None:
         c.ignore("critic.model.path", "the policy's own checkpoint, packrl's default (critic.model.path=null)")
     if c.has("trainer.critic_warmup"):
         c.set("critic.warmup_steps", c.int("trainer.critic_warmup"), "trainer.critic_warmup")
-    shared = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "optim.weight_decay")
+    shared = ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "loss_scale_factor", "optim.weight_decay")
     for key, actor_key in ((f"critic.{name}", f"{ACTOR}.{name}") for name in shared):
         if c.has(key) and c.get(key) != c.get(actor_key):
             c.refuse(key, f"differs from {actor_key}={c.get(actor_key)}; packrl's critic shares the actor's setting",
@@ -473,19 +530,27 @@ def _critic(c: Context) -> None:
 
 def _reward(c: Context) -> None:
     """verl's reward managers -> packrl's reward: naive/batch/prime score as ``reward.name``;
-    dapo's overlong buffer (either spelling) -> ``reward.overlong_buffer_tokens`` and its factor.
-    verl also scores responses a budget cut, which packrl does only when told (`BEHAVIOUR`)."""
-    manager = c.get("reward_model.reward_manager")
-    kwargs, recipe = "reward_model.reward_kwargs", "reward_model.overlong_buffer"
-    cfg = f"{kwargs}.overlong_buffer_cfg"
+    dapo's overlong buffer -> ``reward.shaping.overlong.buffer_tokens`` and its factor. Spellings: verl
+    0.9's ``reward.reward_manager.name`` / ``reward.reward_kwargs``, 0.7-0.8's ``reward_manager.name``,
+    the legacy ``reward_model.*`` ones verl 0.9 still migrates, and the DAPO recipe's
+    ``reward_model.overlong_buffer``. verl also
+    scores responses a budget cut, which packrl does only when told (`BEHAVIOUR`)."""
+    spellings = ("reward_model.reward_manager", "reward_manager.name", "reward.reward_manager.name")  # legacy wins, as verl migrates
+    manager_key = next((k for k in spellings if c.get(k) is not None and c.has(k)), spellings[-1])
+    manager = c.get(manager_key)
+    for other in spellings:
+        if other != manager_key:
+            c.ignore(other, f"{manager_key} names the reward manager")
+    kwargs = "reward.reward_kwargs" if any(k.startswith("reward.reward_kwargs.") for k in c.given) else "reward_model.reward_kwargs"
+    recipe, cfg = "reward_model.overlong_buffer", f"{kwargs}.overlong_buffer_cfg"
     spelling = recipe if any(k.startswith(recipe + ".") for k in c.given) else cfg
     keys = [f"{spelling}.enable", f"{spelling}.len", f"{spelling}.penalty_factor", f"{kwargs}.max_resp_len"]
     if manager not in ("naive", "batch", "prime", "dapo"):
-        c.refuse("reward_model.reward_manager", "packrl scores with registered reward functions",
-                 "set reward_model.reward_manager=naive (or dapo), and reward.name in the printed packrl command")
+        c.refuse(manager_key, "packrl scores with registered reward functions",
+                 f"set {manager_key}=naive (or dapo), and reward.name in the printed packrl command")
     active = bool(c.get(f"{spelling}.enable")) and (manager == "dapo" or spelling == recipe)
     if manager in ("naive", "batch", "prime") or (manager == "dapo" and not active):
-        c.ignore("reward_model.reward_manager", f"{manager} computes the task score as packrl's reward.name does"
+        c.ignore(manager_key, f"{manager} computes the task score as packrl's reward.name does"
                  + (" (dapo without the overlong buffer scores as naive)" if manager == "dapo" else ""))
     if c.ignore_unless(active, keys, "no effect: the overlong buffer needs reward_manager=dapo and overlong_buffer*.enable=True"):
         length, response = c.int(f"{spelling}.len", 0), c.int("data.max_response_length")
@@ -493,10 +558,10 @@ def _reward(c: Context) -> None:
         if resp_len is not None and c.int(f"{kwargs}.max_resp_len") != response:
             c.refuse(f"{kwargs}.max_resp_len", f"differs from data.max_response_length={response}; packrl ramps the penalty up "
                      "to rollout.max_response_tokens", f"set {kwargs}.max_resp_len={response}")
-        c.set("reward.overlong_buffer_tokens", length, f"{spelling}.enable", f"{spelling}.len", "reward_model.reward_manager",
+        c.set("reward.shaping.overlong.buffer_tokens", length, f"{spelling}.enable", f"{spelling}.len", manager_key,
               *([f"{kwargs}.max_resp_len"] if resp_len is not None else []))
         if c.has(f"{spelling}.penalty_factor"):
-            c.set("reward.overlong_penalty_factor", c.float(f"{spelling}.penalty_factor"), f"{spelling}.penalty_factor")
+            c.set("reward.shaping.overlong.penalty_factor", c.float(f"{spelling}.penalty_factor"), f"{spelling}.penalty_factor")
     c.set("reward.score_truncated", True, conversion="verl scores responses a budget cut; packrl's rewards would give them 0")
 
 
