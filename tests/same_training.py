@@ -37,11 +37,16 @@ STEP_SHARE = 1e-2  # weights: allowed difference per optimizer step, as a share 
 
 
 def checkpoint_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(weights, optimizer state dict)`` of a ``checkpoints/step_N`` folder (no weights for an
-    adapter-only checkpoint)."""
+    """``(weights, optimizer state dict)`` of a ``checkpoints/step_N`` folder. The weights of a
+    LoRA checkpoint are its adapter's, under the names the optimizer state uses: peft writes
+    ``...q_proj.lora_A.weight`` for the parameter ``...q_proj.lora_A.default.weight``."""
     from safetensors.torch import load_file
 
-    weights = load_file(str(path / "model.safetensors")) if (path / "model.safetensors").is_file() else {}
+    if (path / "adapter_model.safetensors").is_file():
+        adapter = load_file(str(path / "adapter_model.safetensors"))
+        weights = {name.removesuffix(".weight") + ".default.weight": value for name, value in adapter.items()}
+    else:
+        weights = load_file(str(path / "model.safetensors")) if (path / "model.safetensors").is_file() else {}
     return weights, torch.load(path / "optimizer.pt", weights_only=False)["optimizer"]
 
 

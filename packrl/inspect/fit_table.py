@@ -10,7 +10,7 @@ setting                     changes
 ==========================  ================================================================
 plain                       gradient checkpointing, LoRA and parameter offload off
 gradient checkpointing      ``model.gradient_checkpointing=true``
-LoRA                        ``model.lora.rank`` (16 unless configured; one process)
+LoRA                        ``model.lora.rank`` (16 unless configured; the run's ranks)
 param offload               ``model.param_offload=true`` (FSDP2 on CUDA: at least 2 ranks)
 ==========================  ================================================================
 
@@ -120,7 +120,7 @@ def _settings(cfg: RunConfig, device: str) -> list[tuple[str, dict[str, Any], st
     workers = cfg.trainer.num_workers
     off = {"model.gradient_checkpointing": False, "model.lora.rank": 0, "model.param_offload": False}
     rank = cfg.model.lora.rank or 16
-    lora = off | {"model.lora.rank": rank} | ({"trainer.num_workers": 1} if workers > 1 else {})
+    lora = off | {"model.lora.rank": rank}
     offload = off | {"model.param_offload": True} | ({"trainer.num_workers": 2} if workers == 1 else {})
     return [
         ("plain", off, None),

@@ -26,7 +26,10 @@ strategy `packrl.worker.strategy.weight_layout` names for the config):
   actor's (no LM head), so they add no phase of their own.
 - under FSDP2 (``trainer.num_workers = D > 1``): parameters, reference, gradients and moments
   are split D ways; while it computes a rank gathers whole units: the root (embeddings, final
-  norm, LM head) and up to two decoder layers (the current one and the prefetched next).
+  norm, LM head) and up to two decoder layers (the current one and the prefetched next). LoRA
+  adapters are sharded in their decoder layer's unit (`packrl.worker.strategy.FSDP2`): their
+  gradients and moments are split D ways too, a gathered layer holds its adapters, and the
+  engine's copy holds the merged weights (no adapters).
 - with sequence parallelism (``trainer.sequence_parallel_size = S``) the estimate stays per rank:
   ``T`` is the per-rank budget (a pack holds S x T tokens, each rank T of them), weights are
   split over all D ranks, and the all-to-all's buffers (about the q, k, v and output of one layer
@@ -178,7 +181,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     layout = weight_layout(cfg)
     shards = layout.num_shards
     engine_copy = 2 if c == 2 else (c if layout.engine_copy_always or cfg.rollout.engine != "hf" else 0)
-    layer_params = shape.num_matmul_params // shape.num_layers
+    layer_params = (shape.num_matmul_params + (shape.num_lora_params if lora else 0)) // shape.num_layers  # with its adapters
     parts = {
         "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,
         "parameters": p * shape.num_params // shards,

@@ -487,7 +487,7 @@ def _update_fix(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recom
                 + (" (or model.param_offload=true to keep the parameter shards in host memory)" if can_offload else ""))
     offload = cfg.model.param_offload or cfg.trainer.num_workers == 1 or memory.device != "cuda"  # FSDP2 on CUDA only
     options = [o for o, on in (("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
-                               ("model.lora.rank=16", cfg.model.lora.rank > 0 or cfg.trainer.num_workers > 1),
+                               ("model.lora.rank=16", cfg.model.lora.rank > 0),
                                ("model.param_offload=true", offload)) if not on]
     return ("no micro-batch holding the longest sequence fits: " + ", ".join(
         [*(f"set {o}" for o in options), "lower data.max_prompt_tokens / rollout.max_response_tokens"]))

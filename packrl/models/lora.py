@@ -15,6 +15,12 @@ A ``peft`` model is ``PeftModel -> LoraModel -> the transformers model``; attrib
 through to the transformers model, so ``get_decoder()``, ``get_output_embeddings()`` and
 ``config`` (what `packrl.models.attention.packed_forward` and the chunked LM head use) are the
 transformers model's own, with the adapters sitting inside its Linear layers.
+
+Under FSDP2 (`packrl.worker.strategy.FSDP2`) the adapters are sharded with the decoder layer they
+sit in, beside its frozen base weights. `merged_weights` takes the function that gathers a
+parameter whole, so the rollout engine gets the weights one process gives it; a checkpoint
+gathers the `adapter_parameters` alone, and `read_adapter` gives every rank the whole adapter to
+shard again.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import copy
 import json
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,7 +40,6 @@ if TYPE_CHECKING:
     # for ``cast``: torch types a module's attributes beyond its own as ``Tensor | Module``
     from peft import LoraConfig as PeftLoraConfig
     from peft import PeftModel
-    from torch.nn.modules.module import _IncompatibleKeys
     from transformers import PreTrainedModel
 
     from packrl.config.schema import LoraConfig
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _ALL_LINEAR = "all-linear"
+_ADAPTER = "default"  # the adapter's name in peft (`apply_lora` makes one)
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -138,23 +144,36 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
+def _detached(param: torch.Tensor) -> torch.Tensor:
+    return param.detach()
+
+
 @torch.no_grad()
-def _merged_weight(module: Any, leaf: str) -> torch.Tensor:
-    """A LoRA layer's base parameter ``leaf``, plus its adapters' delta for the weight."""
-    value = getattr(module.get_base_layer(), leaf)
+def _merged_weight(module: Any, leaf: str, whole: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A LoRA layer's base parameter ``leaf``, plus its adapters' delta for the weight: peft's
+    ``get_delta_weight``, ``transpose(B @ A, fan_in_fan_out) * scaling`` with ``scaling = alpha / r``
+    (Hu et al. 2021, Eq. 3), computed on whole tensors (``whole`` of each parameter), so a sharded
+    model merges exactly as an unsharded one."""
+    value = whole(getattr(module.get_base_layer(), leaf))
     if leaf != "weight" or module.merged or module.disable_adapters:
         return value
     for adapter in module.active_adapters:
         if adapter in module.lora_A:
-            value = value + module.get_delta_weight(adapter)  # (alpha / r) B A, [out, in]
+            delta = whole(module.lora_B[adapter].weight) @ whole(module.lora_A[adapter].weight)  # [out, r] @ [r, in]
+            value = value + (delta.T if module.fan_in_fan_out else delta) * module.scaling[adapter]
     return value
 
 
-def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: torch.nn.Module,
+                   whole: Callable[[torch.Tensor], torch.Tensor] = _detached) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of ``model`` as its plain transformers model would hold them: every parameter
     of the base model by its base name (``model.layers.0.self_attn.q_proj.weight``), the weight of
     each LoRA layer merged (``W + (alpha / r) B A``), the adapters themselves left out. These are
     the names and values of `merged_copy`'s parameters (tied weights under each of their names).
+
+    Args:
+        whole: the whole tensor of a parameter (detached); under FSDP2 its shards gathered
+            (``DTensor.full_tensor``, a collective: every rank iterates in the same order).
     """
     from peft.tuners.lora import LoraLayer
 
@@ -167,21 +186,30 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         if isinstance(module, LoraLayer):
             adapted.append(name)
             for leaf, _ in module.get_base_layer().named_parameters(recurse=False):
-                yield f"{prefix}{leaf}", _merged_weight(module, leaf)
+                yield f"{prefix}{leaf}", _merged_weight(module, leaf, whole)
             continue
         for leaf, param in module.named_parameters(recurse=False):
-            yield f"{prefix}{leaf}", param.detach()
+            yield f"{prefix}{leaf}", whole(param)
 
 
-def load_adapter(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's adapter (``adapter_model.safetensors``) into ``model`` in place, exactly.
+def adapter_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """The adapter parameters (A and B of every LoRA layer) of a model `apply_lora` wrapped, by
+    their names in the model (``...q_proj.lora_A.default.weight``): what trains, and what a
+    checkpoint holds."""
+    return ((name, param) for name, param in model.named_parameters() if "lora_" in name)
+
+
+def read_adapter(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapter (``adapter_model.safetensors``), keyed by the names of ``model``'s
+    adapter parameters (`adapter_parameters`) and checked against them. peft writes each tensor
+    without the adapter's name (``...q_proj.lora_A.weight`` for ``...q_proj.lora_A.default.weight``,
+    ``get_peft_model_state_dict``); this puts it back.
 
     Raises:
         ValueError: ``path`` holds no adapter; its ``adapter_config.json`` has another rank, alpha
             or target set than ``model`` (named with the ``model.lora.*`` keys to set); or its
-            tensors do not cover every adapter parameter of ``model``.
+            tensors do not cover every adapter parameter of ``model``, or hold others.
     """
-    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     if not (path / ADAPTER_WEIGHTS).is_file() or not (path / ADAPTER_CONFIG).is_file():
@@ -196,17 +224,27 @@ def load_adapter(model: torch.nn.Module, path: Path) -> None:
     if _as_set(saved.get("target_modules")) != _as_set(ours.target_modules):
         raise ValueError(f"{path} holds adapters on {saved.get('target_modules')}, but this model has them on {ours.target_modules}; "
                          f"set model.lora.target_modules to the checkpoint's")
-    # peft annotates the result as ``namedtuple``: it is torch's load_state_dict result
-    result = cast("_IncompatibleKeys", set_peft_model_state_dict(model, load_file(str(path / ADAPTER_WEIGHTS))))
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
+    tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    names = {name.replace(f".{_ADAPTER}", ""): name for name, _ in adapter_parameters(model)}
+    missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+    if missing or unexpected:
         raise ValueError(f"{path}/{ADAPTER_WEIGHTS} does not match the model's adapters: missing {missing[:3]}, "
-                         f"unexpected {list(result.unexpected_keys)[:3]}; load it with the model.lora.* settings of its run")
+                         f"unexpected {unexpected[:3]}; load it with the model.lora.* settings of its run")
+    return {names[key]: value for key, value in tensors.items()}
+
+
+def load_adapter(model: torch.nn.Module, path: Path) -> None:
+    """Load a checkpoint's adapter (`read_adapter`) into an unsharded ``model`` in place, exactly.
+
+    Raises:
+        ValueError: see `read_adapter`.
+    """
+    model.load_state_dict(read_adapter(model, path), strict=False)
 
 
 def adapter_config(model: torch.nn.Module) -> PeftLoraConfig:
     """The peft ``LoraConfig`` of the ``default`` adapter of a model `apply_lora` wrapped."""
-    return cast("PeftLoraConfig", cast("PeftModel", model).peft_config["default"])
+    return cast("PeftLoraConfig", cast("PeftModel", model).peft_config[_ADAPTER])
 
 
 def _as_set(targets: Any) -> Any:

@@ -174,10 +174,17 @@ class PolicyWorker:
         return WorkerInfo(max_context, rope_factor, summary, packing, share)
 
     def _policy(self, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any]:
-        """``model`` and ``tokenizer``, or the policy loaded as ``model.*`` asks (`load_policy`)."""
+        """``model`` and ``tokenizer``, or the policy loaded as ``model.*`` asks (`load_policy`).
+
+        The load draws from torch's generator seeded with ``train.seed`` (the process's own
+        generator is restored afterwards): LoRA's A matrices start random (peft's Kaiming
+        init), and every FSDP2 rank keeps its shard of its own copy, so each rank, and one process,
+        must draw the same A."""
         cfg = self.cfg
         if model is None:
-            model, tokenizer = load_policy(cfg.model, device=self.strategy.device, compute_dtype=self.plan.compute_dtype)
+            with torch.random.fork_rng():
+                torch.manual_seed(cfg.train.seed)
+                model, tokenizer = load_policy(cfg.model, device=self.strategy.device, compute_dtype=self.plan.compute_dtype)
         if cfg.model.lora.rank > 0 and not is_lora(model):
             raise ValueError(f"model.lora.rank={cfg.model.lora.rank} but the model given has no LoRA adapters; load it with "
                              "packrl.models.loading.load_policy (which applies model.lora), or set model.lora.rank=0")

@@ -8,11 +8,14 @@ supplies what differs:
 ==========================  ===========================  =====================================
 process group               none                         torch.distributed (gloo on CPU, NCCL)
 wrapping                    none                         ``fully_shard`` per decoder layer, root
+                                                         (LoRA adapters sharded in their layer)
 gradient sync, loss scale   none, 1                      once per mini-batch, x rank count
 after a no-grad pass        nothing                      reshard every FSDP unit
 rollout weights             the parameters (LoRA:        each parameter gathered whole
-                            merged ``W + (alpha/r) BA``)  (``full_tensor``), a collective
-checkpoint weights          ``save_pretrained``          gathered on every rank, written by rank 0
+                            merged ``W + (alpha/r) BA``)  (``full_tensor``), a collective (LoRA:
+                                                         W, A and B gathered, then merged)
+checkpoint weights          ``save_pretrained`` (LoRA:   gathered on every rank, written by rank
+                            the adapter alone)           0 (LoRA: the adapters alone)
 engine may share weights    yes (fp32)                   no: the engine keeps an unsharded copy
 ==========================  ===========================  =====================================
 
@@ -263,7 +266,12 @@ class SingleProcess:
 class FSDP2:
     """One data-parallel rank: a torch.distributed process holding an FSDP2 shard of the policy.
 
-    Sharding (`torch.distributed.fsdp.fully_shard`): every decoder layer, then the root. Each
+    Sharding (`torch.distributed.fsdp.fully_shard`): every decoder layer, then the root. A LoRA
+    policy's adapters are sharded in the unit of the layer they sit in, beside its frozen base
+    weights: FSDP2 shards each parameter on its own (a DTensor per parameter), all-gathers the
+    unit's frozen and trainable parameters together and reduce-scatters only the gradients that
+    exist, so a unit may mix both, and the gradients and AdamW states of the adapters are split
+    over the ranks too. Each
     rank's loss is its share of the globally normalised loss, so the gradient is the sum over
     ranks: the loss is scaled by the rank count before the backward, which the reduce-scatter's
     mean undoes (gloo has no pre-scaled sum), and gradients are reduced once per mini-batch
@@ -389,18 +397,33 @@ class FSDP2:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
+    def _whole(self, param: torch.Tensor) -> torch.Tensor:
+        """``param`` detached and gathered whole (a collective for a shard). An offloaded shard is
+        copied to the device first: NCCL gathers device tensors only."""
+        value = param.detach()
+        return cast("DTensor", value.to(self.device)).full_tensor() if hasattr(value, "full_tensor") else value
+
     def rollout_weights(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each parameter gathered whole (a collective on every rank, in the same order). An
-        offloaded shard is copied to the device first: NCCL gathers device tensors only."""
-        for name, param in model.named_parameters():
-            value = param.detach()
-            yield name, cast("DTensor", value.to(self.device)).full_tensor() if hasattr(value, "full_tensor") else value
+        """Each parameter gathered whole (a collective on every rank, in the same order); for a
+        LoRA model the merged weights of its base model (`packrl.models.lora.merged_weights`,
+        each LoRA layer's W, A and B gathered, then merged as one process merges them)."""
+        from packrl.models.lora import is_lora, merged_weights
+
+        if is_lora(model):
+            return merged_weights(model, self._whole)
+        return ((name, self._whole(param)) for name, param in model.named_parameters())
 
     def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full weights on the CPU, gathered on every rank (a collective), tied duplicates
-        dropped (written once, as one process writes them)."""
+        dropped (written once, as one process writes them); of a LoRA model its adapters alone
+        (`packrl.models.lora.adapter_parameters`: the base weights are ``model.path``'s), which its
+        ``save_pretrained`` writes as one process does."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        from packrl.models.lora import adapter_parameters, is_lora
+
+        if is_lora(model):
+            return {name: self._whole(param).cpu() for name, param in adapter_parameters(model)}
         # a full state dict holds tensors only (torch annotates the union of every state-dict value)
         weights = cast("dict[str, torch.Tensor]",
                        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
@@ -412,17 +435,20 @@ class FSDP2:
         return weights
 
     def load_weights(self, model: torch.nn.Module, path: Path) -> None:
-        """Every rank reads the full checkpoint and keeps its shards.
+        """Every rank reads the full checkpoint (of a LoRA model its adapter,
+        `packrl.models.lora.read_adapter`) and keeps its shards.
 
         Raises:
-            ValueError: no safetensors weights under ``path`` (`weights_state_dict`).
+            ValueError: no safetensors weights under ``path`` (`weights_state_dict`); an adapter
+                that does not fit the model (`read_adapter`).
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        from packrl.models.lora import is_lora, read_adapter
         from packrl.worker.checkpoint import weights_state_dict
 
         # torch annotates an invariant dict of the union of every state-dict value: a dict of tensors is one
-        weights = cast("dict[str, Any]", weights_state_dict(path))
+        weights = cast("dict[str, Any]", read_adapter(model, path) if is_lora(model) else weights_state_dict(path))
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def all_ok(self, ok: bool) -> bool:

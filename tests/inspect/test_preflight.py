@@ -180,6 +180,40 @@ def test_estimate_reads_the_strategy_layout():
     assert two.parts["activations"] == one.parts["activations"]
 
 
+def test_lora_on_two_ranks_splits_base_and_adapters_and_gathers_the_adapters_of_a_layer():
+    """LoRA under FSDP2: the base weights and the adapters (with their gradients and moments) are
+    split over the ranks, the reference is the base model (no copy), the engine holds the merged
+    weights whole, and a gathered decoder layer holds its adapters."""
+    config = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    shape = ModelShape.from_config(config, LoraConfig(rank=8))
+    est = lambda *o: estimate_memory(load_config("demo", ["model.dtype=fp32", "algorithm.kl_coef=0.1", *o]), shape,  # noqa: E731
+                                     tokens_per_microbatch=1024)
+    one, two = est("model.lora.rank=8"), est("model.lora.rank=8", "trainer.num_workers=2")
+    assert two.parts["gradients"] == 4 * shape.num_lora_params // 2 and one.parts["gradients"] == 4 * shape.num_lora_params
+    assert two.parts["optimizer states (AdamW)"] == 8 * shape.num_lora_params // 2
+    assert two.parts["parameters"] == one.parts["parameters"] // 2
+    assert one.parts["reference model"] == two.parts["reference model"] == 0
+    assert one.parts["rollout engine copy"] == 0 and two.parts["rollout engine copy"] == 4 * shape.num_params
+    full = est("trainer.num_workers=2")
+    assert full.parts["reference model"] == 4 * shape.num_params // 2
+    gathered = two.parts["gathered parameters (FSDP2)"] - full.parts["gathered parameters (FSDP2)"]
+    assert gathered == 4 * 2 * (shape.num_lora_params // shape.num_layers)  # two layers' adapters
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_micro_batch_that_does_not_fit_suggests_lora_on_any_number_of_ranks(model_dir, workers):
+    overrides = [f"model.path={model_dir}", f"trainer.num_workers={workers}", "model.dtype=fp32"]
+    cfg = load_config("demo", overrides)
+    memory = estimate_memory(cfg, ModelShape.from_config(_config(), cfg.model.lora), device="cpu")
+    weights = sum(memory.parts[k] for k in ("runtime", "parameters", "reference model", "rollout engine copy",
+                                            "gathered parameters (FSDP2)"))
+    report = preflight("demo", overrides, device_memory_gib=(weights + 1000) / GIB, device="cpu")  # the weights fit, no tokens do
+    fix = next(p for p in report.problems if p.key == "train.max_tokens_per_microbatch").fix
+    assert fix.startswith("no micro-batch holding the longest sequence fits") and "set model.lora.rank=16" in fix
+    with_lora = preflight("demo", [*overrides, "model.lora.rank=4"], device_memory_gib=(weights + 1000) / GIB, device="cpu")
+    assert "model.lora.rank" not in next(p for p in with_lora.problems if p.key == "train.max_tokens_per_microbatch").fix
+
+
 def test_fp64_doubles_the_float32_parts_and_auto_follows_the_device():
     from packrl.hardware import resolve_for_device
 
