@@ -11,7 +11,8 @@ max_pixels]`` (transformers' ``smart_resize``), one language-model token per ``f
 pixels. packrl picks each image's size itself, the same way, with ``data.image.max_pixels`` /
 ``min_pixels`` over the processor's own; when a row's images together exceed
 ``data.max_image_tokens`` or what the prompt budget leaves after the text, every image of the
-row is shrunk by the same area ratio until they fit. The image is then resized to exactly that
+row is shrunk by one linear scale, the largest that fits, each side rounded to a multiple of
+``factor`` (the aspect ratio kept within that rounding). The image is then resized to exactly that
 size with Pillow (bicubic) before the processor, whose own resize leaves it unchanged, so the
 rollout engine and the trainer see the same pixels and the budget counts the real tokens.
 A prompt is never cut inside an image: a row whose images cannot fit even at ``min_pixels`` is
@@ -163,8 +164,20 @@ def _get(size: Any, key: str) -> int | None:
 
 
 def fit_sizes(sizes: list[tuple[int, int]], geometry: ImageGeometry, max_tokens: int | None) -> list[tuple[int, int]] | None:
-    """Each image's resized ``(width, height)``, all shrunk by one area ratio until the images'
-    tokens (placeholders + markers) total at most ``max_tokens`` (None: no bound).
+    """Each image's resized ``(width, height)``, all shrunk by one linear scale, the largest at
+    which the images' tokens (placeholders + markers) total at most ``max_tokens`` (None: no
+    bound).
+
+    Unshrunk, an image gets transformers' ``smart_resize`` size (`ImageGeometry.resized`). Shrunk
+    by ``scale``, each side of its unshrunk extent (the original, scaled down to ``max_pixels``)
+    is rounded to the nearest multiple of ``factor`` (at least one), so the aspect ratio is kept
+    up to that rounding: a 20.5:1 image of 41 x 2 tokens one token over its budget becomes
+    40 x 2 tokens (20:1), where ``smart_resize``'s floor under a lower ``max_pixels`` gives
+    40 x 1 (40:1, half the tokens). An image that would fall below ``min_pixels`` takes its
+    ``min_pixels`` size instead (the processor would enlarge it to that). Every size is a
+    multiple of ``factor`` with an area in ``[min_pixels, max_pixels]``, which the processor's
+    own resize keeps unchanged. The scales tried are the ones at which some side's rounded
+    token count changes, from the largest down, so no image shrinks more than the budget needs.
 
     Returns:
         The sizes, or None when even the smallest sizes (``min_pixels``) do not fit.
@@ -176,13 +189,43 @@ def fit_sizes(sizes: list[tuple[int, int]], geometry: ImageGeometry, max_tokens:
 
     if max_tokens is None or total(unshrunk) <= max_tokens:
         return unshrunk
-    fitted, scale = unshrunk, 1.0
-    for _ in range(64):
-        scale *= max(0.5, math.sqrt(max_tokens / total(fitted)) * 0.98)
-        fitted = [geometry.resized(w, h, max_pixels=max(geometry.min_pixels, int(fw * fh * scale)))
-                  for (w, h), (fw, fh) in zip(sizes, unshrunk)]
+    extents = [_extent(w, h, geometry.max_pixels) for w, h in sizes]
+    smallest = [_least(w, h, geometry) for w, h in sizes]
+    for scale in _scales(extents, geometry.factor):
+        fitted = [_scaled(extent, scale, cap, least, geometry)
+                  for extent, cap, least in zip(extents, unshrunk, smallest)]
         if total(fitted) <= max_tokens:
             return fitted
-        if all(fw * fh <= geometry.min_pixels * 1.0001 for fw, fh in fitted):
-            return None
-    return None
+    return smallest if total(smallest) <= max_tokens else None
+
+
+def _least(width: int, height: int, geometry: ImageGeometry) -> tuple[int, int]:
+    """The smallest size the processor keeps: ``smart_resize`` to ``min_pixels``, whose floor can
+    land under ``min_pixels`` (42 x 84 -> 28 x 56, 1,568 < 3,136 pixels), enlarged to it then as
+    the processor would enlarge it."""
+    least = geometry.resized(width, height, max_pixels=geometry.min_pixels)
+    return least if least[0] * least[1] >= geometry.min_pixels else geometry.resized(*least)
+
+
+def _extent(width: int, height: int, max_pixels: int) -> tuple[float, float]:
+    """An image's sides before rounding: the original, scaled down (aspect kept) to ``max_pixels``."""
+    shrink = min(1.0, math.sqrt(max_pixels / (width * height)))
+    return width * shrink, height * shrink
+
+
+def _scales(extents: list[tuple[float, float]], factor: int) -> list[float]:
+    """The linear scales below 1 at which a side of one of ``extents`` rounds to one more token,
+    largest first (each a little above the exact step, so it rounds up there)."""
+    steps = {(k - 0.5) * factor / side * (1 + 1e-9) for w, h in extents for side in (w, h)
+             for k in range(1, int(side / factor + 0.5) + 1)}
+    return sorted((s for s in steps if s < 1.0), reverse=True)
+
+
+def _scaled(extent: tuple[float, float], scale: float, cap: tuple[int, int], least: tuple[int, int],
+            geometry: ImageGeometry) -> tuple[int, int]:
+    """``extent`` x ``scale`` with each side rounded to a multiple of ``factor`` (at least one,
+    at most the unshrunk ``cap``); the ``min_pixels`` size ``least`` when that is smaller."""
+    f = geometry.factor
+    width = min(cap[0], max(f, math.floor(extent[0] * scale / f + 0.5) * f))
+    height = min(cap[1], max(f, math.floor(extent[1] * scale / f + 0.5) * f))
+    return (width, height) if width * height >= geometry.min_pixels else least

@@ -189,3 +189,46 @@ def test_overlong_error_names_image_rows_whose_images_cannot_fit(tmp_path, proce
     message = str(err.value)
     assert "row 0" in message and "data.max_image_tokens=3" in message and "row 1" in message
     assert "raise data.max_prompt_tokens to >=" in message and "raise data.max_image_tokens" in message
+
+
+def test_an_image_row_one_token_over_keeps_its_aspect_ratio_and_loses_one_row_of_tokens(tmp_path, processor):
+    """A 1148 x 56 image (20.5:1) is 41 x 2 tokens of 28 pixels. One token over the budget, the
+    largest grid near 20.5:1 that fits is 40 x 2 (20:1, 80 tokens); 81 tokens have no grid of
+    that shape (81 x 1, 27 x 3, 9 x 9)."""
+    rows = [_row("<image>How wide?", [{"bytes": _png(1148, 56)}])]
+    full = _build(tmp_path, rows, processor).batch([0])
+    assert full.images[0].num_tokens == 82
+    budget = len(full.prompt_ids[0]) - 1
+    fitted = _build(tmp_path, rows, processor, max_prompt_tokens=budget, overlong_prompt="right")
+    outcome = fitted.accounting.outcomes[0]
+    assert outcome.status == "truncated" and outcome.num_tokens_removed == 2
+    assert outcome.reason == f"{budget + 1} -> {budget - 1} tokens (images resized to 1120x56; text kept whole)"
+    assert fitted.prompts[0].image_sizes == ((1120, 56),)
+    assert fitted.batch([0]).images[0].num_tokens == 80
+
+
+@pytest.mark.parametrize("size", [(1148, 56), (56, 1148), (1000, 50), (640, 480), (300, 1000)])
+def test_fit_sizes_keeps_the_aspect_ratio_and_shrinks_no_more_than_needed(processor, size):
+    """Against a brute force over every token grid: the grids a common scale s can give by
+    rounding each side (|w - W s| <= 14 and |h - H s| <= 14 pixels, or a side of one token when
+    its scaled side is under half a token), no larger than the unshrunk grid; the fitted grid
+    must be one of them and hold the most tokens any of them fits in the budget."""
+    geometry = ImageGeometry.of(processor, ImageConfig())
+    f, (width, height) = 28, size
+    unshrunk = geometry.resized(width, height)  # 640 x 480 is over max_pixels: 504 x 364 (18 x 13 tokens)
+
+    def scales(pixels: int, side: int) -> tuple[float, float]:  # the s that round side * s to pixels
+        return (0.0 if pixels == f else (pixels - f / 2) / side), (pixels + f / 2) / side
+
+    def reachable(w: int, h: int) -> bool:
+        (lo_w, hi_w), (lo_h, hi_h) = scales(w, width), scales(h, height)
+        return max(lo_w, lo_h) <= min(hi_w, hi_h)
+
+    grids = [(gw * f, gh * f) for gw in range(1, unshrunk[0] // f + 1) for gh in range(1, unshrunk[1] // f + 1)
+             if reachable(gw * f, gh * f) and gw * gh * f * f >= geometry.min_pixels]
+    full = geometry.tokens(*unshrunk) + 2
+    for budget in (full - 1, full - 5, full // 2, full // 4):
+        fitted = fit_sizes([size], geometry, budget)
+        best = max(geometry.tokens(w, h) for w, h in grids if geometry.tokens(w, h) + 2 <= budget)
+        assert fitted is not None and fitted[0] in grids, (budget, fitted)
+        assert geometry.tokens(*fitted[0]) == best, (budget, fitted, best)
