@@ -545,6 +545,8 @@ _TRAINER = {
     "trainer.use_legacy_worker_impl": _i("packrl has one worker implementation"),
     "trainer.use_v1": _i("packrl has one trainer"),
     "trainer.v1.trainer_mode": _x("trainer.rollout_mode", cv.trainer_mode, "sync -> sync; the asynchronous modes are refused"),
+    "trainer.v1.sampler.custom_sampler.path": _i("packrl samples prompts in a seeded shuffled order", (None,),
+                                                 "remove trainer.v1.sampler.custom_sampler.*"),
     "trainer.checkpoint_callback_class": _i("packrl calls no checkpoint callbacks", (None,), "remove trainer.checkpoint_callback_class"),
     "trainer.profile_steps": _i(_PROFILE), "trainer.profile_continuous_steps": _i(_PROFILE),
     "trainer.controller_nsight_options": _i(_PROFILE), "trainer.worker_nsight_options": _i(_PROFILE),
@@ -581,7 +583,8 @@ FAMILIES: dict[str, KeyRule] = {
     f"{ROLLOUT}.skip.": _i("read only with rollout.skip.enable"),
     "data.mm_processor_kwargs.": _i("packrl runs the model's processor with its own settings and sizes images to the budgets",
                                     (None,), "remove data.mm_processor_kwargs.*"),
-    "trainer.v1.": _i("read by verl's asynchronous trainer modes (trainer.v1.trainer_mode), which packrl refuses"),
+    "trainer.v1.": _i("settings of verl's asynchronous trainer modes (refused) and of its sampler's refills and off-policy "
+                      "limits; packrl's rollout modes bound staleness with rollout.max_staleness"),
     "reward_model.rollout.": _i(_REWARD_MODEL), "reward.reward_model.": _i(_REWARD_MODEL),
     "reward.reward_manager.module.": _i("read only with reward.reward_manager.source=importlib"),
     "reward_manager.module.": _i("read only with reward_manager.source=importlib"),
