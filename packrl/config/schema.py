@@ -195,6 +195,35 @@ class ArithmeticConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CharCountConfig:
+    num_rows: int = 2000
+    """Rows the built-in `task:char_count` generates (validation gets its own seeded rows)."""
+
+    min_letters: int = 5
+    """Fewest letters of a word (`packrl.data.char_count`: pronounceable pseudo-words)."""
+
+    max_letters: int = 20
+    """Most letters of a word; the worked answer has one line per letter, so this bounds the
+    response a correct answer needs (`packrl.data.char_count.shortest_correct_response`)."""
+
+    absent_fraction: float = 0.2
+    """Fraction of the questions that ask for a letter the word does not hold (answer 0); the
+    others ask for the letter at a random position of the word."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = check_positive(f"{prefix}.num_rows", self.num_rows) + check_positive(f"{prefix}.min_letters", self.min_letters)
+        out += check_positive(f"{prefix}.max_letters", self.max_letters)
+        if not out and self.max_letters < self.min_letters:
+            out.append(ConfigProblem(f"{prefix}.max_letters", self.max_letters, f"is below {prefix}.min_letters={self.min_letters}",
+                                     f"set {prefix}.max_letters >= {self.min_letters}",
+                                     keys=(f"{prefix}.max_letters", f"{prefix}.min_letters")))
+        if not 0.0 <= self.absent_fraction <= 1.0:
+            out.append(ConfigProblem(f"{prefix}.absent_fraction", self.absent_fraction, "must be in [0, 1]",
+                                     f"set {prefix}.absent_fraction=0.2"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ShapesConfig:
     num_rows: int = 2000
     """Rows the built-in `task:shapes` generates (validation gets its own seeded rows)."""
@@ -242,7 +271,7 @@ class ImageConfig:
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["task:arithmetic"])
     """Training data: `.jsonl`/`.json` (GSM8K `question`/`answer`, or verl's RL schema),
-    `.parquet` (either schema), `task:arithmetic` (built in, no download), or a hub dataset id
+    `.parquet` (either schema), `task:arithmetic` or `task:char_count` (built in, no download), or a hub dataset id
     such as `openai/gsm8k` (needs `datasets` and a network)."""
 
     val_files: list[str] = field(default_factory=list)
@@ -281,6 +310,10 @@ class DataConfig:
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Knobs of the built-in `task:arithmetic`."""
 
+    char_count: CharCountConfig = field(default_factory=CharCountConfig)
+    """Knobs of the built-in `task:char_count` (count a letter in a word; its SFT traces
+    `task:char_count_traces` read them too)."""
+
     shapes: ShapesConfig = field(default_factory=lambda: ShapesConfig())
     """Knobs of the built-in `task:shapes` (images; a vision-language model)."""
 
@@ -304,7 +337,7 @@ class DataConfig:
         if self.max_image_tokens is not None:
             out += check_positive(f"{prefix}.max_image_tokens", self.max_image_tokens)
         return out + self.arithmetic.problems(f"{prefix}.arithmetic") + self.image.problems(f"{prefix}.image") + \
-            self.shapes.problems(f"{prefix}.shapes")
+            self.shapes.problems(f"{prefix}.shapes") + self.char_count.problems(f"{prefix}.char_count")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,8 +5,14 @@ negative log-likelihood over the assistant's tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from packrl.errors import ConfigProblem, check_positive
+
+CHAR_COUNT_TRACES = "task:char_count_traces"
+"""The built-in traces of `task:char_count` (`packrl.data.char_count_traces`), in `sft.trace_style`."""
+TraceStyle = Literal["concise", "verbose", "thinking"]
+"""How `task:char_count_traces` writes its worked answers (`packrl.data.char_count.worked_answer`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -14,8 +20,9 @@ class SftConfig:
     train_files: list[str] = field(default_factory=list)
     """Chat traces: jsonl, json or parquet files whose rows hold `messages` (a list of
     `{role, content}`: system and user messages, then assistant turns with the tool messages
-    between them), or `task:tool_traces` (calculator traces of this config's `task:arithmetic`,
-    as `packrl data tool-traces` writes them)."""
+    between them), `task:tool_traces` (calculator traces of this config's `task:arithmetic`,
+    as `packrl data tool-traces` writes them), or `task:char_count_traces` (worked answers to this
+    config's `task:char_count` questions in `sft.trace_style`)."""
 
     total_steps: int = 0
     """Optimizer steps of `packrl sft` (each on `batch_size` traces, drawn in epochs)."""
@@ -29,7 +36,15 @@ class SftConfig:
     `train.grad_clip` apply as in RL)."""
 
     num_rows: int = 512
-    """Traces `task:tool_traces` generates (from `data.arithmetic` with `train.seed`)."""
+    """Traces `task:tool_traces` and `task:char_count_traces` generate (from `data.arithmetic`
+    or `data.char_count` with `train.seed`; never a validation question)."""
+
+    trace_style: TraceStyle = "concise"
+    """Worked answers of `task:char_count_traces`: `concise` (one line per letter with the running
+    count, then `#### N`: the shortest correct answer), `verbose` (each line restated, filler
+    lines, an opening and a closing line: about 3x the concise tokens, to start RL from a policy
+    that says more than it needs) or `thinking` (the concise lines inside `<think>` ... `</think>`,
+    then `#### N`)."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.batch_size", self.batch_size) + check_positive(f"{prefix}.num_rows", self.num_rows)
@@ -37,4 +52,9 @@ class SftConfig:
             out.append(ConfigProblem(f"{prefix}.total_steps", self.total_steps, "must be an integer >= 0", f"set {prefix}.total_steps=50"))
         if not 0 < self.lr < 1:
             out.append(ConfigProblem(f"{prefix}.lr", self.lr, "must be in (0, 1)", f"set {prefix}.lr=1e-5"))
+        if self.trace_style != "concise" and CHAR_COUNT_TRACES not in self.train_files:
+            out.append(ConfigProblem(f"{prefix}.trace_style", self.trace_style,
+                                     f"has no effect: {prefix}.train_files={self.train_files} has no {CHAR_COUNT_TRACES}",
+                                     f"add {CHAR_COUNT_TRACES} to {prefix}.train_files or set {prefix}.trace_style=concise (the default)",
+                                     keys=(f"{prefix}.trace_style", f"{prefix}.train_files")))
         return out

@@ -1,5 +1,5 @@
 """Prompt data: loaders (jsonl, json, parquet incl. verl's schema, HF hub), the built-in
-`task:arithmetic`, row normalisation, and the budgeted prompt dataset with its sampler.
+`task:arithmetic` and `task:char_count`, row normalisation, and the budgeted prompt dataset with its sampler.
 
 `PromptDataset` and `PromptSampler` (which need torch through `packrl.types`) are imported on
 first use, so config-only tools do not load torch.
@@ -10,6 +10,8 @@ from packrl._lazy import lazy_exports
 _EXPORTS = {
     "VAL_SEED_OFFSET": "tasks",
     "arithmetic_rows": "tasks",
+    "char_count_rows": "char_count",
+    "shortest_correct_response": "char_count",
     "BadRow": "loaders",
     "load_rows": "loaders",
     "ARITHMETIC_SOURCE": "examples",

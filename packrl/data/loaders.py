@@ -8,6 +8,8 @@ A source is one of:
     "train.parquet"                 a parquet table (pyarrow), one row per table row
     "task:arithmetic"               `packrl.data.tasks.arithmetic_rows`; the split picks the seed,
                                     and validation keeps each question once
+    "task:char_count"               `packrl.data.char_count.split_rows` (count a letter in a word),
+                                    split and seed as task:arithmetic
     "task:shapes"                   `packrl.data.shapes.shapes_rows` (images; a vision-language model)
     "openai/gsm8k[:main]"           a hub dataset (optional `datasets` package and a network)
 
@@ -30,13 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packrl.config.schema import ArithmeticConfig, ShapesConfig
+from packrl.config.schema import ArithmeticConfig, CharCountConfig, ShapesConfig
+from packrl.data.char_count import split_rows as char_count_split_rows
 from packrl.data.shapes import shapes_rows
 from packrl.data.tasks import VAL_SEED_OFFSET, arithmetic_rows
 
 logger = logging.getLogger("packrl.data")
 
-TASKS: tuple[str, ...] = ("arithmetic", "shapes")
+TASKS: tuple[str, ...] = ("arithmetic", "char_count", "shapes")
 SPLITS: tuple[str, ...] = ("train", "val")
 FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -62,15 +65,17 @@ def load_rows(
     split: str,
     key: str | None = None,
     shapes: ShapesConfig | None = None,
+    char_count: CharCountConfig | None = None,
 ) -> list[Any]:
     """Read every row of one source, in order.
 
     Args:
-        source: a path ending in ``.jsonl``/``.json``/``.parquet``, ``task:arithmetic`` or a
+        source: a path ending in ``.jsonl``/``.json``/``.parquet``, a built-in ``task:`` (`TASKS`) or a
             hub dataset id (``openai/gsm8k``, ``openai/gsm8k:main`` for a config).
         arithmetic: knobs of ``task:arithmetic`` (``data.arithmetic``).
         shapes: knobs of ``task:shapes`` (``data.shapes``; default: its defaults).
-        seed: ``train.seed``; ``task:arithmetic`` uses it for ``train`` and
+        char_count: knobs of ``task:char_count`` (``data.char_count``; default: its defaults).
+        seed: ``train.seed``; ``task:arithmetic`` and ``task:char_count`` use it for ``train`` and
             ``seed + VAL_SEED_OFFSET`` for ``val``.
         split: ``"train"`` or ``"val"``; also picks the hub split (val: ``validation``, else ``test``).
         key: the config key naming this source, for messages; default ``data.train_files``
@@ -91,11 +96,14 @@ def load_rows(
         if source == "task:shapes":
             cfg = shapes or ShapesConfig()
             return shapes_rows(cfg.num_rows, cfg.max_shapes, cfg.image_size, seed if split == "train" else seed + VAL_SEED_OFFSET)
+        if source == "task:char_count":
+            return char_count_split_rows(char_count or CharCountConfig(), seed, split)
         return _task_rows(source, arithmetic=arithmetic, seed=seed, split=split, key=key)
     path = Path(source).expanduser()
     if path.is_file():
         return _file_rows(path, key)
-    built_in = "task:tool_traces (calculator traces)" if key.startswith("sft.") else "task:arithmetic or a hub id such as openai/gsm8k"
+    built_in = ("task:tool_traces (calculator traces) or task:char_count_traces" if key.startswith("sft.")
+                else "task:arithmetic, task:char_count or a hub id such as openai/gsm8k")
     if path.exists():
         raise ValueError(f"{key}: {source!r} is not a file; give a .jsonl, .json or .parquet file, or {built_in}")
     if path.suffix.lower() in FILE_SUFFIXES or not _HUB_ID.match(source):

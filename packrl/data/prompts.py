@@ -112,7 +112,8 @@ def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split:
     rows: list[Any] = []
     origins: list[RowSource] = []
     for source in sources:
-        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key, shapes=data_cfg.shapes)
+        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key, shapes=data_cfg.shapes,
+                           char_count=data_cfg.char_count)
         rows.extend(loaded)
         origins.extend(RowSource(source, i) for i in range(len(loaded)))
     limit = data_cfg.max_val_rows if split == "val" else None

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from packrl.config.sft import CHAR_COUNT_TRACES
+from packrl.data.char_count_traces import char_count_trace_rows
 from packrl.data.examples import to_example
 from packrl.data.loaders import BadRow, load_rows
 from packrl.data.prompts import RowSource
@@ -142,8 +144,11 @@ def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
     rows: list[Any] = []
     origins: list[RowSource] = []
     for source in cfg.sft.train_files:
-        loaded = tool_trace_rows(cfg) if source == TOOL_TRACES else load_rows(
-            source, arithmetic=cfg.data.arithmetic, seed=cfg.train.seed, split="train", key="sft.train_files")
+        if source == CHAR_COUNT_TRACES:
+            loaded = char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)
+        else:
+            loaded = tool_trace_rows(cfg) if source == TOOL_TRACES else load_rows(
+                source, arithmetic=cfg.data.arithmetic, seed=cfg.train.seed, split="train", key="sft.train_files")
         rows += loaded
         origins += [RowSource(source, k) for k in range(len(loaded))]
     traces = replace(render_traces(rows, tokenizer, cfg), origins=tuple(origins))
