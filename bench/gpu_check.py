@@ -70,7 +70,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import machine  # noqa: E402
-from bench.gpu_setup import matmul_tflops, spec_peak_tflops  # noqa: E402
+from bench.gpu_setup import matmul_tflops, progress, spec_peak_tflops  # noqa: E402
 
 STAGES = ("device", "correctness", "speed", "memory", "pytest")
 BUDGET_S = {"device": 25, "correctness": 70, "speed": 140, "memory": 150, "pytest": 60}
@@ -93,6 +93,7 @@ class Context:
     out: Path
     smoke: bool
     deadline: float
+    budget_s: float
     speed_steps: int = 2
 
     @property
@@ -131,13 +132,22 @@ def stage_device(ctx: Context, rec: Record) -> None:
         name = props.name
         rec.save(device_name=name, total_memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}",
                  multiprocessors=props.multi_processor_count, bf16_supported=torch.cuda.is_bf16_supported(),
-                 cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+                 cudnn=_version_of(torch.backends.cudnn.version), nccl=_version_of(torch.cuda.nccl.version))
     dtype, size = ("fp32", 512) if ctx.smoke else ("bf16", 8192)
     rate = matmul_tflops(ctx.device, dtype, size, repeats=3 if ctx.smoke else 5)
     spec, source = spec_peak_tflops(name)
     rec.save(matmul={"dtype": dtype, "size": size, "measured_tflops": round(rate, 3), "spec_peak_tflops": spec, "spec_source": source,
                      "measured_over_spec": None if spec is None else round(rate / spec, 3),
                      "note": "float32 on the CPU (cpu-smoke): not a bf16 rate" if ctx.smoke else "bf16 tensor cores, best of 5 x 10"})
+
+
+def _version_of(fn: Callable[[], Any]) -> str:
+    """A library's version as text (NCCL's is a tuple or an int, by torch release), or why there is none."""
+    try:
+        version = fn()
+    except Exception as err:  # a missing library is a fact to record, not the stage's failure
+        return f"unavailable: {type(err).__name__}: {err}"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _packages() -> dict[str, Any]:
@@ -247,17 +257,18 @@ RUNNERS: dict[str, Callable[[Context, Record], None]] = {
 # --- running stages ----------------------------------------------------------------------------------
 
 
-def _base(ctx: Context, name: str, budget: float) -> dict[str, Any]:
+def _base(ctx: Context, name: str) -> dict[str, Any]:
     return {"stage": name, "index": STAGES.index(name) + 1, "status": "running", "error": None, "traceback": None,
-            "mode": "cpu-smoke" if ctx.smoke else "cuda", "budget_s": round(budget, 1),
+            "mode": "cpu-smoke" if ctx.smoke else "cuda", "budget_s": round(ctx.budget_s, 1),
             "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def run_stage(ctx: Context, name: str) -> dict[str, Any]:
     """Run stage ``name`` in this process; its JSON ends ``ok`` or ``failed`` (with the error)."""
     start = time.perf_counter()
-    rec = Record(stage_path(ctx.out, name), _base(ctx, name, ctx.deadline - time.time()))
+    rec = Record(stage_path(ctx.out, name), _base(ctx, name))
     rec.save(**machine("fp32" if ctx.smoke else "bf16", device=ctx.device if ctx.smoke else None))
+    progress(f"stage {name} started, budget {ctx.budget_s:.0f} s")
     try:
         RUNNERS[name](ctx, rec)
         if os.environ.get(FAIL_ENV) == name:
@@ -277,10 +288,11 @@ def run_isolated(ctx: Context, name: str) -> dict[str, Any]:
     log.parent.mkdir(exist_ok=True)
     path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(ctx.out), "--child", name, "--deadline", str(ctx.deadline),
-           "--speed-steps", str(ctx.speed_steps), *(["--cpu-smoke"] if ctx.smoke else [])]
+           "--budget-s", str(ctx.budget_s), "--speed-steps", str(ctx.speed_steps), *(["--cpu-smoke"] if ctx.smoke else [])]
     start = time.perf_counter()
     with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"})  # the log survives a kill
         try:
             rc: int | None = proc.wait(timeout=max(1.0, ctx.deadline - time.time()) + GRACE_S)
         except subprocess.TimeoutExpired:
@@ -288,10 +300,12 @@ def run_isolated(ctx: Context, name: str) -> dict[str, Any]:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
-    data = json.loads(path.read_text()) if path.is_file() else _base(ctx, name, ctx.deadline - time.time())
-    if rc == 0 and data.get("status") in ("ok", "failed"):
-        return data
+    data = json.loads(path.read_text()) if path.is_file() else _base(ctx, name)
     rec = Record(path, data)
+    if data.get("status") in ("ok", "failed"):  # it recorded its end; a crash on the way out (CUDA teardown) changes nothing
+        if rc != 0:
+            rec.save(process_returncode=rc)
+        return rec.data
     tail = log.read_text(errors="replace")[-3000:]
     if rc is None:
         rec.save(status="timeout", error=f"the stage ran past its budget ({data.get('budget_s')} s) and its process was killed; "
@@ -330,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed-steps", type=int, default=2, help="GRPO steps of the speed stage (the first warms up)")
     parser.add_argument("--child", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--budget-s", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.speed_steps < 1:
         parser.error(f"--speed-steps {args.speed_steps} must be at least 1")
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads; on a busy CPU two contending threads ran 70x slower
     if args.child:
-        run_stage(Context(args.out, args.cpu_smoke, args.deadline, args.speed_steps), args.child)
+        run_stage(Context(args.out, args.cpu_smoke, args.deadline, args.budget_s, args.speed_steps), args.child)
         return 0
     if not args.cpu_smoke:
         import torch
@@ -350,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     end = time.time() + (len(STAGES) * SMOKE_BUDGET_S if args.cpu_smoke else TOTAL_BUDGET_S)
     results = {}
     for name in [s for s in STAGES if s in args.stages]:
-        budget = SMOKE_BUDGET_S if args.cpu_smoke else BUDGET_S[name]
-        ctx = Context(args.out, args.cpu_smoke, min(time.time() + budget, end), args.speed_steps)
+        deadline = min(time.time() + (SMOKE_BUDGET_S if args.cpu_smoke else BUDGET_S[name]), end)
+        ctx = Context(args.out, args.cpu_smoke, deadline, deadline - time.time(), args.speed_steps)
         results[name] = (run_isolated if isolate else run_stage)(ctx, name)
         print(f"stage {name}: {results[name]['status']} in {results[name].get('wall_s')} s", file=sys.stderr, flush=True)
     summary = summarize(args.out, results, args.cpu_smoke)

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_setup import REWARD, model_config, offline_tokenizer, random_policy, register_hash_reward, scratch_dir
+from bench.gpu_setup import REWARD, model_config, offline_tokenizer, progress, random_policy, register_hash_reward, scratch_dir
 from packrl.models.attention import PackedAttention
 
 LOGPROB_ATOL = 1e-5
@@ -63,6 +63,7 @@ def run_correctness(device: str, smoke: bool, save: Callable[..., None]) -> dict
         except Exception as err:  # a broken check is a result; the next one still runs
             checks[name] = {"passed": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
         checks[name]["seconds"] = round(time.perf_counter() - start, 2)
+        progress(f"correctness: {name} {'passed' if checks[name]['passed'] else 'FAILED'} in {checks[name]['seconds']} s")
         save(checks=checks)
     return checks
 
@@ -123,24 +124,42 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def _packed_padded_alone(device: str, smoke: bool) -> dict[str, Any]:
     model = _small_policy(device, smoke, torch.float32)
     seqs = _sequences(smoke, model.config.vocab_size)
-    target, out = seqs[0], dict[str, dict[str, Any]]()
-    for attention in PATHS:
-        alone = _packed(model, [target], attention)[0]
-        variants = {
-            "left pad 3": _padded(model, [target, seqs[2]], "left", 3), "left pad 8": _padded(model, [target, seqs[5]], "left", 8),
-            "right pad 3": _padded(model, [target, seqs[2]], "right", 3),
-            "right pad 8": _padded(model, [target, seqs[5]], "right", 8),
-            "packed first": _packed(model, [target, seqs[1], seqs[2]], attention)[0],
-            "packed middle": _packed(model, [seqs[5], target, seqs[3]], attention)[1],
-            "packed last": _packed(model, [seqs[4], seqs[3], target], attention)[2],
-        }
-        diffs = {name: _diff(got, alone) for name, got in variants.items()}
-        out[attention] = {"dtype": "fp32", "attn_implementation": model.config._attn_implementation, "atol": LOGPROB_ATOL,
-                          "max_abs_diff": diffs, "passed": max(diffs.values()) <= LOGPROB_ATOL}
-    out["flash_attention_2"] = _flash(device, smoke, seqs)
-    out["torch_varlen_attn"] = _torch_varlen(device, seqs)
+    out: dict[str, dict[str, Any]] = {attention: _guarded(_path, model, seqs, attention) for attention in PATHS}
+    out["flash_attention_2"] = _guarded(_flash, device, smoke, seqs)
+    out["torch_varlen_attn"] = _guarded(_torch_varlen, device, seqs)
     ran = [v for v in out.values() if v.get("ran", True)]
-    return {"paths": out, "passed": all(v["passed"] for v in ran)}
+    return {"paths": out, "passed": all(v["passed"] for v in ran)} | _tf32(device)
+
+
+def _guarded(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``fn(*args)``, or its error as a failed result (one path's failure leaves the others' results)."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        return {"passed": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+
+
+def _tf32(device: str) -> dict[str, Any]:
+    """Whether float32 matmuls and convolutions may use TF32 here (they would loosen the float32 checks)."""
+    if device != "cuda":
+        return {}
+    return {"tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}}
+
+
+def _path(model: Any, seqs: list[torch.Tensor], attention: PackedAttention) -> dict[str, Any]:
+    """The first sequence alone against it padded (left, right) and packed (first, middle, last) on one path."""
+    target = seqs[0]
+    alone = _packed(model, [target], attention)[0]
+    variants = {
+        "left pad 3": _padded(model, [target, seqs[2]], "left", 3), "left pad 8": _padded(model, [target, seqs[5]], "left", 8),
+        "right pad 3": _padded(model, [target, seqs[2]], "right", 3), "right pad 8": _padded(model, [target, seqs[5]], "right", 8),
+        "packed first": _packed(model, [target, seqs[1], seqs[2]], attention)[0],
+        "packed middle": _packed(model, [seqs[5], target, seqs[3]], attention)[1],
+        "packed last": _packed(model, [seqs[4], seqs[3], target], attention)[2],
+    }
+    diffs = {name: _diff(got, alone) for name, got in variants.items()}
+    return {"dtype": "fp32", "attn_implementation": model.config._attn_implementation, "atol": LOGPROB_ATOL,
+            "max_abs_diff": diffs, "passed": max(diffs.values()) <= LOGPROB_ATOL}
 
 
 def _flash(device: str, smoke: bool, seqs: list[torch.Tensor]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from bench.gpu_setup import (
     REWARD,
     model_config,
     offline_tokenizer,
+    progress,
     random_policy,
     register_hash_reward,
     scratch_dir,
@@ -48,8 +49,9 @@ from bench.gpu_setup import (
 )
 
 GIB = 1 << 30
-INSTRUCTION = ('Give the final answer after "####". Work through the problem one operation at a time, write each intermediate '
+INSTRUCTION = ("Give the final answer after ####. Work through the problem one operation at a time, write each intermediate "
                "result on its own line, check every step before moving on, and keep the explanation short and plain. ")
+"""The speed stage's prompts' instruction, cut to fill the prompt budget (no quotes: an override keeps them literally)."""
 MEMORY_COMMON = ["algorithm.kl_coef=0", "train.mini_batch_size=null", "train.ppo_epochs=1", "data.val_files=[]"]
 """bench/bench_memory.py's overrides: no reference model, one optimizer step per update."""
 VARIANTS = {"full": [], "gradient_checkpointing": ["model.gradient_checkpointing=true"],
@@ -77,7 +79,7 @@ def run_speed(device: str, smoke: bool, save: Callable[..., None], peaks: dict[s
     with scratch_dir("gpu-check-speed-") as tmp:
         overrides = [f"train.total_steps={steps}", f"data.batch_size={prompts}", f"rollout.n={n}", f"model.dtype={dtype}",
                      f"data.max_prompt_tokens={prompt_budget}", f"rollout.max_response_tokens={response_budget}",
-                     f"data.instruction={json.dumps(instruction)}", f"train.max_tokens_per_microbatch={budget}",
+                     f"data.instruction={instruction}", f"train.max_tokens_per_microbatch={budget}",
                      f"train.max_tokens_per_logprob_microbatch={2 * budget}", "algorithm.kl_coef=0.001", f"reward.name={REWARD}",
                      "data.val_files=[]", "train.loggers=[]", "train.dump_rollouts=true", "train.share_prompts=false"]
         save(model=shape_name("0.5B", smoke), num_params=shape.num_params, overrides=overrides)
@@ -89,7 +91,14 @@ def run_speed(device: str, smoke: bool, save: Callable[..., None], peaks: dict[s
         build_s = time.perf_counter() - start
         run_dir = Path(tmp) / "run"
         record = lambda: _speed_steps(run_dir, shape, peaks)  # noqa: E731
-        with _Watch(run_dir / "metrics.jsonl", lambda: save(build_s=round(build_s, 2), steps=record())):
+
+        def on_step() -> None:
+            done = record()
+            save(build_s=round(build_s, 2), steps=done)
+            progress(f"speed: step {done[-1]['step']} took {done[-1]['step_s']} s (generation {done[-1]['gen_s']} s)")
+
+        progress(f"speed: policy and workers built in {build_s:.1f} s; training {steps} steps")
+        with _Watch(run_dir / "metrics.jsonl", on_step):
             start = time.perf_counter()
             train(cfg, workers)
             train_s = time.perf_counter() - start
@@ -191,13 +200,17 @@ def run_memory(device: str, smoke: bool, save: Callable[..., None], deadline: fl
         for variant, extra in VARIANTS.items():
             with _Policy("0.5B", smoke, device, Path(tmp), [*extra, f"train.max_tokens_per_microbatch={max(lengths)}"]) as policy:
                 for tokens in lengths:
-                    measured = policy.measure(tokens)
-                    report = policy.preflight(tokens, device_memory_bytes)
-                    estimate = report.memory.phases["update"]
-                    ratio = estimate / measured["peak_bytes"]
-                    result["rows"].append({"model": policy.name, "variant": variant, "tokens": tokens, **measured,
-                                           "estimate_bytes": estimate, "estimate_over_measured": round(ratio, 4),
-                                           "within_10pct": abs(ratio - 1) <= MEMORY_TARGET})
+                    estimate = policy.preflight(tokens, device_memory_bytes).memory.phases["update"]
+                    row = {"model": policy.name, "variant": variant, "tokens": tokens, "estimate_bytes": estimate}
+                    probe = policy.fits(tokens, device_memory_bytes or 1 << 62)
+                    if "out_of_memory" in probe:  # a row that did not fit is a result too (and no estimate is within 10% of it)
+                        row |= {"out_of_memory": probe["out_of_memory"], "estimate_over_measured": None, "within_10pct": False}
+                    else:
+                        ratio = estimate / probe["peak_bytes"]
+                        row |= {k: v for k, v in probe.items() if k not in ("tokens", "fits")}
+                        row |= {"estimate_over_measured": round(ratio, 4), "within_10pct": abs(ratio - 1) <= MEMORY_TARGET}
+                    result["rows"].append(row)
+                    progress(f"memory: {policy.name} {variant} {tokens} tokens: estimate/measured {row['estimate_over_measured']}")
                     save(**result)
         for name, extra in (("1.5B", []), ("7B", [*VARIANTS["lora"], *VARIANTS["gradient_checkpointing"]])):
             if time.time() > deadline - (5 if smoke else 45):
@@ -211,7 +224,8 @@ def run_memory(device: str, smoke: bool, save: Callable[..., None], deadline: fl
     rows = result["rows"]
     longest = [v for v in result["longest_microbatch"].values() if v.get("ran", True)]
     result["targets"] = {
-        "estimate_within_10pct": {"value": max((abs(r["estimate_over_measured"] - 1) for r in rows), default=None),
+        "estimate_within_10pct": {"value": max((abs(r["estimate_over_measured"] - 1) for r in rows if r["estimate_over_measured"]),
+                                               default=None),
                                   "target": f"|estimate / measured - 1| <= {MEMORY_TARGET} for every row",
                                   "met": bool(rows) and all(r["within_10pct"] for r in rows)},
         "longest_within_one_step": {"value": {k: v.get("claim_minus_found_tokens") for k, v in result["longest_microbatch"].items()},
@@ -346,6 +360,7 @@ def _bisect(fits: Callable[[int], dict[str, Any]], claim: int, step: int, hi_bou
         result = fits(tokens)
         slowest = max(slowest, time.perf_counter() - start)
         out["probes"].append(result | {"probe_s": round(time.perf_counter() - start, 2)})
+        progress(f"memory: {out.get('model', 'bisection')}: {tokens} tokens {'fit' if result['fits'] else 'did not fit'}")
         save(out)
         return result["fits"]
 

@@ -26,8 +26,11 @@ characters.
 
 from __future__ import annotations
 
+import functools
 import string
+import sys
 import tempfile
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +96,10 @@ def shape_name(name: str, smoke: bool) -> str:
     return f"tiny random Qwen2 (cpu-smoke stand-in for Qwen2.5-{name})" if smoke else f"random Qwen2.5-{name}-shaped"
 
 
+@functools.lru_cache(maxsize=4)
 def offline_tokenizer(vocab_size: int) -> Any:
-    """The character-level ChatML tokenizer of the module docstring, ``vocab_size`` tokens long.
+    """The character-level ChatML tokenizer of the module docstring, ``vocab_size`` tokens long
+    (built once per size and process: 152k tokens take seconds).
 
     Returns:
         A ``PreTrainedTokenizerFast`` padding on the left, pad ``<|endoftext|>`` (0), eos
@@ -259,3 +264,11 @@ def scratch_dir(prefix: str) -> tempfile.TemporaryDirectory:
     """A temporary folder for a run's checkpoint, in memory (/dev/shm) where there is one."""
     shm = Path("/dev/shm")
     return tempfile.TemporaryDirectory(prefix=prefix, dir=shm if shm.is_dir() else None)
+
+
+_START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """One line on stderr with the seconds since this process started: the stage's log on the GPU machine."""
+    print(f"[{time.monotonic() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
