@@ -65,8 +65,9 @@ class Registry(Mapping[str, Any]):
         self._checks: dict[str, Any] = dict(checks or {})
         self._parts: dict[str, Any] = {}
         self._options: dict[str, type] = {}
+        self._info: dict[str, Any] = {}
 
-    def register(self, name: str, options: type | None = None) -> Callable[[T], T]:
+    def register(self, name: str, options: type | None = None, info: Any = None) -> Callable[[T], T]:
         """Decorator: register the decorated object as ``name``.
 
         Args:
@@ -75,6 +76,8 @@ class Registry(Mapping[str, Any]):
                 every field has a default. The config's mapping under ``args_key`` is checked
                 against it at load (unknown keys, types, and its ``problems(prefix)`` method when
                 it has one, `packrl.config.load.build_options`) and the part receives the built value.
+            info: what the part declares about itself for set-up and pre-run checks to read
+                without building it (a rollout engine's `packrl.rollout.engine.EngineCapabilities`).
 
         Raises:
             ValueError: ``name`` is empty, or already registered to another object; ``options`` is
@@ -95,6 +98,8 @@ class Registry(Mapping[str, Any]):
             self._parts[name] = part
             if options is not None:
                 self._options[name] = options
+            if info is not None:
+                self._info[name] = info
             return part
 
         return decorate
@@ -104,6 +109,16 @@ class Registry(Mapping[str, Any]):
         or None when it takes none."""
         self[name]
         return self._options.get(name)
+
+    def info(self, name: str) -> Any:
+        """What part ``name`` declared about itself when it registered (``register(info=...)``), its
+        module imported first; None when it declared nothing.
+
+        Raises:
+            ValueError: ``name`` is not registered (as `lookup`).
+        """
+        self.lookup(name)
+        return self._info.get(name)
 
     def register_check(self, name: str) -> Callable[[T], T]:
         """Decorator: ``function(cfg) -> list[ConfigProblem]`` checks a config that names part

@@ -43,8 +43,8 @@ class RolloutWorker:
         torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         policy, tokenizer = load_policy(cfg.model, device=device, compute_dtype=plan.compute_dtype)
-        self.engine, _ = build_engine(cfg, policy, tokenizer, max_context_tokens=max_context_tokens, may_share_policy=False,
-                                      compute_dtype=plan.compute_dtype)
+        self.engine, _, _ = build_engine(cfg, policy, tokenizer, max_context_tokens=max_context_tokens, may_share_policy=False,
+                                         compute_dtype=plan.compute_dtype)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
         return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)

@@ -236,20 +236,19 @@ def _vision(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple
     """For a vision-language model: the image tokens of `VISION_SIZES` as its processor (with
     ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``)
     sizes them, the prompt budget each leaves for text, and what it cannot run with
-    (`packrl.worker.parts.vision_run_problems`); a prompt budget it proposes stays within
+    (`packrl.models.vision.vision_run_problems`, with the engine's declared capabilities); a prompt budget it proposes stays within
     ``room`` (what the model context leaves for a prompt; None when unknown)."""
     from packrl.config.plan import BatchPlan
     from packrl.data.images import ImageGeometry, fit_sizes
     from packrl.data.vision_prompts import image_token_cap
     from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
-    from packrl.models.vision import is_vision_config
-    from packrl.worker.parts import vision_run_problems
+    from packrl.models.vision import is_vision_config, vision_run_problems
+    from packrl.rollout.engine import engine_capabilities
 
     if not is_vision_config(model_config):
         return [], []
-    problems = vision_run_problems(cfg, engine_takes_images=cfg.rollout.engine == "hf" and not cfg.rollout.multi_turn.enabled,
-                                   has_critic=BatchPlan.from_config(cfg).has_critic)
-    out = [ConfigProblem("model.path", cfg.model.path, f"is a vision-language model: {p}", "see the message") for p in problems]
+    capabilities = engine_capabilities(cfg.rollout.engine, multi_turn=cfg.rollout.multi_turn.enabled)
+    out = vision_run_problems(cfg, engine_takes_images=capabilities.images, has_critic=BatchPlan.from_config(cfg).has_critic)
     try:
         processor = load_prompt_encoder(cfg.model, load_policy_tokenizer(cfg.model))
         geometry = ImageGeometry.of(processor, cfg.data.image)

@@ -84,10 +84,6 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
         if "does not support an attention implementation" not in str(err):
             raise
         model = auto.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
-    if vision and cfg.lora.rank > 0 and not cfg.freeze_vision_tower:
-        raise ValueError("model.freeze_vision_tower=false has no effect with model.lora.rank > 0: the adapters go on the "
-                         "language model only and the vision tower stays frozen; set model.freeze_vision_tower=true, or "
-                         "model.lora.rank=0 to train the tower too")
     if vision and cfg.freeze_vision_tower:
         freeze_vision_tower(model)
     num_embeddings = cast(int, model.get_input_embeddings().num_embeddings)  # torch types it Tensor | Module

@@ -33,18 +33,59 @@ packing check in transformers 5.19/5.24 (a pack equals each sequence alone to 2e
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from packrl.errors import ConfigProblem
 from packrl.models.model_config import VISION_MODEL_TYPES
 from packrl.seqlen.packing import Pack
 from packrl.types import ImageInputs
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RunConfig
 
 
 def is_vision_config(config: Any) -> bool:
     """True for the config of a vision-language model packrl trains (`VISION_MODEL_TYPES`)."""
     return getattr(config, "vision_config", None) is not None and getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic: bool) -> list[ConfigProblem]:
+    """What a vision-language policy cannot run with yet, each a problem naming its keys and its
+    fix; the one list worker set-up (`packrl.worker.parts.check_vision_run`) and preflight read.
+
+    Args:
+        cfg: the run's config.
+        engine_takes_images: whether the run's rollouts take images
+            (`packrl.rollout.engine.engine_capabilities`, ``images``).
+        has_critic: whether the run has a critic (`packrl.config.plan.BatchPlan.has_critic`).
+    """
+    out = []
+    mt, engine = cfg.rollout.multi_turn, cfg.rollout.engine
+    if not engine_takes_images and mt.enabled:
+        out.append(ConfigProblem("rollout.multi_turn.tools", mt.tools, "does not generate from images: a vision-language model's "
+                                 "multi-turn rollouts are not built yet", "set rollout.multi_turn.tools=[]",
+                                 keys=("rollout.multi_turn.tools", "model.path")))
+    elif not engine_takes_images:
+        out.append(ConfigProblem("rollout.engine", engine, "does not generate from images (its registration declares no "
+                                 "EngineCapabilities(images=True))", "set rollout.engine=hf", keys=("rollout.engine", "model.path")))
+    size = cfg.trainer.sequence_parallel_size
+    if size > 1:
+        out.append(ConfigProblem("trainer.sequence_parallel_size", size, "does not split image packs over ranks",
+                                 "set trainer.sequence_parallel_size=1", keys=("trainer.sequence_parallel_size", "model.path")))
+    if has_critic:
+        out.append(ConfigProblem("algorithm.adv_estimator", cfg.algorithm.adv_estimator, "needs a critic, which does not read images",
+                                 "use grpo, rloo or another critic-free estimator", keys=("algorithm.adv_estimator", "model.path")))
+    if cfg.trainer.rollout_mode != "sync":
+        out.append(ConfigProblem("trainer.rollout_mode", cfg.trainer.rollout_mode, "does not carry images across steps",
+                                 "set trainer.rollout_mode=sync", keys=("trainer.rollout_mode", "model.path")))
+    if cfg.model.lora.rank > 0 and not cfg.model.freeze_vision_tower:
+        out.append(ConfigProblem("model.freeze_vision_tower", False, "has no effect with model.lora.rank > 0: the adapters go on "
+                                 "the language model only and the vision tower stays frozen",
+                                 "set model.freeze_vision_tower=true, or model.lora.rank=0 to train the tower too",
+                                 keys=("model.freeze_vision_tower", "model.lora.rank", "model.path")))
+    return out
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> None:

@@ -12,7 +12,12 @@ generation it wakes the engine and puts it to sleep (`wake_up`, `sleep`), so an 
 device memory (a KV cache) can give it back to training.
 
 Engines are built by name (``rollout.engine``) from `packrl.registry.ROLLOUT_ENGINES`: a factory
-takes an `EngineContext` and returns the engine.
+takes an `EngineContext` and returns the engine. What an engine can do beyond the five methods of
+`RolloutEngine` it declares when it registers, as `EngineCapabilities` (``register("name",
+info=EngineCapabilities(...))``): taking a vision-language prompt's images (`ImageEngine`) and
+stopping a call on a condition (`InterruptibleEngine`). Set-up, preflight and the sampling stages
+read the declaration through `engine_capabilities`, and `check_capabilities` holds a built engine
+to it.
 
 Greedy decoding is ``temperature == 0`` rather than a separate flag, so the two can never
 disagree; `SamplingParams.greedy` reads it. This module imports no torch, so config-only tools
@@ -21,15 +26,17 @@ can build sampling parameters.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from packrl.hardware import ComputeDtype
+from packrl.registry import ROLLOUT_ENGINES
 
 if TYPE_CHECKING:
     from packrl.config.schema import RolloutConfig, RunConfig
-    from packrl.types import Response
+    from packrl.types import ImageInputs, Response
 
 
 T = TypeVar("T")
@@ -162,6 +169,83 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release everything the engine holds (processes, files) when the worker closes."""
         ...
+
+
+@runtime_checkable
+class ImageEngine(Protocol):
+    """An engine that generates from a vision-language prompt's images too (`EngineCapabilities.images`)."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                 images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+        """`RolloutEngine.generate`, with ``images``: each prompt's images (None for a text prompt),
+        whose placeholders ``prompt_ids`` holds expanded."""
+        ...
+
+
+@runtime_checkable
+class InterruptibleEngine(Protocol):
+    """An engine that stops a call on a condition of the whole call (`EngineCapabilities.stop_on_condition`)."""
+
+    def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                       caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response]:
+        """One response per prompt (``params.n`` is ignored), each capped at ``caps[i]`` tokens,
+        generation stopped between decode rounds once ``enough(finished)`` holds; responses still
+        running come back with the tokens they have and finish reason ``abort``. Prompt i draws
+        as sample 0 of ``seeds[i]``, so a response cut here and continued later draws what it
+        would have drawn uninterrupted (partial rollouts, `packrl.trainer.partial_rollout`)."""
+        ...
+
+
+@runtime_checkable
+class DescribedEngine(Protocol):
+    """An engine that says in one phrase how it generates, for ``model.txt`` (optional)."""
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What a registered engine can do beyond the `RolloutEngine` contract; declared with its
+    registration (``ROLLOUT_ENGINES.register("name", info=EngineCapabilities(...))``)."""
+
+    images: bool = False
+    """`generate` takes ``images=`` (`ImageEngine`): it can serve a vision-language policy."""
+
+    stop_on_condition: bool = False
+    """It has `InterruptibleEngine.generate_until`: a partial-rollout step can stop generating once
+    its batch is complete instead of generating in chunks."""
+
+
+def engine_capabilities(engine: str, *, multi_turn: bool) -> EngineCapabilities:
+    """What the rollouts of a run can do: ``rollout.engine``'s declaration, or none of it when the
+    engine serves multi-turn rollouts (the multi-turn wrapper generates trajectories from text
+    prompts, one call per turn: `packrl.rollout.multi_turn.MultiTurnEngine`).
+
+    Raises:
+        ValueError: ``engine`` is not a registered engine.
+    """
+    declared = ROLLOUT_ENGINES.info(engine)
+    if multi_turn or declared is None:
+        return EngineCapabilities()
+    if not isinstance(declared, EngineCapabilities):
+        raise ValueError(f"rollout.engine={engine!r} registered info={declared!r}; declare an EngineCapabilities "
+                         "(ROLLOUT_ENGINES.register(name, info=EngineCapabilities(...)))")
+    return declared
+
+
+def check_capabilities(engine: Any, name: str, capabilities: EngineCapabilities) -> None:
+    """Hold a built engine to what its registration declared.
+
+    Raises:
+        ValueError: it declares images but its ``generate`` takes no ``images``, or declares
+            stop-on-condition without ``generate_until``; the message names the engine and the method.
+    """
+    if capabilities.images and "images" not in inspect.signature(engine.generate).parameters:
+        raise ValueError(f"rollout.engine={name!r} declares EngineCapabilities(images=True) but its generate() takes no images=; "
+                         "add the argument (packrl.rollout.engine.ImageEngine) or declare images=False")
+    if capabilities.stop_on_condition and not isinstance(engine, InterruptibleEngine):
+        raise ValueError(f"rollout.engine={name!r} declares EngineCapabilities(stop_on_condition=True) but has no generate_until(); "
+                         "add it (packrl.rollout.engine.InterruptibleEngine) or declare stop_on_condition=False")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, pad_id, request_seed
+from packrl.rollout.engine import EngineCapabilities, EngineContext, SamplingParams, eos_ids, pad_id, request_seed
 from packrl.rollout.kv_cache import CACHE_ARGUMENT, AppendingLayer, appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler
@@ -177,9 +177,6 @@ class HFEngine:
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = pad_id(model, tokenizer, self.eos_ids)
         self.cache_reuse = cache_reuse(model, _CACHE_KEY)
-
-    supports_images = True
-    """`generate` takes the prompts' images (a vision-language model's; see `_vision_inputs`)."""
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None,
@@ -669,7 +666,7 @@ def _token_logprobs(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, t
     return torch.stack(steps, dim=1).cpu()
 
 
-@ROLLOUT_ENGINES.register("hf")
+@ROLLOUT_ENGINES.register("hf", info=EngineCapabilities(images=True, stop_on_condition=True))
 def build_hf_engine(context: EngineContext) -> HFEngine:
     """The ``hf`` engine (`packrl.registry.ROLLOUT_ENGINES`): `HFEngine` on the policy's own
     parameters when it may share them and the compute dtype is the parameters' own (fp32, fp64),

@@ -13,14 +13,23 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from packrl.config.schema import RunConfig
+from packrl.errors import ConfigError
 from packrl.hardware import ComputeDtype
 from packrl.models.attention import supports_shared_prompts
 from packrl.models.compile import CompiledLayers
 from packrl.models.isolation import PackingCheck
 from packrl.models.lora import adapter_config, is_lora, parameter_counts
-from packrl.models.vision import is_vision_config
+from packrl.models.vision import is_vision_config, vision_run_problems
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineContext, EngineOptions, RolloutEngine
+from packrl.rollout.engine import (
+    DescribedEngine,
+    EngineCapabilities,
+    EngineContext,
+    EngineOptions,
+    RolloutEngine,
+    check_capabilities,
+    engine_capabilities,
+)
 from packrl.rollout.multi_turn import multi_turn_engine
 from packrl.worker.actor import MicrobatchLoss
 from packrl.worker.critic import CriticRole
@@ -40,6 +49,7 @@ class WorkerParts:
         model / tokenizer: the policy (a peft model with LoRA), wrapped by the strategy.
         reference: the frozen reference policy (the policy itself under LoRA), or None.
         engine: the rollout engine (wrapped by `MultiTurnEngine` with tools).
+        capabilities: what the run's rollouts can do (`packrl.rollout.engine.EngineCapabilities`).
         opt: the actor's optimization (`packrl.worker.optim.Optimization`).
         compiled: compiled decoder layers of the actor and the reference (``model.compile``), None where off.
         loss: how a micro-batch's policy loss is formed.
@@ -63,6 +73,7 @@ class WorkerParts:
     share_phrase: str
     max_context_tokens: int
     rope_factor: float
+    capabilities: EngineCapabilities
     engine_phrase: str = ""
 
     def summary(self, cfg: RunConfig, compute_dtype: ComputeDtype, strategy: str) -> str:
@@ -76,65 +87,48 @@ class WorkerParts:
 
 
 def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tokens: int, may_share_policy: bool,
-                 compute_dtype: ComputeDtype) -> tuple[Any, str]:
+                 compute_dtype: ComputeDtype) -> tuple[Any, str, EngineCapabilities]:
     """The configured rollout engine for ``policy`` (``rollout.engine``, wrapped for tools by
-    `packrl.rollout.multi_turn.multi_turn_engine`) and its summary phrase. Before the strategy
-    wraps the policy: an engine copies whole weights.
+    `packrl.rollout.multi_turn.multi_turn_engine`), its summary phrase and what the run's rollouts
+    can do (`packrl.rollout.engine.engine_capabilities`). Before the strategy wraps the policy: an
+    engine copies whole weights.
 
     Raises:
-        ValueError: the factory returned an object without the engine contract's methods.
+        ValueError: the factory returned an object without the engine contract's methods, or one
+            that lacks what its registration declares (`packrl.rollout.engine.check_capabilities`).
     """
-    factory = ROLLOUT_ENGINES.lookup(cfg.rollout.engine)
+    name = cfg.rollout.engine
+    factory = ROLLOUT_ENGINES.lookup(name)
     engine = factory(EngineContext(policy=policy, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
                                    max_context_tokens=max_context_tokens, may_share_policy=may_share_policy, compute_dtype=compute_dtype))
     if not isinstance(engine, RolloutEngine):
         missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(engine, m, None))]
-        raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: its factory returned a {type(engine).__name__} without "
+        raise ValueError(f"rollout.engine={name!r}: its factory returned a {type(engine).__name__} without "
                          f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
-    describe = getattr(engine, "describe", None)  # optional: not part of the engine contract
-    phrase = describe() if callable(describe) else ""
+    check_capabilities(engine, name, engine_capabilities(name, multi_turn=False))
+    phrase = engine.describe() if isinstance(engine, DescribedEngine) else ""
     if cfg.rollout.multi_turn.enabled:
         engine = multi_turn_engine(engine, tokenizer, cfg.rollout.multi_turn, max_prompt_tokens=cfg.data.max_prompt_tokens,
                                    max_response_tokens=cfg.rollout.max_response_tokens, max_context_tokens=max_context_tokens)
-    return engine, phrase
+    return engine, phrase, engine_capabilities(name, multi_turn=cfg.rollout.multi_turn.enabled)
 
 
-def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic: bool) -> list[str]:
-    """What a vision-language policy cannot run with yet, each with its fix (empty: none)."""
-    problems = []
-    if not engine_takes_images:
-        if cfg.rollout.multi_turn.enabled:
-            problems.append("rollout.multi_turn.tools: multi-turn rollouts do not generate from images (set rollout.multi_turn.tools=[])")
-        else:
-            problems.append(f"rollout.engine={cfg.rollout.engine} does not generate from images (set rollout.engine=hf)")
-    if cfg.trainer.sequence_parallel_size > 1:
-        problems.append("trainer.sequence_parallel_size > 1 does not split image packs (set it to 1)")
-    if has_critic:
-        problems.append("a critic (algorithm.adv_estimator=gae) does not read images (use grpo, rloo or another critic-free estimator)")
-    if cfg.trainer.rollout_mode != "sync":
-        problems.append(f"trainer.rollout_mode={cfg.trainer.rollout_mode} does not carry images across steps (set it to sync)")
-    if cfg.model.lora.rank > 0 and not cfg.model.freeze_vision_tower:  # also refused where the model loads (loading.py)
-        problems.append("model.freeze_vision_tower=false has no effect with model.lora.rank > 0: the adapters go on the language "
-                        "model only (set model.freeze_vision_tower=true, or model.lora.rank=0 to train the tower too)")
-    return problems
-
-
-def check_vision_run(cfg: RunConfig, model: Any, engine: Any, *, has_critic: bool) -> None:
-    """Refuse what a vision-language policy cannot run yet, before any step (`vision_run_problems`).
+def check_vision_run(cfg: RunConfig, model: Any, capabilities: EngineCapabilities, *, has_critic: bool) -> None:
+    """Refuse what a vision-language policy cannot run yet, before any step
+    (`packrl.models.vision.vision_run_problems`, the list preflight reads too).
 
     Raises:
-        ValueError: with a vision-language model, any of `vision_run_problems`; the message names
-            the keys and their fixes.
+        ConfigError: (a ValueError) with a vision-language model, every problem of that list, each
+            with its keys and its fix.
     """
     if not is_vision_config(cast("PreTrainedModel", model).config):
         if cfg.train.max_vision_patches_per_microbatch is not None:
             logger.warning("train.max_vision_patches_per_microbatch=%d has no effect: model.path=%r is not a vision-language model "
                            "(remove the key)", cfg.train.max_vision_patches_per_microbatch, cfg.model.path)
         return
-    problems = vision_run_problems(cfg, engine_takes_images=getattr(engine, "supports_images", False), has_critic=has_critic)
+    problems = vision_run_problems(cfg, engine_takes_images=capabilities.images, has_critic=has_critic)
     if problems:
-        raise ValueError(f"model.path={cfg.model.path!r} is a vision-language model, and packrl does not run it with: "
-                         + "; ".join(problems))
+        raise ConfigError(problems)
 
 
 def compiled_layers(cfg: RunConfig, model: Any, reference: Any) -> dict[str, CompiledLayers | None]:

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -41,7 +41,7 @@ from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
 from packrl.models.vision import is_vision_config
 from packrl.registry import import_plugins
-from packrl.rollout.engine import SamplingParams, awake
+from packrl.rollout.engine import ImageEngine, InterruptibleEngine, SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import ImageInputs, Response, RolloutBatch, TrainBatch
@@ -153,9 +153,9 @@ class PolicyWorker:
             logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
                            "copies them; set model.activation_offload=false", strategy.device.type)
         reference = load_reference(model) if plan.has_reference else None
-        engine, engine_phrase = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
-                                             may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
-        check_vision_run(cfg, model, engine, has_critic=plan.has_critic)
+        engine, engine_phrase, capabilities = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
+                                                           may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
+        check_vision_run(cfg, model, capabilities, has_critic=plan.has_critic)
         self.processor_files = processor_files(cfg.model) if is_vision_config(model.config) else []  # copied into checkpoints
         strategy.wrap(model)
         if reference is not None and reference is not model:
@@ -168,7 +168,7 @@ class PolicyWorker:
         critic = (CriticRole.build(cfg, strategy, plan.compute_dtype, compile_layers=compiled["actor"] is not None)
                   if plan.has_critic else None)
         self.parts = WorkerParts(model, tokenizer, reference, engine, opt, compiled, MicrobatchLoss.from_config(cfg, share_prompts=share),
-                                 critic, packing, share, phrase, max_context, rope_factor, engine_phrase)
+                                 critic, packing, share, phrase, max_context, rope_factor, capabilities, engine_phrase)
         summary = self.parts.summary(cfg, plan.compute_dtype, strategy.describe())
         logger.info("%s", summary)
         return WorkerInfo(max_context, rope_factor, summary, packing, share)
@@ -246,16 +246,17 @@ class PolicyWorker:
         take them at set-up)."""
         if images is None:
             return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
-        assert getattr(self.engine, "supports_images", False), "check_vision_run refuses a VLM whose engine takes no images"
-        return awake(self.engine, functools.partial(self.engine.generate, images=images), prompt_ids, params, seeds)
+        assert self.parts.capabilities.images, "check_vision_run refuses a VLM whose engine takes no images"
+        return awake(self.engine, functools.partial(cast(ImageEngine, self.engine).generate, images=images), prompt_ids, params, seeds)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Any) -> list[Response] | None:
-        """The engine's ``generate_until`` (one response per prompt, stopped between decode rounds
-        once ``enough(finished)``; `packrl.rollout.hf_engine.HFEngine.generate_until`), or None for
-        an engine without it."""
-        until = getattr(self.engine, "generate_until", None)
-        return None if until is None else awake(self.engine, until, prompt_ids, params, seeds, caps, enough)
+        """The engine's ``generate_until`` (`packrl.rollout.engine.InterruptibleEngine`: one response
+        per prompt, stopped between decode rounds once ``enough(finished)``), or None when the run's
+        rollouts cannot stop on a condition (`packrl.rollout.engine.EngineCapabilities.stop_on_condition`)."""
+        if not self.parts.capabilities.stop_on_condition:
+            return None
+        return awake(self.engine, cast(InterruptibleEngine, self.engine).generate_until, prompt_ids, params, seeds, caps, enough)
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role,
                          microbatches: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

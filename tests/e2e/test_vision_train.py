@@ -68,12 +68,13 @@ def test_preflight_reports_image_tokens_and_what_cannot_run(vlm_dir):
     (note,) = [n for n in report.notes if n.startswith("vision-language model")]
     assert "224x224 -> 196x196: 51 tokens, 196 encoder patches, 141 of data.max_prompt_tokens=192 left for text" in note
     refused = preflight("vision_demo", [f"model.path={vlm_dir}", "rollout.engine=vllm", "algorithm.adv_estimator=gae"])
-    messages = " ".join(p.message for p in refused.problems)
-    assert "rollout.engine=vllm does not generate from images" in messages and "a critic" in messages
+    by_key = {p.key: p for p in refused.problems}
+    assert "does not generate from images" in by_key["rollout.engine"].message and by_key["rollout.engine"].fix == "set rollout.engine=hf"
+    assert "needs a critic, which does not read images" in by_key["algorithm.adv_estimator"].message
     tight = preflight("vision_demo", [f"model.path={vlm_dir}", "data.max_prompt_tokens=8"])
     assert any(p.key == "data.max_prompt_tokens" and "no room for text beside the chat template" in p.message for p in tight.problems)
     lora = preflight("vision_demo", [f"model.path={vlm_dir}", "model.lora.rank=8", "model.freeze_vision_tower=false"])
-    assert any("model.freeze_vision_tower=false has no effect with model.lora.rank > 0" in p.message for p in lora.problems)
+    assert any(p.key == "model.freeze_vision_tower" and "has no effect with model.lora.rank > 0" in p.message for p in lora.problems)
 
 
 def test_a_vision_run_resumes_and_its_checkpoint_loads_as_a_model(tmp_path, vlm_dir):
@@ -91,12 +92,15 @@ def test_a_vision_run_resumes_and_its_checkpoint_loads_as_a_model(tmp_path, vlm_
                  "data.shapes.num_rows=8"]) == 0
 
 
-def test_lora_with_an_unfrozen_tower_is_refused(tmp_path, vlm_dir):
-    from packrl.config.schema import LoraConfig, ModelConfig
-    from packrl.models.loading import load_policy
+def test_lora_with_an_unfrozen_tower_is_refused_at_set_up(tmp_path, vlm_dir):
+    from packrl.config import ConfigError, load_config
+    from packrl.trainer.loop import train
 
-    with pytest.raises(ValueError, match="model.freeze_vision_tower=false has no effect with model.lora.rank > 0"):
-        load_policy(ModelConfig(path=str(vlm_dir), dtype="fp32", freeze_vision_tower=False, lora=LoraConfig(rank=4)))
+    cfg = load_config("vision_demo", [f"model.path={vlm_dir}", f"train.out_dir={tmp_path / 'run'}", "model.dtype=fp32",
+                                      "data.shapes.num_rows=8", "model.lora.rank=4", "model.freeze_vision_tower=false"])
+    with pytest.raises(ConfigError, match=r"model.freeze_vision_tower=False: has no effect with model.lora.rank > 0.*fix: set "
+                                          r"model.freeze_vision_tower=true"):
+        train(cfg)
 
 
 def test_the_vision_patch_budget_plans_the_micro_batches(tmp_path, vlm_dir):
