@@ -100,15 +100,17 @@ def _merged(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], sca
 
 @pytest.mark.slow
 def test_the_rollout_engine_of_every_rank_holds_the_merged_weights_of_one_process(tmp_path, model_dir, smollm_tokenizer):
-    """After one update on 2 ranks the engine of each rank holds ``W + (alpha / r) B A`` of the
-    trained adapter (gathered from the shards, computed here from the checkpoint's adapter and the
-    base weights), and that equals the engine of one process after the same update."""
+    """After one update on 2 ranks (gradient checkpointing on) the engine of each rank holds
+    ``W + (alpha / r) B A`` of the trained adapter (gathered from the shards, computed here from the
+    checkpoint's adapter and the base weights), and that equals the merged weights of one process
+    after the same update."""
     from safetensors.torch import load_file
 
     from packrl.distributed.local import local_group
     from packrl.distributed.ray_group import ray_group
 
-    overrides = [f"model.path={model_dir}", *BASE, *RAY_COMMON[len(BASE):], *LORA, *LAYOUT]
+    overrides = [f"model.path={model_dir}", *BASE, *RAY_COMMON[len(BASE):], *LORA, *LAYOUT,
+                 "model.gradient_checkpointing=true"]  # as LoRA commands of the tuning guides run
     batch = _batch(smollm_tokenizer)
     group = ray_group(load_config("demo", [*overrides, "trainer.num_workers=2"]), tmp_path)
     try:

@@ -123,6 +123,24 @@ def test_adapter_files_round_trip_exactly_and_reject_another_rank(tmp_path):
         load_adapter(fresh, tmp_path)
 
 
+def test_an_adapter_file_without_every_tensor_of_the_model_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from packrl.models.lora import read_adapter
+
+    model = _lora()
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert set(read_adapter(_lora(), tmp_path)) == {n for n, _ in model.named_parameters() if n.endswith("default.weight")}
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=rf"does not match the model's adapters: missing \['{dropped}'\], unexpected \[\]"):
+        load_adapter(_lora(), tmp_path)
+    save_file(tensors | {"base_model.model.extra.lora_A.weight": tensors[dropped].clone()}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['base_model.model.extra.lora_A.weight'\]"):
+        load_adapter(_lora(), tmp_path)
+
+
 # --- gradient checkpointing on the packed update ---------------------------------------------
 
 def _batch():
