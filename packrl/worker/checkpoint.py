@@ -8,7 +8,9 @@ layer: 19.5 MB for SmolLM2-135M at rank 16, against 538 MB for the full model) a
 ``adapter_config.json``. The base weights are ``model.path``'s and are not copied; no merged HF
 model is written either (peft's ``merge_and_unload`` makes one when a plain model is wanted).
 Resume loads the adapter into a policy built with the same ``model.*`` settings
-(`load_weights`), exactly.
+(`load_weights`), exactly. On FSDP2 ranks the adapter is gathered whole before rank 0 writes it,
+and on resume every rank reads it and keeps its shards (`packrl.worker.strategy.FSDP2`), so a
+checkpoint moves between one process and any number of ranks.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, optimi
             is the full, parameter-name keyed form of `full_optimizer_state`, the same from
             one process and from FSDP ranks.
         trainer_state: JSON-serialisable state (step, data position, ...).
-        state_dict: the weights to write instead of ``model``'s own (the gathered full state
-            dict of an FSDP-sharded model; ``model`` is then an unsharded twin with the same
-            architecture).
+        state_dict: the weights to write instead of ``model``'s own: the gathered full state
+            dict of an FSDP-sharded model, or its gathered adapter parameters for a LoRA model
+            (peft's ``save_pretrained`` keeps the adapter's keys of it).
         extra_files: ``file name -> object`` written with ``torch.save`` into the same folder
             (the critic's state), inside the same atomic write.
         copy_files: files copied in as they are (a vision-language model's processor configs),
