@@ -201,19 +201,24 @@ class PartialRolloutStage:
         staleness = [[step - v for v in (r.token_versions or ())] for r in rollout.responses]
         tokens = [s for row in staleness for s in row]
         worst = [max(row) for row in staleness if row]
-        ledger = self.ledger.counts()
         out = {
             "async/staleness_token_mean": sum(tokens) / max(1, len(tokens)), "async/staleness_token_max": float(max(tokens, default=0)),
             "async/staleness_trajectory_mean": sum(worst) / max(1, len(worst)),
             "async/partial_ratio": sum(1 for row in staleness if row and max(row) > 0) / max(1, len(staleness)),
-            "async/carried_groups": float(len(self.pool)), "async/carried_tokens": float(sum(g.num_tokens for g in self.pool)),
-            "async/carried_complete_groups": float(self._num_complete()),
             "async/reprefill_tokens": float(counts["reprefill_tokens"]), "async/generated_tokens": float(counts["generated_tokens"]),
             "async/num_chunks": float(counts["chunks"]), "async/must_finish_groups": float(num_must_finish),
             "async/dropped_groups": float(len(dropped)),
             "async/dropped_tokens_mean": sum(g.num_tokens for g in dropped) / max(1, len(dropped) * self.rollout.n),
         }
-        return out | {f"async/ledger_{k}": float(v) for k, v in ledger.items()}
+        return out | self.carried_metrics()
+
+    def carried_metrics(self) -> dict[str, float]:
+        """What the stage holds now, as its checkpoint (`state_dict`) would hold it: the pool
+        (``async/carried_groups``, ``_tokens``, ``_complete_groups``) and the ledger's counts
+        (``async/ledger_*``)."""
+        ledger = self.ledger.counts()
+        return {"async/carried_groups": float(len(self.pool)), "async/carried_tokens": float(sum(g.num_tokens for g in self.pool)),
+                "async/carried_complete_groups": float(self._num_complete())} | {f"async/ledger_{k}": float(v) for k, v in ledger.items()}
 
     def close(self) -> None:
         """Nothing to release: the worker group's engines belong to the group."""

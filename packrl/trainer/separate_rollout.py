@@ -12,6 +12,13 @@ A step s (the trainer's weights are version s, after update s-1):
    prefetch: chunks with version s, on a background thread, until step s+1's batch is complete
    (``data.batch_size`` groups and every group at step s+1's staleness bound).
 
+The step's ``async/carried_*`` and ``async/ledger_*`` are read after the top-up: the groups and
+the ledger its checkpoint holds (a checkpoint is written after the step's update, once the
+prefetch has ended). The checkpoint's members also hold the prefetch's tokens, generated while the
+metrics are logged; the next step counts them in its ``async/generated_tokens``, so the
+checkpoint's pool tokens are the step's ``async/carried_tokens`` plus the prefetch's tokens
+(its ``pending`` counts).
+
 The loop then computes the old log-probs and updates the trainer on step s while the prefetch
 generates. ``async/rollout_busy_s`` is how long the prefetch generated, ``async/rollout_idle_s`` how
 long the rollout workers then waited for the trainer. Every trained token is at least one update old, and the behaviour weights of decoupled
@@ -67,6 +74,7 @@ class SeparateRolloutStage(PartialRolloutStage):
         rollout, scored, metrics = self.step(sampling, timing, spans, step, counts)
         metrics |= {"async/rollout_busy_s": self._busy_s, "async/rollout_idle_s": idle}
         self.fill(sampling, step)
+        metrics |= self.carried_metrics()  # after the top-up: the groups and ledger this step's checkpoint holds
         self._thread = threading.Thread(target=self._prefetch, args=(sampling, step), name="packrl-prefetch", daemon=True)
         self._thread.start()
         return rollout, scored, metrics

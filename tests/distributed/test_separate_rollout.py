@@ -57,3 +57,20 @@ def test_two_trainer_ranks_push_their_gathered_weights_to_the_rollout_worker(tmp
     assert [line["async/ledger_trained"] for line in lines] == [2.0, 4.0, 6.0]
     assert all(line["async/staleness_token_mean"] >= 1 and line["timing_s/weight_sync"] > 0 for line in lines[1:])
     assert all(line["actor/grad_norm"] > 0 for line in lines)
+
+
+def test_the_carried_metrics_of_a_step_are_the_pool_and_ledger_its_checkpoint_holds(tmp_path, model_dir):
+    """Each step's async/carried_groups and async/ledger_* equal its checkpoint's pool and ledger
+    (after the top-up for the next step: batch + over-provision = 3 groups), and its
+    async/carried_tokens plus what the prefetch then generated (the checkpoint's pending counts)
+    are the tokens the checkpoint's pool holds."""
+    run_dir = _run(tmp_path / "d", model_dir, "train.total_steps=2", "train.save_every=1")
+    for step, line in enumerate(metric_lines(run_dir), start=1):
+        state = json.loads((run_dir / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())["rollout"]
+        tokens = sum(len(ids) for g in state["pool"] for m in g["members"] for ids, _, _ in m["segments"])
+        ledger = {kind: 0.0 for kind in ("queued", "in_flight", "trained", "dropped")}
+        for entry in state["ledger"]["states"]:
+            ledger[entry.split("@", 1)[0]] += 1
+        assert line["async/carried_groups"] == len(state["pool"]) == 3, step
+        assert {k: line[f"async/ledger_{k}"] for k in ledger} == ledger, step
+        assert line["async/carried_tokens"] + state["pending"]["generated_tokens"] == tokens, step
