@@ -51,9 +51,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if _shared_skips:
         required = os.environ.get("PACKRL_REQUIRE_SHARED") == "1"
+        fails = "; PACKRL_REQUIRE_SHARED=1 fails the run" if required else ""
         terminalreporter.write_line(f"{len(_shared_skips)} tests skipped because ../shared was not found at {SHARED} "
-                                    "(set PACKRL_SHARED to the shared/ folder)" + ("; PACKRL_REQUIRE_SHARED=1 fails the run" if required else ""),
-                                    red=required, yellow=not required, bold=True)
+                                    f"(set PACKRL_SHARED to the shared/ folder){fails}", red=required, yellow=not required, bold=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

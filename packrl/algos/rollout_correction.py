@@ -56,7 +56,9 @@ def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
 def geometric_mean_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, policy_mask: torch.Tensor) -> float | None:
     """rho = exp(mean over the policy tokens of (old_t - rollout_t)): the geometric mean of the
-    token ratios, the statistic of ``rollout_rs=geometric``.
+    token ratios, the statistic of ``rollout_rs=geometric``. Each token's log-ratio is clamped to
+    +-20 before the mean, as verl's ``rollout_corr_helper`` does for its ``seq_mean_k1`` statistic
+    (a clamp of the mean instead would decide otherwise for a response with a token beyond +-20).
 
     Args:
         old_logprobs, rollout_logprobs: Shape [R], float32, nats.
@@ -67,8 +69,8 @@ def geometric_mean_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     """
     if not bool(policy_mask.any()):
         return None
-    diff = (old_logprobs.double() - rollout_logprobs.double())[policy_mask].mean()
-    return float(torch.exp(diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)))
+    diff = (old_logprobs.double() - rollout_logprobs.double())[policy_mask].clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return float(torch.exp(diff.mean()))
 
 
 def _engine_logprobs(responses: Sequence[Response]) -> tuple[torch.Tensor, ...]:

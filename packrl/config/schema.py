@@ -556,7 +556,7 @@ def _logger_problems(key: str, loggers: Sequence[str]) -> list[ConfigProblem]:
             extra = "pip install 'packrl[tensorboard]'" if name == "tensorboard" else f"pip install {package}"
             kept = [n for n in loggers if n != name] or ["console"]
             out.append(ConfigProblem(key, loggers, f"names {name} but the {package} package is not installed",
-                                     f"{extra}, or set {key}=[{','.join(kept)}]"))
+                                     f"{extra}, or set {key}=[{','.join(kept)}]", machine=True))
     return out
 
 
@@ -846,6 +846,9 @@ class AlgorithmConfig:
         return []
 
 
+Placement = Literal["pack", "spread"]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerConfig:
     num_workers: int = 1
@@ -885,6 +888,27 @@ class TrainerConfig:
     names are checked, in this process and in every worker: register your own reward, advantage
     estimator, policy loss or rollout engine there (`packrl.registry`)."""
 
+    max_restarts: int = 0
+    """Automatic restarts after a lost Ray actor (a rank, a rollout worker) or node
+    (`packrl.trainer.recovery`): the group is torn down, started afresh and resumed from the newest
+    complete checkpoint; each restart is a line of `RUN_DIR/restarts.jsonl`. 0 = the run fails,
+    naming what died, where and why."""
+
+    restart_wait_s: float | None = None
+    """Seconds a restart waits for the Ray cluster to hold the run's actors again (a lost node
+    rejoining) before it fails, naming the resources missing. None: 60 when `max_restarts` > 0."""
+
+    collective_timeout_s: float = 600.0
+    """Seconds a rank waits in one torch.distributed collective (and at the rendezvous) before it
+    fails (`init_process_group(timeout=...)`), so survivors of a lost rank or a hung collective do
+    not wait torch's 30 minutes; it must exceed the longest collective, rank 0's checkpoint write
+    included (the other ranks wait for it)."""
+
+    placement: Placement = "pack"
+    """Ray placement-group strategy of the `num_workers` rank actors: `pack` puts them on as few
+    nodes as hold them, `spread` over as many nodes as possible (Ray's PACK / SPREAD). Rollout
+    workers of `separate_async` are placed by their own resources."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.num_workers", self.num_workers)
         out += check_positive(f"{prefix}.num_cpus_per_worker", self.num_cpus_per_worker)
@@ -897,6 +921,37 @@ class TrainerConfig:
         if self.ray_address is not None and not str(self.ray_address).strip():
             out.append(ConfigProblem(f"{prefix}.ray_address", self.ray_address, "is empty",
                                      f"set {prefix}.ray_address to a cluster address such as auto, or null for a local Ray"))
+        return out + self._recovery_problems(prefix)
+
+    def _recovery_problems(self, prefix: str) -> list[ConfigProblem]:
+        """``max_restarts``, ``restart_wait_s``, ``collective_timeout_s`` and ``placement``."""
+        out: list[ConfigProblem] = []
+        if self.max_restarts < 0:
+            out.append(ConfigProblem(f"{prefix}.max_restarts", self.max_restarts, "is negative",
+                                     f"set {prefix}.max_restarts=0 (fail on a lost actor) or a positive count of restarts"))
+        has_actors = self.num_workers > 1 or self.rollout_mode == "separate_async"
+        if self.max_restarts > 0 and not has_actors:
+            out.append(ConfigProblem(f"{prefix}.max_restarts", self.max_restarts,
+                                     f"restarts lost Ray actors, but {prefix}.num_workers=1 with {prefix}.rollout_mode={self.rollout_mode} "
+                                     "trains in this process with none (a lost process there is the run itself)",
+                                     f"set {prefix}.max_restarts=0, or {prefix}.num_workers > 1 or {prefix}.rollout_mode=separate_async",
+                                     keys=(f"{prefix}.max_restarts", f"{prefix}.num_workers", f"{prefix}.rollout_mode")))
+        if self.restart_wait_s is not None:
+            if not math.isfinite(self.restart_wait_s) or self.restart_wait_s < 0:
+                out.append(ConfigProblem(f"{prefix}.restart_wait_s", self.restart_wait_s, "must be a finite number of seconds >= 0",
+                                         f"set {prefix}.restart_wait_s=60"))
+            elif self.max_restarts == 0:
+                out.append(ConfigProblem(f"{prefix}.restart_wait_s", self.restart_wait_s,
+                                         f"has no effect: {prefix}.max_restarts=0 never restarts",
+                                         f"set {prefix}.max_restarts to a positive count, or remove {prefix}.restart_wait_s",
+                                         keys=(f"{prefix}.restart_wait_s", f"{prefix}.max_restarts")))
+        if not math.isfinite(self.collective_timeout_s) or self.collective_timeout_s < 1:
+            out.append(ConfigProblem(f"{prefix}.collective_timeout_s", self.collective_timeout_s, "must be a finite number of seconds >= 1",
+                                     f"set {prefix}.collective_timeout_s=600 (more than the longest checkpoint write)"))
+        if self.placement != "pack" and self.num_workers == 1:
+            out.append(ConfigProblem(f"{prefix}.placement", self.placement, f"has no effect: {prefix}.num_workers=1 starts no rank actors",
+                                     f"remove {prefix}.placement, or set {prefix}.num_workers > 1",
+                                     keys=(f"{prefix}.placement", f"{prefix}.num_workers")))
         return out
 
 

@@ -76,6 +76,8 @@ def test_geometric_mean_ratio_by_hand():
     rho = geometric_mean_ratio(T([-1.0, -2.0, -3.0, -4.0]), T([-1.1, -2.0, -3.3, 0.0]), T([True, True, True, False]))
     assert rho == pytest.approx(math.exp((0.1 + 0.0 + 0.3) / 3))
     assert geometric_mean_ratio(T([-1.0]), T([-1.0]), T([False])) is None
+    # each token's log-ratio is clamped to +-20 before the mean, as verl's seq_mean_k1: (20 + 0) / 2, not min(35/2, 20)
+    assert geometric_mean_ratio(T([-1.0, -1.0]), T([-36.0, -1.0]), T([True, True])) == pytest.approx(math.exp(10.0))
 
 
 def _responses(diffs_per_response: list[list[float]]) -> tuple[list[Response], list[torch.Tensor]]:

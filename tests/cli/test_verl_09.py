@@ -13,6 +13,7 @@ the versions and files.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -73,7 +74,7 @@ LORA_7B = [
     f"{AR}.rollout.layered_summon=True", f"{AR}.rollout.tensor_model_parallel_size=2", f"{AR}.rollout.gpu_memory_utilization=0.6",
     f"{AR}.rollout.n=5", f"{AR}.rollout.log_prob_micro_batch_size_per_gpu=16", f"{AR}.ref.log_prob_micro_batch_size_per_gpu=16",
     f"{AR}.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0",
-    "trainer.logger=['console']", "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen2.5_7b_grpo_lora",
+    "trainer.logger=['console','wandb']", "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen2.5_7b_grpo_lora",
     "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
 ]
 """A 7B GRPO LoRA command as tuning guides print it (verl's examples/tuning/lora and the LoRA docs): rank 16,
@@ -304,3 +305,5 @@ def test_a_7b_lora_command_from_the_tuning_guides_passes_the_dry_run(tmp_path, c
     assert {"model.lora.rank=16", "model.lora.alpha=32.0", "model.gradient_checkpointing=true", "rollout.engine=vllm"} <= set(command)
     assert "resolved config:" in out
     assert "the model context was not checked: model.path=Qwen/Qwen2.5-7B-Instruct is not a local path" in err
+    if importlib.util.find_spec("wandb") is None:  # a package the training machine needs is a warning in a dry run, as vllm is
+        assert "warning: train.loggers=['console', 'wandb']: names wandb but the wandb package is not installed" in err

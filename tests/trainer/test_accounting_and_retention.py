@@ -191,3 +191,26 @@ def test_generation_is_retried_once_then_names_the_rows():
     attempts.clear()
     with pytest.raises(RuntimeError, match=r"generation failed twice for data rows \[0, 1\]: MemoryError"):
         group(failures=2).generate(prompts, SamplingParams(n=2, max_response_tokens=4))
+
+
+def test_the_training_data_errors_know_the_model_context(tmp_path, smollm_tokenizer):
+    """`packrl train` reads the model's config before its data: a prompt longer than the context
+    leaves (8,192 - 64 response tokens) gets no prompt budget it cannot hold as its fix."""
+    import json
+    import shutil
+
+    from packrl.trainer.loop import _datasets
+    from tests.conftest import SMOLLM_DIR
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(SMOLLM_DIR / "config.json", model / "config.json")
+    rows = [{"question": "Tom has " + "many apples and " * 3000 + "one pear. How many fruits?", "answer": "#### 2"},
+            {"question": "What is 2 + 2?", "answer": "#### 4"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config("demo", [f"model.path={model}", f"data.train_files=[{data}]", "data.overlong_prompt=error",
+                               "data.batch_size=1", "rollout.max_response_tokens=64"])
+    with pytest.raises(ValueError, match=r"no data\.max_prompt_tokens fits a [\d,]+-token prompt \(the model context 8,192 - "
+                                         r"rollout\.max_response_tokens=64 leaves 8,128\)"):
+        _datasets(cfg, smollm_tokenizer)
