@@ -169,3 +169,21 @@ def test_reinforce_plus_plus_config_checks():
         load_config("demo", ["algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.gamma=0.9"])
     with pytest.raises(ConfigError, match=r"algorithm.lam=0.9: has no effect with algorithm.adv_estimator=reinforce_plus_plus \("):
         load_config("demo", ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.lam=0.9"])
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_a_tiny_run_trains_with_the_new_options(tmp_path, smollm_tokenizer, estimator):
+    """REINFORCE++ with the KL as a per-token reward and dual-clip PPO over two mini-batches (so the
+    second is off-policy and the bound can bind) through the whole loop."""
+    import json
+
+    from tests.diagnostics.tiny_run import tiny_run
+
+    smollm_tokenizer.padding_side = "left"
+    run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, [
+        "train.total_steps=2", "reward.name=test_letter_e", f"algorithm.adv_estimator={estimator}", "algorithm.kl_coef=0.05",
+        "algorithm.kl_in_reward=true", "algorithm.clip_ratio_c=3.0", "train.mini_batch_size=1", "train.lr=1e-2"])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(math.isfinite(line["actor/pg_loss"]) and 0 <= line["actor/pg_clipfrac_lower"] <= 1 for line in lines)
+    assert lines[1]["actor/reward_kl_penalty"] != 0  # the policy moved away from the reference after step 1
