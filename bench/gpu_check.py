@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_smoke:
         import torch
 
-        torch.set_num_threads(1)  # tiny shapes gain nothing from threads; on a busy CPU two contending threads ran 70x slower
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads; on a busy CPU two contending threads ran 30x slower
     if args.child:
         run_stage(Context(args.out, args.cpu_smoke, args.deadline, args.budget_s, args.speed_steps), args.child)
         return 0

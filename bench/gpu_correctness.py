@@ -39,7 +39,16 @@ from typing import Any
 
 import torch
 
-from bench.gpu_setup import REWARD, model_config, offline_tokenizer, progress, random_policy, register_hash_reward, scratch_dir
+from bench.gpu_setup import (
+    REWARD,
+    model_config,
+    model_folder,
+    offline_tokenizer,
+    progress,
+    random_policy,
+    register_hash_reward,
+    scratch_dir,
+)
 from packrl.models.attention import PackedAttention
 
 LOGPROB_ATOL = 1e-5
@@ -294,10 +303,11 @@ def _first_step_kl(device: str, smoke: bool) -> dict[str, Any]:
     tokenizer = offline_tokenizer(config.vocab_size)
     dtype = "fp32" if smoke else "bf16"
     with scratch_dir("gpu-check-kl-") as tmp:
-        cfg = load_config("demo", [f"train.out_dir={tmp}/run", "train.total_steps=2", "data.batch_size=4", "rollout.n=2",
-                                   f"rollout.max_response_tokens={8 if smoke else 32}", f"model.dtype={dtype}", "algorithm.kl_coef=0.01",
-                                   "train.lr=1e-3", f"reward.name={REWARD}", "data.val_files=[]", "train.loggers=[]",
-                                   "train.dump_rollouts=false", "train.max_tokens_per_microbatch=256"])
+        path = model_folder(config, tokenizer, Path(tmp) / "model")
+        cfg = load_config("demo", [f"model.path={path}", f"train.out_dir={tmp}/run", "train.total_steps=2", "data.batch_size=4",
+                                   "rollout.n=2", f"rollout.max_response_tokens={8 if smoke else 32}", f"model.dtype={dtype}",
+                                   "algorithm.kl_coef=0.01", "train.lr=1e-3", f"reward.name={REWARD}", "data.val_files=[]",
+                                   "train.loggers=[]", "train.dump_rollouts=false", "train.max_tokens_per_microbatch=256"])
         policy = random_policy(config, cfg.model, tokenizer, device, BatchPlan.from_config(cfg).compute_dtype)
         run_dir = train(cfg, local_group(cfg, policy, tokenizer))
         steps = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

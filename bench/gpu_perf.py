@@ -38,6 +38,7 @@ import torch
 from bench.gpu_setup import (
     REWARD,
     model_config,
+    model_folder,
     offline_tokenizer,
     progress,
     random_policy,
@@ -83,9 +84,10 @@ def run_speed(device: str, smoke: bool, save: Callable[..., None], peaks: dict[s
                      f"train.max_tokens_per_logprob_microbatch={2 * budget}", "algorithm.kl_coef=0.001", f"reward.name={REWARD}",
                      "data.val_files=[]", "train.loggers=[]", "train.dump_rollouts=true", "train.share_prompts=false"]
         save(model=shape_name("0.5B", smoke), num_params=shape.num_params, overrides=overrides)
-        cfg = load_config("demo", [f"train.out_dir={tmp}/run", *overrides])
         start = time.perf_counter()
         tokenizer = offline_tokenizer(config.vocab_size)
+        path = model_folder(config, tokenizer, Path(tmp) / "model")
+        cfg = load_config("demo", [f"model.path={path}", f"train.out_dir={tmp}/run", *overrides])
         policy = random_policy(config, cfg.model, tokenizer, device, BatchPlan.from_config(cfg).compute_dtype)
         workers = local_group(cfg, policy, tokenizer)
         build_s = time.perf_counter() - start
@@ -244,10 +246,7 @@ class _Policy:
         self.name, self.smoke, self.device = shape_name(name, smoke), smoke, device
         self.config = model_config(name, smoke)
         self.tokenizer = offline_tokenizer(self.config.vocab_size)
-        self.path = tmp / f"model-{name}-{'smoke' if smoke else 'full'}"
-        if not self.path.is_dir():
-            self.config.save_pretrained(self.path)
-            self.tokenizer.save_pretrained(self.path)
+        self.path = model_folder(self.config, self.tokenizer, tmp / f"model-{name}")
         self.overrides = dedupe([f"model.path={self.path}", f"model.dtype={'fp32' if smoke else 'bf16'}", *MEMORY_COMMON, *overrides])
 
     def __enter__(self) -> _Policy:

@@ -123,6 +123,16 @@ def offline_tokenizer(vocab_size: int) -> Any:
     return fast
 
 
+def model_folder(config: Any, tokenizer: Any, dest: Path) -> Path:
+    """``dest`` holding ``config``'s ``config.json`` and ``tokenizer``'s files, no weights: a
+    ``model.path`` that preflight and the prompt encoder read (configs only) while the policy
+    itself is passed in built (`random_policy`). The demo preset's alias would need a download."""
+    if not (dest / "config.json").is_file():
+        config.save_pretrained(dest)
+        tokenizer.save_pretrained(dest)
+    return dest
+
+
 def random_policy(config: Any, model_cfg: Any, tokenizer: Any, device: str, compute: Any, seed: int = 0) -> Any:
     """A randomly initialised policy of ``config`` on ``device``, prepared as
     `packrl.models.loading.load_policy` prepares a loaded checkpoint: float32 parameters (float64
