@@ -29,6 +29,7 @@ import gc
 import json
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -192,49 +193,71 @@ class _Watch:
 def run_memory(device: str, smoke: bool, save: Callable[..., None], deadline: float, device_memory_bytes: int | None) -> dict[str, Any]:
     """Stage 4 (module docstring). ``device_memory_bytes``: the device's memory (None under
     ``--cpu-smoke``, where the bisection's limit is preflight's own estimate at 384 tokens: that
-    runs the search's code, but process RSS on a CPU says nothing about a device's limit)."""
-    lengths = (64, 128, 256) if smoke else (4096, 16384, 32768)
+    runs the search's code, but process RSS on a CPU says nothing about a device's limit). A
+    variant or model that raises is recorded (``errors``, or its entry's ``error``) and the next
+    one still runs."""
     peak = "peak RSS (VmHWM after /proc/self/clear_refs)" if smoke else "torch.cuda.max_memory_allocated"
-    result: dict[str, Any] = {"peak_measure": peak,
-                              "estimate": "packrl.inspect.preflight.preflight(...).memory.phases['update']",
-                              "device_memory_bytes": device_memory_bytes, "rows": [], "longest_microbatch": {}}
+    result: dict[str, Any] = {"peak_measure": peak, "estimate": "packrl.inspect.preflight.preflight(...).memory.phases['update']",
+                              "device_memory_bytes": device_memory_bytes, "rows": [], "longest_microbatch": {}, "errors": {},
+                              "leftover_allocated_bytes": {}}
     with scratch_dir("gpu-check-memory-") as tmp:
-        for variant, extra in VARIANTS.items():
-            with _Policy("0.5B", smoke, device, Path(tmp), [*extra, f"train.max_tokens_per_microbatch={max(lengths)}"]) as policy:
-                for tokens in lengths:
-                    estimate = policy.preflight(tokens, device_memory_bytes).memory.phases["update"]
-                    row = {"model": policy.name, "variant": variant, "tokens": tokens, "estimate_bytes": estimate}
-                    probe = policy.fits(tokens, device_memory_bytes or 1 << 62)
-                    if "out_of_memory" in probe:  # a row that did not fit is a result too (and no estimate is within 10% of it)
-                        row |= {"out_of_memory": probe["out_of_memory"], "estimate_over_measured": None, "within_10pct": False}
-                    else:
-                        ratio = estimate / probe["peak_bytes"]
-                        row |= {k: v for k, v in probe.items() if k not in ("tokens", "fits")}
-                        row |= {"estimate_over_measured": round(ratio, 4), "within_10pct": abs(ratio - 1) <= MEMORY_TARGET}
-                    result["rows"].append(row)
-                    progress(f"memory: {policy.name} {variant} {tokens} tokens: estimate/measured {row['estimate_over_measured']}")
-                    save(**result)
+        for variant in VARIANTS:
+            try:
+                _estimate_rows(variant, smoke, device, Path(tmp), device_memory_bytes, result, save)
+            except Exception as err:  # the next variant still runs
+                result["errors"][f"0.5B {variant}"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+                save(**result)
         for name, extra in (("1.5B", []), ("7B", [*VARIANTS["lora"], *VARIANTS["gradient_checkpointing"]])):
             if time.time() > deadline - (5 if smoke else 45):
                 result["longest_microbatch"][name] = {"ran": False, "reason": "the stage's time budget ran out before this model"}
                 continue
+
             def keep(part: dict[str, Any], name: str = name) -> None:  # the search so far, saved after every probe
                 result["longest_microbatch"][name] = part
                 save(**result)
 
-            keep(_longest(name, extra, smoke, device, Path(tmp), deadline, device_memory_bytes, keep))
-    rows = result["rows"]
-    longest = [v for v in result["longest_microbatch"].values() if v.get("ran", True)]
-    result["targets"] = {
+            try:
+                keep(_longest(name, extra, smoke, device, Path(tmp), deadline, device_memory_bytes, keep))
+            except Exception as err:
+                keep(result["longest_microbatch"].get(name, {}) | {"error": f"{type(err).__name__}: {err}",
+                                                                   "traceback": traceback.format_exc()})
+    return result | {"targets": _memory_targets(result)}
+
+
+def _estimate_rows(variant: str, smoke: bool, device: str, tmp: Path, device_memory_bytes: int | None, result: dict[str, Any],
+                   save: Callable[..., None]) -> None:
+    """The 0.5B rows of one variant: preflight's estimate and the measured peak at each micro-batch size."""
+    lengths = (64, 128, 256) if smoke else (4096, 16384, 32768)
+    policy = _Policy("0.5B", smoke, device, tmp, [*VARIANTS[variant], f"train.max_tokens_per_microbatch={max(lengths)}"])
+    with policy:
+        for tokens in lengths:
+            estimate = policy.preflight(tokens, device_memory_bytes).memory.phases["update"]
+            row = {"model": policy.name, "variant": variant, "tokens": tokens, "estimate_bytes": estimate}
+            probe = policy.fits(tokens, device_memory_bytes or 1 << 62)
+            if "out_of_memory" in probe:  # a row that did not fit is a result too (and no estimate is within 10% of it)
+                row |= {"out_of_memory": probe["out_of_memory"], "estimate_over_measured": None, "within_10pct": False}
+            else:
+                ratio = estimate / probe["peak_bytes"]
+                row |= {k: v for k, v in probe.items() if k not in ("tokens", "fits")}
+                row |= {"estimate_over_measured": round(ratio, 4), "within_10pct": abs(ratio - 1) <= MEMORY_TARGET}
+            result["rows"].append(row)
+            progress(f"memory: {policy.name} {variant} {tokens} tokens: estimate/measured {row['estimate_over_measured']}")
+            save(**result)
+    result["leftover_allocated_bytes"][f"0.5B {variant}"] = policy.leftover_bytes
+
+
+def _memory_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """The two memory targets; a row, variant or model that did not measure counts as not met."""
+    rows, longest = result["rows"], result["longest_microbatch"]
+    return {
         "estimate_within_10pct": {"value": max((abs(r["estimate_over_measured"] - 1) for r in rows if r["estimate_over_measured"]),
                                                default=None),
-                                  "target": f"|estimate / measured - 1| <= {MEMORY_TARGET} for every row",
-                                  "met": bool(rows) and all(r["within_10pct"] for r in rows)},
-        "longest_within_one_step": {"value": {k: v.get("claim_minus_found_tokens") for k, v in result["longest_microbatch"].items()},
-                                    "target": "|preflight's claim - longest found| <= one bisection step, search complete",
-                                    "met": bool(longest) and all(v["within_one_step"] for v in longest)},
+                                  "target": f"|estimate / measured - 1| <= {MEMORY_TARGET} for every row (9 rows)",
+                                  "met": len(rows) == 3 * len(VARIANTS) and all(r["within_10pct"] for r in rows)},
+        "longest_within_one_step": {"value": {k: v.get("claim_minus_found_tokens") for k, v in longest.items()},
+                                    "target": "|preflight's claim - longest found| <= one bisection step, search complete, 1.5B and 7B",
+                                    "met": len(longest) == 2 and all(v.get("within_one_step") is True for v in longest.values())},
     }
-    return result
 
 
 class _Policy:
@@ -247,6 +270,7 @@ class _Policy:
         self.config = model_config(name, smoke)
         self.tokenizer = offline_tokenizer(self.config.vocab_size)
         self.path = model_folder(self.config, self.tokenizer, tmp / f"model-{name}")
+        self.leftover_bytes: int | None = None
         self.overrides = dedupe([f"model.path={self.path}", f"model.dtype={'fp32' if smoke else 'bf16'}", *MEMORY_COMMON, *overrides])
 
     def __enter__(self) -> _Policy:
@@ -267,6 +291,7 @@ class _Policy:
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
+            self.leftover_bytes = torch.cuda.memory_allocated()  # what the next model's measurements start above
 
     def preflight(self, tokens: int, memory_bytes: int | None) -> Any:
         """preflight's report for this run at ``tokens`` per update micro-batch, checked against ``memory_bytes``."""
@@ -336,6 +361,7 @@ def _longest(name: str, overrides: list[str], smoke: bool, device: str, tmp: Pat
                                "claim_tokens": claim, "step_tokens": step, "probes": []}
         save(out)
         found = _bisect(lambda t: policy.fits(t, limit), claim, step, hi_bound, deadline, out, save)
+    out["leftover_allocated_bytes"] = policy.leftover_bytes
     lo, hi = found
     complete = hi is not None and hi - lo <= step
     return out | {"longest_found_tokens": lo, "first_failing_tokens": hi, "search_complete": complete,
