@@ -34,6 +34,7 @@ from packrl.algos.policy_losses import prepare_update
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import AlgorithmConfig
 from packrl.diagnostics.trace import NullTracer
+from packrl.distributed.health import WorkerLost
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
 from packrl.seqlen.microbatch import VisionPatches
@@ -319,15 +320,18 @@ def generate_split(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, 
 
 def generate_with_retry(generate: Callable[[], list], rows: Sequence[int]) -> list:
     """``generate()``, retried once when it raises anything but a ValueError (a bad prompt is not
-    retried); a second failure is a RuntimeError naming the batch's data rows and the cause."""
+    retried) or a `WorkerLost` (a lost actor does not come back; the run's supervisor restarts the
+    group); a second failure is a RuntimeError naming the batch's data rows and the cause."""
     try:
         return generate()
-    except ValueError:
+    except (ValueError, WorkerLost):
         raise
     except Exception as err:  # noqa: BLE001 - engine failures (OOM, a driver hiccup) get one more try
         logger.warning("generation raised %s: %s; retrying once", type(err).__name__, err)
         try:
             return generate()
+        except WorkerLost:
+            raise
         except Exception as again:
             raise RuntimeError(f"generation failed twice for data rows {list(rows)[:16]}: "
                                f"{type(again).__name__}: {again}") from again

@@ -7,14 +7,24 @@ processes and torch.distributed's rendezvous and collectives), keeps its temp di
 ``RUN_DIR/ray`` (a link to a short path under the system temp dir when RUN_DIR is too deep for
 the Unix socket paths Ray makes) and starts no dashboard. Ray's task timeline is written to
 ``RUN_DIR/ray_timeline.json`` at each checkpoint and at the end, and named in trace.json.
+
+On a cluster (``trainer.ray_address``) the ranks are placed by a Ray placement group
+(``trainer.placement``: pack or spread), one bundle per rank; before any actor starts, the nodes
+must be able to hold every actor of the run (`placement_shortfall`) and must share
+``train.out_dir`` (`check_shared_dir`). Where each actor landed is written to
+``RUN_DIR/workers.json``; every call to the ranks is waited on by
+`packrl.distributed.health.wait_all`, which turns a lost rank or node into `WorkerLost`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +33,26 @@ import torch
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.distributed.group import WorkerGroup
+from packrl.distributed.health import (
+    ActorRecord,
+    Located,
+    alive_nodes,
+    check_shared_dir,
+    describe_nodes,
+    locate,
+    placement_shortfall,
+    wait_all,
+    wait_for_room,
+)
 from packrl.models.loading import load_policy_tokenizer
 from packrl.worker.policy import PolicyWorker
 
 logger = logging.getLogger(__name__)
 
 RAY_TIMELINE_FILE = "ray_timeline.json"
+WORKERS_FILE = "workers.json"
+PLACEMENT_WAIT_S = 300.0
+"""How long the ranks' placement group may wait for free resources the cluster has (seconds)."""
 # Batches travel through Ray's object store: a 512-sequence batch of 4k-token sequences is ~16 MB of ids,
 # so a small store is plenty (Ray's default reserves 30% of the machine's memory in /dev/shm).
 _OBJECT_STORE_BYTES = 512 << 20
@@ -48,11 +72,13 @@ def _ray_temp_dir(run_dir: Path) -> Path:
 
 
 def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
-    """Join ``trainer.ray_address`` or start a private local Ray; True when this call started it.
+    """Join ``trainer.ray_address`` or start a private local Ray; True when this call connected
+    this process to Ray (its `release_actors` disconnects it, and stops a private Ray).
 
     Raises:
-        ValueError: Ray is not installed; the cluster cannot be reached; it lacks the CPUs/GPUs
-            for ``trainer.num_workers``; or a local Ray would not bind to loopback.
+        ValueError: Ray is not installed; the cluster cannot be reached; its nodes can never hold
+            the run's actors at once (`_check_room`); a node of the cluster does not share
+            ``train.out_dir`` (`check_shared_dir`); or a local Ray would not bind to loopback.
     """
     local = cfg.trainer.ray_address is None
     if local:  # Ray's single-machine mode: this node's address is 127.0.0.1, so every server binds there
@@ -85,27 +111,14 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
         except Exception as err:  # connection and address errors
             raise ValueError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address!r}: "
                              f"{type(err).__name__}: {err}; start it with `ray start --head` or fix the address") from err
-    _check_resources(cfg, ray.cluster_resources())
-    return True
-
-
-def _gather(refs: Any) -> Any:
-    """``ray.get`` with a worker's error as the user sees it in one process: a raised exception as
-    itself (not wrapped in Ray's header), a dead worker as a RuntimeError saying how to go on."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
-
     try:
-        return ray.get(refs)
-    except RayTaskError as err:
-        cause = getattr(err, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
+        _check_room(cfg)
+        if not local:
+            check_shared_dir(run_dir)
+    except BaseException:
+        ray.shutdown()
         raise
-    except RayActorError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(f"a data-parallel worker died ({first}); its memory or its process was lost: continue from "
-                           "the newest checkpoint with train.resume=auto, with fewer trainer.num_workers if memory ran out") from err
+    return True
 
 
 def _single_machine_mode() -> None:
@@ -122,35 +135,124 @@ def _single_machine_mode() -> None:
         setattr(constants, "ENABLE_RAY_CLUSTER", False)  # importlib returns a plain ModuleType, which declares no such attribute
 
 
-def _check_resources(cfg: RunConfig, resources: dict[str, float]) -> None:
-    need_gpu = torch.cuda.is_available()
-    have = resources.get("GPU" if need_gpu else "CPU", 0)
-    need = cfg.trainer.num_workers * (1 if need_gpu else cfg.trainer.num_cpus_per_worker)
-    if have < need:
-        import ray
+def actor_bundle(cfg: RunConfig) -> dict[str, float]:
+    """The resources Ray reserves for one rank or rollout worker: ``trainer.num_cpus_per_worker``
+    CPUs, and one GPU on CUDA."""
+    return {"CPU": float(cfg.trainer.num_cpus_per_worker)} | ({"GPU": 1.0} if torch.cuda.is_available() else {})
 
+
+def run_bundles(cfg: RunConfig) -> list[dict[str, float]]:
+    """One `actor_bundle` per Ray actor of the run: the ranks (``trainer.num_workers > 1``) and the
+    rollout workers (``separate_async``)."""
+    ranks = cfg.trainer.num_workers if cfg.trainer.num_workers > 1 else 0
+    rollout = cfg.trainer.num_rollout_workers if cfg.trainer.rollout_mode == "separate_async" else 0
+    return [actor_bundle(cfg)] * (ranks + rollout)
+
+
+def _room_fix(cfg: RunConfig) -> str:
+    knobs = "trainer.num_workers" + (", trainer.num_rollout_workers" if cfg.trainer.rollout_mode == "separate_async" else "")
+    return f"lower {knobs} or trainer.num_cpus_per_worker, or add nodes to the cluster (`ray start --address=HEAD:PORT` on each)"
+
+
+def _check_room(cfg: RunConfig) -> None:
+    """Refuse a run whose actors the cluster's alive nodes can never hold at once (each actor's
+    bundle must fit one node).
+
+    Raises:
+        ValueError: naming the keys and values, each node's CPUs and GPUs, and the fix.
+    """
+    bundles = run_bundles(cfg)
+    nodes = alive_nodes()
+    missing = placement_shortfall(bundles, nodes)
+    if missing:
+        t = cfg.trainer
+        actors = f"trainer.num_workers={t.num_workers}" + (f" + trainer.num_rollout_workers={t.num_rollout_workers}"
+                                                           if t.rollout_mode == "separate_async" else "")
+        raise ValueError(f"{actors} Ray actors of {bundles[0]} each do not fit the Ray cluster: {missing} of {len(bundles)} "
+                         f"have no room ({describe_nodes(nodes)}); {_room_fix(cfg)}")
+
+
+def wait_for_cluster(cfg: RunConfig, timeout_s: float) -> float:
+    """Before a restart on a cluster (``trainer.ray_address``): join it, wait until its alive nodes
+    can hold the run's actors again (a lost node rejoining), leave; return the seconds waited (0
+    for a private local Ray, which starts afresh).
+
+    Raises:
+        RuntimeError: still no room after ``timeout_s`` (``trainer.restart_wait_s``), naming the
+            nodes' resources and the fix.
+        ValueError: the cluster cannot be joined.
+    """
+    if cfg.trainer.ray_address is None:
+        return 0.0
+    import ray
+
+    try:
+        ray.init(address=cfg.trainer.ray_address, log_to_driver=False, configure_logging=False)
+    except Exception as err:  # connection and address errors
+        raise ValueError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address!r} to restart: "
+                         f"{type(err).__name__}: {err}") from err
+    try:
+        return wait_for_room(run_bundles(cfg), timeout_s, "the run",
+                             f"{_room_fix(cfg)}; then continue with train.resume=auto, or raise trainer.restart_wait_s")
+    finally:
         ray.shutdown()
-        kind = "GPUs" if need_gpu else "CPUs"
-        raise ValueError(f"trainer.num_workers={cfg.trainer.num_workers} needs {need:g} {kind} but the Ray cluster has {have:g}; "
-                         f"lower trainer.num_workers" + ("" if need_gpu else " or trainer.num_cpus_per_worker"))
+
+
+def _on_loopback(nodes: Sequence[dict[str, Any]]) -> bool:
+    """Every node of the cluster is this machine's loopback (a cluster started on one machine)."""
+    return all(n["NodeManagerAddress"].startswith("127.") or n["NodeManagerAddress"] == "::1" for n in nodes)
+
+
+def _place_ranks(cfg: RunConfig) -> Any:
+    """A placement group of one `actor_bundle` per rank (``trainer.placement``), ready.
+
+    Raises:
+        RuntimeError: the cluster has the room but not free within `PLACEMENT_WAIT_S`.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([actor_bundle(cfg)] * cfg.trainer.num_workers, strategy=cfg.trainer.placement.upper())
+    if not group.wait(timeout_seconds=PLACEMENT_WAIT_S):
+        remove_placement_group(group)
+        raise RuntimeError(f"the {cfg.trainer.num_workers} ranks (trainer.num_workers, trainer.placement={cfg.trainer.placement}) "
+                           f"found no free room within {PLACEMENT_WAIT_S:g} s; free now: {ray.available_resources()}; "
+                           "stop what holds the cluster's resources, or lower trainer.num_workers")
+    return group
+
+
+def write_records(path: Path, records: Sequence[ActorRecord]) -> None:
+    """``records`` as a JSON list (``RUN_DIR/workers.json``: where each actor runs)."""
+    path.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
+
+
+class RankActor(Located, PolicyWorker):
+    """The `PolicyWorker` of one rank as a Ray actor that can say where it runs (`Located`)."""
 
 
 class RayActors:
     """`Transport` over Ray actors, one `PolicyWorker` (an FSDP2 rank) each.
 
-    Use `ray_group`; `close` writes Ray's timeline, ends the process group and shuts down the Ray
-    this run started.
+    Use `ray_group`; every call is waited on by `wait_all` (a lost rank or node is `WorkerLost`);
+    `close` writes Ray's timeline, ends the process group, removes the placement group and shuts
+    down the Ray this run started.
+
+    Args:
+        actors: the rank actors, rank order.
+        records: where each runs (`ActorRecord`), rank order.
+        placement: their placement group (removed at `close`), or None.
     """
 
     in_process = False
 
-    def __init__(self, actors: list, run_dir: Path, owns_ray: bool):
-        self.actors, self.run_dir, self.owns_ray = actors, run_dir, owns_ray
+    def __init__(self, actors: list, run_dir: Path, owns_ray: bool, records: Sequence[ActorRecord], placement: Any = None):
+        self.actors, self.run_dir, self.owns_ray, self.records, self.placement = actors, run_dir, owns_ray, list(records), placement
         self.num_ranks = len(actors)
 
     def call(self, method: str, args_per_rank: Sequence[tuple], ranks: Sequence[int] | None = None) -> list[Any]:
-        actors = self.actors if ranks is None else [self.actors[r] for r in ranks]
-        return _gather([getattr(actor, method).remote(*args) for actor, args in zip(actors, args_per_rank, strict=True)])
+        chosen = range(self.num_ranks) if ranks is None else ranks
+        refs = [getattr(self.actors[r], method).remote(*args) for r, args in zip(chosen, args_per_rank, strict=True)]
+        return wait_all(refs, [self.records[r] for r in chosen], method)
 
     def share(self, obj: Any) -> Any:
         import ray
@@ -177,13 +279,15 @@ class RayActors:
     def close(self, graceful: bool = True) -> None:
         """Write Ray's timeline, end the process group (``graceful``; skipped after a failure or
         Ctrl-C, when a rank may be inside a collective) and shut down the Ray this group started."""
-        release_actors(self.actors, self.owns_ray, "workers", graceful=graceful, first=self._write_timeline)
+        release_actors(self.actors, self.owns_ray, "workers", graceful=graceful, first=self._write_timeline, placement=self.placement)
 
 
-def release_actors(actors: list, owns_ray: bool, what: str, *, graceful: bool = True, first: Callable[[], None] | None = None) -> None:
+def release_actors(actors: list, owns_ray: bool, what: str, *, graceful: bool = True, first: Callable[[], None] | None = None,
+                   placement: Any = None) -> None:
     """Run ``first`` (e.g. write Ray's timeline), ask every actor to ``close`` (``graceful``), then
-    kill them all and shut down the Ray this run started (``owns_ray``). A failure on the way is
-    logged as a warning naming ``what``, never raised: closing after a failure must not hide it."""
+    kill them all, remove their ``placement`` group and shut down the Ray this run started
+    (``owns_ray``). A failure on the way is logged as a warning naming ``what``, never raised:
+    closing after a failure must not hide it."""
     import ray
 
     if not ray.is_initialized():
@@ -198,37 +302,50 @@ def release_actors(actors: list, owns_ray: bool, what: str, *, graceful: bool = 
     finally:
         for actor in actors:
             ray.kill(actor)
+        if placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(placement)
         if owns_ray:
             ray.shutdown()
 
 
 def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
-    """Start Ray, place the ranks, form the process group and load the shards.
+    """Start Ray (or join ``trainer.ray_address``), place the ranks (``trainer.placement``), write
+    where each landed to ``RUN_DIR/workers.json``, form the process group and load the shards.
 
     Raises:
         ValueError: see `start_ray`; a worker's set-up error.
+        RuntimeError: the ranks found no free room (`_place_ranks`); an actor could not start.
+        WorkerLost: a rank or its node was lost during set-up.
     """
     tokenizer = load_policy_tokenizer(cfg.model)
     owns_ray = start_ray(cfg, run_dir)
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gpus = 1 if torch.cuda.is_available() else 0
-    loopback = cfg.trainer.ray_address is None
+    n = cfg.trainer.num_workers
     plan = BatchPlan.from_config(cfg)
     actors: list = []
+    placement = None
     try:
-        remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=gpus)(PolicyWorker)
-        actors = [remote.remote(cfg, plan, rank=rank, world_size=cfg.trainer.num_workers, loopback=loopback)
-                  for rank in range(cfg.trainer.num_workers)]
-        address = _gather(actors[0].listen.remote())
-        infos = _gather([a.setup.remote(address) for a in actors])
-    except BaseException:  # a failed set-up or Ctrl-C leaves no actor and no Ray of ours behind
-        for actor in actors:
-            ray.kill(actor)
-        if owns_ray:
-            ray.shutdown()
+        placement = _place_ranks(cfg)
+        loopback = cfg.trainer.ray_address is None or _on_loopback(alive_nodes())
+        bundle = actor_bundle(cfg)
+        remote = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RankActor)
+        names = [f"packrl-rank{rank}-{secrets.token_hex(3)}" for rank in range(n)]
+        actors = [remote.options(name=names[rank], scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement, placement_group_bundle_index=rank)).remote(cfg, plan, rank=rank, world_size=n, loopback=loopback)
+            for rank in range(n)]
+        records = locate(actors, [f"rank {rank}" for rank in range(n)], names)
+        write_records(run_dir / WORKERS_FILE, records)
+        transport = RayActors(actors, run_dir, owns_ray, records, placement)
+        address = transport.call("listen", [()], [0])[0]
+        infos = transport.call("setup", [(address,)] * n)
+    except BaseException:  # a failed set-up or Ctrl-C leaves no actor, placement group or Ray of ours behind
+        release_actors(actors, owns_ray, "workers", graceful=False, placement=placement)
         raise
-    logger.info("%d workers ready: %d data-parallel x %d sequence-parallel ranks (rendezvous %s:%d)", len(actors),
-                plan.data_parallel_size, plan.sequence_parallel_size, *address)
-    return WorkerGroup(plan=plan, algorithm=cfg.algorithm, tokenizer=tokenizer, transport=RayActors(actors, run_dir, owns_ray),
-                       info=infos[0])
+    logger.info("%d workers ready: %d data-parallel x %d sequence-parallel ranks (rendezvous %s:%d) on %s", n,
+                plan.data_parallel_size, plan.sequence_parallel_size, *address, ", ".join(f"{r.role} {r.node_ip} pid {r.pid}"
+                                                                                      for r in records))
+    return WorkerGroup(plan=plan, algorithm=cfg.algorithm, tokenizer=tokenizer, transport=transport, info=infos[0])

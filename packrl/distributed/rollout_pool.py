@@ -6,11 +6,17 @@ worker group splits one over its ranks, and pushes the trainer's weights to ever
 (`RolloutPool.sync_weights`: one object in Ray's store, loaded by each engine, whose prefix cache
 is reset with it, so no cached block crosses versions). A sync happens between engine calls,
 never during one, so no engine is ever left paused by a failed sync.
+
+The workers are placed by their own resources (one GPU, or ``trainer.num_cpus_per_worker``
+CPUs each), named ``packrl-rollout<i>-<token>``, and where each landed is written to
+``RUN_DIR/rollout_workers.json``; every call to them is waited on by
+`packrl.distributed.health.wait_all`, so a lost worker or node is `WorkerLost`.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +25,8 @@ import torch
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.distributed.group import generate_split
-from packrl.distributed.ray_group import release_actors, start_ray
+from packrl.distributed.health import ActorRecord, Located, locate, wait_all
+from packrl.distributed.ray_group import actor_bundle, release_actors, start_ray, write_records
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
 from packrl.rollout.engine import SamplingParams, awake
@@ -29,8 +36,11 @@ from packrl.worker.parts import build_engine
 logger = logging.getLogger(__name__)
 
 
-class RolloutWorker:
-    """A rollout engine on its own copy of the policy, in its own process.
+ROLLOUT_WORKERS_FILE = "rollout_workers.json"
+
+
+class RolloutWorker(Located):
+    """A rollout engine on its own copy of the policy, in its own process (`Located`: it says where).
 
     Args:
         cfg: the run's config (``model``, ``rollout``, ``trainer.plugins``).
@@ -62,26 +72,26 @@ class RolloutWorker:
 
 
 class RolloutPool:
-    """The rollout workers as the controller sees them (`rollout_pool` builds it)."""
+    """The rollout workers as the controller sees them (`rollout_pool` builds it); ``records``:
+    where each runs. A lost worker or node raises `packrl.distributed.health.WorkerLost`."""
 
-    def __init__(self, actors: list, owns_ray: bool) -> None:
-        self.actors, self.owns_ray = actors, owns_ray
+    def __init__(self, actors: list, owns_ray: bool, records: Sequence[ActorRecord]) -> None:
+        self.actors, self.owns_ray, self.records = actors, owns_ray, list(records)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                      rows: Sequence[int] = ()) -> list[list[Response]]:
         """``[B][G]`` responses, the prompts split over the workers by cost (prompt + budget);
         retried once as `packrl.distributed.group.WorkerGroup.generate_ids`."""
-        import ray
-
         return generate_split(prompt_ids, params, seeds, rows, len(self.actors),
-                              lambda calls: ray.get([a.generate.remote(*args) for a, args in zip(self.actors, calls)]))
+                              lambda calls: wait_all([a.generate.remote(*args) for a, args in zip(self.actors, calls)],
+                                                     self.records[:len(calls)], "generate"))
 
     def sync_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Every worker loads ``weights`` before its next call."""
         import ray
 
         ref = ray.put(weights)
-        ray.get([actor.load_weights.remote(ref) for actor in self.actors])
+        wait_all([actor.load_weights.remote(ref) for actor in self.actors], self.records, "weight sync")
 
     def close(self) -> None:
         release_actors(self.actors, self.owns_ray, "rollout workers")
@@ -101,12 +111,16 @@ def rollout_pool(cfg: RunConfig, run_dir: Path, plan: BatchPlan, max_context_tok
     import ray
 
     owns_ray = False if ray.is_initialized() else start_ray(cfg, run_dir)
-    remote = ray.remote(num_cpus=cfg.trainer.num_cpus_per_worker, num_gpus=1 if torch.cuda.is_available() else 0)(RolloutWorker)
-    actors: list = [remote.remote(cfg, plan, max_context_tokens) for _ in range(cfg.trainer.num_rollout_workers)]
-    pool = RolloutPool(actors, owns_ray)
+    bundle = actor_bundle(cfg)
+    remote = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RolloutWorker)
+    count = cfg.trainer.num_rollout_workers
+    names = [f"packrl-rollout{i}-{secrets.token_hex(3)}" for i in range(count)]
+    actors: list = [remote.options(name=name).remote(cfg, plan, max_context_tokens) for name in names]
     try:
-        ray.get([actor.ready.remote() for actor in actors])
+        records = locate(actors, [f"rollout worker {i}" for i in range(count)], names)
+        write_records(run_dir / ROLLOUT_WORKERS_FILE, records)
+        wait_all([actor.ready.remote() for actor in actors], records, "start")
     except BaseException:
-        pool.close()
+        release_actors(actors, owns_ray, "rollout workers", graceful=False)
         raise
-    return pool
+    return RolloutPool(actors, owns_ray, records)

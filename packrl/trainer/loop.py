@@ -31,6 +31,7 @@ from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.rollout.tool_schemas import template_kwargs
 from packrl.trainer.batch import build_train_batch
+from packrl.trainer.recovery import run_with_recovery
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.sampling import SamplingStage, sampling_stage
 from packrl.trainer.validate import validate
@@ -148,6 +149,8 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     Raises:
         ConfigError: a budget relation that the model context breaks (checked before any step).
         ValueError: data problems (bad rows without ``data.skip_bad_rows``, too few prompts, ...).
+        WorkerLost: a Ray actor or node was lost and ``trainer.max_restarts`` allowed no (more)
+            restarts (`packrl.trainer.recovery.run_with_recovery`).
     """
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
@@ -158,13 +161,17 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         train_set, val_set = _datasets(cfg, load_prompt_encoder(cfg.model, tokenizer))
         run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
         run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
-        with open_worker_group(cfg, run.dir, workers) as workers:
-            if workers.plan.compute_dtype.warning:
-                logger.warning("%s", workers.plan.compute_dtype.warning)
-            run.note("model.txt", workers.model_summary)
-            budgets = validate_budgets(budgets_of(cfg, workers.max_context_tokens, workers.rope_factor))
-            vision = train_set.vision_summary()
-            run.note("budgets.txt", f"{budgets_table(budgets)}\n{workers.plan.summary()}\n  {workers.packing.describe()}"
-                     + (f"\n{vision}" if vision else ""))
-            _train_steps(cfg, run, workers, train_set, val_set)
+
+        def attempt(cfg: RunConfig) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
+            with open_worker_group(cfg, run.dir, workers) as group:
+                if group.plan.compute_dtype.warning:
+                    logger.warning("%s", group.plan.compute_dtype.warning)
+                run.note("model.txt", group.model_summary)
+                budgets = validate_budgets(budgets_of(cfg, group.max_context_tokens, group.rope_factor))
+                vision = train_set.vision_summary()
+                run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
+                         + (f"\n{vision}" if vision else ""))
+                _train_steps(cfg, run, group, train_set, val_set)
+
+        run_with_recovery(cfg, run, attempt)
     return run.dir

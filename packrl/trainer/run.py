@@ -22,6 +22,9 @@ from packrl.diagnostics.loggers import build_loggers
 
 logger = logging.getLogger("packrl")
 
+RESTARTS_FILE = "restarts.jsonl"
+"""One line per automatic restart of the run (`packrl.trainer.recovery`)."""
+
 
 def due(step: int, every: int, total: int) -> bool:
     """True on every ``every``-th step and on the last one (``every`` 0 = only the last)."""
@@ -74,7 +77,8 @@ def _detach_run_handlers() -> None:
 class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
     ``metrics.jsonl`` (one JSON object per step) and the loggers of ``train.loggers`` (``console``:
-    a live progress bar)."""
+    a live progress bar). With ``trainer.max_restarts > 0`` every step also logs ``train/restarts``,
+    the lines of ``restarts.jsonl`` so far."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -92,6 +96,10 @@ class Run:
         self._setup_logging()
         self.metrics_path = self.dir / "metrics.jsonl"
         self.loggers = build_loggers(cfg, self.dir)
+        restarts = self.dir / RESTARTS_FILE
+        self.num_restarts: int | None = None  # logged as train/restarts when restarts are on
+        if cfg.trainer.max_restarts > 0:
+            self.num_restarts = sum(1 for line in restarts.read_text().splitlines() if line.strip()) if restarts.is_file() else 0
 
     def _setup_logging(self) -> None:
         """packrl's records to train.log (warnings also to the console, above the bar); the
@@ -131,8 +139,14 @@ class Run:
             if callable(start):
                 start(done_steps)
 
+    def count_restart(self) -> None:
+        """One more line in restarts.jsonl (``train/restarts`` from the next step on)."""
+        self.num_restarts = (self.num_restarts or 0) + 1
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Append one line to metrics.jsonl and pass the metrics to every logger."""
+        if self.num_restarts is not None:
+            metrics = metrics | {"train/restarts": float(self.num_restarts)}
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
         self.last_step = step
         with self.metrics_path.open("a") as f:

@@ -120,7 +120,8 @@ class PolicyWorker:
             raise ValueError(f"trainer.plugins: cannot import {failures[0][0]!r} ({failures[0][1]}); fix it or remove it")
         self.cfg, self.plan = cfg, plan
         self.strategy: Strategy = SingleProcess() if world_size == 1 else FSDP2(
-            rank, world_size, loopback, plan.sequence_parallel_size, param_offload=cfg.model.param_offload)
+            rank, world_size, loopback, plan.sequence_parallel_size, param_offload=cfg.model.param_offload,
+            collective_timeout_s=cfg.trainer.collective_timeout_s)
         if world_size > 1:  # a process of its own (a Ray actor): its library bars off too, as in the controller's run
             from packrl.models.quiet import quiet_libraries
 

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # a rank that never joins a collective fails the run instead of hanging it
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # torch's default; a run sets its own (trainer.collective_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -184,8 +184,8 @@ class Strategy(Protocol):
 def write_on_writer(strategy: Strategy, what: str, write: Callable[[], T]) -> T | None:
     """Run ``write`` on the writer rank only, then tell every rank whether it succeeded (in place
     of a barrier): a write that fails on the writer (a full disk, a permission) fails every rank at
-    once instead of leaving the others waiting in their next collective until `COLLECTIVE_TIMEOUT`.
-    Call it on every rank. Returns what ``write`` returned on the writer, else None.
+    once instead of leaving the others waiting in their next collective until its timeout
+    (``trainer.collective_timeout_s``). Call it on every rank. Returns what ``write`` returned on the writer, else None.
 
     Raises:
         Exception: the writer's own error, on the writer.
@@ -288,6 +288,8 @@ class FSDP2:
         sp_size: ``trainer.sequence_parallel_size``.
         param_offload: ``model.param_offload``: shard with FSDP2's ``CPUOffloadPolicy``, so the
             parameter shards, gradients and optimizer states live in host memory.
+        collective_timeout_s: ``trainer.collective_timeout_s``: how long the rendezvous and every
+            collective of the process group (and its sequence-parallel groups) may wait.
 
     Raises:
         ValueError: ``param_offload`` on a rank without CUDA.
@@ -295,8 +297,10 @@ class FSDP2:
 
     may_share_policy = False
 
-    def __init__(self, rank: int, world_size: int, loopback: bool, sp_size: int = 1, param_offload: bool = False):
+    def __init__(self, rank: int, world_size: int, loopback: bool, sp_size: int = 1, param_offload: bool = False,
+                 collective_timeout_s: float = COLLECTIVE_TIMEOUT.total_seconds()):
         self.rank, self.world_size, self.loopback, self.sp_size = rank, world_size, loopback, sp_size
+        self.timeout = timedelta(seconds=collective_timeout_s)
         self.dp_rank = rank // sp_size
         self.sp: Any = None  # the SequenceParallel group, made in `join`
         self.device = default_device()
@@ -339,14 +343,15 @@ class FSDP2:
         assert address is not None, "FSDP2 ranks rendezvous at rank 0's address"
         listener = self._listener
         listen_fd: dict[str, Any] = {"master_listen_fd": listener.fileno()} if listener is not None else {}
-        store = dist.TCPStore(address[0], address[1], self.world_size, is_master=self.rank == 0, timeout=COLLECTIVE_TIMEOUT,
+        store = dist.TCPStore(address[0], address[1], self.world_size, is_master=self.rank == 0, timeout=self.timeout,
                               **listen_fd)
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=self.timeout)
         if self.sp_size > 1:
             from packrl.models.ulysses import SequenceParallel
 
             size = self.sp_size
-            groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(self.world_size // size)]  # all ranks make all
+            groups = [dist.new_group(list(range(g * size, (g + 1) * size)), timeout=self.timeout)  # all ranks make all
+                      for g in range(self.world_size // size)]
             self.sp = SequenceParallel(groups[self.dp_rank], size, self.rank % size, inner="packrl_sdpa")
 
     def sequence_parallel(self) -> contextlib.AbstractContextManager:

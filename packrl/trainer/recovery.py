@@ -1,0 +1,150 @@
+"""Automatic recovery from lost Ray actors and nodes (``trainer.max_restarts``).
+
+`packrl.trainer.loop.train` runs its worker group and steps as one *attempt* under
+`run_with_recovery`. The attempt's ``with`` blocks tear the group down when it fails (the Ray
+actors killed, not asked: a survivor may sit in a collective). When the failure is a
+`packrl.distributed.health.WorkerLost` (a rank, a rollout worker or a node gone; never a data,
+config or model error, and never Ctrl-C) and restarts remain, the supervisor:
+
+1. waits until the cluster can hold the run's actors again (``trainer.restart_wait_s``; a
+   private local Ray starts afresh), else fails naming the resources missing;
+2. appends a line to ``RUN_DIR/restarts.jsonl`` (`RESTARTS_FILE`): what failed, where and why,
+   the checkpoint resumed, the steps redone and the seconds lost;
+3. runs a fresh attempt with ``train.resume=auto``: a new group loads the newest complete
+   checkpoint with its sampler position, ledger and partial rollouts, metrics.jsonl is cut back
+   to it, and the steps after it are trained again exactly as the first time (each step's seeds
+   derive from ``train.seed`` and the step). Without a checkpoint yet, the run starts over at step 1.
+
+The run's `Run` (its logs, loggers, metrics.jsonl) lives across attempts; ``train/restarts``
+counts the lines of restarts.jsonl. With ``trainer.max_restarts=0`` (the default) the first
+`WorkerLost` ends the run, naming what died and how to continue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from packrl.config.schema import RunConfig
+from packrl.distributed.health import WorkerLost
+from packrl.trainer.run import RESTARTS_FILE, Run
+from packrl.worker.checkpoint import STATE_FILE, resume_candidates
+
+logger = logging.getLogger(__name__)
+
+RESTART_WAIT_S = 60.0
+"""``trainer.restart_wait_s`` when unset."""
+
+
+def run_with_recovery(cfg: RunConfig, run: Run, attempt: Callable[[RunConfig], None]) -> None:
+    """``attempt(cfg)``, and after each `WorkerLost`, while ``trainer.max_restarts`` allows, a
+    fresh ``attempt`` resumed from the newest complete checkpoint (see the module docstring).
+
+    Raises:
+        WorkerLost: with ``trainer.max_restarts`` spent (0: the first), naming what died, where,
+            when and why, with a note on how to continue.
+        RuntimeError: the cluster did not regain room for the run within ``trainer.restart_wait_s``.
+        Exception: whatever else ``attempt`` raised, as it raised it.
+    """
+    current, restarts, started = cfg, 0, time.time()
+    while True:
+        try:
+            attempt(current)
+            return
+        except WorkerLost as lost:
+            lost.at_step(_step_in_progress(run, lost.stage))
+            limit = cfg.trainer.max_restarts
+            if restarts >= limit:
+                spent = f"after {restarts} restart(s), trainer.max_restarts={limit} is spent" if limit else \
+                    "trainer.max_restarts=0: no automatic restart"
+                lost.add_note(f"({spent}; continue from the newest checkpoint with train.resume=auto "
+                              f"train.out_dir={run.dir}, or set trainer.max_restarts=N to restart on a lost actor)")
+                raise
+            restarts += 1
+            logger.warning("%s; restarting from the newest checkpoint (restart %d of trainer.max_restarts=%d)", lost, restarts, limit)
+            current = _restart(cfg, run, lost, restarts, started)
+            started = time.time()
+
+
+def _step_in_progress(run: Run, stage: str) -> int:
+    """The step a failure interrupted: the one after the last logged, or for a checkpoint write
+    the step it saves (written after its step is logged)."""
+    last = run.last_step or 0
+    return last if stage == "save_checkpoint" else last + 1
+
+
+def _restart(cfg: RunConfig, run: Run, lost: WorkerLost, number: int, attempt_started: float) -> RunConfig:
+    """Wait for room, record restart ``number`` in restarts.jsonl, and return the config of the
+    next attempt (``train.resume=auto``, or the original ``train.resume`` path while RUN_DIR holds
+    no checkpoint of its own)."""
+    from packrl.distributed.ray_group import wait_for_cluster
+
+    torn_down = time.time()
+    wait_s = cfg.trainer.restart_wait_s if cfg.trainer.restart_wait_s is not None else RESTART_WAIT_S
+    waited = wait_for_cluster(cfg, wait_s)
+    own = resume_candidates(run.dir, "auto")
+    resume = "auto" if own or cfg.train.resume in (None, "auto") else cfg.train.resume
+    checkpoint = own[0] if own else (Path(resume) if resume != "auto" else None)
+    resumed_step = int(json.loads((checkpoint / STATE_FILE).read_text())["step"]) if checkpoint is not None else 0
+    last_logged = run.last_step or 0
+    saved_at = checkpoint.joinpath(STATE_FILE).stat().st_mtime if checkpoint is not None else 0.0
+    record = {
+        "restart": number,
+        "detected_at": _iso(lost.detected_at),
+        "failed": lost.to_json(),
+        "resumed_from": None if checkpoint is None else str(checkpoint),
+        "resumed_step": resumed_step,
+        "last_logged_step": last_logged,
+        "steps_redone": max(0, last_logged - resumed_step),
+        "work_lost_s": round(lost.detected_at - max(saved_at, attempt_started), 3),
+        "teardown_s": round(torn_down - lost.detected_at, 3),
+        "waited_s": round(waited, 3),
+        "startup_s": None,
+        "seconds_lost": None,
+    }
+    with (run.dir / RESTARTS_FILE).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    run.count_restart()
+    run.loggers.append(_FirstStepAfterRestart(run.dir / RESTARTS_FILE, number, time.time()))
+    return replace(cfg, train=replace(cfg.train, resume=resume))
+
+
+def _iso(unix: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix)) + f".{int(unix % 1 * 1000):03d}Z"
+
+
+class _FirstStepAfterRestart:
+    """A metric logger that, at the first step logged after restart ``number``, fills that line
+    of restarts.jsonl: ``startup_s`` (the new group's start and the checkpoint load: from the
+    restart until that step began, its ``timing_s/step`` before it was logged) and
+    ``seconds_lost`` (``work_lost_s + teardown_s + waited_s + startup_s``). Inert afterwards."""
+
+    def __init__(self, path: Path, number: int, relaunched_at: float) -> None:
+        self.path, self.number, self.relaunched_at, self.done = path, number, relaunched_at, False
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.done:
+            return
+        self.done = True
+        began = time.time() - float(metrics.get("timing_s/step", 0.0))
+        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        for line in lines:
+            if line.get("restart") == self.number:
+                line["startup_s"] = round(max(0.0, began - self.relaunched_at), 3)
+                line["seconds_lost"] = round(sum(float(line[k]) for k in ("work_lost_s", "teardown_s", "waited_s", "startup_s")), 3)
+        _rewrite(self.path, lines)
+
+    def close(self) -> None:
+        pass
+
+
+def _rewrite(path: Path, lines: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    os.replace(tmp, path)
