@@ -27,6 +27,11 @@ Measured (AMD EPYC, AVX512_BF16, bf16, 2 cores): held-out 3-digit accuracy 1.6% 
 the tool) -> 93.8% after 8 SFT steps (103 s, loss 0.61 -> 0.03) -> 100% after 10 GRPO steps;
 validation tool use 1.6% -> 100%; 759 s in all.
 
+With ``--steps 0`` (and ``--sft-steps N``) only the supervised steps run: greedy validation
+before and after them, with the mean response length and the share cut by the response budget::
+
+    python bench/bench_learning.py --preset char_count --steps 0 --sft-steps 8
+
 With ``--vs-gae`` it trains the preset twice, as configured (GRPO in ``demo``) and as PPO with a
 critic (``algorithm.adv_estimator=gae`` plus the ``--gae`` overrides), validating every
 ``--val-every`` steps, and prints both arms' reward rise and held-out accuracy at the same wall
@@ -174,6 +179,8 @@ def main() -> None:
     if args.sft_steps:
         sft_report = _sft_arm(args.preset, args.sft_steps, base, out / "sft")
         base = [*base, f"model.path={sft_report.pop('checkpoint')}"]
+    if not args.steps:
+        return _emit_sft_only(args, before, _validate(load_config(args.preset, base)), sft_report, time.perf_counter() - start)
     cfg = load_config(args.preset, [f"train.total_steps={args.steps}", f"train.out_dir={out / 'rl'}",
                                     f"train.val_every={args.steps}", *base])
     workers = local_group(cfg)
@@ -210,6 +217,21 @@ def main() -> None:
         "reward_per_step": [round(s, 4) for s in scores],
         "wall_s": round(time.perf_counter() - start, 1),
         "run_dir": str(run_dir),
+    }, dtype=args.dtype)
+
+
+def _emit_sft_only(args: argparse.Namespace, before: dict, after: dict, sft_report: dict, wall_s: float) -> None:
+    """``--steps 0``: greedy validation before and after the supervised steps (accuracy, mean
+    response length and the share cut by the response budget), no RL."""
+    emit({
+        "command": "python bench/bench_learning.py " + " ".join(
+            f"--preset {args.preset} --steps 0 --sft-steps {args.sft_steps} --dtype {args.dtype}".split() + args.overrides),
+        "val_accuracy_before": before["val/accuracy"], "val_accuracy_after_sft": after["val/accuracy"],
+        "val_response_length_mean_before": before["val/response_length/mean"],
+        "val_response_length_mean_after_sft": after["val/response_length/mean"],
+        "val_clip_ratio_before": before["val/response_length/clip_ratio"],
+        "val_clip_ratio_after_sft": after["val/response_length/clip_ratio"],
+        "sft": sft_report, "wall_s": round(wall_s, 1),
     }, dtype=args.dtype)
 
 
