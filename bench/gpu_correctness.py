@@ -292,7 +292,10 @@ def _microbatch_split(device: str, smoke: bool) -> dict[str, Any]:
 
 def _first_step_kl(device: str, smoke: bool) -> dict[str, Any]:
     """Two GRPO steps of the real loop on a small model (8,192 tokens of vocabulary on CUDA, so
-    its final checkpoint stays small); step 1's KL to the reference is exactly 0."""
+    its final checkpoint stays small); step 1's KL to the reference is exactly 0. Both passes
+    take the step's sequences in one pack (equal budgets, larger than the step), so the same
+    kernels see the same shapes and any difference is the reference's or the loss's, not a
+    matmul's rounding over another pack."""
     from packrl.config import load_config
     from packrl.config.plan import BatchPlan
     from packrl.distributed.local import local_group
@@ -307,7 +310,8 @@ def _first_step_kl(device: str, smoke: bool) -> dict[str, Any]:
         cfg = load_config("demo", [f"model.path={path}", f"train.out_dir={tmp}/run", "train.total_steps=2", "data.batch_size=4",
                                    "rollout.n=2", f"rollout.max_response_tokens={8 if smoke else 32}", f"model.dtype={dtype}",
                                    "algorithm.kl_coef=0.01", "train.lr=1e-3", f"reward.name={REWARD}", "data.val_files=[]",
-                                   "train.loggers=[]", "train.dump_rollouts=false", "train.max_tokens_per_microbatch=256"])
+                                   "train.loggers=[]", "train.dump_rollouts=false", "train.max_tokens_per_microbatch=4096",
+                                   "train.max_tokens_per_logprob_microbatch=4096"])
         policy = random_policy(config, cfg.model, tokenizer, device, BatchPlan.from_config(cfg).compute_dtype)
         run_dir = train(cfg, local_group(cfg, policy, tokenizer))
         steps = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
