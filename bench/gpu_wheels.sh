@@ -4,7 +4,7 @@
 # what was there, and print their total size beside the tracked files' (docs/gpu.md: the
 # checkout and the wheels travel to that machine together, 64 MiB at most).
 #
-#   bash bench/gpu_wheels.sh [DEST]
+#   bash bench/gpu_wheels.sh [DEST]        # PYTHON=/path/to/python to use another interpreter's pip
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dest="${1:-$root/.gpu-wheels}"
