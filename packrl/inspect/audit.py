@@ -386,6 +386,7 @@ def _config_values(cfg: RunConfig) -> dict[str, Any]:
         "data.instruction": d.instruction, "data.system_prompt": d.system_prompt,
         "data.skip_bad_rows": d.skip_bad_rows, "data.batch_size": d.batch_size,
         "data.arithmetic": [a.num_rows, a.digits, a.num_operands, a.operators], "train.seed": cfg.train.seed,
+        "data.char_count": [getattr(d.char_count, f.name) for f in fields(d.char_count)],
         "rollout.max_response_tokens": cfg.rollout.max_response_tokens,
         "train.max_tokens_per_microbatch": cfg.train.max_tokens_per_microbatch,
         "data.max_image_tokens": d.max_image_tokens,

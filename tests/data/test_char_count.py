@@ -202,3 +202,12 @@ def test_bad_knobs_are_refused_with_the_key(overrides, key, message):
     with pytest.raises(ConfigError) as err:
         load_config("char_count", overrides)
     assert key in str(err.value) and message in str(err.value)
+
+
+def test_the_audit_cache_key_follows_the_knobs():
+    from packrl.inspect.audit import cache_key
+
+    def key(*overrides):
+        return cache_key(["task:char_count"], "tok", load_config("char_count", list(overrides)))
+
+    assert key() == key() != key("data.char_count.max_letters=12") != key("data.char_count.absent_fraction=0.5")
