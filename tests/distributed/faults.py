@@ -1,0 +1,272 @@
+"""Faults injected into a run on a local multi-node Ray cluster (the recovery tests and
+bench/bench_faults.py).
+
+- `local_cluster`: Ray's own `ray.cluster_utils.Cluster`, several raylets on 127.0.0.1 (Ray's
+  single-machine mode: every Ray server binds to loopback), its temp dir in a short folder of its
+  own (Ray's Unix socket paths hold 107 bytes), stopped on exit.
+- `fault_plugin`: a ``trainer.plugins`` file that SIGKILLs its own process at a named point of
+  the product's code (inside a checkpoint write on a rank, inside a weight sync on a rollout
+  worker), once per run: the product has no fault hook of its own; the plugin wraps the function
+  where the fault should land, in the processes that import it (every rank and rollout worker).
+- `Injector`: a thread that watches RUN_DIR while `packrl.trainer.loop.train` runs in the main
+  thread and, when a fault's condition holds, kills a rank's process (its pid from
+  ``RUN_DIR/workers.json``), kills a rollout worker with ``ray.kill`` (its name from
+  ``RUN_DIR/rollout_workers.json``) or removes a rank's or rollout worker's node from the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLUGIN = '''"""Fault injection for the recovery tests: SIGKILL this process at {point!r}, once per run."""
+import json
+import os
+import signal
+import time
+
+_SPEC = {spec!r}
+_calls = [0]
+
+
+def _fire():
+    """Kill this process, once per run (the marker file is created atomically by the first)."""
+    try:
+        fd = os.open(_SPEC["fired"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, json.dumps({{"pid": os.getpid(), "time": time.time()}}).encode())
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _in_actor():
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def _due():
+    _calls[0] += 1
+    return _calls[0] >= _SPEC["at_call"]
+
+
+if not _in_actor():
+    pass  # the controller imports plugins too (and Ray ships the actor classes from there): nothing is wrapped there
+elif _SPEC["point"] == "checkpoint_write":
+    import packrl.worker.checkpoint as _checkpoint
+
+    _fsync_tree = _checkpoint.fsync_tree
+
+    def _fsync_then_die(path):  # the files are written, the folder not yet renamed to step_N
+        _fsync_tree(path)
+        if _due():
+            _fire()
+
+    _checkpoint.fsync_tree = _fsync_then_die
+elif _SPEC["point"] == "weight_sync":  # the engine's class: Ray binds an actor's own methods when it starts
+    from packrl.rollout.hf_engine import HFEngine
+
+    _load_weights = HFEngine.load_weights
+
+    def _die_while_loading(self, weights):
+        if _due():
+            _fire()
+        return _load_weights(self, weights)
+
+    HFEngine.load_weights = _die_while_loading
+'''
+
+
+def fault_plugin(folder: Path, point: str, at_call: int) -> tuple[Path, Path]:
+    """A plugin file that SIGKILLs the actor process reaching ``point`` (``checkpoint_write``: a
+    rank's ``fsync_tree`` of a checkpoint's temporary folder; ``weight_sync``: a rollout worker's
+    HF engine loading the weights a sync pushed) for the ``at_call``-th time in that process, once
+    per run. Returns the
+    plugin's path and the marker file it writes when it fires (JSON: pid, time)."""
+    assert point in ("checkpoint_write", "weight_sync"), point
+    folder.mkdir(parents=True, exist_ok=True)
+    fired = folder / f"fired-{point}.json"
+    path = folder / f"fault_{point}.py"
+    path.write_text(PLUGIN.format(point=point, spec={"point": point, "at_call": at_call, "fired": str(fired)}))
+    return path, fired
+
+
+@dataclass
+class LocalCluster:
+    """A running `ray.cluster_utils.Cluster` (``address`` for ``trainer.ray_address``)."""
+
+    cluster: Any
+    address: str
+    cpus_per_node: int
+
+    def worker_node(self, node_id: str) -> Any:
+        """The non-head node with Ray id ``node_id``, or None (the head, or gone)."""
+        return next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+
+    def ensure_nodes(self, count: int) -> None:
+        """Add worker nodes until the cluster has ``count`` besides the head (after a test removed some)."""
+        while len(self.cluster.worker_nodes) < count:
+            self.cluster.add_node(num_cpus=self.cpus_per_node, node_ip_address="127.0.0.1", object_store_memory=_STORE)
+
+    def pids(self) -> set[int]:
+        """The processes the cluster's nodes started (GCS, raylets, their helpers)."""
+        nodes = [self.cluster.head_node, *self.cluster.worker_nodes]
+        return {info.process.pid for node in nodes if node is not None for infos in node.all_processes.values() for info in infos}
+
+
+_STORE = 80 << 20  # bytes of object store per node: the tiny model's batches and weights are small
+LIVE_CLUSTERS: list[LocalCluster] = []
+"""The clusters running now (tests/distributed/conftest.py does not count their processes as left behind)."""
+
+
+@contextlib.contextmanager
+def local_cluster(num_nodes: int, cpus_per_node: int = 1) -> Iterator[LocalCluster]:
+    """A head with no CPUs (so no actor lands on the node the driver is connected to, which
+    cannot be removed) and ``num_nodes`` worker nodes of ``cpus_per_node`` CPUs, all raylets on
+    127.0.0.1, with a private temp dir; shut down (every node's processes stopped) when the block ends."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from packrl.distributed.ray_group import _single_machine_mode
+
+    temp = Path(tempfile.mkdtemp(prefix="prc-"))  # short: Ray's socket paths live under it
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    os.environ.update(RAY_TMPDIR=str(temp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    _single_machine_mode()
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args={
+        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": _STORE})
+    handle = LocalCluster(cluster, cluster.address, cpus_per_node)
+    LIVE_CLUSTERS.append(handle)
+    try:
+        handle.ensure_nodes(num_nodes)
+        yield handle
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        LIVE_CLUSTERS.remove(handle)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def logged_lines(run_dir: Path) -> list[dict]:
+    """The records metrics.jsonl holds now."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return []
+
+
+def restart_lines(run_dir: Path) -> list[dict]:
+    """The lines of RUN_DIR/restarts.jsonl."""
+    path = run_dir / "restarts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+@dataclass
+class Fault:
+    """One fault: ``action(run_dir) -> True`` once done, tried while ``ready(run_dir)`` holds."""
+
+    name: str
+    ready: Callable[[Path], bool]
+    action: Callable[[Path], bool]
+    done_at: float | None = None
+
+
+@dataclass
+class Injector:
+    """Runs ``faults`` in order, each once, from a daemon thread, while the run trains."""
+
+    run_dir: Path
+    faults: list[Fault]
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> Injector:
+        self._thread = threading.Thread(target=self._loop, name="fault-injector", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        for fault in self.faults:
+            while not self._stop.is_set():
+                try:
+                    if fault.ready(self.run_dir) and fault.action(self.run_dir):
+                        fault.done_at = time.time()
+                        break
+                except Exception as err:  # noqa: BLE001 - a run between groups; try again
+                    self.errors.append(f"{fault.name}: {type(err).__name__}: {err}")
+                time.sleep(0.05)
+
+
+def after_step(step: int, restarts: int | None = 0) -> Callable[[Path], bool]:
+    """Ready once ``restarts`` restarts are recorded (None: any number) and the attempt since the
+    last one logged a step at or past ``step``: a step logged by the group running now, whose
+    workers.json is current (its ``train/restarts`` counts every restart so far)."""
+    def ready(run_dir: Path) -> bool:
+        lines = restart_lines(run_dir)
+        if restarts is not None and len(lines) != restarts:
+            return False
+        logged = logged_lines(run_dir)
+        if not logged or logged[-1].get("train/restarts", 0) != len(lines):
+            return False
+        floor = lines[-1]["resumed_step"] if lines else 0
+        return logged[-1]["step"] >= max(step, floor + 1)
+    return ready
+
+
+def _record(run_dir: Path, file: str, role: str) -> dict:
+    records = json.loads((run_dir / file).read_text())
+    return next(r for r in records if r["role"] == role)
+
+
+def kill_rank(rank: int) -> Callable[[Path], bool]:
+    """SIGKILL the process of ``rank`` (its pid from RUN_DIR/workers.json)."""
+    def act(run_dir: Path) -> bool:
+        os.kill(_record(run_dir, "workers.json", f"rank {rank}")["pid"], signal.SIGKILL)
+        return True
+    return act
+
+
+def kill_rollout_worker(index: int) -> Callable[[Path], bool]:
+    """``ray.kill`` rollout worker ``index`` (by its name in RUN_DIR/rollout_workers.json)."""
+    def act(run_dir: Path) -> bool:
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        ray.kill(ray.get_actor(_record(run_dir, "rollout_workers.json", f"rollout worker {index}")["actor_name"]))
+        return True
+    return act
+
+
+def remove_node_of(cluster: LocalCluster, file: str, role: str) -> Callable[[Path], bool]:
+    """Remove (stop every process of) the node ``role`` runs on (in RUN_DIR/``file``)."""
+    def act(run_dir: Path) -> bool:
+        node = cluster.worker_node(_record(run_dir, file, role)["node_id"])
+        assert node is not None, f"{role} runs on the head node, which has no CPUs"
+        cluster.cluster.remove_node(node)
+        return True
+    return act
