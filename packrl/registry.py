@@ -1,9 +1,10 @@
 """Open registries: the parts a config names by string, and the one way to add a part.
 
-Six config keys take registered names: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
+Seven config keys take registered names: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
 (`ADVANTAGE_ESTIMATORS`), ``algorithm.policy_loss`` (`POLICY_LOSSES`), ``rollout.engine``
-(`ROLLOUT_ENGINES`), each of ``rollout.multi_turn.tools`` (`TOOLS`) and each key of
-``reward.shaping`` (`REWARD_SHAPING`, whose values are the parts' options). A user adds a part with
+(`ROLLOUT_ENGINES`), ``trainer.rollout_mode`` (`ROLLOUT_MODES`), each of
+``rollout.multi_turn.tools`` (`TOOLS`) and each key of ``reward.shaping`` (`REWARD_SHAPING`,
+whose values are the parts' options). A user adds a part with
 one decorated function in a file of their own::
 
     from packrl.registry import POLICY_LOSSES
@@ -56,16 +57,18 @@ class Registry(Mapping[str, Any]):
             when the config names it): ``function(cfg) -> list[ConfigProblem]``.
         args_key: the dotted config key of a mapping that holds the chosen part's own options
             (``algorithm.policy_loss_args``), or None when parts of this kind take none.
+        infos: name -> ``"module:attribute"`` of what a built-in declares about itself (`info`),
+            read from a light module without importing the part's own.
     """
 
     def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], checks: dict[str, str] | None = None,
-                 args_key: str | None = None):
+                 args_key: str | None = None, infos: dict[str, str] | None = None):
         self.name, self.key, self.kind, self.args_key = name, key, kind, args_key
         self._builtins = dict(builtins)
         self._checks: dict[str, Any] = dict(checks or {})
         self._parts: dict[str, Any] = {}
         self._options: dict[str, type] = {}
-        self._info: dict[str, Any] = {}
+        self._info: dict[str, Any] = dict(infos or {})
 
     def register(self, name: str, options: type | None = None, info: Any = None) -> Callable[[T], T]:
         """Decorator: register the decorated object as ``name``.
@@ -111,14 +114,21 @@ class Registry(Mapping[str, Any]):
         return self._options.get(name)
 
     def info(self, name: str) -> Any:
-        """What part ``name`` declared about itself when it registered (``register(info=...)``), its
-        module imported first; None when it declared nothing.
+        """What part ``name`` declared about itself when it registered (``register(info=...)``, its
+        module imported first) or in the registry's ``infos`` (a built-in's, from a light module);
+        None when it declared nothing.
 
         Raises:
             ValueError: ``name`` is not registered (as `lookup`).
         """
-        self.lookup(name)
-        return self._info.get(name)
+        info = self._info.get(name)
+        if isinstance(info, str):
+            module, _, attribute = info.partition(":")
+            return getattr(importlib.import_module(module), attribute)
+        if info is None:
+            self.lookup(name)
+            info = self._info.get(name)
+        return info
 
     def register_check(self, name: str) -> Callable[[T], T]:
         """Decorator: ``function(cfg) -> list[ConfigProblem]`` checks a config that names part
@@ -226,8 +236,19 @@ REWARD_SHAPING = Registry("REWARD_SHAPING", "reward.shaping", "reward-shaping pa
 """``fn(inputs: ShapingInputs) -> ShapingOutput`` (`packrl.reward.shaping.ShapingFn`). Its config key holds a
 mapping, part name -> that part's options (``args_key`` is the key itself)."""
 
+ROLLOUT_MODES = Registry("ROLLOUT_MODES", "trainer.rollout_mode", "rollout mode",
+                         {"sync": "packrl.trainer.stages.rounds", "colocate_async": "packrl.trainer.stages.partial",
+                          "separate_async": "packrl.trainer.stages.separate"},
+                         checks={"sync": "packrl.config.rollout_modes:sync_problems",
+                                 "colocate_async": "packrl.config.rollout_modes:colocate_async_problems",
+                                 "separate_async": "packrl.config.rollout_modes:separate_async_problems"},
+                         infos={"sync": "packrl.config.rollout_modes:SYNC", "colocate_async": "packrl.config.rollout_modes:COLOCATE_ASYNC",
+                                "separate_async": "packrl.config.rollout_modes:SEPARATE_ASYNC"})
+"""``factory(context: StageContext) -> SamplingStage`` (`packrl.trainer.stages.StageFactory`); its info a
+`packrl.config.rollout_modes.RolloutModeInfo`."""
+
 CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
-                                                             REWARD_SHAPING)}
+                                                             REWARD_SHAPING, ROLLOUT_MODES)}
 """Config key -> the registry its value (each value of a list, each key of a mapping) is looked up in (checked by
 `packrl.config.load`)."""
 

@@ -78,6 +78,10 @@ class PromptBatch:
         prompt_truncated: True where the prompt policy shortened the prompt.
         images: each prompt's images (`ImageInputs`; None for a text prompt), whose placeholder
             tokens ``prompt_ids`` holds expanded; None = a text batch.
+        response_budgets: the response budget each prompt's responses were sampled under, in
+            tokens, where it differs from the step's: a partial-rollout group dispatched at an
+            earlier step of a length curriculum keeps its dispatching step's
+            (`packrl.trainer.stages.pool.RolloutGroup.dispatch_budget`); None = the step's budget.
     """
 
     prompt_ids: tuple[tuple[int, ...], ...]
@@ -86,6 +90,7 @@ class PromptBatch:
     rows: tuple[int, ...]
     prompt_truncated: tuple[bool, ...]
     images: tuple[ImageInputs | None, ...] | None = None
+    response_budgets: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -98,11 +103,19 @@ class PromptBatch:
 
     @staticmethod
     def concat(parts: Sequence[PromptBatch]) -> PromptBatch:
-        """``parts`` one after the other; images are kept when any part has them."""
+        """``parts`` one after the other; images are kept when any part has them.
+
+        Raises:
+            ValueError: some parts have response budgets and others do not.
+        """
         values: dict[str, Any] = {f.name: tuple(v for p in parts for v in getattr(p, f.name)) for f in fields(PromptBatch)
-                                  if f.name != "images"}
+                                  if f.name not in ("images", "response_budgets")}
         has_images = any(p.images is not None for p in parts)
         values["images"] = tuple(x for p in parts for x in (p.images or (None,) * len(p))) if has_images else None
+        budgets = [p.response_budgets is not None for p in parts]
+        if any(budgets) and not all(budgets):
+            raise ValueError("PromptBatch.concat: some parts carry response budgets and others do not; give every part its budgets")
+        values["response_budgets"] = tuple(b for p in parts for b in (p.response_budgets or ())) if all(budgets) and parts else None
         return PromptBatch(**values)
 
 
@@ -178,7 +191,7 @@ class Response:
             loss. None = every token was generated (a single-turn response).
         trajectory: the turns of a multi-turn response (None for a single turn).
         token_versions: the policy version (training step) that sampled each token, ``[R_i]``
-            int, for a response generated across steps (`packrl.rollout.partial`); None = every
+            int, for a response generated across steps (`packrl.trainer.stages.pool`); None = every
             token was sampled by the policy of the step that trains it.
 
     Raises:
@@ -261,6 +274,12 @@ class RolloutBatch:
     def images_of(self, i: int) -> ImageInputs | None:
         """The images of sequence i's prompt (None for text)."""
         return None if self.prompts.images is None else self.prompts.images[i // self.group_size]
+
+    def response_budgets(self, step_budget: int) -> tuple[int, ...]:
+        """The response budget of every response, in tokens: its prompt's
+        (`PromptBatch.response_budgets`), else ``step_budget`` (the step's)."""
+        budgets = self.prompts.response_budgets
+        return tuple(step_budget if budgets is None else budgets[i // self.group_size] for i in range(len(self.responses)))
 
     def sequence_lengths(self) -> list[int]:
         """T_i = P_b + R_i of every sequence, in tokens."""

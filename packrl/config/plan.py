@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from packrl.config.algorithm_variants import COV_LOSSES
+from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import RunConfig
 from packrl.hardware import ComputeDtype, Host, resolve_dtype
 from packrl.seqlen.update_plan import PassPlanner
@@ -88,7 +89,7 @@ class BatchPlan:
         ``auto`` or ``bf16``; the controller decides for every rank)."""
         mini = cfg.train.mini_batch_size or cfg.data.batch_size
         algo = cfg.algorithm
-        partial = cfg.trainer.rollout_mode != "sync"  # carried tokens are weighted by pi_old / pi_behaviour
+        partial = mode_info(cfg.trainer.rollout_mode).carries_groups  # carried tokens are weighted by pi_old / pi_behaviour
         return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled or partial
         reads_old = algo.entropy_filter.enabled or algo.policy_loss in COV_LOSSES
         reasons = [reason for applies, reason in (

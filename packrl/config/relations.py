@@ -202,66 +202,9 @@ def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
-_ASYNC_KEYS = ("over_provision", "max_staleness", "stale_groups", "partial_chunk_tokens")
-
-
-def partial_rollouts(cfg: RunConfig) -> list[ConfigProblem]:
-    """``trainer.rollout_mode=colocate_async``: over-provisioning to cut the tail with (at most a
-    batch, so the groups at the staleness bound always fit the next batch), one-turn rollouts and
-    no dynamic sampling (not built for carried groups); the async keys are refused in ``sync``."""
-    r, mode = cfg.rollout, cfg.trainer.rollout_mode
-    defaults = type(r)()
-    rc, out = cfg.algorithm.rollout_correction, []
-    if mode == "sync" and rc.rollout_is is None and rc.rollout_is_threshold != 2.0:
-        key = "algorithm.rollout_correction.rollout_is_threshold"
-        out = [ConfigProblem(key, rc.rollout_is_threshold, "has no effect: algorithm.rollout_correction.rollout_is is null "
-                             "(it also caps the behaviour weights of carried tokens under trainer.rollout_mode=colocate_async)",
-                             f"set algorithm.rollout_correction.rollout_is=token or remove {key}",
-                             keys=(key, "algorithm.rollout_correction.rollout_is", "trainer.rollout_mode"))]
-    if mode != "separate_async" and cfg.trainer.num_rollout_workers != 1:
-        out.append(ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers,
-                                 f"has no effect: trainer.rollout_mode={mode}", "set trainer.rollout_mode=separate_async or remove it",
-                                 keys=("trainer.num_rollout_workers", "trainer.rollout_mode")))
-    if cfg.trainer.num_rollout_workers < 1:
-        out.append(ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers, "must be >= 1",
-                                 "set trainer.num_rollout_workers=1"))
-    if mode == "sync":
-        return out + [ConfigProblem(f"rollout.{k}", getattr(r, k), "has no effect: trainer.rollout_mode=sync",
-                                    f"set trainer.rollout_mode=colocate_async (or separate_async), or remove rollout.{k}",
-                                    keys=(f"rollout.{k}", "trainer.rollout_mode"))
-                      for k in _ASYNC_KEYS if getattr(r, k) != getattr(defaults, k)]
-    if r.over_provision is not None and not 1 <= r.over_provision <= cfg.data.batch_size:
-        out.append(ConfigProblem("rollout.over_provision", r.over_provision,
-                                 f"must be in [1, data.batch_size={cfg.data.batch_size}] under trainer.rollout_mode={mode} "
-                                 "(0 cuts nothing; more than a batch could leave groups at the staleness bound that no batch holds)",
-                                 f"set rollout.over_provision={max(1, cfg.data.batch_size // 4)}, null (a quarter of the batch) "
-                                 "or trainer.rollout_mode=sync",
-                                 keys=("rollout.over_provision", "data.batch_size", "trainer.rollout_mode")))
-    if mode == "separate_async" and r.max_staleness < 2:
-        out.append(ConfigProblem("rollout.max_staleness", r.max_staleness,
-                                 "must be >= 2 under trainer.rollout_mode=separate_async: every token is already one update old "
-                                 "(generated during the previous update), so a carried group needs one step more",
-                                 "set rollout.max_staleness=2", keys=("rollout.max_staleness", "trainer.rollout_mode")))
-    if mode == "colocate_async" and r.engine == "hf" and cfg.trainer.num_workers == 1 and r.partial_chunk_tokens != 64:
-        out.append(ConfigProblem("rollout.partial_chunk_tokens", r.partial_chunk_tokens,
-                                 "has no effect: the hf engine on one rank generates a step in one call stopped between decode "
-                                 "rounds (chunks serve other engines, several ranks and separate_async)",
-                                 "remove rollout.partial_chunk_tokens",
-                                 keys=("rollout.partial_chunk_tokens", "rollout.engine", "trainer.num_workers", "trainer.rollout_mode")))
-    if r.multi_turn.tools:
-        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not carry multi-turn trajectories across steps yet",
-                                 "set trainer.rollout_mode=sync or rollout.multi_turn.tools=[]",
-                                 keys=("trainer.rollout_mode", "rollout.multi_turn.tools")))
-    if cfg.algorithm.filter_groups.enable:
-        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not combine with dynamic sampling yet",
-                                 "set trainer.rollout_mode=sync or algorithm.filter_groups.enable=false",
-                                 keys=("trainer.rollout_mode", "algorithm.filter_groups.enable")))
-    return out
-
-
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, partial_rollouts,
+    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

@@ -26,7 +26,6 @@ OverlongPrompt = Literal["filter", "left", "right", "middle", "error"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 PackedAttention = Literal["varlen", "block_mask", "position_ids"]
 ModelDtype = Literal["auto", "bf16", "fp32", "fp64"]
-RolloutMode = Literal["sync", "colocate_async", "separate_async"]
 StaleGroups = Literal["wait", "drop"]
 
 _FP16 = ("fp16 is not offered: its 5-bit exponent overflows in RL losses without loss scaling, which packrl does not do; "
@@ -687,7 +686,7 @@ class TrainConfig:
 class FilterGroupsConfig:
     """Dynamic sampling (DAPO, arXiv 2503.14476; verl's `algorithm.filter_groups`): drop prompt
     groups whose responses all got the same value and refill the batch from further generation
-    rounds (`packrl.trainer.sampling`, docs/algorithms/dynamic_sampling.md)."""
+    rounds (`packrl.trainer.stages.rounds`, docs/algorithms/dynamic_sampling.md)."""
 
     enable: bool = False
     """Drop zero-variance groups and generate further rounds of `data.batch_size` prompts until
@@ -870,8 +869,9 @@ class TrainerConfig:
     may then hold `train.max_tokens_per_microbatch` x this many tokens (each rank holds its share);
     the model's attention heads must be a multiple of it. 1 = off."""
 
-    rollout_mode: RolloutMode = "sync"
-    """`sync`: every step generates its batch whole and waits for its longest response.
+    rollout_mode: str = "sync"
+    """The sampling stage, a name in `packrl.registry.ROLLOUT_MODES` (`packrl.trainer.stages`; or
+    one registered through `trainer.plugins`). `sync`: every step generates its batch whole and waits for its longest response.
     `colocate_async`: on the same devices, a step stops generating once `data.batch_size` prompt
     groups are complete and carries the unfinished ones (`rollout.over_provision` extra groups in
     flight) to later steps, resumed under the new weights; their older tokens are corrected in the

@@ -114,6 +114,9 @@ class WorkerGroup:
         self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
         self.packing = info.packing
         self.share_prompts = info.share_prompts
+        # a call stopped on a condition of the whole call runs where the condition can be read: one rank, in this process
+        one_call = transport.in_process and transport.num_ranks == 1
+        self.capabilities = replace(info.capabilities, stop_on_condition=info.capabilities.stop_on_condition and one_call)
         self.planner = plan.planner(packed=info.packing.packs, share_prompts=info.share_prompts)
         self._linked = False
 
@@ -145,13 +148,12 @@ class WorkerGroup:
                               images=images)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                       caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response] | None:
+                       caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response]:
         """One response per prompt, each capped at ``caps[i]``, generation stopped between decode
-        rounds once ``enough(finished)`` holds (`packrl.rollout.hf_engine.HFEngine.generate_until`);
-        None when this group cannot stop a call on a condition of the whole call: several ranks
-        (each generates its share), or an engine without ``generate_until``."""
-        if not self.transport.in_process or self.transport.num_ranks != 1:
-            return None
+        rounds once ``enough(finished)`` holds (`packrl.rollout.engine.InterruptibleEngine`); only
+        where ``capabilities.stop_on_condition`` (one rank in this process, an engine that declares
+        it: a stage checks before calling)."""
+        assert self.capabilities.stop_on_condition, "a stage calls generate_until only where capabilities.stop_on_condition holds"
         return self.transport.call("generate_until", [(prompt_ids, params, seeds, caps, enough)])[0]
 
     def export_weights(self) -> dict[str, torch.Tensor]:

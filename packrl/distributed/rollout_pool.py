@@ -29,8 +29,8 @@ from packrl.distributed.health import ActorRecord, Located, locate, wait_all
 from packrl.distributed.ray_group import actor_bundle, release_actors, start_ray, write_records
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
-from packrl.rollout.engine import SamplingParams, awake
-from packrl.types import Response
+from packrl.rollout.engine import EngineCapabilities, SamplingParams, awake
+from packrl.types import ImageInputs, Response
 from packrl.worker.parts import build_engine
 
 logger = logging.getLogger(__name__)
@@ -73,15 +73,22 @@ class RolloutWorker(Located):
 
 class RolloutPool:
     """The rollout workers as the controller sees them (`rollout_pool` builds it); ``records``:
-    where each runs. A lost worker or node raises `packrl.distributed.health.WorkerLost`."""
+    where each runs. A lost worker or node raises `packrl.distributed.health.WorkerLost`.
+
+    A `packrl.trainer.stages.base.Generator`: it takes no images (a vision-language run is refused
+    with this mode, `packrl.models.vision.vision_run_problems`) and cannot stop a call on a condition
+    of the whole call (each worker generates its share in its own process)."""
+
+    capabilities = EngineCapabilities()
 
     def __init__(self, actors: list, owns_ray: bool, records: Sequence[ActorRecord]) -> None:
         self.actors, self.owns_ray, self.records = actors, owns_ray, list(records)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                     rows: Sequence[int] = ()) -> list[list[Response]]:
+                     rows: Sequence[int] = (), images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses, the prompts split over the workers by cost (prompt + budget);
         retried once as `packrl.distributed.group.WorkerGroup.generate_ids`."""
+        assert images is None or all(x is None for x in images), "vision_run_problems refuses images with rollout workers"
         return generate_split(prompt_ids, params, seeds, rows, len(self.actors),
                               lambda calls: wait_all([a.generate.remote(*args) for a, args in zip(self.actors, calls)],
                                                      self.records[:len(calls)], "generate"))

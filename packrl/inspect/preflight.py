@@ -191,25 +191,31 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
 
 
 def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[str]:
-    """The async modes: how many sequences generate at once, and (``separate_async``) what the
-    rollout workers hold outside this estimate, which covers a trainer rank."""
+    """The modes that carry groups across steps: how many sequences generate at once, and (with
+    rollout workers of their own, ``separate_async``) what those hold outside this estimate, which
+    covers a trainer rank (`packrl.config.rollout_modes.RolloutModeInfo`)."""
+    from packrl.config.rollout_modes import default_over_provision, mode_info
+    from packrl.rollout.engine import engine_capabilities
+
     mode = cfg.trainer.rollout_mode
-    if mode == "sync":
+    info = mode_info(mode)
+    if not info.carries_groups:
         return []
     batch = cfg.data.batch_size
-    over = cfg.rollout.over_provision if cfg.rollout.over_provision is not None else max(1, batch // 4)
+    over = cfg.rollout.over_provision if cfg.rollout.over_provision is not None else default_over_provision(batch)
     out = [f"trainer.rollout_mode={mode}: up to {(batch + over) * cfg.rollout.n} sequences generate per step "
            f"((data.batch_size={batch} + rollout.over_provision={over}) x rollout.n={cfg.rollout.n}), in engine batches of "
            f"rollout.max_num_seqs={cfg.rollout.max_num_seqs}; carried groups are re-prefilled when they resume"]
     rows = (batch + over) * cfg.rollout.n
-    stops_one_call = mode == "colocate_async" and cfg.rollout.engine == "hf" and cfg.trainer.num_workers == 1
+    stops_one_call = (not info.rollout_workers and cfg.trainer.num_workers == 1
+                      and engine_capabilities(cfg.rollout.engine, multi_turn=cfg.rollout.multi_turn.enabled).stop_on_condition)
     if stops_one_call and rows > cfg.rollout.max_num_seqs:
         lower = " or lower rollout.over_provision" if (batch + 1) * cfg.rollout.n <= cfg.rollout.max_num_seqs else ""
         out.append(f"the {rows} sequences of a step do not fit one engine batch (rollout.max_num_seqs={cfg.rollout.max_num_seqs}): "
                    "the hf engine runs its batches one after another and a step stops once its groups are complete, so "
                    "members of later batches may not advance (carried groups then finish only at rollout.max_staleness); "
                    f"set rollout.max_num_seqs={rows}{lower}")
-    if mode == "separate_async":
+    if info.rollout_workers:
         copy = param_bytes * shape.num_params / 2**30
         out.append(f"trainer.num_rollout_workers={cfg.trainer.num_rollout_workers}: each rollout worker holds its own policy "
                    f"copy (about {copy:.2f} GiB of parameters) and its engine's KV cache in its own process (its own GPU on "

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from packrl.config.rollout_modes import mode_info
 from packrl.errors import ConfigProblem
 from packrl.models.model_config import VISION_MODEL_TYPES
 from packrl.seqlen.packing import Pack
@@ -77,7 +78,7 @@ def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic
     if has_critic:
         out.append(ConfigProblem("algorithm.adv_estimator", cfg.algorithm.adv_estimator, "needs a critic, which does not read images",
                                  "use grpo, rloo or another critic-free estimator", keys=("algorithm.adv_estimator", "model.path")))
-    if cfg.trainer.rollout_mode != "sync":
+    if mode_info(cfg.trainer.rollout_mode).carries_groups:
         out.append(ConfigProblem("trainer.rollout_mode", cfg.trainer.rollout_mode, "does not carry images across steps",
                                  "set trainer.rollout_mode=sync", keys=("trainer.rollout_mode", "model.path")))
     if cfg.model.lora.rank > 0 and not cfg.model.freeze_vision_tower:

@@ -58,14 +58,15 @@ class OverlongOptions:
 
 @REWARD_SHAPING.register("overlong", options=OverlongOptions)
 def overlong(inputs: ShapingInputs) -> ShapingOutput:
-    """The `soft_overlong_penalty` of every response at the step's response budget. Shape [N], float32, <= 0."""
+    """The `soft_overlong_penalty` of every response at its own response budget
+    (`ShapingInputs.response_budgets`). Shape [N], float32, <= 0."""
     import torch
 
     from packrl.reward.shaping import ShapingOutput
 
     opts: OverlongOptions = inputs.options
-    return ShapingOutput(torch.tensor([soft_overlong_penalty(len(r.response_ids), inputs.max_response_tokens, opts.buffer_tokens,
-                                                             opts.penalty_factor) for r in inputs.rollout.responses], dtype=torch.float32))
+    return ShapingOutput(torch.tensor([soft_overlong_penalty(len(r.response_ids), budget, opts.buffer_tokens, opts.penalty_factor)
+                                       for r, budget in zip(inputs.rollout.responses, inputs.response_budgets)], dtype=torch.float32))
 
 
 def config_problems(cfg: RunConfig) -> list[ConfigProblem]:

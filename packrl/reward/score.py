@@ -27,7 +27,8 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         tokenizer: the policy's tokenizer; responses are decoded with special tokens skipped.
         cfg: the ``reward`` section (``name``, extraction, ``format_score``, ``shaping``).
         max_response_tokens: the step's response budget (``rollout.max_response_tokens``, or the
-            current stage's under a length curriculum), where the overlong ramp ends.
+            current stage's under a length curriculum): each response's budget, where its overlong
+            ramp ends, unless its prompt carries its own (`packrl.types.RolloutBatch.response_budgets`).
         step: the training step (for shaping parts that change over training; 0 in validation).
 
     A response a budget cut (finish reason ``length`` or ``context``) scores 0 without calling
@@ -58,7 +59,7 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
             scores.append(_score_with_retry(reward_fn, text, truth, source, cfg, i))
     task = torch.tensor(scores, dtype=torch.float32)
     shaping, parts = shape_rewards(ShapingInputs(rollout=rollout, scores=task, texts=tuple(texts), tokenizer=tokenizer,
-                                                 max_response_tokens=max_response_tokens, step=step), cfg)
+                                                 response_budgets=rollout.response_budgets(max_response_tokens), step=step), cfg)
     return ScoredBatch(rollout=rollout, scores=task, rewards=task + shaping, parts=parts)
 
 

@@ -48,8 +48,9 @@ class ShapingInputs:
             budget cut unless the reward scores those). Shape [N], float32.
         texts: the text each response was scored on (its policy turns, special tokens skipped).
         tokenizer: the policy's tokenizer.
-        max_response_tokens: the response budget the step sampled with (the current stage's under a
-            length curriculum), in tokens.
+        response_budgets: the response budget each response was sampled under, in tokens: the
+            step's (the current stage's under a length curriculum), or for a partial-rollout group
+            carried across steps its dispatching step's (`packrl.types.RolloutBatch.response_budgets`).
         step: the training step (1-based; 0 outside training, e.g. validation).
         options: the part's own options (its registered dataclass built from
             ``reward.shaping.<part>``).
@@ -59,7 +60,7 @@ class ShapingInputs:
     scores: torch.Tensor
     texts: tuple[str, ...]
     tokenizer: Any
-    max_response_tokens: int
+    response_budgets: tuple[int, ...]
     step: int = 0
     options: Any = None
 

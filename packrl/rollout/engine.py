@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from packrl.hardware import ComputeDtype
@@ -127,6 +127,13 @@ class SamplingParams:
             return_logprobs=False if validation else (cfg.return_logprobs if return_logprobs is None else return_logprobs),
         )
 
+    def continuation(self, grant: int) -> SamplingParams:
+        """These parameters for one call that continues responses already begun, one per request
+        (``n=1``: each prompt is a response's prompt + its tokens so far), by at most ``grant``
+        tokens: a partial rollout's chunk grant (`packrl.trainer.stages.pool.RolloutGroup.chunk_grant`).
+        In that call ``max_response_tokens`` is the grant, not the response's budget."""
+        return replace(self, n=1, max_response_tokens=grant)
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):
@@ -192,7 +199,7 @@ class InterruptibleEngine(Protocol):
         generation stopped between decode rounds once ``enough(finished)`` holds; responses still
         running come back with the tokens they have and finish reason ``abort``. Prompt i draws
         as sample 0 of ``seeds[i]``, so a response cut here and continued later draws what it
-        would have drawn uninterrupted (partial rollouts, `packrl.trainer.partial_rollout`)."""
+        would have drawn uninterrupted (partial rollouts, `packrl.trainer.stages.partial`)."""
         ...
 
 

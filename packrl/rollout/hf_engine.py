@@ -26,7 +26,7 @@ caller passes, one per prompt (`GumbelMaxSampler`): response g of prompt b depen
 ``(seeds[b], g)`` alone, not on its batch; without seeds they are drawn from torch's global RNG.
 The noise of each token is keyed by the request's seed and the token's absolute position, so a
 response continued from prompt + its first tokens (a resumed partial rollout,
-`packrl.rollout.partial`) draws what it would have drawn uninterrupted.
+`packrl.trainer.stages.pool`) draws what it would have drawn uninterrupted.
 
 Prefill once per group: the G samples of a prompt are adjacent rows of a batch, so the prompt's
 KV cache (all but its last token) is computed once per distinct prompt and copied to its rows
@@ -222,7 +222,7 @@ class HFEngine:
         have and finish reason ``abort``; so do prompts of batches not started. Prompt i draws as
         sample 0 of ``seeds[i]`` (`request_seed`), its noise keyed by position, so a response cut
         here and continued later draws what it would have drawn uninterrupted (same weights).
-        Partial rollouts (`packrl.trainer.partial_rollout`) cut the long tail this way without
+        Partial rollouts (`packrl.trainer.stages.partial`) cut the long tail this way without
         re-prefilling the members that keep running.
 
         Raises:

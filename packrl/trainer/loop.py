@@ -33,7 +33,8 @@ from packrl.rollout.tool_schemas import template_kwargs
 from packrl.trainer.batch import build_train_batch
 from packrl.trainer.recovery import run_with_recovery
 from packrl.trainer.run import Run, due, seed_everything
-from packrl.trainer.sampling import SamplingStage, sampling_stage
+from packrl.trainer.stages import sampling_stage
+from packrl.trainer.stages.base import SamplingStage, StageContext
 from packrl.trainer.validate import validate
 from packrl.worker.checkpoint import resume_candidates
 
@@ -95,7 +96,7 @@ def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampl
 def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
     """Steps after the last completed one up to ``train.total_steps``, each logged (and checkpointed when due)."""
     sampler = PromptSampler(train_set, cfg.data.batch_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed)
-    with closing(sampling_stage(cfg, sampler, workers, run.dir)) as sample:  # one round, rounds until full, or partial rollouts
+    with closing(sampling_stage(StageContext(cfg, sampler, workers, run.dir))) as sample:  # the stage of trainer.rollout_mode
         _steps(cfg, run, workers, sampler, sample, train_set, val_set)
 
 

@@ -41,7 +41,7 @@ from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
 from packrl.models.vision import is_vision_config
 from packrl.registry import import_plugins
-from packrl.rollout.engine import ImageEngine, InterruptibleEngine, SamplingParams, awake
+from packrl.rollout.engine import EngineCapabilities, ImageEngine, InterruptibleEngine, SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import ImageInputs, Response, RolloutBatch, TrainBatch
@@ -68,6 +68,7 @@ class WorkerInfo:
         packing: whether a micro-batch may pack several sequences (`packrl.models.isolation`).
         share_prompts: whether packs write a group's prompt once (``train.share_prompts`` where
             the model's attention path and the strategy allow it, `shares_prompts`).
+        capabilities: what the worker's rollouts can do (`packrl.rollout.engine.engine_capabilities`).
     """
 
     max_context_tokens: int
@@ -75,6 +76,7 @@ class WorkerInfo:
     model_summary: str
     packing: PackingCheck = PackingCheck(packs=True)
     share_prompts: bool = False
+    capabilities: EngineCapabilities = EngineCapabilities()
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -172,7 +174,7 @@ class PolicyWorker:
                                  critic, packing, share, phrase, max_context, rope_factor, capabilities, engine_phrase)
         summary = self.parts.summary(cfg, plan.compute_dtype, strategy.describe())
         logger.info("%s", summary)
-        return WorkerInfo(max_context, rope_factor, summary, packing, share)
+        return WorkerInfo(max_context, rope_factor, summary, packing, share, capabilities)
 
     def _policy(self, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any]:
         """``model`` and ``tokenizer``, or the policy loaded as ``model.*`` asks (`load_policy`).
@@ -251,12 +253,11 @@ class PolicyWorker:
         return awake(self.engine, functools.partial(cast(ImageEngine, self.engine).generate, images=images), prompt_ids, params, seeds)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                       caps: Sequence[int], enough: Any) -> list[Response] | None:
+                       caps: Sequence[int], enough: Any) -> list[Response]:
         """The engine's ``generate_until`` (`packrl.rollout.engine.InterruptibleEngine`: one response
-        per prompt, stopped between decode rounds once ``enough(finished)``), or None when the run's
-        rollouts cannot stop on a condition (`packrl.rollout.engine.EngineCapabilities.stop_on_condition`)."""
-        if not self.parts.capabilities.stop_on_condition:
-            return None
+        per prompt, stopped between decode rounds once ``enough(finished)``); called only where the
+        run's rollouts declare it (`packrl.rollout.engine.EngineCapabilities.stop_on_condition`)."""
+        assert self.parts.capabilities.stop_on_condition, "the group calls generate_until only where the rollouts can stop"
         return awake(self.engine, cast(InterruptibleEngine, self.engine).generate_until, prompt_ids, params, seeds, caps, enough)
 
     def compute_logprobs(self, rollout: RolloutBatch, role: Role,

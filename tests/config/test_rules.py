@@ -11,9 +11,6 @@ from packrl.config.load import preset_names
 from packrl.config.relations import RULES
 from packrl.registry import CONFIG_REGISTRIES
 
-ASYNC = "trainer.rollout_mode=colocate_async"
-SEPARATE = "trainer.rollout_mode=separate_async"
-
 CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo preset, the problem's key, a fragment of it)
     ("critic", ["algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable", "needs the critic's values"),
     ("critic", ["critic.cliprange_value=0.2"], "critic.cliprange_value", "has no effect: this run has no critic"),
@@ -39,21 +36,26 @@ CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo
      "algorithm.filter_groups.enable", "rollout.n"),
     ("sft_loss", ["algorithm.policy_loss=sft"], "algorithm.policy_loss", "supervised loss of packrl sft"),
     ("kl_in_reward", ["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "has no effect with algorithm.kl_coef=0"),
-    ("partial_rollouts", ["algorithm.rollout_correction.rollout_is_threshold=3.0"], "algorithm.rollout_correction.rollout_is_threshold",
-     "has no effect: algorithm.rollout_correction.rollout_is is null"),
-    ("partial_rollouts", ["trainer.num_rollout_workers=2"], "trainer.num_rollout_workers", "has no effect: trainer.rollout_mode=sync"),
-    ("partial_rollouts", [SEPARATE, "trainer.num_rollout_workers=0"], "trainer.num_rollout_workers", "must be >= 1"),
-    ("partial_rollouts", ["rollout.max_staleness=3"], "rollout.max_staleness", "has no effect: trainer.rollout_mode=sync"),
-    ("partial_rollouts", [ASYNC, "rollout.over_provision=0"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
-    ("partial_rollouts", [ASYNC, "rollout.over_provision=9"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
-    ("partial_rollouts", [SEPARATE, "rollout.max_staleness=1"], "rollout.max_staleness", "must be >= 2"),
-    ("partial_rollouts", [ASYNC, "rollout.partial_chunk_tokens=32"], "rollout.partial_chunk_tokens",
-     "has no effect: the hf engine on one rank"),
-    ("partial_rollouts", [ASYNC, "rollout.multi_turn.tools=[calculator]"], "trainer.rollout_mode", "does not carry multi-turn"),
-    ("partial_rollouts", [ASYNC, "algorithm.filter_groups.enable=true"], "trainer.rollout_mode", "does not combine with dynamic sampling"),
 ]
 
 PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's own config check (checks= in packrl.registry)
+    ("trainer.rollout_mode=sync", ["algorithm.rollout_correction.rollout_is_threshold=3.0"],
+     "algorithm.rollout_correction.rollout_is_threshold", "has no effect: algorithm.rollout_correction.rollout_is is null"),
+    ("trainer.rollout_mode=sync", ["trainer.num_rollout_workers=2"], "trainer.num_rollout_workers",
+     "has no effect: trainer.rollout_mode=sync runs no rollout workers"),
+    ("trainer.rollout_mode=sync", ["rollout.max_staleness=3"], "rollout.max_staleness", "has no effect: trainer.rollout_mode=sync"),
+    ("trainer.rollout_mode=separate_async", ["trainer.num_rollout_workers=0"], "trainer.num_rollout_workers", "must be >= 1"),
+    ("trainer.rollout_mode=separate_async", ["rollout.max_staleness=1"], "rollout.max_staleness", "must be >= 2"),
+    ("trainer.rollout_mode=colocate_async", ["rollout.over_provision=0"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
+    ("trainer.rollout_mode=colocate_async", ["rollout.over_provision=9"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
+    ("trainer.rollout_mode=colocate_async", ["rollout.partial_chunk_tokens=32"], "rollout.partial_chunk_tokens",
+     "has no effect: the hf engine on one rank"),
+    ("trainer.rollout_mode=colocate_async", ["rollout.multi_turn.tools=[calculator]"], "trainer.rollout_mode",
+     "does not carry multi-turn"),
+    ("trainer.rollout_mode=colocate_async", ["algorithm.filter_groups.enable=true"], "trainer.rollout_mode",
+     "does not combine with dynamic sampling"),
+    ("trainer.rollout_mode=colocate_async", ["trainer.num_rollout_workers=2"], "trainer.num_rollout_workers",
+     "runs no rollout workers of its own"),
     ("algorithm.policy_loss=gspo", ["trainer.num_workers=2", "trainer.sequence_parallel_size=2"], "algorithm.policy_loss",
      "needs each sequence on one rank"),
     ("algorithm.policy_loss=gspo", ["rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.context_policy=rolling"],
@@ -82,7 +84,7 @@ def test_a_config_that_breaks_the_rule_is_refused_with_its_key(rule, overrides, 
     assert all(p.fix for p in by_rule), "every problem names its fix"
 
 
-@pytest.mark.parametrize(("selector", "overrides", "key", "fragment"), PART_CHECKS, ids=[c[0] for c in PART_CHECKS])
+@pytest.mark.parametrize(("selector", "overrides", "key", "fragment"), PART_CHECKS, ids=[f"{c[0]}:{c[2]}" for c in PART_CHECKS])
 def test_a_registered_parts_check_runs_when_the_part_is_chosen(selector, overrides, key, fragment):
     extra = [selector] if "=" in selector else []
     assert any(p.key == key and fragment in str(p) for p in _problems([*extra, *overrides])), [str(p) for p in _problems(overrides)]

@@ -13,7 +13,7 @@ from packrl.diagnostics.metrics import score_metrics
 from packrl.reward import score_rollout
 from packrl.reward.tool_format import format_parts
 from packrl.rollout.engine import SamplingParams
-from packrl.trainer.sampling import concat_scored, select_groups
+from packrl.trainer.stages.rounds import concat_scored, select_groups
 from packrl.types import PromptBatch, RolloutBatch, TrainBatch
 from tests.builders import CALL, calculator_prompt_ids, scripted_engine
 

@@ -10,7 +10,7 @@ from packrl.config import ConfigError
 from packrl.config.budgets import budget_problems, budgets_of_model, budgets_table, validate_budgets
 from packrl.config.schema import RunConfig
 from packrl.seqlen.budgets import Budgets, model_context_tokens
-from tests.conftest import SMOLLM_DIR
+from tests.conftest import SMOLLM_DIR, skip_without_shared
 
 
 def _budgets(**kw):
@@ -37,8 +37,7 @@ def test_model_context_includes_rope_scaling(config, context, factor):
 
 
 def test_model_context_from_the_real_smollm_config():
-    if not (SMOLLM_DIR / "config.json").is_file():
-        pytest.skip(f"no SmolLM2 config under {SMOLLM_DIR}")
+    skip_without_shared(SMOLLM_DIR / "config.json")
     from transformers import AutoConfig
 
     assert model_context_tokens(json.loads((SMOLLM_DIR / "config.json").read_text())) == (8192, 1.0)

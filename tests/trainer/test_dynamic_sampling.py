@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,9 @@ from packrl.data import DatasetPrompt, Example, PromptDataset, PromptSampler
 from packrl.reward import REWARDS, register_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome
-from packrl.trainer.sampling import fit_to_ranks, groups_with_variance, sampling_stage
+from packrl.trainer.stages import sampling_stage
+from packrl.trainer.stages.base import StageContext
+from packrl.trainer.stages.rounds import fit_to_ranks, groups_with_variance
 from packrl.types import Response, RolloutBatch
 
 if "test_scripted_value" not in REWARDS:
@@ -79,7 +82,7 @@ def _step(cfg: RunConfig, script, sampler: PromptSampler | None = None):
     sampler = sampler or _sampler(cfg)
     workers = _Workers(cfg, script)
     timing: dict[str, float] = {}
-    rollout, scored, metrics = sampling_stage(cfg, sampler, workers)(SamplingParams(n=cfg.rollout.n), timing, [])
+    rollout, scored, metrics = sampling_stage(StageContext(cfg, sampler, workers, Path(".")))(SamplingParams(n=cfg.rollout.n), timing, [])
     return rollout, scored, metrics, workers, timing
 
 
@@ -125,7 +128,7 @@ def test_groups_kept_beyond_the_batch_are_dropped_and_counted():
 
 def test_the_round_cap_stops_there_and_trains_what_was_kept(caplog):
     cfg = _cfg(max_rounds=2)
-    with caplog.at_level(logging.WARNING, logger="packrl.trainer.sampling"):
+    with caplog.at_level(logging.WARNING, logger="packrl.trainer.stages.rounds"):
         rollout, _, metrics, workers, _ = _step(cfg, _varied({1, 6, 9}))
     assert len(workers.rows) == 2 and rollout.prompts.rows == (1, 6)
     assert metrics["train/num_gen_batches"] == 2 and metrics["train/update_batch_prompts"] == 2
@@ -151,7 +154,7 @@ def test_the_reward_metric_sees_the_shaping():
     long = Response((1,) * 500, "eos")
     workers.generate = lambda prompts, sampling: RolloutBatch(prompts, 2, tuple(
         r for row in prompts.rows for r in ((Response((1,), "eos"), long) if row == 2 else (long, long))))
-    rollout, scored, _ = sampling_stage(cfg, sampler, workers)(SamplingParams(n=2), {}, [])
+    rollout, scored, _ = sampling_stage(StageContext(cfg, sampler, workers, Path(".")))(SamplingParams(n=2), {}, [])
     assert rollout.prompts.rows == (2,) and scored.scores.tolist() == [1.0, 1.0] and scored.rewards[1] < scored.rewards[0]
 
 

@@ -11,7 +11,7 @@ import torch
 
 from packrl.rollout.engine import SamplingParams, single_sample_seed
 from packrl.rollout.hf_engine import HFEngine
-from packrl.rollout.partial import Ledger, Member, RolloutGroup, Segment
+from packrl.trainer.stages.pool import Ledger, Member, RolloutGroup, Segment
 from packrl.types import Response
 from tests.conftest import tiny_llama
 
@@ -52,7 +52,8 @@ def test_logprobs_follow_the_segments_and_missing_ones_are_none():
 def test_group_state_round_trips_through_json():
     member = Member((Segment((5, 6), (-0.1, -0.2), 3), Segment((7,), (-1 / 3,), 4)), None)
     group = RolloutGroup(uid=7, prompt_ids=(1, 2, 3), ground_truth="42", data_source="task:arithmetic", row=11, prompt_truncated=False,
-                         seed=123456789012345, dispatch_step=3, cap=16, cap_reason="length", members=(member, Member()))
+                         seed=123456789012345, dispatch_step=3, dispatch_budget=16, dispatch_cap=16, cap_reason="length",
+                         members=(member, Member()))
     again = RolloutGroup.from_dict(json.loads(json.dumps(group.to_dict())))
     assert again == group
     ledger = Ledger()

@@ -8,15 +8,17 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from packrl.config.schema import DataConfig, RewardConfig, RolloutConfig, RunConfig, TrainerConfig
-from packrl.rollout.engine import SamplingParams, request_seed
+from packrl.rollout.engine import EngineCapabilities, SamplingParams, request_seed
 from packrl.trainer.batch import build_train_batch
-from packrl.trainer.partial_rollout import PartialRolloutStage
-from packrl.trainer.sampling import sampling_stage
+from packrl.trainer.stages import sampling_stage
+from packrl.trainer.stages.base import StageContext
+from packrl.trainer.stages.partial import PartialRolloutStage
 from packrl.types import PromptBatch, Response
 from tests.diagnostics.tiny_run import tiny_run  # noqa: F401  (registers reward test_letter_e)
 
@@ -42,6 +44,7 @@ class _Workers:
     continuation (prompt + prefix) resumes where it stopped. Records every call."""
 
     max_context_tokens = CONTEXT
+    capabilities = EngineCapabilities()  # no generate_until: every step in chunks
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.calls = tokenizer, []
@@ -51,7 +54,7 @@ class _Workers:
         rng = random.Random(seed)
         return 10_000 if rng.random() < 0.2 else int(rng.paretovariate(1.2) * 3)  # 20% never emit EOS
 
-    def generate_ids(self, prompt_ids, params: SamplingParams, seeds, rows=()) -> list[list[Response]]:
+    def generate_ids(self, prompt_ids, params: SamplingParams, seeds, rows=(), images=None) -> list[list[Response]]:
         self.calls.append((len(prompt_ids), params.n, params.max_response_tokens))
         out = []
         for prompt, seed in zip(prompt_ids, seeds):
@@ -75,7 +78,11 @@ def _stage(tokenizer, **rollout) -> tuple[PartialRolloutStage, _Workers]:
     cfg = RunConfig(data=DataConfig(batch_size=4), reward=RewardConfig(name="test_letter_e"),
                     trainer=TrainerConfig(rollout_mode="colocate_async"), rollout=RolloutConfig(n=3, max_response_tokens=24, **knobs))
     workers = _Workers(tokenizer)
-    return PartialRolloutStage(cfg, _Sampler(4), workers), workers
+    return _partial(cfg, _Sampler(4), workers), workers
+
+
+def _partial(cfg, sampler, workers) -> PartialRolloutStage:
+    return PartialRolloutStage(StageContext(cfg, sampler, workers, Path(".")))
 
 
 def _run(stage: PartialRolloutStage, steps: range) -> list[tuple]:
@@ -102,10 +109,10 @@ def test_budgets_ledger_and_staleness_hold_over_many_steps(smollm_tokenizer):
                 if r.finish_reason != "eos":  # never ended: exactly its cap, with the reason an uncut run gives
                     assert len(r.response_ids) == cap and r.finish_reason == ("length" if cap == 24 else "context")
     assert len(trained) == len(set(trained)) == 60  # rows are uids here: each trained once
-    ledger = stage.ledger.counts()
+    ledger = stage.pool.ledger.counts()
     assert ledger["trained"] == 60 and ledger["dropped"] == 0
-    assert ledger["trained"] + ledger["in_flight"] + ledger["queued"] == len(stage.ledger.states)
-    assert ledger["in_flight"] == len(stage.pool)
+    assert ledger["trained"] + ledger["in_flight"] + ledger["queued"] == len(stage.pool.ledger.states)
+    assert ledger["in_flight"] == len(stage.pool.groups)
     assert any(m["async/partial_ratio"] > 0 for _, m in _run(stage, range(16, 18)))
     assert any(n == 1 for _, n, _ in workers.calls)  # members were resumed alone
 
@@ -114,9 +121,9 @@ def test_drop_counts_what_it_drops_and_never_trains_it(smollm_tokenizer):
     stage, _ = _stage(smollm_tokenizer, stale_groups="drop", max_staleness=1, over_provision=4)
     results = _run(stage, range(1, 13))
     dropped = sum(m["async/dropped_groups"] for _, m in results)
-    assert dropped > 0 and stage.ledger.counts()["dropped"] == dropped
+    assert dropped > 0 and stage.pool.ledger.counts()["dropped"] == dropped
     assert all(m["async/staleness_token_max"] <= 1 for _, m in results)
-    dropped_uids = {uid for uid, s in stage.ledger.states.items() if s.startswith("dropped")}
+    dropped_uids = {uid for uid, s in stage.pool.ledger.states.items() if s.startswith("dropped")}
     trained_rows = {row for r, _ in results for row in r.prompts.rows}
     assert not dropped_uids & trained_rows
 
@@ -128,14 +135,13 @@ def test_a_stage_restored_from_its_state_continues_as_the_uninterrupted_one(smol
     _run(first, range(1, 5))
     state = json.loads(json.dumps(first.state_dict()))  # as the checkpoint's trainer_state.json holds it
     resumed, _ = _stage(smollm_tokenizer)
-    resumed.sampler.row = first.sampler.row  # the sampler's own state is checkpointed beside it
+    resumed.pool.sampler.row = first.pool.sampler.row  # the sampler's own state is checkpointed beside it
     resumed.load_state_dict(state)
     for (a, ma), (b, mb) in zip(reference[4:], _run(resumed, range(5, 9))):
         assert a == b and ma == mb
     with pytest.raises(ValueError, match="groups of 3 responses, not rollout.n=2; resume with rollout.n=3"):
-        _stage(smollm_tokenizer, over_provision=1)[0].__class__(
-            replace(RunConfig(), rollout=RolloutConfig(n=2), trainer=TrainerConfig(rollout_mode="colocate_async")),
-            _Sampler(4), _Workers(smollm_tokenizer)).load_state_dict(state)
+        _partial(replace(RunConfig(), rollout=RolloutConfig(n=2), trainer=TrainerConfig(rollout_mode="colocate_async")),
+                 _Sampler(4), _Workers(smollm_tokenizer)).load_state_dict(state)
 
 
 def test_with_nothing_carried_the_batch_is_the_synchronous_one(smollm_tokenizer, model_and_tokenizer_for_sync):
@@ -149,9 +155,10 @@ def test_with_nothing_carried_the_batch_is_the_synchronous_one(smollm_tokenizer,
     for c in (cfg, async_cfg):
         sampler = _Sampler(cfg.data.batch_size)
         torch.manual_seed(7)
-        outs.append(sampling_stage(c, sampler, workers)(sampling, {}, [], 1))
+        outs.append(sampling_stage(StageContext(c, sampler, workers, Path(".")))(sampling, {}, [], 1))
     (sync_rollout, sync_scored, _), (async_rollout, async_scored, metrics) = outs
-    assert sync_rollout.prompts == async_rollout.prompts
+    assert sync_rollout.prompts == replace(async_rollout.prompts, response_budgets=None)
+    assert async_rollout.prompts.response_budgets == (10, 10, 10)  # each group's dispatch budget
     assert [r.response_ids for r in sync_rollout.responses] == [r.response_ids for r in async_rollout.responses]
     assert [r.finish_reason for r in sync_rollout.responses] == [r.finish_reason for r in async_rollout.responses]
     assert torch.equal(sync_scored.rewards, async_scored.rewards) and metrics["async/carried_groups"] == 0
@@ -173,7 +180,7 @@ def model_and_tokenizer_for_sync(smollm_tokenizer):
 
 
 def test_resumes_that_would_lose_or_overrun_carried_groups_are_refused(smollm_tokenizer):
-    from packrl.trainer.sampling import Rounds
+    from packrl.trainer.stages.rounds import Rounds
 
     stage, _ = _stage(smollm_tokenizer)
     _run(stage, range(1, 3))
@@ -183,12 +190,12 @@ def test_resumes_that_would_lose_or_overrun_carried_groups_are_refused(smollm_to
         Rounds(lambda *a: None).load_state_dict(state)
     Rounds(lambda *a: None).load_state_dict({})  # a sync checkpoint
     with pytest.raises(ValueError, match=r"24-token response cap, above rollout.max_response_tokens=16.*>=24"):
-        _stage(smollm_tokenizer)[0].__class__(
-            RunConfig(data=DataConfig(batch_size=4), trainer=TrainerConfig(rollout_mode="colocate_async"),
-                      rollout=RolloutConfig(n=3, max_response_tokens=16)), _Sampler(4), _Workers(smollm_tokenizer)).load_state_dict(state)
-    default = PartialRolloutStage(RunConfig(data=DataConfig(batch_size=8), trainer=TrainerConfig(rollout_mode="colocate_async")),
-                                  _Sampler(8), _Workers(smollm_tokenizer))
-    assert default.over_provision == 2  # null: a quarter of the batch
+        lowered = RunConfig(data=DataConfig(batch_size=4), trainer=TrainerConfig(rollout_mode="colocate_async"),
+                            rollout=RolloutConfig(n=3, max_response_tokens=16))
+        _partial(lowered, _Sampler(4), _Workers(smollm_tokenizer)).load_state_dict(state)
+    default = _partial(RunConfig(data=DataConfig(batch_size=8), trainer=TrainerConfig(rollout_mode="colocate_async")),
+                       _Sampler(8), _Workers(smollm_tokenizer))
+    assert default.pool.over_provision == 2  # null: a quarter of the batch
 
 
 def test_without_an_old_log_prob_pass_the_update_weighs_stale_tokens_as_the_pass_does(tmp_path, smollm_tokenizer):
@@ -212,3 +219,27 @@ def test_without_an_old_log_prob_pass_the_update_weighs_stale_tokens_as_the_pass
         if i in stale_steps:
             assert abs(a["async/behaviour_weight_mean"] - b["async/behaviour_weight_mean"]) <= 1e-5
             assert b["async/behaviour_weight_mean"] != 1.0  # the weights are not trivially one
+
+
+def test_a_carried_group_is_scored_against_its_dispatch_budget_under_a_length_curriculum(smollm_tokenizer):
+    """Groups dispatched while the curriculum's budget was 8 and trained when it is 24 keep 8: the
+    budget that cut them is the one their overlong ramp ends at, not the training step's."""
+    knobs = {"over_provision": 4, "max_staleness": 3, "partial_chunk_tokens": 4}
+    cfg = RunConfig(data=DataConfig(batch_size=4), trainer=TrainerConfig(rollout_mode="colocate_async"),
+                    reward=RewardConfig(name="test_letter_e", shaping={"overlong": {"buffer_tokens": 4}}),
+                    rollout=RolloutConfig(n=3, max_response_tokens=24, **knobs))
+    stage = _partial(cfg, _Sampler(4), _Workers(smollm_tokenizer))
+    seen: dict[int, int] = {}
+    for step in range(1, 7):
+        torch.manual_seed(1000 + step)
+        budget = 8 if step <= 2 else 24  # rollout.max_response_tokens_schedule=[[1, 8], [3, 24]]
+        rollout, scored, _ = stage(SamplingParams(n=3, max_response_tokens=budget), {}, [], step)
+        budgets = rollout.response_budgets(budget)
+        for i, r in enumerate(rollout.responses):
+            assert len(r.response_ids) <= budgets[i]
+            if r.finish_reason == "length":  # cut at its own budget: the full penalty, whatever the step's budget
+                assert len(r.response_ids) == budgets[i] and float(scored.parts["overlong"][i]) == -1.0
+            seen[budgets[i]] = seen.get(budgets[i], 0) + 1
+            if step > 2 and budgets[i] == 8:
+                assert float(scored.parts["overlong"][i]) <= 0  # scored at 8 though the step's budget is 24
+    assert seen.get(8, 0) > 0 and seen.get(24, 0) > 0

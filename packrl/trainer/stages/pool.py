@@ -1,14 +1,18 @@
-"""Partial rollouts: prompt groups whose responses are generated in pieces, across steps.
+"""The pool of the partial-rollout modes: prompt groups whose responses are generated in pieces,
+across steps, and the ledger of every drawn prompt (the bookkeeping of
+`packrl.trainer.stages.partial`).
 
 Shapes: ``G`` members per group (``rollout.n``) · ``n`` tokens a member holds · ``P`` prompt tokens.
 
 The unit is a prompt group (`RolloutGroup`). Each member's response is a list of `Segment`s
 (tokens, the engine's log-probs of them, the policy version that sampled them). A member's
-response cap is fixed when its group is first dispatched (`RolloutGroup.cap`:
-``min(rollout.max_response_tokens of the dispatching step, model context - P)``, with the finish
-reason that cap gives, ``length`` or ``context``), and a resumed member is granted exactly what is
-left of it (`Member.tokens_left`), counted from the prompt and the tokens it holds, never from the
-length of the re-sent input: a resumed response cannot overrun its budget (verl #7207, slime #2260).
+response budget is the dispatching step's (`RolloutGroup.dispatch_budget`: the response budget
+that applies to it, where its overlong ramp ends, even when a length curriculum has moved on since)
+and its cap is fixed then (`RolloutGroup.dispatch_cap`: ``min(dispatch_budget, model context -
+P)``, with the finish reason that cap gives, ``length`` or ``context``). A resumed member is granted
+at most what is left of the cap (`Member.tokens_left`; each call's grant, `chunk_grant`), counted
+from the prompt and the tokens it holds, never from the length of the re-sent input: a resumed
+response cannot overrun its budget (verl #7207, slime #2260).
 A member finishes with the reason its last segment ended with (``eos``, ``stop``) or, when it
 fills its cap, the cap's reason, as an uninterrupted response would (`Member.extended`).
 
@@ -116,7 +120,10 @@ class RolloutGroup:
             gave it (`packrl.types.PromptBatch` fields of one prompt).
         seed: the group's sampling seed; member g draws from ``(seed, g)``.
         dispatch_step: the step that first generated for it.
-        cap: each member's response cap in tokens, fixed at dispatch.
+        dispatch_budget: the response budget of that step (``rollout.max_response_tokens``, or
+            its length-curriculum stage), in tokens: the budget its responses are scored against.
+        dispatch_cap: each member's response cap in tokens, fixed at dispatch:
+            ``min(dispatch_budget, model context - prompt)``.
         cap_reason: ``length`` when the cap is the response budget, ``context`` when the model
             context was the smaller.
         members: G members.
@@ -130,7 +137,8 @@ class RolloutGroup:
     prompt_truncated: bool
     seed: int
     dispatch_step: int
-    cap: int
+    dispatch_budget: int
+    dispatch_cap: int
     cap_reason: FinishReason
     members: tuple[Member, ...] = field(default=())
 
@@ -158,7 +166,7 @@ class RolloutGroup:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (`from_dict` restores it exactly)."""
         out = {name: getattr(self, name) for name in ("uid", "ground_truth", "data_source", "row", "prompt_truncated", "seed",
-                                                      "dispatch_step", "cap", "cap_reason")}
+                                                      "dispatch_step", "dispatch_budget", "dispatch_cap", "cap_reason")}
         out["prompt_ids"] = list(self.prompt_ids)
         out["members"] = [{"finish_reason": m.finish_reason,
                            "segments": [[list(s.token_ids), None if s.logprobs is None else list(s.logprobs), s.version]
@@ -169,8 +177,15 @@ class RolloutGroup:
     def from_dict(cls, data: dict[str, Any]) -> RolloutGroup:
         members = tuple(Member(tuple(Segment(tuple(ids), None if lps is None else tuple(float(x) for x in lps), int(version))
                                      for ids, lps, version in m["segments"]), m["finish_reason"]) for m in data["members"])
-        scalars = {k: v for k, v in data.items() if k not in ("prompt_ids", "members")}
+        scalars = {k: v for k, v in data.items() if k not in ("prompt_ids", "members", "cap")}
+        if "cap" in data:  # a checkpoint written before the cap and the budget had names of their own: the cap was both
+            scalars |= {"dispatch_cap": data["cap"], "dispatch_budget": data["cap"]}
         return cls(**scalars, prompt_ids=tuple(data["prompt_ids"]), members=members)
+
+    def chunk_grant(self, member: int, chunk_tokens: int) -> int:
+        """Tokens one engine call may add to ``member``: a chunk of ``chunk_tokens``
+        (``rollout.partial_chunk_tokens``), at most what is left of the dispatch cap."""
+        return min(chunk_tokens, self.members[member].tokens_left(self.dispatch_cap))
 
 
 TRAINED, DROPPED, QUEUED, IN_FLIGHT = "trained", "dropped", "queued", "in_flight"

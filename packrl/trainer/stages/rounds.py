@@ -1,13 +1,8 @@
-"""Where a step's scored rollout comes from: one generation round, or dynamic sampling.
+"""The ``sync`` rollout mode: every step generates its batch whole, in one generation round or, with
+``algorithm.filter_groups.enable``, in dynamic sampling's rounds.
 
-The loop calls one stage, ``sample(sampling, timing, spans, step) -> (rollout, scored, metrics)``,
-and `sampling_stage` picks it from ``trainer.rollout_mode`` and ``algorithm.filter_groups.enable``:
-
-- ``colocate_async``: `packrl.trainer.partial_rollout.PartialRolloutStage` (partial rollouts
-  carried across steps; its pool and ledger are checkpointed through the stage's `state_dict`);
-
-- off: `one_round` draws ``data.batch_size`` prompts, generates and scores them (no metrics);
-- on: `dynamic_sampling` (DAPO, Yu et al. 2025, arXiv 2503.14476, "dynamic sampling"; verl's
+- `one_round` draws ``data.batch_size`` prompts, generates and scores them (no metrics);
+- `dynamic_sampling` (DAPO, Yu et al. 2025, arXiv 2503.14476, "dynamic sampling"; verl's
   ``algorithm.filter_groups``) repeats rounds, keeps the groups whose values
   (``algorithm.filter_groups.metric``) are not all equal and stops when ``data.batch_size`` are
   kept or after ``max_num_gen_batches`` rounds.
@@ -29,38 +24,23 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from packrl.config.schema import FilterGroupsConfig, RunConfig
 from packrl.data.dataset import PromptSampler
 from packrl.diagnostics.timers import Span, stage_timer
+from packrl.distributed.group import WorkerGroup
+from packrl.registry import ROLLOUT_MODES
 from packrl.reward.score import score_rollout
 from packrl.rollout.engine import SamplingParams
-from packrl.trainer.partial_rollout import PartialRolloutStage
-from packrl.trainer.separate_rollout import SeparateRolloutStage
-from packrl.types import PromptBatch, RolloutBatch, ScoredBatch
+from packrl.trainer.stages.base import Sampled, SamplingStage, StageContext, no_carried_state
+from packrl.types import PromptBatch, ScoredBatch
 
 logger = logging.getLogger(__name__)
 
-Sampled = tuple[RolloutBatch, ScoredBatch, dict[str, float]]
-"""(rollout, scored rollout, ``train/*`` sampling metrics) of one step; ``scored.rollout is rollout``."""
-
-
-class SamplingStage(Protocol):
-    def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int) -> Sampled:
-        """Step ``step``'s scored rollout; generation and scoring time add to ``timing["gen"]`` and ``timing["reward"]``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the stage carries between steps (JSON-serialisable; saved with each checkpoint)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict` on resume."""
-
-    def close(self) -> None:
-        """Release what the stage holds (rollout workers of its own)."""
+Round = Callable[[SamplingParams, dict[str, float], list[Span], int], Sampled]
 
 
 @dataclass(frozen=True)
@@ -68,58 +48,40 @@ class Rounds:
     """A stage of whole generation rounds (`one_round`, `dynamic_sampling`): nothing is carried
     between steps, so it has no state."""
 
-    rounds: Callable[[SamplingParams, dict[str, float], list[Span]], Sampled]
+    rounds: Round
 
     def __call__(self, sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int = 0) -> Sampled:
-        return self.rounds(sampling, timing, spans)
+        return self.rounds(sampling, timing, spans, step)
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to restore; a checkpoint of an async run that carries groups or drawn prompts
-        is refused (this mode would never train them).
-
-        Raises:
-            ValueError: ``state`` carries partial groups or drawn prompts.
-        """
-        if state.get("pool") or state.get("queue"):
-            raise ValueError(f"the checkpoint carries {len(state.get('pool', []))} partial prompt groups and "
-                             f"{len(state.get('queue', []))} drawn prompts of a partial-rollout run, which "
-                             "trainer.rollout_mode=sync would never train; resume with the trainer.rollout_mode it was "
-                             "trained with (colocate_async or separate_async)")
+        is refused (this mode would never train them, `no_carried_state`)."""
+        no_carried_state(state, "sync")
 
     def close(self) -> None:
         """Nothing to release."""
 
 
-def sampling_stage(cfg: RunConfig, sampler: PromptSampler, workers: Any, run_dir: Path | None = None) -> SamplingStage:
-    """The step's sampling stage, chosen by ``trainer.rollout_mode`` and ``algorithm.filter_groups.enable``.
-
-    Args:
-        cfg: the run's config.
-        sampler: the run's prompt sampler (every round draws from it).
-        workers: the worker group (``generate``, ``tokenizer``, ``plan``: a `BatchPlan`).
-        run_dir: RUN_DIR (``separate_async`` starts its rollout workers' Ray there when none runs).
-    """
-    if cfg.trainer.rollout_mode == "colocate_async":
-        return PartialRolloutStage(cfg, sampler, workers)
-    if cfg.trainer.rollout_mode == "separate_async":
-        return SeparateRolloutStage(cfg, sampler, workers, run_dir or Path(cfg.train.out_dir or "."))
-    if cfg.algorithm.filter_groups.enable:
-        return Rounds(partial(dynamic_sampling, cfg=cfg, sampler=sampler, workers=workers))
-    return Rounds(partial(one_round, cfg=cfg, sampler=sampler, workers=workers))
+@ROLLOUT_MODES.register("sync")
+def sync_stage(context: StageContext) -> SamplingStage:
+    """The ``sync`` mode: `dynamic_sampling` with ``algorithm.filter_groups.enable``, else `one_round`."""
+    cfg = context.cfg
+    rounds = dynamic_sampling if cfg.algorithm.filter_groups.enable else one_round
+    return Rounds(partial(rounds, cfg=cfg, sampler=context.sampler, workers=context.workers))
 
 
-def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], *,
-              cfg: RunConfig, sampler: PromptSampler, workers: Any) -> Sampled:
-    """``data.batch_size`` prompts from ``sampler``, generated and scored; the overlong ramp ends at
-    the step's response budget (``sampling.max_response_tokens``). No metrics."""
+def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
+              cfg: RunConfig, sampler: PromptSampler, workers: WorkerGroup) -> Sampled:
+    """``data.batch_size`` prompts from ``sampler``, generated and scored: every response's budget
+    is the step's (``sampling.max_response_tokens``), where the overlong ramp ends. No metrics."""
     prompts = sampler.next_batch()
     with stage_timer(timing, "gen", spans):
         rollout = workers.generate(prompts, sampling)
     with stage_timer(timing, "reward", spans):
-        scored = score_rollout(rollout, workers.tokenizer, cfg.reward, sampling.max_response_tokens)  # the step's budget
+        scored = score_rollout(rollout, workers.tokenizer, cfg.reward, sampling.max_response_tokens, step=step)
     return rollout, scored, {}
 
 
@@ -153,8 +115,8 @@ class FillCounts:
         }
 
 
-def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], *,
-                     cfg: RunConfig, sampler: PromptSampler, workers: Any) -> Sampled:
+def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
+                     cfg: RunConfig, sampler: PromptSampler, workers: WorkerGroup) -> Sampled:
     """Rounds of `one_round` until ``data.batch_size`` groups with variance are kept, at most
     ``algorithm.filter_groups.max_num_gen_batches`` rounds (DAPO's dynamic sampling, arXiv 2503.14476).
 
@@ -175,7 +137,7 @@ def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: 
     num_kept = num_rounds = num_generated = 0
     scores: list[torch.Tensor] = []
     while num_kept < want and num_rounds < fg.max_num_gen_batches:
-        _, scored, _ = one_round(sampling, timing, spans, cfg=cfg, sampler=sampler, workers=workers)
+        _, scored, _ = one_round(sampling, timing, spans, step, cfg=cfg, sampler=sampler, workers=workers)
         keep = groups_with_variance(filter_values(scored, fg), scored.rollout.group_size)
         kept.append(select_groups(scored, keep))
         num_rounds, num_kept = num_rounds + 1, num_kept + len(keep)

@@ -1,0 +1,138 @@
+"""What each built-in rollout mode (``trainer.rollout_mode``, `packrl.registry.ROLLOUT_MODES`)
+declares about itself and the config checks it registers, from the config alone (no torch).
+
+A mode is a sampling stage registered by name (`packrl.trainer.stages`). What the rest of the
+house must know about a mode without building it (whether its responses are generated across
+steps, whether it runs rollout workers of its own) is its `RolloutModeInfo`; its settings are
+checked by its own registered check, so a new mode is one module plus its registration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from packrl.errors import ConfigProblem
+
+if TYPE_CHECKING:
+    from packrl.config.schema import RunConfig
+
+ASYNC_KEYS = ("over_provision", "max_staleness", "stale_groups", "partial_chunk_tokens")
+"""The ``rollout`` keys of the partial-rollout modes: prompt groups carried across steps."""
+
+
+@dataclass(frozen=True)
+class RolloutModeInfo:
+    """What a rollout mode declares with its registration (``ROLLOUT_MODES.register(name, info=...)``).
+
+    Attributes:
+        carries_groups: responses are generated across steps (partial rollouts): their tokens
+            carry the version that sampled them, the old-log-prob pass runs to weight them, and a
+            checkpoint holds the groups in flight.
+        rollout_workers: it generates on ``trainer.num_rollout_workers`` processes of its own
+            (Ray actors), not on the training workers.
+    """
+
+    carries_groups: bool = False
+    rollout_workers: bool = False
+
+
+SYNC = RolloutModeInfo()
+COLOCATE_ASYNC = RolloutModeInfo(carries_groups=True)
+SEPARATE_ASYNC = RolloutModeInfo(carries_groups=True, rollout_workers=True)
+
+
+def mode_info(name: str) -> RolloutModeInfo:
+    """The `RolloutModeInfo` of ``trainer.rollout_mode=name`` (a mode that declared none: `SYNC`'s).
+
+    Raises:
+        ValueError: ``name`` is not a registered rollout mode.
+    """
+    from packrl.registry import ROLLOUT_MODES
+
+    info = ROLLOUT_MODES.info(name)
+    return info if isinstance(info, RolloutModeInfo) else SYNC
+
+
+def sync_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """``trainer.rollout_mode=sync``: the partial-rollout keys and the behaviour-weight cap have no effect."""
+    r, defaults = cfg.rollout, type(cfg.rollout)()
+    out = _rollout_workers(cfg)
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is None and rc.rollout_is_threshold != 2.0:
+        key = "algorithm.rollout_correction.rollout_is_threshold"
+        out.append(ConfigProblem(key, rc.rollout_is_threshold, "has no effect: algorithm.rollout_correction.rollout_is is null "
+                                 "(it also caps the behaviour weights of carried tokens under trainer.rollout_mode=colocate_async)",
+                                 f"set algorithm.rollout_correction.rollout_is=token or remove {key}",
+                                 keys=(key, "algorithm.rollout_correction.rollout_is", "trainer.rollout_mode")))
+    return out + [ConfigProblem(f"rollout.{k}", getattr(r, k), "has no effect: trainer.rollout_mode=sync",
+                                f"set trainer.rollout_mode=colocate_async (or separate_async), or remove rollout.{k}",
+                                keys=(f"rollout.{k}", "trainer.rollout_mode"))
+                  for k in ASYNC_KEYS if getattr(r, k) != getattr(defaults, k)]
+
+
+def colocate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """``trainer.rollout_mode=colocate_async``: over-provisioning to cut the tail with (at most a
+    batch, so the groups at the staleness bound always fit the next batch), one-turn rollouts and
+    no dynamic sampling (not built for carried groups)."""
+    out = _rollout_workers(cfg) + _partial_problems(cfg)
+    r = cfg.rollout
+    if r.engine == "hf" and cfg.trainer.num_workers == 1 and r.partial_chunk_tokens != 64:
+        out.append(ConfigProblem("rollout.partial_chunk_tokens", r.partial_chunk_tokens,
+                                 "has no effect: the hf engine on one rank generates a step in one call stopped between decode "
+                                 "rounds (chunks serve other engines, several ranks and separate_async)",
+                                 "remove rollout.partial_chunk_tokens",
+                                 keys=("rollout.partial_chunk_tokens", "rollout.engine", "trainer.num_workers", "trainer.rollout_mode")))
+    return out
+
+
+def separate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """``trainer.rollout_mode=separate_async``: the partial-rollout rules, rollout workers to run
+    and a staleness bound of at least 2 (every token is already one update old)."""
+    out = _partial_problems(cfg)
+    if cfg.trainer.num_rollout_workers < 1:
+        out.append(ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers, "must be >= 1",
+                                 "set trainer.num_rollout_workers=1"))
+    if cfg.rollout.max_staleness < 2:
+        out.append(ConfigProblem("rollout.max_staleness", cfg.rollout.max_staleness,
+                                 "must be >= 2 under trainer.rollout_mode=separate_async: every token is already one update old "
+                                 "(generated during the previous update), so a carried group needs one step more",
+                                 "set rollout.max_staleness=2", keys=("rollout.max_staleness", "trainer.rollout_mode")))
+    return out
+
+
+def _rollout_workers(cfg: RunConfig) -> list[ConfigProblem]:
+    """``trainer.num_rollout_workers`` in a mode without rollout workers of its own."""
+    if cfg.trainer.num_rollout_workers == 1:
+        return []
+    mode = cfg.trainer.rollout_mode
+    return [ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers, f"has no effect: trainer.rollout_mode={mode} "
+                          "runs no rollout workers of its own", "set trainer.rollout_mode=separate_async or remove it",
+                          keys=("trainer.num_rollout_workers", "trainer.rollout_mode"))]
+
+
+def _partial_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """What the partial-rollout modes share: over-provisioning within a batch, one-turn rollouts,
+    no dynamic sampling."""
+    r, mode, out = cfg.rollout, cfg.trainer.rollout_mode, []
+    if r.over_provision is not None and not 1 <= r.over_provision <= cfg.data.batch_size:
+        out.append(ConfigProblem("rollout.over_provision", r.over_provision,
+                                 f"must be in [1, data.batch_size={cfg.data.batch_size}] under trainer.rollout_mode={mode} "
+                                 "(0 cuts nothing; more than a batch could leave groups at the staleness bound that no batch holds)",
+                                 f"set rollout.over_provision={default_over_provision(cfg.data.batch_size)}, null (a quarter of the "
+                                 "batch) or trainer.rollout_mode=sync",
+                                 keys=("rollout.over_provision", "data.batch_size", "trainer.rollout_mode")))
+    if r.multi_turn.tools:
+        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not carry multi-turn trajectories across steps yet",
+                                 "set trainer.rollout_mode=sync or rollout.multi_turn.tools=[]",
+                                 keys=("trainer.rollout_mode", "rollout.multi_turn.tools")))
+    if cfg.algorithm.filter_groups.enable:
+        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not combine with dynamic sampling yet",
+                                 "set trainer.rollout_mode=sync or algorithm.filter_groups.enable=false",
+                                 keys=("trainer.rollout_mode", "algorithm.filter_groups.enable")))
+    return out
+
+
+def default_over_provision(batch_size: int) -> int:
+    """``rollout.over_provision=null``: a quarter of the batch, at least one group."""
+    return max(1, batch_size // 4)
