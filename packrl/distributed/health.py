@@ -129,8 +129,8 @@ _KIND_WORDS = {
 
 def lost_from_error(record: ActorRecord, err: Exception, stage: str) -> WorkerLost:
     """`WorkerLost` from Ray's ``RayActorError``, its kind read from Ray's message (Ray 2.x's
-    words: ``killed by `ray.kill```, ``node has died``, ``low on memory`` from Ray's memory
-    monitor, ``exit code``); a process that vanished is ``process_died``."""
+    words: ``killed by `ray.kill```, ``node has died``, ``running low on memory`` / ``memory
+    pressure`` from Ray's memory monitor, ``exit code``); a process that vanished is ``process_died``."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line and line.split(":", 1)[0] in _FIELDS)
     said = " ".join(line for line in lines[1:] if line.split(":", 1)[0] not in _FIELDS)
@@ -139,7 +139,7 @@ def lost_from_error(record: ActorRecord, err: Exception, stage: str) -> WorkerLo
         kind = "killed"
     elif "node has died" in text or "node died" in text:
         kind = "node_lost"
-    elif "low on memory" in text:
+    elif "low on memory" in text or "memory pressure" in text:
         kind = "oom"
     elif re.search(r"exit code \d+", text) and "unexpectedly" not in text:
         kind = "exited"
@@ -180,7 +180,7 @@ def wait_all(refs: Sequence[Any], holders: Sequence[ActorRecord], stage: str) ->
         Exception: a call's own exception.
     """
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
@@ -197,6 +197,8 @@ def wait_all(refs: Sequence[Any], holders: Sequence[ActorRecord], stage: str) ->
                 if err.actor_init_failed:
                     raise RuntimeError(f"{holders[i].role} could not start: {err}") from None
                 raise lost_from_error(holders[i], err, stage) from None
+            except OutOfMemoryError as err:  # Ray's memory monitor killed the call's worker
+                raise WorkerLost(holders[i], stage, "oom", str(err)[:600]) from None
             except RayTaskError as err:
                 if failure is None:
                     failure, deadline = (i, err), time.monotonic() + GRACE_S
