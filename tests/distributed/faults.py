@@ -6,8 +6,9 @@ bench/bench_faults.py).
   own (Ray's Unix socket paths hold 107 bytes), stopped on exit.
 - `fault_plugin`: a ``trainer.plugins`` file that SIGKILLs its own process at a named point of
   the product's code (inside a checkpoint write on a rank, inside a weight sync on a rollout
-  worker), once per run: the product has no fault hook of its own; the plugin wraps the function
-  where the fault should land, in the processes that import it (every rank and rollout worker).
+  worker) once the injector arms it: the product has no fault hook of its own; the plugin wraps
+  the function where the fault should land, in the processes that import it (every rank and
+  rollout worker).
 - `Injector`: a thread that watches RUN_DIR while `packrl.trainer.loop.train` runs in the main
   thread and, when a fault's condition holds, kills a rank's process (its pid from
   ``RUN_DIR/workers.json``), kills a rollout worker with ``ray.kill`` (its name from
@@ -29,25 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PLUGIN = '''"""Fault injection for the recovery tests: SIGKILL this process at {point!r}, once per run."""
+PLUGIN = '''"""Fault injection: SIGKILL this process at {point!r} once the injector has armed it."""
 import json
 import os
 import signal
 import time
 
-_SPEC = {spec!r}
-_calls = [0]
-
-
-def _fire():
-    """Kill this process, once per run (the marker file is created atomically by the first)."""
-    try:
-        fd = os.open(_SPEC["fired"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return
-    os.write(fd, json.dumps({{"pid": os.getpid(), "time": time.time()}}).encode())
-    os.close(fd)
-    os.kill(os.getpid(), signal.SIGKILL)
+_ARM, _FIRED = {arm!r}, {fired!r}
 
 
 def _in_actor():
@@ -56,50 +45,73 @@ def _in_actor():
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
-def _due():
-    _calls[0] += 1
-    return _calls[0] >= _SPEC["at_call"]
+def _fire():
+    """Kill this process if the fault is armed; the first process to take the arm file (an atomic
+    rename) is the only one killed, and leaves when and where it died."""
+    record = os.path.join(_FIRED, f"{{time.time_ns()}}-{{os.getpid()}}.json")
+    try:
+        os.rename(_ARM, record)
+    except FileNotFoundError:
+        return
+    with open(record, "w") as f:
+        json.dump({{"pid": os.getpid(), "time": time.time()}}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if not _in_actor():
     pass  # the controller imports plugins too (and Ray ships the actor classes from there): nothing is wrapped there
-elif _SPEC["point"] == "checkpoint_write":
+elif {point!r} == "checkpoint_write":
     import packrl.worker.checkpoint as _checkpoint
 
     _fsync_tree = _checkpoint.fsync_tree
 
     def _fsync_then_die(path):  # the files are written, the folder not yet renamed to step_N
         _fsync_tree(path)
-        if _due():
-            _fire()
+        _fire()
 
     _checkpoint.fsync_tree = _fsync_then_die
-elif _SPEC["point"] == "weight_sync":  # the engine's class: Ray binds an actor's own methods when it starts
+elif {point!r} == "weight_sync":  # the engine's class: Ray binds an actor's own methods when it starts
     from packrl.rollout.hf_engine import HFEngine
 
     _load_weights = HFEngine.load_weights
 
     def _die_while_loading(self, weights):
-        if _due():
-            _fire()
+        _fire()
         return _load_weights(self, weights)
 
     HFEngine.load_weights = _die_while_loading
 '''
 
 
-def fault_plugin(folder: Path, point: str, at_call: int) -> tuple[Path, Path]:
-    """A plugin file that SIGKILLs the actor process reaching ``point`` (``checkpoint_write``: a
-    rank's ``fsync_tree`` of a checkpoint's temporary folder; ``weight_sync``: a rollout worker's
-    HF engine loading the weights a sync pushed) for the ``at_call``-th time in that process, once
-    per run. Returns the
-    plugin's path and the marker file it writes when it fires (JSON: pid, time)."""
+@dataclass(frozen=True)
+class Plugin:
+    """A ``trainer.plugins`` file that kills the actor process reaching its point once armed."""
+
+    path: Path
+    arm_file: Path
+    fired_dir: Path
+
+    def arm(self, run_dir: Path | None = None) -> bool:
+        """The next actor process to reach the point dies (an action for `Fault`)."""
+        self.arm_file.write_text("armed")
+        return True
+
+    def fired(self) -> list[dict]:
+        """``{"pid", "time"}`` of every process it killed, in order."""
+        return [json.loads(p.read_text()) for p in sorted(self.fired_dir.glob("*.json"))]
+
+
+def fault_plugin(folder: Path, point: str) -> Plugin:
+    """A plugin that SIGKILLs the actor process reaching ``point`` once armed (`Plugin.arm`):
+    ``checkpoint_write``: a rank's ``fsync_tree`` of a checkpoint's temporary folder (the files
+    written, the folder not yet renamed); ``weight_sync``: a rollout worker's HF engine about to
+    load the weights a sync pushed. Each arming kills one process."""
     assert point in ("checkpoint_write", "weight_sync"), point
-    folder.mkdir(parents=True, exist_ok=True)
-    fired = folder / f"fired-{point}.json"
-    path = folder / f"fault_{point}.py"
-    path.write_text(PLUGIN.format(point=point, spec={"point": point, "at_call": at_call, "fired": str(fired)}))
-    return path, fired
+    fired = folder / f"fired-{point}"
+    fired.mkdir(parents=True, exist_ok=True)
+    plugin = Plugin(folder / f"fault_{point}.py", folder / f"armed-{point}", fired)
+    plugin.path.write_text(PLUGIN.format(point=point, arm=str(plugin.arm_file), fired=str(fired)))
+    return plugin
 
 
 @dataclass

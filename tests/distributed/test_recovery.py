@@ -90,18 +90,18 @@ def _assert_restarts(run_dir, expected: list[tuple[str, str]]):
 
 def test_a_killed_rank_a_kill_inside_a_checkpoint_write_and_a_lost_node_are_recovered(tmp_path, model_dir, full_cluster):
     """2 ranks spread over the nodes: rank 1's process killed with SIGKILL after step 1; rank 0
-    killed inside its second checkpoint write of an attempt (a `.tmp-step_N` left, never resumed
-    from); then the node of rank 1 removed. The run ends as a run never interrupted."""
+    killed inside the next checkpoint write after the first restart (a `.tmp-step_N` left, never
+    resumed from); then the node of rank 1 removed. The run ends as a run never interrupted."""
     straight = _train(tmp_path / "straight", model_dir, *SYNC)  # one process: the same training as 2 ranks (LAYOUT)
-    plugin, fired = fault_plugin(tmp_path / "plugins", "checkpoint_write", at_call=2)
-    faults = [Fault("kill rank 1", after_step(1, restarts=None), kill_rank(1)),
-              Fault("remove the node of rank 1", after_step(1, restarts=2),
-                    remove_node_of(full_cluster, "workers.json", "rank 1"))]
+    plugin = fault_plugin(tmp_path / "plugins", "checkpoint_write")
+    faults = [Fault("kill rank 1", after_step(1), kill_rank(1)),
+              Fault("kill inside the next checkpoint write", after_step(1, restarts=1), plugin.arm),
+              Fault("remove the node of rank 1", after_step(1, restarts=2), remove_node_of(full_cluster, "workers.json", "rank 1"))]
     out = tmp_path / "recovered"
     with Injector(out, faults) as injector:
         _train(out, model_dir, *SYNC, "trainer.num_workers=2", f"trainer.ray_address={full_cluster.address}",
-               "trainer.placement=spread", "trainer.max_restarts=3", "trainer.restart_wait_s=60", f"trainer.plugins=[{plugin}]")
-    assert all(f.done_at for f in faults) and fired.is_file(), injector.errors
+               "trainer.placement=spread", "trainer.max_restarts=3", "trainer.restart_wait_s=60", f"trainer.plugins=[{plugin.path}]")
+    assert all(f.done_at for f in faults) and len(plugin.fired()) == 1, injector.errors
     lines = _assert_restarts(out, [("rank 1", "process_died"), ("rank 0", "process_died"), ("rank 1", "node_lost")])
     assert any(line["failed"]["stage"] == "save_checkpoint" and line["failed"]["role"] == "rank 0" for line in lines)
     _assert_trained_as(straight, out, 8)
@@ -109,18 +109,19 @@ def test_a_killed_rank_a_kill_inside_a_checkpoint_write_and_a_lost_node_are_reco
 
 def test_a_killed_rollout_worker_a_kill_inside_a_weight_sync_and_a_lost_node_are_recovered(tmp_path, model_dir, full_cluster):
     """separate_async with one rollout worker: killed with ray.kill after step 1, killed inside
-    its third weight load of an attempt, then its node removed. The ledger and the weights end
-    as in the run never interrupted."""
+    the next weight sync after the first restart, then its node removed. The ledger and the
+    weights end as in the run never interrupted."""
     address = f"trainer.ray_address={full_cluster.address}"
     straight = _train(tmp_path / "straight", model_dir, *SEPARATE, address)
-    plugin, fired = fault_plugin(tmp_path / "plugins", "weight_sync", at_call=3)
-    faults = [Fault("ray.kill the rollout worker", after_step(1, restarts=None), kill_rollout_worker(0)),
+    plugin = fault_plugin(tmp_path / "plugins", "weight_sync")
+    faults = [Fault("ray.kill the rollout worker", after_step(1), kill_rollout_worker(0)),
+              Fault("kill inside the next weight sync", after_step(1, restarts=1), plugin.arm),
               Fault("remove the node of the rollout worker", after_step(1, restarts=2),
                     remove_node_of(full_cluster, "rollout_workers.json", "rollout worker 0"))]
     out = tmp_path / "recovered"
     with Injector(out, faults) as injector:
-        _train(out, model_dir, *SEPARATE, address, "trainer.max_restarts=3", f"trainer.plugins=[{plugin}]")
-    assert all(f.done_at for f in faults) and fired.is_file(), injector.errors
+        _train(out, model_dir, *SEPARATE, address, "trainer.max_restarts=3", f"trainer.plugins=[{plugin.path}]")
+    assert all(f.done_at for f in faults) and len(plugin.fired()) == 1, injector.errors
     lines = _assert_restarts(out, [("rollout worker 0", "killed"), ("rollout worker 0", "process_died"),
                                    ("rollout worker 0", "node_lost")])
     assert any(line["failed"]["stage"] == "weight sync" for line in lines)
