@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from bench.common import emit, sample_lengths
+from packrl.models.image_inputs import ImageInputs
 from packrl.models.logprobs import pack_logprobs
 from packrl.seqlen.microbatch import plan_microbatches
 from packrl.seqlen.packing import pack_sequences
-from packrl.types import ImageInputs
 
 IMAGE_SIDES = ((112, 112), (224, 224), (336, 224), (448, 336), (224, 448))
 """(width, height) pixels of the images a prompt draws from: 16, 64, 96, 192 and 128 image tokens."""
@@ -114,7 +114,7 @@ def padded_vision_step(model, seqs: list[torch.Tensor], images: list[ImageInputs
 
 def packed_vision_step(model, seqs: list[torch.Tensor], images: list[ImageInputs | None], max_tokens: int, chunk_tokens: int):
     plan = plan_microbatches([len(s) for s in seqs], max_tokens)
-    packs = [pack_sequences([seqs[i] for i in mb], indices=mb, images=[images[i] for i in mb]) for mb in plan.microbatches if mb]
+    packs = [pack_sequences([seqs[i] for i in mb], indices=mb, extra_inputs=[images[i] for i in mb]) for mb in plan.microbatches if mb]
 
     def step() -> tuple[float, int, int]:
         total, positions = 0.0, 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -21,49 +21,35 @@ FINISH_REASONS: tuple[str, ...] = ("eos", "stop", "length", "context", "abort")
 TRUNCATED_REASONS: frozenset[str] = frozenset({"length", "context"})
 
 
-@dataclass(frozen=True)
-class ImageInputs:
-    """One prompt's images as its model's processor produced them (Qwen2-VL layout).
-
-    Attributes:
-        pixel_values: every image's patches in order. Shape [Np, D], float32.
-        image_grid_thw: per image, its patch grid (temporal, height, width) before the spatial
-            merge. Shape [n, 3], int64; ``Np = sum(t*h*w)``.
-        merge_size: the spatial merge (2 for Qwen2-VL): an image gives ``t*h*w / merge^2``
-            placeholder tokens.
+class ExtraInputs(Protocol):
+    """A prompt's model inputs beyond its token ids: what a modality adds to a prompt, carried by
+    `PromptBatch.extra_inputs` with its ids into the engine and the packs
+    (`packrl.seqlen.packing.Pack.extra_inputs`). The batches, the planner and the packs read
+    only what this protocol states; the modality's own module reads the rest (a
+    vision-language prompt's images: `packrl.models.image_inputs.ImageInputs`). The prompt's ids
+    hold ``num_tokens`` placeholder tokens for them, expanded, so every token budget counts them.
     """
-
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
-    merge_size: int = 2
-
-    def __post_init__(self) -> None:
-        patches = int(self.image_grid_thw.prod(dim=-1).sum()) if self.image_grid_thw.numel() else 0
-        if self.image_grid_thw.dim() != 2 or self.image_grid_thw.shape[-1] != 3 or patches != self.pixel_values.shape[0]:
-            raise ValueError(f"ImageInputs: image_grid_thw {tuple(self.image_grid_thw.shape)} gives {patches} patches but "
-                             f"pixel_values has {self.pixel_values.shape[0]} rows; the processor's outputs must be kept together")
-
-    @property
-    def num_images(self) -> int:
-        return int(self.image_grid_thw.shape[0])
-
-    @property
-    def num_patches(self) -> int:
-        """Vision-encoder patches (rows of ``pixel_values``): what the encoder's activations and
-        its attention scale with."""
-        return int(self.pixel_values.shape[0])
-
-    def tokens_per_image(self) -> list[int]:
-        """Language-model placeholder tokens of each image: ``t*h*w / merge^2``."""
-        return [int(n) // self.merge_size ** 2 for n in self.image_grid_thw.prod(dim=-1).tolist()]
 
     @property
     def num_tokens(self) -> int:
-        """Placeholder tokens of all images (the prompt holds exactly these)."""
-        return sum(self.tokens_per_image())
+        """Placeholder tokens of the prompt's ids that stand for these inputs."""
+        ...
 
-    def to(self, device: torch.device | str) -> ImageInputs:
-        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device), self.merge_size)
+    def grouped_loads(self) -> dict[str, int]:
+        """Load name -> this prompt's load against the grouped cap of that name
+        (`packrl.seqlen.microbatch.CapLimit.name`), counted once per micro-batch however many of
+        the prompt's responses it holds; empty: none."""
+        ...
+
+    def to(self, device: torch.device | str) -> ExtraInputs:
+        """The inputs on ``device``."""
+        ...
+
+    @classmethod
+    def batch_metrics(cls, inputs: Sequence[ExtraInputs | None], prompt_lengths: Sequence[int]) -> dict[str, float]:
+        """A rollout's metrics of these inputs (``prompt_length/*``): ``inputs`` per prompt (None
+        for a prompt without), ``prompt_lengths`` its tokens."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -76,12 +62,15 @@ class PromptBatch:
         data_sources: reward dispatch key of each prompt (e.g. ``"openai/gsm8k"``).
         rows: index of each prompt's row in its dataset.
         prompt_truncated: True where the prompt policy shortened the prompt.
-        images: each prompt's images (`ImageInputs`; None for a text prompt), whose placeholder
-            tokens ``prompt_ids`` holds expanded; None = a text batch.
+        extra_inputs: each prompt's inputs beyond its ids (`ExtraInputs`, e.g. its images; None
+            for a text prompt), whose placeholder tokens ``prompt_ids`` holds expanded; None = a
+            text batch.
         response_budgets: the response budget each prompt's responses were sampled under, in
             tokens, where it differs from the step's: a partial-rollout group dispatched at an
             earlier step of a length curriculum keeps its dispatching step's
             (`packrl.trainer.stages.pool.RolloutGroup.dispatch_budget`); None = the step's budget.
+        length_targets: the response length each prompt asks for, in tokens (``data.length_target``:
+            written into the prompt, read by the ``target_length`` objective); None = no targets.
     """
 
     prompt_ids: tuple[tuple[int, ...], ...]
@@ -89,8 +78,9 @@ class PromptBatch:
     data_sources: tuple[str, ...]
     rows: tuple[int, ...]
     prompt_truncated: tuple[bool, ...]
-    images: tuple[ImageInputs | None, ...] | None = None
+    extra_inputs: tuple[ExtraInputs | None, ...] | None = None
     response_budgets: tuple[int, ...] | None = None
+    length_targets: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -103,19 +93,21 @@ class PromptBatch:
 
     @staticmethod
     def concat(parts: Sequence[PromptBatch]) -> PromptBatch:
-        """``parts`` one after the other; images are kept when any part has them.
+        """``parts`` one after the other; extra inputs are kept when any part has them.
 
         Raises:
-            ValueError: some parts have response budgets and others do not.
+            ValueError: some parts have response budgets (or length targets) and others do not.
         """
+        optional = ("extra_inputs", "response_budgets", "length_targets")
         values: dict[str, Any] = {f.name: tuple(v for p in parts for v in getattr(p, f.name)) for f in fields(PromptBatch)
-                                  if f.name not in ("images", "response_budgets")}
-        has_images = any(p.images is not None for p in parts)
-        values["images"] = tuple(x for p in parts for x in (p.images or (None,) * len(p))) if has_images else None
-        budgets = [p.response_budgets is not None for p in parts]
-        if any(budgets) and not all(budgets):
-            raise ValueError("PromptBatch.concat: some parts carry response budgets and others do not; give every part its budgets")
-        values["response_budgets"] = tuple(b for p in parts for b in (p.response_budgets or ())) if all(budgets) and parts else None
+                                  if f.name not in optional}
+        has_extra = any(p.extra_inputs is not None for p in parts)
+        values["extra_inputs"] = tuple(x for p in parts for x in (p.extra_inputs or (None,) * len(p))) if has_extra else None
+        for name in optional[1:]:
+            given = [getattr(p, name) is not None for p in parts]
+            if any(given) and not all(given):
+                raise ValueError(f"PromptBatch.concat: some parts carry {name} and others do not; give every part its {name}")
+            values[name] = tuple(v for p in parts for v in getattr(p, name)) if parts and all(given) else None
         return PromptBatch(**values)
 
 
@@ -193,6 +185,9 @@ class Response:
         token_versions: the policy version (training step) that sampled each token, ``[R_i]``
             int, for a response generated across steps (`packrl.trainer.stages.pool`); None = every
             token was sampled by the policy of the step that trains it.
+        forced_span: ``(start, stop)`` token positions of the end-of-thinking text appended when
+            the thinking budget ran out (`packrl.rollout.thinking`): in the response, not sampled by
+            the policy (``response_mask`` False there); None = nothing forced.
 
     Raises:
         ValueError: ``rollout_logprobs``, ``response_mask`` or ``token_versions`` does not have
@@ -205,6 +200,7 @@ class Response:
     response_mask: tuple[bool, ...] | None = None
     trajectory: Trajectory | None = None
     token_versions: tuple[int, ...] | None = None
+    forced_span: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("rollout_logprobs", "response_mask", "token_versions"):
@@ -220,6 +216,12 @@ class Response:
             if len(starts) != len(spans) or any(not 0 <= c <= s for c, (s, _) in zip(starts, spans)) or list(starts) != sorted(starts):
                 raise ValueError(f"Response.trajectory.context_starts={starts} do not fit its turns at {spans}: give one "
                                  "non-decreasing offset per assistant turn, at most the turn's start")
+        if self.forced_span is not None:
+            start, stop = self.forced_span
+            mask = self.response_mask
+            if not 0 <= start < stop <= len(self.response_ids) or mask is None or any(mask[start:stop]):
+                raise ValueError(f"Response.forced_span={self.forced_span} must lie within the {len(self.response_ids)} tokens "
+                                 "and be False in response_mask (forced tokens are not the policy's)")
 
     @property
     def truncated(self) -> bool:
@@ -240,6 +242,10 @@ class Response:
         """The ids of each stretch the policy wrote (its turns), in order; the whole response
         for a single turn."""
         return [ids for role, ids in self.segments() if role == "assistant"]
+
+    def forced_tokens(self) -> int:
+        """Tokens appended to the response without being sampled (`forced_span`), 0 when none."""
+        return 0 if self.forced_span is None else self.forced_span[1] - self.forced_span[0]
 
     def generated_mask(self) -> torch.Tensor:
         """`response_mask` as a tensor (all True when it is None). Shape [R_i], bool."""
@@ -271,9 +277,9 @@ class RolloutBatch:
     def prompt_ids_of(self, i: int) -> tuple[int, ...]:
         return self.prompts.prompt_ids[i // self.group_size]
 
-    def images_of(self, i: int) -> ImageInputs | None:
-        """The images of sequence i's prompt (None for text)."""
-        return None if self.prompts.images is None else self.prompts.images[i // self.group_size]
+    def extra_inputs_of(self, i: int) -> ExtraInputs | None:
+        """The extra inputs of sequence i's prompt (None for text)."""
+        return None if self.prompts.extra_inputs is None else self.prompts.extra_inputs[i // self.group_size]
 
     def response_budgets(self, step_budget: int) -> tuple[int, ...]:
         """The response budget of every response, in tokens: its prompt's
@@ -285,14 +291,15 @@ class RolloutBatch:
         """T_i = P_b + R_i of every sequence, in tokens."""
         return [len(self.prompt_ids_of(i)) + len(r.response_ids) for i, r in enumerate(self.responses)]
 
-    def image_patches(self) -> tuple[list[int], list[int]] | None:
-        """Per sequence, its prompt's vision-encoder patches (`ImageInputs.num_patches`, 0 for a
-        text prompt) and an image key (its prompt's index: a group shares its images); None for
-        a text batch."""
-        if self.prompts.images is None:
-            return None
-        patches = [0 if x is None else x.num_patches for x in (self.images_of(i) for i in range(len(self.responses)))]
-        return patches, [i // self.group_size for i in range(len(self.responses))]
+    def grouped_loads(self) -> tuple[dict[str, list[int]], list[int]]:
+        """Per load name, every sequence's load (its prompt's `ExtraInputs.grouped_loads`, 0 where
+        it reports none), and every sequence's sharing key (its prompt's index: a group shares
+        its prompt's inputs): what `packrl.seqlen.update_plan.PassPlanner.grouped_caps` takes.
+        No loads for a text batch."""
+        per_prompt = [{} if x is None else x.grouped_loads() for x in self.prompts.extra_inputs or ()]
+        names = sorted({name for loads in per_prompt for name in loads})
+        loads = {name: [per_prompt[i // self.group_size].get(name, 0) for i in range(len(self.responses))] for name in names}
+        return loads, [i // self.group_size for i in range(len(self.responses))]
 
 
 @dataclass(frozen=True)
@@ -305,12 +312,22 @@ class ScoredBatch:
         parts: the shaping parts included in ``rewards`` by name, and their terms as
             ``<part>/<term>`` (`packrl.reward.shaping.shape_rewards`), each Shape [N], float32;
             reported as ``reward/<name>/mean`` metrics.
+        correct: True where a response is correct: its score reaches the reward's correct score
+            and no budget cut it (`packrl.reward.shaping.ShapingInputs.correct`). Shape [N], bool;
+            None when the reward has no notion of correct.
     """
 
     rollout: RolloutBatch
     scores: torch.Tensor
     rewards: torch.Tensor
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    correct: torch.Tensor | None = None
+
+    def indexed(self, rollout: RolloutBatch, index: torch.Tensor) -> ScoredBatch:
+        """Scores, rewards, parts and correctness at ``index`` (Shape [M], int64: positions in this
+        batch), for ``rollout``, whose M responses they now belong to."""
+        return ScoredBatch(rollout, self.scores[index], self.rewards[index], {name: v[index] for name, v in self.parts.items()},
+                           None if self.correct is None else self.correct[index])
 
 
 @dataclass(frozen=True)
@@ -351,6 +368,9 @@ class TrainBatch:
             ``PolicyLossInputs.extras`` (`packrl.algos.policy_losses`). Built in:
             ``rollout_is_weights`` (float32, `packrl.algos.rollout_correction`) and
             ``cov_selected`` (bool, `packrl.algos.cov_losses`).
+        filtered: per response, True where group filtering (GFPO, ``algorithm.group_filter``)
+            left it out of the update (its loss mask is all False, its advantage 0); None = no
+            filtering. Dumped, never dropped (`packrl.algos.group_filter`).
     """
 
     scored: ScoredBatch
@@ -362,6 +382,7 @@ class TrainBatch:
     values: tuple[torch.Tensor, ...] | None = None
     returns: tuple[torch.Tensor, ...] | None = None
     extras: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    filtered: tuple[bool, ...] | None = None
 
     @property
     def rollout(self) -> RolloutBatch:

@@ -101,9 +101,8 @@ def score_of(model, rollout, cfg, context=None, share_prompts: bool = False) -> 
     from packrl.worker.packs import PackForward
 
     planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=share_prompts), num_ranks=1)
-    patches = rollout.image_patches()
     plan = planner.scoring(rollout.sequence_lengths(), [rollout.prompt_ids_of(i) for i in range(len(rollout))],
-                           None if patches is None else planner.vision(*patches))
+                           planner.grouped_caps(*rollout.grouped_loads()))
     forward = PackForward.from_config(cfg, share_prompts)
     values = plan.restore([compute_logprobs(model, rollout, plan.ranks[0].microbatches, forward=forward,
                                            context=context or contextlib.nullcontext)])
@@ -131,10 +130,9 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
     planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=share_prompts), num_ranks=num_ranks, num_epochs=1)
     rollout = batch.rollout
     groups = groups_of(len(rollout), rollout.group_size) if groups is None else groups
-    patches = rollout.image_patches()
     update = planner.update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
                             [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=groups, units=units,
-                            vision=None if patches is None else planner.vision(*patches))
+                            caps=planner.grouped_caps(*rollout.grouped_loads()))
     loss = MicrobatchLoss.from_config(cfg, share_prompts)
     minibatch = update.minibatches[0]
     sums = ResponseSums.zeros(len(batch.rollout))

@@ -126,7 +126,7 @@ RESPONSE_LENS = [7, 3, 12, 5, 1, 9, 4, 8]
 
 def vlm_prompt(processor, sizes, text: str, seed: int = 0):
     """``(prompt_ids, ImageInputs | None)`` of a user turn with images of ``sizes`` then ``text``."""
-    from packrl.types import ImageInputs
+    from packrl.models.image_inputs import ImageInputs
 
     content = [{"type": "image", "image": image(w, h, seed + k)} for k, (w, h) in enumerate(sizes)] + [{"type": "text", "text": text}]
     out = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=True, return_dict=True,
@@ -144,6 +144,6 @@ def vlm_train_batch(processor, dtype: torch.dtype = torch.float64):
     g = torch.Generator().manual_seed(5)
     prompts = [vlm_prompt(processor, sizes, f"How many shapes? {k}", seed=10 * k) for k, sizes in enumerate(IMAGE_SIZES)]
     batch = PromptBatch(tuple(p for p, _ in prompts), ("0",) * 4, ("t",) * 4, (0, 1, 2, 3), (False,) * 4,
-                        images=tuple(x for _, x in prompts))
+                        extra_inputs=tuple(x for _, x in prompts))
     responses = tuple(Response(tuple(torch.randint(3, 1000, (n,), generator=g).tolist()), "eos") for n in RESPONSE_LENS)
     return whole_loss_batch(RolloutBatch(batch, 2, responses), g, dtype, logprob_mean=-7.0)

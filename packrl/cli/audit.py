@@ -107,7 +107,7 @@ def _files_identity(folder: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> s
 def _has_vision_tower(folder: Path) -> bool:
     """True when ``folder/config.json`` names a ``vision_config``: a read of the json alone, so a
     text model's audit imports neither torch nor the model config classes. Which processor (or
-    refusal) follows is `load_prompt_encoder`'s decision (`packrl.models.vision.is_vision_config`)."""
+    refusal) follows is `load_prompt_encoder`'s decision (`packrl.models.modality.modality_of`)."""
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # no config (tokenizer files alone) or not json: a text tokenizer

@@ -25,11 +25,85 @@ and sizes, not pixel tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
+from packrl.config.grouped_caps import PATCH_LOAD
+from packrl.config.schema import DataConfig, ImageConfig
 from packrl.data.examples import Example
 from packrl.data.images import ImageGeometry, fit_sizes, open_image
+from packrl.seqlen.microbatch import CapLimit
 from packrl.seqlen.prompt_policy import Policy, RowOutcome
+from packrl.seqlen.stats import length_percentiles
+
+if TYPE_CHECKING:
+    from packrl.models.image_inputs import ImageInputs
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """The image modality's data side (`packrl.data.prompts.ExtraRows`): rows with images through
+    a vision-language model's processor, under ``data.image.*``, ``data.max_image_tokens`` and
+    the patch cap (``train.max_vision_patches_per_microbatch``).
+
+    Attributes:
+        processor: the model's processor (``image_processor`` + ``tokenizer``).
+        image: the ``data.image`` section.
+        max_image_tokens: ``data.max_image_tokens`` (None: no bound).
+        patch_cap: the patch cap a row's images must fit (None: no bound).
+    """
+
+    processor: Any
+    image: ImageConfig
+    max_image_tokens: int | None
+    patch_cap: CapLimit | None
+
+    @cached_property
+    def geometry(self) -> ImageGeometry:
+        """How the processor sizes images (`ImageGeometry.of`), read when a row with images needs it.
+
+        Raises:
+            ValueError: a processor without Qwen2-VL-style geometry.
+        """
+        return ImageGeometry.of(self.processor, self.image)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The processor's tokenizer, which renders the text rows."""
+        return self.processor.tokenizer
+
+    def budget(self, examples: Sequence[Example], *, max_prompt_tokens: int, policy: Policy) -> list[tuple[Any, RowOutcome]]:
+        """`budget_image_examples` under these settings: per example ``(prompt, outcome)``,
+        ``prompt`` = ``(prompt_ids, sizes, num_tokens_removed)`` or None."""
+        return budget_image_examples(examples, self.processor, geometry=self.geometry, max_prompt_tokens=max_prompt_tokens,
+                                     max_image_tokens=self.max_image_tokens, max_images=self.image.max_images_per_row, policy=policy,
+                                     patch_cap=self.patch_cap)
+
+    def inputs(self, example: Example, prompt_ids: Sequence[int], sizes: Sequence[tuple[int, ...]]) -> ImageInputs:
+        """The drawn prompt's images, read and processed again at ``sizes`` (`image_inputs`)."""
+        return image_inputs(self.processor, example, prompt_ids, [(w, h) for w, h in sizes], self.geometry)
+
+    def summary(self, prompts: Sequence[tuple[Sequence[int], Sequence[tuple[int, ...]]]], key: str) -> str:
+        """A line on the prompts' text and vision tokens (image placeholders + markers, at the
+        sizes the prompts hold) and vision-encoder patches, for ``RUN_DIR/budgets.txt``
+        (``prompts``: each prompt's ids and image sizes)."""
+        geometry = self.geometry
+        vision = [sum(geometry.tokens(w, h) + geometry.extra_tokens for w, h in sizes) for _, sizes in prompts]
+        patches = [sum(geometry.tokens(w, h) for w, h in sizes) * geometry.merge ** 2 for _, sizes in prompts]
+        text = [len(ids) - v for (ids, _), v in zip(prompts, vision)]
+        v, t, n = length_percentiles(vision), length_percentiles(text), length_percentiles(patches)
+        return (f"vision ({key}): prompt tokens per prompt: text p50 {t['p50']}, max {t['max']}; vision p50 {v['p50']}, "
+                f"max {v['max']} (placeholders + markers); vision-encoder patches per prompt p50 {n['p50']}, max {n['max']}")
+
+
+def image_rows(encoder: Any, data_cfg: DataConfig, caps: Sequence[CapLimit] = ()) -> ImageRows | None:
+    """The `ImageRows` of a vision-language model's processor (one with an ``image_processor``),
+    with the ``data`` section's image settings and the patch cap among ``caps``; None for a
+    text model's tokenizer."""
+    if not hasattr(encoder, "image_processor"):
+        return None
+    return ImageRows(encoder, data_cfg.image, data_cfg.max_image_tokens, next((c for c in caps if c.name == PATCH_LOAD), None))
 
 
 def encode_images(processor: Any, chat: Sequence[dict], images: Sequence[Any], sizes: Sequence[tuple[int, int]],
@@ -47,8 +121,8 @@ def encode_images(processor: Any, chat: Sequence[dict], images: Sequence[Any], s
 
 def budget_image_examples(examples: Sequence[Example], processor: Any, *, geometry: ImageGeometry, max_prompt_tokens: int,
                           max_image_tokens: int | None, max_images: int, policy: Policy,
-                          max_image_patches: int | None = None) -> list[tuple[Any, RowOutcome]]:
-    """Fit each image example to the budget (module docstring); ``max_image_patches``: the
+                          patch_cap: CapLimit | None = None) -> list[tuple[Any, RowOutcome]]:
+    """Fit each image example to the budget (module docstring); ``patch_cap``: the
     vision-encoder patches a row's images may have together (None: no bound).
 
     Returns:
@@ -66,7 +140,7 @@ def budget_image_examples(examples: Sequence[Example], processor: Any, *, geomet
         except ValueError as err:
             out.append((None, RowOutcome(example.row, "rejected", str(err))))
             continue
-        cap = image_token_cap(geometry, len(images), max_image_tokens, max_image_patches)
+        cap = image_token_cap(geometry, len(images), max_image_tokens, None if patch_cap is None else patch_cap.cap)
         out.append(_fit_row(example, images, processor, geometry, max_prompt_tokens, cap, policy))
     return out
 
@@ -117,13 +191,13 @@ def _ids(processor: Any, chat: Sequence[dict], images: list[Any], sizes: list[tu
 
 def image_inputs(processor: Any, example: Example, prompt_ids: Sequence[int], sizes: Sequence[tuple[int, int]],
                  geometry: ImageGeometry) -> Any:
-    """The `packrl.types.ImageInputs` of a budgeted image prompt, read and processed again.
+    """The `packrl.models.image_inputs.ImageInputs` of a budgeted image prompt, read and processed again.
 
     Raises:
         RuntimeError: the processor now gives other prompt ids than at budgeting (an image file
             changed on disk while training).
     """
-    from packrl.types import ImageInputs
+    from packrl.models.image_inputs import ImageInputs
 
     out = encode_images(processor, example.chat, [open_image(ref) for ref in example.images], list(sizes), geometry)
     ids = tuple(out["input_ids"][0].tolist())

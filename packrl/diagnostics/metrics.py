@@ -33,32 +33,23 @@ def rollout_metrics(rollout: RolloutBatch) -> dict[str, float]:
     out = _stats("response_length", [len(r.response_ids) for r in responses])
     out["response_length/clip_ratio"] = sum(r.truncated for r in responses) / max(1, len(responses))
     out |= _stats("prompt_length", [len(p) for p in rollout.prompts.prompt_ids])
-    out |= vision_metrics(rollout)
+    out |= extra_input_metrics(rollout)
     for reason in FINISH_REASONS:
         out[f"response/finish_reason/{reason}"] = sum(r.finish_reason == reason for r in responses) / max(1, len(responses))
     return out | multi_turn_metrics(rollout)
 
 
-def vision_metrics(rollout: RolloutBatch) -> dict[str, float]:
-    """Image tokens of a vision-language rollout's prompts (empty for text).
-
-    Returns:
-        ``prompt_length/vision_tokens/mean|max`` (image placeholder tokens per prompt, as the
-        processor expanded them), ``prompt_length/text_tokens/mean`` (the rest of the prompt, the image start/end markers included),
-        ``prompt_length/vision_patches/mean`` (vision-encoder patches per prompt) and
-        ``prompt_length/num_images/mean``.
-    """
-    images = rollout.prompts.images
-    if images is None:
-        return {}
-    vision = [0 if x is None else x.num_tokens for x in images]
-    text = [len(p) - v for p, v in zip(rollout.prompts.prompt_ids, vision)]
-    stats = _stats("prompt_length/vision_tokens", vision)
-    return {"prompt_length/vision_tokens/mean": stats["prompt_length/vision_tokens/mean"],
-            "prompt_length/vision_tokens/max": stats["prompt_length/vision_tokens/max"],
-            "prompt_length/text_tokens/mean": sum(text) / max(1, len(text)),
-            "prompt_length/vision_patches/mean": sum(0 if x is None else x.num_patches for x in images) / max(1, len(images)),
-            "prompt_length/num_images/mean": sum(0 if x is None else x.num_images for x in images) / max(1, len(images))}
+def extra_input_metrics(rollout: RolloutBatch) -> dict[str, float]:
+    """The metrics of a rollout's prompts' extra inputs, as their modality states them
+    (`packrl.types.ExtraInputs.batch_metrics`: a vision-language rollout's
+    ``prompt_length/vision_tokens/mean|max``, ``prompt_length/text_tokens/mean``,
+    ``prompt_length/vision_patches/mean``, ``prompt_length/num_images/mean``); empty for text."""
+    inputs = rollout.prompts.extra_inputs or ()
+    lengths = [len(p) for p in rollout.prompts.prompt_ids]
+    out: dict[str, float] = {}
+    for kind in {type(x): None for x in inputs if x is not None}:
+        out |= kind.batch_metrics(inputs, lengths)
+    return out
 
 
 TRAJECTORY_ENDINGS = ("answer", "max_turns", "turn_tokens", "response_tokens", "trajectory_tokens", "context", "abort")

@@ -30,7 +30,7 @@ from packrl.distributed.ray_group import actor_bundle, release_actors, start_ray
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
 from packrl.rollout.engine import EngineCapabilities, SamplingParams, awake
-from packrl.types import ImageInputs, Response
+from packrl.types import ExtraInputs, Response
 from packrl.worker.parts import build_engine
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,8 @@ class RolloutPool:
     """The rollout workers as the controller sees them (`rollout_pool` builds it); ``records``:
     where each runs. A lost worker or node raises `packrl.distributed.health.WorkerLost`.
 
-    A `packrl.trainer.stages.base.Generator`: it takes no images (a vision-language run is refused
-    with this mode, `packrl.models.vision.vision_run_problems`) and cannot stop a call on a condition
+    A `packrl.trainer.stages.base.Generator`: it takes no extra inputs (a vision-language run is
+    refused with this mode, `packrl.models.vision.vision_run_problems`) and cannot stop a call on a condition
     of the whole call (each worker generates its share in its own process)."""
 
     capabilities = EngineCapabilities()
@@ -85,10 +85,10 @@ class RolloutPool:
         self.actors, self.owns_ray, self.records = actors, owns_ray, list(records)
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                     rows: Sequence[int] = (), images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+                     rows: Sequence[int] = (), extra_inputs: Sequence[ExtraInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses, the prompts split over the workers by cost (prompt + budget);
         retried once as `packrl.distributed.group.WorkerGroup.generate_ids`."""
-        assert images is None or all(x is None for x in images), "vision_run_problems refuses images with rollout workers"
+        assert extra_inputs is None or all(x is None for x in extra_inputs), "the modality's rules refuse rollout workers"
         return generate_split(prompt_ids, params, seeds, rows, len(self.actors),
                               lambda calls: wait_all([a.generate.remote(*args) for a, args in zip(self.actors, calls)],
                                                      self.records[:len(calls)], "generate"))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from packrl.data.examples import as_list
 from packrl.inspect.audit_report import ImageSizeTokens, LengthStats, MultimodalRow, MultimodalStats, PolicyOutcome
-from packrl.models.model_config import VISION_MODEL_TYPES
+from packrl.models.modality import MODALITIES
 
 if TYPE_CHECKING:
     from packrl.config.schema import DataConfig
@@ -72,7 +72,7 @@ def multimodal_stats(
         encoder: the tokenizer or processor the rows went through.
         data: the ``data`` section (``overlong_prompt``, ``image``, ``max_image_tokens``).
         outcomes: global row -> its outcome under ``data.overlong_prompt`` (``error``: ``filter``), every row.
-        prompts: the prompts of rows with images under that policy (`DatasetPrompt.image_sizes` as fitted).
+        prompts: the prompts of rows with images under that policy (`DatasetPrompt.part_sizes` as fitted).
         policies: these rows' counts under each policy.
         max_image_patches: ``train.max_vision_patches_per_microbatch`` (for the description).
 
@@ -116,8 +116,9 @@ def vision_tokens(sizes: Sequence[tuple[int, int]], geometry: ImageGeometry) -> 
 def _row(row: int, num_images: int, outcome: RowOutcome, prompt: DatasetPrompt | None, geometry: ImageGeometry | None) -> MultimodalRow:
     if prompt is None or geometry is None:
         return MultimodalRow(row, outcome.status, num_images, None, None, (), outcome.reason)
-    vision = vision_tokens(prompt.image_sizes, geometry)
-    return MultimodalRow(row, outcome.status, num_images, vision, len(prompt.prompt_ids) - vision, prompt.image_sizes, outcome.reason)
+    sizes = tuple((w, h) for w, h in prompt.part_sizes)
+    vision = vision_tokens(sizes, geometry)
+    return MultimodalRow(row, outcome.status, num_images, vision, len(prompt.prompt_ids) - vision, sizes, outcome.reason)
 
 
 def _size_table(sizes: Sequence[tuple[tuple[int, int], ...]], geometry: ImageGeometry) -> list[ImageSizeTokens]:
@@ -133,7 +134,7 @@ def _training(encoder: Any, geometry: ImageGeometry | None, data: DataConfig, ma
     if geometry is None:
         return (f"model.path is a text model, so packrl train rejects them ({NEEDS_VISION_MODEL}); there is no vision or "
                 f"text token count per row without a processor: set model.path (or --model) to a vision-language model "
-                f"({', '.join(VISION_MODEL_TYPES)}) to size them")
+                f"({', '.join(MODALITIES.names())}) to size them")
     cap = f"data.max_image_tokens={data.max_image_tokens}" if data.max_image_tokens is not None else "no data.max_image_tokens"
     if max_image_patches is not None:
         cap += f", train.max_vision_patches_per_microbatch={max_image_patches:,} patches per row's images"

@@ -274,10 +274,16 @@ def packed_forward(model: torch.nn.Module, pack: Pack, attention: PackedAttentio
     elif attention == "block_mask":
         dtype = torch.bool if impl != "eager" else cast("PreTrainedModel", model).dtype
         kwargs["attention_mask"] = pack.block_causal_mask(dtype).to(pack.input_ids.device)
-    if pack.images is not None:
-        from packrl.models.vision import packed_vision_forward
+    if pack.extra_inputs is not None:
+        from packrl.models.modality import modality_of
 
-        return packed_vision_forward(model, pack, kwargs)
+        modality = modality_of(cast("PreTrainedModel", model).config)
+        if modality is not None:
+            return modality.packed_forward(model, pack, kwargs)
+        held = [type(x).__name__ for x in pack.extra_inputs if x is not None]
+        if held:
+            raise ValueError(f"a pack holds a prompt's extra inputs ({held[0]}) but the model takes text only; "
+                             "such prompts need a multimodal model.path")
     decoder = cast("PreTrainedModel", model).get_decoder()
     out = decoder(input_ids=pack.input_ids, **kwargs)
     return out.last_hidden_state[0]

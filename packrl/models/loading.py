@@ -58,34 +58,16 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
             `packrl.models.model_config.ModelConfigFileError` (a ValueError) naming the file.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from packrl.models.attention import use_packed_attention
     from packrl.models.lora import apply_lora, parameter_counts
-    from packrl.models.model_config import apply_rope_scaling, check_text_model, read_model_config
-    from packrl.models.vision import freeze_vision_tower, is_vision_config
 
     compute = compute_dtype or resolve_dtype(cfg.dtype)
-    param_dtype = torch.float64 if compute.name == "fp64" else torch.float32
     resolved = resolve_model(cfg.path)
     if resolved.gguf_file is None and not has_weights(resolved.model_dir):
         raise ValueError(_missing_weights_message(cfg.path, resolved.model_dir))
     tokenizer = load_tokenizer(resolved, cfg.path)
-    config = read_model_config(resolved, cfg.path)
-    check_text_model(config, cfg.path)
-    vision = is_vision_config(config)
-    config = config if vision else apply_rope_scaling(config, cfg.rope_scaling)
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    try:
-        model = auto.from_pretrained(
-            resolved.model_dir, config=config, dtype=param_dtype, attn_implementation="sdpa", **resolved.load_kwargs()
-        )
-    except ValueError as err:  # an architecture without SDPA attention (e.g. Mamba): its own implementation
-        if "does not support an attention implementation" not in str(err):
-            raise
-        model = auto.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
-    if vision and cfg.freeze_vision_tower:
-        freeze_vision_tower(model)
+    model = _load_weights(cfg, resolved, torch.float64 if compute.name == "fp64" else torch.float32)
     num_embeddings = cast(int, model.get_input_embeddings().num_embeddings)  # torch types it Tensor | Module
     if len(tokenizer) > num_embeddings:
         raise ValueError(
@@ -105,6 +87,38 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
     log.info("loaded policy %s: %.1fM parameters (%.2fM trainable), attention %s",
              resolved.source, total / 1e6, trainable / 1e6, cast("PreTrainedModel", policy).config._attn_implementation)
     return policy.train(), tokenizer
+
+
+def _load_weights(cfg: ModelConfig, resolved: ResolvedModel, param_dtype: torch.dtype) -> Any:
+    """The model of ``resolved`` in ``param_dtype`` with SDPA attention where its architecture has
+    it: a text model with ``model.rope_scaling`` applied, through ``AutoModelForCausalLM``; a
+    multimodal one through its modality's auto class, then prepared as the ``model`` section asks
+    (`packrl.models.modality.Modality.prepare`).
+
+    Raises:
+        ValueError: as `packrl.models.model_config.check_text_model` and `apply_rope_scaling`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from packrl.models.modality import modality_of
+    from packrl.models.model_config import apply_rope_scaling, check_text_model, read_model_config
+
+    config = read_model_config(resolved, cfg.path)
+    check_text_model(config, cfg.path)
+    modality = modality_of(config)
+    config = config if modality is not None else apply_rope_scaling(config, cfg.rope_scaling)
+    auto = AutoModelForCausalLM if modality is None else modality.auto_class()
+    try:
+        model = auto.from_pretrained(
+            resolved.model_dir, config=config, dtype=param_dtype, attn_implementation="sdpa", **resolved.load_kwargs()
+        )
+    except ValueError as err:  # an architecture without SDPA attention (e.g. Mamba): its own implementation
+        if "does not support an attention implementation" not in str(err):
+            raise
+        model = auto.from_pretrained(resolved.model_dir, config=config, dtype=param_dtype, **resolved.load_kwargs())
+    if modality is not None:
+        modality.prepare(model, cfg)
+    return model
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
@@ -148,35 +162,36 @@ def _missing_weights_message(path: str, model_dir: Path) -> str:
     )
 
 
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-"""A vision-language model's processor configs, copied into its checkpoints."""
+def processor_files(cfg: ModelConfig, model_config: Any) -> list[Path]:
+    """The processor config files beside ``model.path``'s config that its modality names
+    (`packrl.models.modality.Modality.processor_files`), copied into checkpoints; none for a text
+    model (``model_config``: the loaded model's config) or a .gguf."""
+    from packrl.models.modality import modality_of
 
-
-def processor_files(cfg: ModelConfig) -> list[Path]:
-    """The processor config files beside ``model.path``'s config (none for a text model or a .gguf)."""
+    modality = modality_of(model_config)
     resolved = resolve_model(cfg.path, weights=False)
-    if resolved.gguf_file is not None:
+    if modality is None or resolved.gguf_file is not None:
         return []
-    return [resolved.model_dir / name for name in PROCESSOR_FILES if (resolved.model_dir / name).is_file()]
+    return [resolved.model_dir / name for name in modality.processor_files if (resolved.model_dir / name).is_file()]
 
 
 def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
-    """What renders the policy's prompts: ``tokenizer`` for a text model, the model's processor
-    (`packrl.models.processor.load_processor`) for a vision-language one. Reads configs, no weights.
+    """What renders the policy's prompts: ``tokenizer`` for a text model, its modality's processor
+    (`packrl.models.modality.Modality.load_processor`) for a multimodal one. Reads configs, no weights.
 
     Raises:
-        ValueError: as `resolve_model`; a vision-language model without an image processor config.
+        ValueError: as `resolve_model`; a multimodal model without its processor's files.
     """
+    from packrl.models.modality import modality_of
     from packrl.models.model_config import check_text_model, read_model_config
-    from packrl.models.processor import load_processor
-    from packrl.models.vision import is_vision_config
 
     resolved = resolve_model(cfg.path, weights=False)  # configs only: a hub id fetches no weights here
     if resolved.gguf_file is not None:
         return tokenizer
     config = read_model_config(resolved, cfg.path)
     check_text_model(config, cfg.path)  # another multimodal family: refused here, before its rows are read
-    return load_processor(resolved.model_dir, config.model_type, tokenizer) if is_vision_config(config) else tokenizer
+    modality = modality_of(config)
+    return tokenizer if modality is None else modality.load_processor(resolved.model_dir, config.model_type, tokenizer)
 
 
 def load_policy_tokenizer(cfg: ModelConfig) -> Any:

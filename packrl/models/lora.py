@@ -108,12 +108,15 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    from packrl.models.modality import modality_of
+
     if cfg.rank < 1:
         raise ValueError(f"apply_lora needs model.lora.rank >= 1, got {cfg.rank}; set model.lora.rank=16 (0 = LoRA off)")
     targets = peft_target_modules(model, list(cfg.target_modules))
     # peft annotates lora_alpha as int, but takes a float: its scaling is lora_alpha / r
-    # a vision-language model: adapters on its language model only, never in the vision tower
-    exclude = r".*\bvisual\b.*" if getattr(cast("PreTrainedModel", model).config, "vision_config", None) is not None else None
+    # a multimodal model: adapters on its language model only, never in its encoder
+    modality = modality_of(cast("PreTrainedModel", model).config)
+    exclude = None if modality is None else rf".*\b{modality.encoder_module}\b.*"
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                               target_modules=targets, bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing

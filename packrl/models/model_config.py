@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packrl.models.modality import MODALITIES, is_multimodal, modality_of
+
 if TYPE_CHECKING:
     from packrl.config.schema import LoraConfig, ModelConfig, RopeScalingConfig
     from packrl.models.resolve import ResolvedModel
@@ -220,7 +222,7 @@ def _type_fix(file: Path, field: str, value: Any, expected: str) -> str:
 def load_model_context(model: ModelConfig) -> int:
     """The context in tokens a run of the ``model`` section gets, from the config alone: as
     `packrl.models.loading.load_policy` builds it (``model.rope_scaling`` applied to a text
-    model; a vision-language model's language model as its config states it), measured by
+    model; a multimodal model's language model as its config states it), measured by
     `packrl.seqlen.budgets.model_context_tokens`.
 
     Raises:
@@ -229,35 +231,30 @@ def load_model_context(model: ModelConfig) -> int:
     from packrl.seqlen.budgets import model_context_tokens
 
     config = load_model_config(model.path)
-    check_text_model(config, model.path)  # then a vision tower means a family of VISION_MODEL_TYPES
-    vision = getattr(config, "vision_config", None) is not None
-    scaled = config if vision else apply_rope_scaling(config, model.rope_scaling)
+    check_text_model(config, model.path)  # then a multimodal config is a registered family's
+    scaled = config if is_multimodal(config) else apply_rope_scaling(config, model.rope_scaling)
     return model_context_tokens(scaled)[0]
 
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""Vision-language model types packrl trains (`packrl.models.vision`: M-RoPE packing, their
-processors' token counts, Qwen3-VL's deepstack features)."""
-
-
 def check_text_model(config: Any, path: str) -> None:
-    """Refuse a multimodal checkpoint of a family packrl does not train (a vision tower beside the
-    language model, not one of `VISION_MODEL_TYPES`): transformers would build only the text model
-    from such a config, leaving the checkpoint's ``model.language_model.*`` weights unused.
+    """Refuse a multimodal checkpoint of a family packrl does not train (an encoder beside the
+    language model, its ``model_type`` not in `packrl.models.modality.MODALITIES`): transformers
+    would build only the text model from such a config, leaving the checkpoint's
+    ``model.language_model.*`` weights unused.
 
     Raises:
         ValueError: such a config; the message names the families that train and the text model
             type of the checkpoint's family.
     """
-    if getattr(config, "vision_config", None) is None or config.model_type in VISION_MODEL_TYPES:
+    if not is_multimodal(config) or config.model_type in MODALITIES:
         return
-    text = getattr(config, "text_config", None)
-    text_type = getattr(text, "model_type", None)
+    text_type = getattr(config.get_text_config(), "model_type", None)
     instead = (f"a text-only checkpoint of the family (config.json with model_type {text_type!r}, e.g. the language model "
                "saved alone as its *ForCausalLM class)") if text_type else "a text-only checkpoint of the family"
-    raise ValueError(f"model.path={path!r} is a multimodal checkpoint ({type(config).__name__}: a vision tower beside its "
-                     f"language model); packrl trains the multimodal families {', '.join(VISION_MODEL_TYPES)} "
-                     f"only (M-RoPE packing and their processors' token counts). Set model.path to one of those, or to {instead}")
+    raise ValueError(f"model.path={path!r} is a multimodal checkpoint ({type(config).__name__}: an encoder beside its "
+                     f"language model); packrl trains the multimodal families {', '.join(MODALITIES.names())} "
+                     f"only (registered in packrl.models.modality.MODALITIES: their packing and their processors' token "
+                     f"counts). Set model.path to one of those, or to {instead}")
 
 
 _STRETCHING = ("linear", "dynamic", "yarn")
@@ -369,13 +366,13 @@ class ModelShape:
                 matches no Linear module (the message lists them).
         """
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers import AutoModelForCausalLM
 
         check_text_model(model_config, path)
-        vision = getattr(model_config, "vision_config", None) is not None
+        modality = modality_of(model_config)
         try:
             with torch.device("meta"):
-                model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(model_config)
+                model = (AutoModelForCausalLM if modality is None else modality.auto_class()).from_config(model_config)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"cannot build the model architecture from its config ({type(model_config).__name__}): {err}") from err
         params = {id(p): p for p in model.parameters()}
@@ -383,7 +380,8 @@ class ModelShape:
         linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
         lora_params, lora_modules = 0, 0
         if lora is not None and lora.rank > 0:
-            targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules) and ".visual." not in f".{n}."]
+            encoder = "" if modality is None else f".{modality.encoder_module}."
+            targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules) and not (encoder and encoder in f".{n}.")]
             if not targets:
                 names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
                 raise ValueError(
@@ -392,7 +390,7 @@ class ModelShape:
                 )
             lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
             lora_modules = len(targets)
-        model_config = model_config.get_text_config() if vision else model_config  # the shape of the language model
+        model_config = model_config.get_text_config()  # the shape of the language model (the config itself for a text one)
         hidden = _attr(model_config, "hidden_size")
         heads = _attr(model_config, "num_attention_heads") if getattr(model_config, "num_attention_heads", None) is not None else 0
         return cls(

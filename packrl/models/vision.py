@@ -33,33 +33,79 @@ packing check in transformers 5.19/5.24 (a pack equals each sequence alone to 2e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from packrl.config.rollout_modes import mode_info
 from packrl.errors import ConfigProblem
-from packrl.models.model_config import VISION_MODEL_TYPES
+from packrl.models.image_inputs import PATCH_LOAD, ImageInputs, merge_images
+from packrl.models.modality import MODALITIES, Modality
 from packrl.seqlen.packing import Pack
-from packrl.types import ImageInputs
+from packrl.types import ExtraInputs
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.schema import ModelConfig, RunConfig
+
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Vision-language model types packrl trains (M-RoPE packing, their processors' token counts,
+Qwen3-VL's deepstack features), each registered in `packrl.models.modality.MODALITIES`."""
 
 
-def is_vision_config(config: Any) -> bool:
-    """True for the config of a vision-language model packrl trains (`VISION_MODEL_TYPES`)."""
-    return getattr(config, "vision_config", None) is not None and getattr(config, "model_type", None) in VISION_MODEL_TYPES
+class QwenVL:
+    """The Qwen-VL families' `packrl.models.modality.Modality`: images, through the functions of
+    this module (see its docstring) and `packrl.models.processor`."""
+
+    name: str = "image"
+    encoder_module: str = "visual"
+    processor_files: tuple[str, ...] = ("preprocessor_config.json", "processor_config.json")
+    load_names: tuple[str, ...] = (PATCH_LOAD,)
+    shared_prompts_blocker: str = "a vision-language model's M-RoPE positions continue each sequence's own prompt"
+
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+
+    def prepare(self, model: torch.nn.Module, cfg: ModelConfig) -> None:
+        """``model.freeze_vision_tower``: the tower takes no gradients."""
+        if cfg.freeze_vision_tower:
+            freeze_vision_tower(model)
+
+    def load_processor(self, model_dir: Path, model_type: str, tokenizer: Any) -> Any:
+        from packrl.models.processor import load_processor
+
+        return load_processor(model_dir, model_type, tokenizer)
+
+    def run_problems(self, cfg: RunConfig, *, engine_modalities: Sequence[str], has_critic: bool) -> list[ConfigProblem]:
+        return vision_run_problems(cfg, engine_takes_images=self.name in engine_modalities, has_critic=has_critic)
+
+    def packed_forward(self, model: torch.nn.Module, pack: Pack, kwargs: dict[str, Any]) -> torch.Tensor:
+        return packed_vision_forward(model, pack, kwargs)
+
+    def check_prompts(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
+                      extra_inputs: Sequence[ExtraInputs | None] | None) -> None:
+        check_image_prompts(model, prompt_ids, extra_inputs)
+
+    def generate_inputs(self, model: torch.nn.Module, extra_inputs: Sequence[ExtraInputs], ids: torch.Tensor) -> dict[str, Any]:
+        return image_generate_inputs(model, extra_inputs, ids)
+
+
+QWEN_VL: Modality = QwenVL()  # the protocol's check of the class
+for _model_type in VISION_MODEL_TYPES:
+    MODALITIES.register(_model_type)(QWEN_VL)
 
 
 def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic: bool) -> list[ConfigProblem]:
     """What a vision-language policy cannot run with yet, each a problem naming its keys and its
-    fix; the one list worker set-up (`packrl.worker.parts.check_vision_run`) and preflight read.
+    fix; the one list worker set-up (`packrl.worker.parts.check_modality_run`) and preflight read.
 
     Args:
         cfg: the run's config.
         engine_takes_images: whether the run's rollouts take images
-            (`packrl.rollout.engine.engine_capabilities`, ``images``).
+            (`packrl.rollout.engine.engine_capabilities`, ``modalities``).
         has_critic: whether the run has a critic (`packrl.config.plan.BatchPlan.has_critic`).
     """
     out = []
@@ -70,7 +116,8 @@ def vision_run_problems(cfg: RunConfig, *, engine_takes_images: bool, has_critic
                                  keys=("rollout.multi_turn.tools", "model.path")))
     elif not engine_takes_images:
         out.append(ConfigProblem("rollout.engine", engine, "does not generate from images (its registration declares no "
-                                 "EngineCapabilities(images=True))", "set rollout.engine=hf", keys=("rollout.engine", "model.path")))
+                                 "EngineCapabilities(modalities=('image',)))", "set rollout.engine=hf",
+                                 keys=("rollout.engine", "model.path")))
     size = cfg.trainer.sequence_parallel_size
     if size > 1:
         out.append(ConfigProblem("trainer.sequence_parallel_size", size, "does not split image packs over ranks",
@@ -138,12 +185,6 @@ def sequence_positions(model: torch.nn.Module, ids: torch.Tensor, images: ImageI
     token_types = (ids == image_token_id(model)).to(torch.int32)[None]  # 1 = image placeholder
     positions, _ = _inner(model).get_rope_index(ids[None], token_types, image_grid_thw=images.image_grid_thw)
     return positions[:, 0]
-
-
-def merge_images(images: list[ImageInputs]) -> ImageInputs:
-    """Several prompts' images as one input, in order (what the vision tower runs at once)."""
-    return ImageInputs(torch.cat([x.pixel_values for x in images]), torch.cat([x.image_grid_thw for x in images]),
-                       images[0].merge_size)
 
 
 def vision_embeds(model: torch.nn.Module, input_ids: torch.Tensor, images: list[ImageInputs]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -215,7 +256,7 @@ def packed_vision_forward(model: torch.nn.Module, pack: Pack, kwargs: dict[str, 
     docstring), each sequence with its own images, positions and attention.
 
     Args:
-        pack: the pack; ``pack.images`` holds each packed sequence's images (None for text).
+        pack: the pack; ``pack.extra_inputs`` holds each packed sequence's images (None for text).
         kwargs: the attention isolation's arguments (`packrl.models.attention.packed_forward`);
             their ``position_ids`` are replaced by the M-RoPE ones.
 
@@ -226,7 +267,7 @@ def packed_vision_forward(model: torch.nn.Module, pack: Pack, kwargs: dict[str, 
         raise ValueError("a vision-language pack cannot share prompts (a response's M-RoPE positions continue its own "
                          "prompt's); set train.share_prompts=false")
     ids = pack.input_ids[0]
-    images = pack.images or (None,) * len(pack.indices)
+    images = [_images(x) for x in pack.extra_inputs or (None,) * len(pack.indices)]
     bounds = pack.cu_seqlens.tolist()
     rows = [sequence_positions(model, ids[bounds[s]:bounds[s + 1]], images[s]) for s in range(len(images))]
     mrope = torch.cat(rows, dim=1)[:, None]  # [3, 1, K]
@@ -234,3 +275,53 @@ def packed_vision_forward(model: torch.nn.Module, pack: Pack, kwargs: dict[str, 
     embeds, extra = vision_embeds(model, pack.input_ids, [x for x in images if x is not None])
     out = _inner(model).language_model(inputs_embeds=embeds, **{**kwargs, **extra, "position_ids": positions})
     return out.last_hidden_state[0]
+
+
+def _images(x: ExtraInputs | None) -> ImageInputs | None:
+    """``x`` as the images it is (None stays None).
+
+    Raises:
+        TypeError: ``x`` is another modality's inputs.
+    """
+    if x is None or isinstance(x, ImageInputs):
+        return x
+    raise TypeError(f"a vision-language model got {type(x).__name__} as a prompt's extra inputs; it takes ImageInputs")
+
+
+def check_image_prompts(model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]],
+                        extra_inputs: Sequence[ExtraInputs | None] | None) -> None:
+    """The engine's check of a vision-language batch: every prompt's image placeholders are its
+    images' tokens (an image without its pixels would be generated from as if it were text).
+
+    Raises:
+        ValueError: ``extra_inputs`` has another length than ``prompt_ids``, or a prompt's
+            placeholders and its images' tokens differ in number (named by prompt index).
+    """
+    if extra_inputs is not None and len(extra_inputs) != len(prompt_ids):
+        raise ValueError(f"got images for {len(extra_inputs)} prompts, generating {len(prompt_ids)}")
+    placeholder = image_token_id(model)
+    for b, ids in enumerate(prompt_ids):
+        x = None if extra_inputs is None else _images(extra_inputs[b])
+        held, given = sum(int(t) == placeholder for t in ids), 0 if x is None else x.num_tokens
+        if held != given:
+            raise ValueError(f"prompt {b} holds {held} image placeholder tokens but its images give {given}; pass each "
+                             "prompt's images (packrl.models.image_inputs.ImageInputs) with its processor-expanded ids")
+
+
+def image_generate_inputs(model: torch.nn.Module, extra_inputs: Sequence[ExtraInputs], ids: torch.Tensor) -> dict[str, Any]:
+    """The image arguments of ``generate`` for a batch of a vision-language model: every row's
+    images in row order (``extra_inputs``: a prompt's images once per sample row), their grids,
+    the placeholder mask the model's M-RoPE needs, and the vision tokens banned from sampling (a
+    sampled placeholder would have no image: verl PR #7038). Empty when no row has an image.
+
+    Args:
+        ids: the batch's rows, Shape [b, P], int64.
+    """
+    present = [x for x in map(_images, extra_inputs) if x is not None and x.num_images]
+    if not present:
+        return {}
+    images = merge_images(present).to(ids.device)
+    config = cast(Any, model).config
+    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw,
+            "mm_token_type_ids": (ids == image_token_id(model)).to(torch.int32),
+            "suppress_tokens": vision_token_ids(config)}

@@ -75,13 +75,14 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from packrl.models.modality import modality_of
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import EngineCapabilities, EngineContext, SamplingParams, eos_ids, pad_id, request_seed
 from packrl.rollout.kv_cache import CACHE_ARGUMENT, AppendingLayer, appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler
 from packrl.rollout.weights import rollout_copy
-from packrl.types import FinishReason, ImageInputs, Response
+from packrl.types import ExtraInputs, FinishReason, Response
 
 # Generation settings that would add a logits processor or a stopping rule beyond the requested
 # sampling; a model's generation_config may set any of them, so every call pins them to "off".
@@ -108,7 +109,7 @@ class _Request:
     cap: int
     cap_reason: FinishReason
     seed: int = 0
-    images: ImageInputs | None = None
+    extra_inputs: ExtraInputs | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class HFEngine:
         self.max_num_seqs = max_num_seqs
         self.autocast_dtype = autocast_dtype
         self.options = options
+        self.modality = modality_of(cast(Any, model).config)
         self.shares_policy = shares_policy
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = pad_id(model, tokenizer, self.eos_ids)
@@ -180,7 +182,7 @@ class HFEngine:
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None,
-        images: Sequence[ImageInputs | None] | None = None,
+        extra_inputs: Sequence[ExtraInputs | None] | None = None,
     ) -> list[list[Response]]:
         """Generate `params.n` responses for each prompt; see `RolloutEngine.generate`.
 
@@ -190,8 +192,9 @@ class HFEngine:
             seeds: one seed per prompt; sample g of prompt b draws its noise from a generator
                 seeded with ``request_seed(seeds[b], g)``. Default: seeds drawn from torch's
                 global RNG, so a call is reproducible under ``torch.manual_seed``.
-            images: each prompt's images (None for text), whose placeholders ``prompt_ids``
-                holds expanded; a vision-language model only.
+            extra_inputs: each prompt's inputs beyond its ids (its images; None for text), whose
+                placeholders ``prompt_ids`` holds expanded; a multimodal model only
+                (`packrl.models.modality.Modality.check_prompts`).
 
         Returns:
             ``[B][G]`` responses in input order.
@@ -205,10 +208,10 @@ class HFEngine:
         if len(seeds) != len(prompt_ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; pass one seed per prompt")
         out: list[list[Response | None]] = [[None] * params.n for _ in prompt_ids]
-        self._check_images(prompt_ids, images)
+        self._check_extra_inputs(prompt_ids, extra_inputs)
         requests = self._requests(prompt_ids, params, seeds)
-        if images is not None and any(x is not None for x in images):
-            requests = [dataclasses.replace(r, images=images[r.prompt_index]) for r in requests]
+        if extra_inputs is not None and any(x is not None for x in extra_inputs):
+            requests = [dataclasses.replace(r, extra_inputs=extra_inputs[r.prompt_index]) for r in requests]
         for req, response in zip(requests, self._run(requests, params)):
             out[req.prompt_index][req.sample_index] = response
         return out  # type: ignore[return-value]
@@ -349,8 +352,8 @@ class HFEngine:
         ended = torch.zeros(len(batch), dtype=torch.bool)  # rows whose response ended
         cut: set[int] = set()  # rows stopped by on_round
         ids, mask = input_ids.to(device), attention_mask.to(device)
-        vision = self._vision_inputs(batch, ids)
-        reuses = self.cache_reuse.reuses and not vision  # M-RoPE offsets are kept per batch: one round over the whole batch
+        extra = self._generate_inputs(batch, ids)
+        reuses = self.cache_reuse.reuses and not extra  # a modality's state (M-RoPE offsets) is kept per batch: one round
         cache = self._new_cache(ids, mask, batch) if reuses else None
         cap = max(r.cap for r in batch)
         round_tokens = self.options.round_tokens if reuses else cap
@@ -364,7 +367,7 @@ class HFEngine:
             # torch types a module's attributes as Tensor | Module; this is the transformers model's generate, which
             # returns this dataclass for a decoder-only model under return_dict_in_generate (`_generate_kwargs`)
             generate = cast(Callable[..., GenerateDecoderOnlyOutput], self.model.generate)
-            out = generate(input_ids=ids, attention_mask=mask, **{**kwargs, **reused, **vision})
+            out = generate(input_ids=ids, attention_mask=mask, **{**kwargs, **reused, **extra})
             new = out.sequences[:, ids.shape[1]:]  # [a, r] this round's tokens
             logprobs = None
             if params.return_logprobs:
@@ -399,36 +402,25 @@ class HFEngine:
             for i, req in enumerate(batch)
         ]
 
-    def _check_images(self, prompt_ids: Sequence[Sequence[int]], images: Sequence[ImageInputs | None] | None) -> None:
-        """Raises: ValueError: a prompt's image placeholders are not its images' tokens (an image
-        without its pixels would be generated from as if it were text)."""
-        placeholder = getattr(cast(Any, self.model).config, "image_token_id", None)
-        if placeholder is None and images is None:
+    def _check_extra_inputs(self, prompt_ids: Sequence[Sequence[int]], extra_inputs: Sequence[ExtraInputs | None] | None) -> None:
+        """Raises: ValueError: as the model's modality checks its prompts
+        (`packrl.models.modality.Modality.check_prompts`), or a text model got extra inputs."""
+        if self.modality is not None:
+            self.modality.check_prompts(self.model, prompt_ids, extra_inputs)
             return
-        if images is not None and len(images) != len(prompt_ids):
-            raise ValueError(f"got images for {len(images)} prompts, generating {len(prompt_ids)}")
-        for b, ids in enumerate(prompt_ids):
-            x = None if images is None else images[b]
-            held, given = sum(int(t) == placeholder for t in ids), 0 if x is None else x.num_tokens
-            if held != given:
-                raise ValueError(f"prompt {b} holds {held} image placeholder tokens but its images give {given}; pass each "
-                                 "prompt's images (packrl.types.ImageInputs) with its processor-expanded ids")
+        given = [(b, type(x).__name__) for b, x in enumerate(extra_inputs or ()) if x is not None]
+        if given:
+            raise ValueError(f"prompt {given[0][0]} comes with extra inputs ({given[0][1]}) but the model takes text only; "
+                             "such prompts need a multimodal model.path")
 
-    def _vision_inputs(self, batch: list[_Request], ids: torch.Tensor) -> dict[str, Any]:
-        """The image arguments of ``generate`` for a batch of a vision-language model: every
-        row's images in row order (a prompt's images once per sample row), their grids, the
-        placeholder mask the model's M-RoPE needs, and the vision tokens banned from sampling (a
-        sampled placeholder would have no image: verl PR #7038). Empty for a text batch."""
-        present = [r.images for r in batch if r.images is not None and r.images.num_images]
-        if not present:
+    def _generate_inputs(self, batch: list[_Request], ids: torch.Tensor) -> dict[str, Any]:
+        """The extra arguments of ``generate`` for ``batch`` (rows ``ids``): its modality's
+        (`packrl.models.modality.Modality.generate_inputs`, every row's inputs in row order); empty
+        for a text batch."""
+        rows = [r.extra_inputs for r in batch if r.extra_inputs is not None]
+        if self.modality is None or not rows:
             return {}
-        from packrl.models.vision import merge_images, vision_token_ids
-
-        images = merge_images(present).to(ids.device)
-        config = cast(Any, self.model).config
-        return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw,
-                "mm_token_type_ids": (ids == config.image_token_id).to(torch.int32),
-                "suppress_tokens": vision_token_ids(config)}
+        return self.modality.generate_inputs(self.model, rows, ids)
 
     def _new_cache(self, ids: torch.Tensor, mask: torch.Tensor, batch: list[_Request]) -> Any:
         """A batch's KV cache (``options.kv_cache``), each group's prompt prefilled once (`_shared_prefill`)."""
@@ -666,7 +658,7 @@ def _token_logprobs(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, t
     return torch.stack(steps, dim=1).cpu()
 
 
-@ROLLOUT_ENGINES.register("hf", info=EngineCapabilities(images=True, stop_on_condition=True))
+@ROLLOUT_ENGINES.register("hf", info=EngineCapabilities(modalities=("image",), stop_on_condition=True))
 def build_hf_engine(context: EngineContext) -> HFEngine:
     """The ``hf`` engine (`packrl.registry.ROLLOUT_ENGINES`): `HFEngine` on the policy's own
     parameters when it may share them and the compute dtype is the parameters' own (fp32, fp64),

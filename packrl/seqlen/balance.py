@@ -21,8 +21,8 @@ from typing import TypeVar
 
 from packrl.seqlen.microbatch import (
     DEFAULT_LINEAR_COEF,
+    GroupedCap,
     MicrobatchPlan,
-    VisionPatches,
     as_count,
     plan_microbatches,
     sequence_costs,
@@ -204,7 +204,7 @@ def balance_ranks(
     balance_microbatches: bool = True,
     budget_key: str = "train.max_tokens_per_microbatch",
     packed: bool = True,
-    vision: VisionPatches | None = None,
+    caps: Sequence[GroupedCap] = (),
 ) -> RankPlan:
     """Assign sequences to ``num_ranks`` data-parallel ranks and plan each rank's micro-batches.
 
@@ -216,7 +216,7 @@ def balance_ranks(
         balance_microbatches: also balance micro-batches within each rank by cost.
         budget_key: the config key named in errors.
         packed: False gives every sequence a micro-batch of its own (`plan_microbatches`).
-        vision: the second cap, on vision-encoder patches per micro-batch (`VisionPatches`).
+        caps: further budgets per micro-batch, each a load per sequence over shared items (`GroupedCap`).
 
     Returns:
         A `RankPlan`; every rank has the same number of micro-batches.
@@ -231,8 +231,8 @@ def balance_ranks(
     lengths, max_tokens = validate_lengths(lengths, max_tokens, budget_key)
     if len(lengths) < num_ranks:
         raise ValueError(f"{len(lengths)} sequences cannot be spread over {num_ranks} ranks; give every rank at least one")
-    if vision is not None:
-        vision.check()  # a sequence over the patch cap is named by its global index
+    for grouped in caps:
+        grouped.check(len(lengths))  # a sequence over a grouped cap is named by its global index
     costs = sequence_costs(lengths, linear_coef)
     parts = refine_partition(karmarkar_karp(costs, num_ranks), costs)
     for empty in (p for p in parts if not p):  # rare: give an idle rank the cheapest spare item
@@ -241,14 +241,14 @@ def balance_ranks(
         donor.remove(cheapest)
         empty.append(cheapest)
     own = [plan_microbatches([lengths[i] for i in p], max_tokens, balance=False, budget_key=budget_key, packed=packed,
-                             vision=None if vision is None else vision.subset(p)) for p in parts]
+                             caps=[c.subset(p) for c in caps]) for p in parts]
     count = max(p.num_microbatches for p in own)
     plans = []
     for part, fewest in zip(parts, own):
         try:
             local = plan_microbatches(
                 [lengths[i] for i in part], max_tokens, balance=balance_microbatches, linear_coef=linear_coef,
-                num_microbatches=count, budget_key=budget_key, packed=packed, vision=None if vision is None else vision.subset(part),
+                num_microbatches=count, budget_key=budget_key, packed=packed, caps=[c.subset(part) for c in caps],
             )
         except ValueError:  # no balanced fit into `count`: the rank's own plan, topped up with empty micro-batches
             local = MicrobatchPlan(fewest.microbatches + ((),) * (count - fewest.num_microbatches), fewest.lengths, max_tokens)

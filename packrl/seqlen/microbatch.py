@@ -9,17 +9,19 @@ cost model ``a*L + L^2`` (linear layers + attention; ``a = 6 * hidden_size`` mak
 terms FLOP-proportional, the derivation behind verl's ``24576 = 6 * 4096``), so step time is not
 set by one micro-batch full of long sequences.
 
-A vision-language model's micro-batches have a second cap (`VisionPatches`): the vision-encoder
-patches of the distinct images they hold (``sum t*h*w``), which set the encoder's activation
-memory and its attention cost, as the token cap sets the language model's. Every fit respects
-both; the exact search (one budget only) is then skipped.
+Micro-batches may have further caps, each a `GroupedCap`: a load per sequence over items that
+sequences share (a prompt's encoder inputs, counted once per micro-batch however many of its
+responses the micro-batch holds), with a cap on each micro-batch's load. They are passed as a
+list (``caps``), so a new cost is one more entry, not one more argument; every fit respects the
+token cap and every grouped cap, and the exact search (token budget only) is then skipped. The
+caps a run sets are listed where its plan is made (`packrl.config.grouped_caps.grouped_cap_limits`).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import SupportsIndex, cast
 
@@ -104,48 +106,77 @@ def validate_lengths(lengths: Sequence[int], max_tokens: int, budget_key: str) -
 
 
 @dataclass(frozen=True)
-class VisionPatches:
-    """The second budget of a micro-batch: vision-encoder patches (a vision-language model's).
-
-    A micro-batch's patches are those of the distinct images it holds: sequences with the same
-    key (a prompt group's responses) share their prompt's images, which the packed forward
-    encodes once per micro-batch (`packrl.models.vision.vision_embeds`).
+class CapLimit:
+    """A grouped cap's limit and how messages name it, without the loads of a batch.
 
     Attributes:
-        patches: per sequence, the patches of its prompt's images (sum of t*h*w; 0 for text).
-        keys: per sequence, which images it holds (equal keys = the same images).
-        max_patches: the cap per micro-batch (``train.max_vision_patches_per_microbatch``).
+        name: the load's name: the key a prompt's extra inputs report it under
+            (`packrl.types.ExtraInputs.grouped_loads`) and of the ``seqlen/microbatch_<name>_max`` metric.
+        cap: the most load one micro-batch may hold (per rank).
+        budget_key: the config key that sets ``cap`` (named in errors).
+        unit: what the load counts, for messages (e.g. ``encoder patches``).
+        fix: besides raising ``budget_key``, how to lower one sequence's load (for messages; "" for none).
     """
 
-    patches: tuple[int, ...]
+    name: str
+    cap: int
+    budget_key: str
+    unit: str
+    fix: str = ""
+
+    def over(self, loads: Sequence[int], keys: Sequence[int]) -> GroupedCap:
+        """This limit over a batch: ``loads`` and sharing ``keys`` per sequence (`GroupedCap`)."""
+        return GroupedCap(self, tuple(loads), tuple(keys))
+
+
+@dataclass(frozen=True)
+class GroupedCap:
+    """A second budget of a micro-batch, over items its sequences may share.
+
+    A micro-batch's load is the sum over its distinct keys: sequences with the same key hold the
+    same items (a prompt group's responses share their prompt's encoder inputs, which a packed
+    forward encodes once per micro-batch), so a key's load counts once however many of its
+    sequences the micro-batch holds. The load must stay within ``limit.cap``.
+
+    Attributes:
+        limit: the cap and its names (`CapLimit`).
+        loads: per sequence, the load of its items (0 for none).
+        keys: per sequence, which items it holds (equal keys = the same items, equal loads).
+    """
+
+    limit: CapLimit
+    loads: tuple[int, ...]
     keys: tuple[int, ...]
-    max_patches: int
 
-    BUDGET_KEY = "train.max_vision_patches_per_microbatch"
+    def subset(self, indices: Sequence[int]) -> GroupedCap:
+        return GroupedCap(self.limit, tuple(self.loads[i] for i in indices), tuple(self.keys[i] for i in indices))
 
-    def subset(self, indices: Sequence[int]) -> VisionPatches:
-        return VisionPatches(tuple(self.patches[i] for i in indices), tuple(self.keys[i] for i in indices), self.max_patches)
+    def load(self, items: Iterable[int]) -> int:
+        """The load of ``items`` together: each distinct key's once."""
+        return sum({self.keys[i]: self.loads[i] for i in items}.values())
 
-    def load(self, items: Sequence[int]) -> int:
-        """Patches the vision tower encodes for ``items`` together (each distinct image once)."""
-        return sum({self.keys[i]: self.patches[i] for i in items}.values())
+    def check(self, num_sequences: int) -> None:
+        """Raise ValueError for a cap < 1 or a sequence whose load alone exceeds it (named by index).
 
-    def check(self) -> None:
-        """Raise ValueError for a cap < 1 or a sequence whose images alone exceed it (named)."""
-        if as_count(self.max_patches, self.BUDGET_KEY) < 1:
-            raise ValueError(f"{self.BUDGET_KEY}={self.max_patches!r} must be a positive integer number of patches")
-        over = [(n, i) for i, n in enumerate(self.patches) if n > self.max_patches]
+        Raises:
+            ValueError: as above; the message names ``limit.budget_key``, the load and the fix.
+        """
+        assert len(self.loads) == len(self.keys) == num_sequences, "one load and one key per sequence"
+        key, cap = self.limit.budget_key, self.limit.cap
+        if as_count(cap, key) < 1:
+            raise ValueError(f"{key}={cap!r} must be a positive integer number of {self.limit.unit}")
+        over = [(n, i) for i, n in enumerate(self.loads) if n > cap]
         if over:
             n, i = max(over)
-            raise ValueError(f"sequence {i}'s images have {n:,} vision-encoder patches > {self.BUDGET_KEY}={self.max_patches:,}; "
-                             f"raise {self.BUDGET_KEY} to >= {n:,} or lower data.max_image_tokens / data.image.max_pixels")
+            fix = f" or {self.limit.fix}" if self.limit.fix else ""
+            raise ValueError(f"sequence {i} has {n:,} {self.limit.unit} > {key}={cap:,}; raise {key} to >= {n:,}{fix}")
 
 
 class _Bins:
-    """Micro-batches being filled: their items, real tokens and (with ``vision``) patches."""
+    """Micro-batches being filled: their items and real tokens, checked against every grouped cap."""
 
-    def __init__(self, lengths: Sequence[int], cap: int, vision: VisionPatches | None, num_bins: int = 0) -> None:
-        self.lengths, self.cap, self.vision = lengths, cap, vision
+    def __init__(self, lengths: Sequence[int], cap: int, caps: Sequence[GroupedCap], num_bins: int = 0) -> None:
+        self.lengths, self.cap, self.caps = lengths, cap, caps
         self.items: list[list[int]] = [[] for _ in range(num_bins)]
         self.loads = [0] * num_bins
 
@@ -153,18 +184,19 @@ class _Bins:
         return self.fits_exchange(b, i, None)
 
     def fits_exchange(self, b: int, i: int, out: int | None) -> bool:
-        """Whether bin ``b`` stays within both caps with ``i`` added (and ``out`` taken away)."""
+        """Whether bin ``b`` stays within every cap with ``i`` added (and ``out`` taken away)."""
         tokens = self.loads[b] + self.lengths[i] - (0 if out is None else self.lengths[out])
         if tokens > self.cap:
             return False
-        if self.vision is None:
+        if not self.caps:
             return True
-        return self.vision.load([j for j in self.items[b] if j != out] + [i]) <= self.vision.max_patches
+        items = [j for j in self.items[b] if j != out] + [i]
+        return all(c.load(items) <= c.limit.cap for c in self.caps)
 
     @classmethod
-    def of(cls, items: list[list[int]], lengths: Sequence[int], cap: int, vision: VisionPatches | None) -> _Bins:
+    def of(cls, items: list[list[int]], lengths: Sequence[int], cap: int, caps: Sequence[GroupedCap]) -> _Bins:
         """Bins over ``items`` itself (changed in place by `add` / `remove`)."""
-        bins = cls(lengths, cap, vision)
+        bins = cls(lengths, cap, caps)
         bins.items, bins.loads = items, [sum(lengths[i] for i in part) for part in items]
         return bins
 
@@ -183,8 +215,8 @@ class _Bins:
 
 
 def _first_fit(order: list[int], lengths: Sequence[int], cap: int, max_bins: int | None,
-               vision: VisionPatches | None = None) -> list[list[int]] | None:
-    bins = _Bins(lengths, cap, vision)
+               caps: Sequence[GroupedCap] = ()) -> list[list[int]] | None:
+    bins = _Bins(lengths, cap, caps)
     for i in order:
         b = next((b for b in range(len(bins.items)) if bins.fits(b, i)), None)
         if b is None:
@@ -196,9 +228,9 @@ def _first_fit(order: list[int], lengths: Sequence[int], cap: int, max_bins: int
 
 
 def _least_cost_fit(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int,
-                    vision: VisionPatches | None = None) -> list[list[int]] | None:
+                    caps: Sequence[GroupedCap] = ()) -> list[list[int]] | None:
     """LPT under the caps: each item, largest cost first, goes to the cheapest bin it fits in."""
-    bins = _Bins(lengths, cap, vision, k)
+    bins = _Bins(lengths, cap, caps, k)
     bin_costs = [0.0] * k
     for i in order:
         fits = [b for b in range(k) if bins.fits(b, i)]
@@ -248,10 +280,10 @@ def _exact_fit(order: list[int], lengths: Sequence[int], cap: int, k: int) -> li
 
 
 def _improve(items: list[list[int]], lengths: Sequence[int], costs: Sequence[float], cap: int, max_rounds: int = 200,
-             vision: VisionPatches | None = None) -> None:
+             caps: Sequence[GroupedCap] = ()) -> None:
     """Local search in place: move or swap items out of the costliest bin while that lowers its cost
     below the old maximum and keeps every bin within the caps."""
-    bins = _Bins.of(items, lengths, cap, vision)
+    bins = _Bins.of(items, lengths, cap, caps)
     bcost = [sum(costs[i] for i in b) for b in items]
     for _ in range(max_rounds):
         top = max(range(len(items)), key=bcost.__getitem__)
@@ -286,17 +318,17 @@ def _improve(items: list[list[int]], lengths: Sequence[int], costs: Sequence[flo
 
 
 def _fit_k(order: list[int], lengths: Sequence[int], costs: Sequence[float], cap: int, k: int, balance: bool,
-           vision: VisionPatches | None = None) -> list[list[int]] | None:
-    bins = _least_cost_fit(order, lengths, costs, cap, k, vision) if balance else None
+           caps: Sequence[GroupedCap] = ()) -> list[list[int]] | None:
+    bins = _least_cost_fit(order, lengths, costs, cap, k, caps) if balance else None
     if bins is None:
-        bins = _first_fit(order, lengths, cap, max_bins=k, vision=vision)
-    if bins is None and vision is None:  # the exact search knows one budget
+        bins = _first_fit(order, lengths, cap, max_bins=k, caps=caps)
+    if bins is None and not caps:  # the exact search knows one budget
         bins = _exact_fit(order, lengths, cap, k)
     if bins is None:
         return None
     bins += [[] for _ in range(k - len(bins))]
     if balance:
-        _improve(bins, lengths, costs, cap, vision=vision)
+        _improve(bins, lengths, costs, cap, caps=caps)
     return bins
 
 
@@ -309,10 +341,10 @@ def plan_microbatches(
     num_microbatches: int | None = None,
     budget_key: str = "train.max_tokens_per_microbatch",
     packed: bool = True,
-    vision: VisionPatches | None = None,
+    caps: Sequence[GroupedCap] = (),
 ) -> MicrobatchPlan:
-    """Split sequences into micro-batches of at most ``max_tokens`` real tokens each (and, with
-    ``vision``, at most ``vision.max_patches`` vision-encoder patches each).
+    """Split sequences into micro-batches of at most ``max_tokens`` real tokens each (and, for
+    each of ``caps``, at most its cap of that load each).
 
     Args:
         lengths: real tokens of each sequence (prompt + response), N >= 1 positive ints.
@@ -324,8 +356,8 @@ def plan_microbatches(
         budget_key: the config key named in errors.
         packed: False puts every sequence in a micro-batch of its own (models whose packs are
             not exact, `packrl.models.isolation`); the cap still applies to each.
-        vision: each sequence's image patches and image key, and the patch cap (`VisionPatches`);
-            None = no patch budget.
+        caps: further budgets, each a load and a sharing key per sequence and a cap per
+            micro-batch (`GroupedCap`); empty = the token budget alone.
 
     Returns:
         A `MicrobatchPlan` with the fewest micro-batches found (never more than
@@ -333,13 +365,12 @@ def plan_microbatches(
 
     Raises:
         ValueError: an empty batch, a non-positive length, a cap < 1, a sequence longer than
-            the cap or whose images exceed the patch cap (naming its index, its size and the
-            budget's key), or an infeasible ``num_microbatches``.
+            the token cap or whose load exceeds a grouped cap (naming its index, its size and
+            the budget's key), or an infeasible ``num_microbatches``.
     """
     lengths, max_tokens = validate_lengths(lengths, max_tokens, budget_key)
-    if vision is not None:
-        assert len(vision.patches) == len(lengths), "one patch count per sequence"
-        vision.check()
+    for grouped in caps:
+        grouped.check(len(lengths))
     costs = sequence_costs(lengths, linear_coef)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if not packed:
@@ -349,28 +380,27 @@ def plan_microbatches(
                              "(packing is off for this model)")
         singles = tuple((i,) for i in order) + ((),) * (count - len(lengths))
         return MicrobatchPlan(singles, tuple(lengths), max_tokens)
-    ffd = _first_fit(order, lengths, max_tokens, max_bins=None, vision=vision)
+    ffd = _first_fit(order, lengths, max_tokens, max_bins=None, caps=caps)
     assert ffd is not None
     if num_microbatches is not None:
-        bins = _fit_k(order, lengths, costs, max_tokens, num_microbatches, balance, vision) if num_microbatches >= 1 else None
+        bins = _fit_k(order, lengths, costs, max_tokens, num_microbatches, balance, caps) if num_microbatches >= 1 else None
         if bins is None:
-            patches = "" if vision is None else f" and <= {vision.max_patches:,} vision patches ({vision.BUDGET_KEY})"
+            others = "".join(f" and <= {c.limit.cap:,} {c.limit.unit} ({c.limit.budget_key})" for c in caps)
             raise ValueError(
                 f"cannot split {len(lengths)} sequences ({sum(lengths):,} tokens) into {num_microbatches} micro-batches "
-                f"of <= {max_tokens:,} tokens ({budget_key}){patches}; at least {len(ffd)} may be needed"
+                f"of <= {max_tokens:,} tokens ({budget_key}){others}; at least {len(ffd)} may be needed"
             )
     else:
-        lower = max(math.ceil(sum(lengths) / max_tokens), sum(1 for n in lengths if 2 * n > max_tokens))
-        if vision is not None:
-            lower = max(lower, math.ceil(vision.load(range(len(lengths))) / vision.max_patches))
+        lower = max(math.ceil(sum(lengths) / max_tokens), sum(1 for n in lengths if 2 * n > max_tokens),
+                    *(math.ceil(c.load(range(len(lengths))) / c.limit.cap) for c in caps))
         bins = None
         for k in range(lower, len(ffd)):
-            bins = _fit_k(order, lengths, costs, max_tokens, k, balance, vision)
+            bins = _fit_k(order, lengths, costs, max_tokens, k, balance, caps)
             if bins is not None:
                 break
         if bins is None:
             bins = ffd
             if balance:
-                _improve(bins, lengths, costs, max_tokens, vision=vision)
+                _improve(bins, lengths, costs, max_tokens, caps=caps)
     bins.sort(key=lambda b: -sum(lengths[i] for i in b))  # largest first: an OOM shows at once
     return MicrobatchPlan(tuple(tuple(sorted(b)) for b in bins), tuple(lengths), max_tokens)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packrl.types import ImageInputs
+from packrl.types import ExtraInputs
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,9 @@ class Pack:
             shared prompt), -1 for none; None = no shared prompts (every segment a sequence).
         owners: per segment, the position in ``indices`` of the sequence whose own segment it
             is, -1 for a shared prompt segment; None = segment i is sequence i.
-        images: per packed sequence (in pack order), its prompt's images
-            (`packrl.types.ImageInputs`) or None; None = a text pack. Sequences of one
-            prompt hold the same object, which the packed forward encodes once.
+        extra_inputs: per packed sequence (in pack order), its prompt's inputs beyond its ids
+            (`packrl.types.ExtraInputs`) or None; None = a text pack. Sequences of one prompt
+            hold the same object, which the packed forward encodes once.
     """
 
     input_ids: torch.Tensor
@@ -51,7 +51,7 @@ class Pack:
     indices: tuple[int, ...]
     prefix_of: tuple[int, ...] | None = None
     owners: tuple[int, ...] | None = None
-    images: tuple[ImageInputs | None, ...] | None = None
+    extra_inputs: tuple[ExtraInputs | None, ...] | None = None
 
     @property
     def shares_prompts(self) -> bool:
@@ -65,24 +65,28 @@ class Pack:
     def seq_lens(self) -> list[int]:
         return torch.diff(self.cu_seqlens).tolist()
 
-    @property
-    def num_vision_patches(self) -> int:
-        """Vision-encoder patches the pack's forward encodes: each distinct `ImageInputs` once."""
-        return sum({id(x): x.num_patches for x in self.images or () if x is not None}.values())
+    def grouped_loads(self) -> dict[str, int]:
+        """Per load name, what the pack's forward encodes (`ExtraInputs.grouped_loads`): each
+        distinct inputs object once; empty for a text pack."""
+        out: dict[str, int] = {}
+        for x in {id(x): x for x in self.extra_inputs or () if x is not None}.values():
+            for name, load in x.grouped_loads().items():
+                out[name] = out.get(name, 0) + load
+        return out
 
     @property
     def max_seqlen(self) -> int:
         return max(self.seq_lens)
 
     def to(self, device: torch.device | str) -> Pack:
-        """The pack on ``device``; sequences that shared an `ImageInputs` still share one."""
-        moved: dict[int, ImageInputs] = {}
-        for x in self.images or ():
+        """The pack on ``device``; sequences that shared an `ExtraInputs` object still share one."""
+        moved: dict[int, ExtraInputs] = {}
+        for x in self.extra_inputs or ():
             if x is not None and id(x) not in moved:
                 moved[id(x)] = x.to(device)
-        images = None if self.images is None else tuple(None if x is None else moved[id(x)] for x in self.images)
+        extra = None if self.extra_inputs is None else tuple(None if x is None else moved[id(x)] for x in self.extra_inputs)
         return Pack(self.input_ids.to(device), self.position_ids.to(device), self.cu_seqlens.to(device), self.indices,
-                    self.prefix_of, self.owners, images)
+                    self.prefix_of, self.owners, extra)
 
     def segment_owners(self) -> tuple[int, ...]:
         """Per segment, the sequence (position in ``indices``) it belongs to, -1 for a shared prompt."""
@@ -175,13 +179,13 @@ def _as_ids(seq: torch.Tensor | Sequence[int], i: int) -> torch.Tensor:
 
 
 def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: Sequence[int] | None = None,
-                   images: Sequence[ImageInputs | None] | None = None) -> Pack:
+                   extra_inputs: Sequence[ExtraInputs | None] | None = None) -> Pack:
     """Concatenate sequences into one `Pack`.
 
     Args:
         sequences: S token-id sequences, each Shape [L_i] int (tensor or list), L_i >= 1.
         indices: the caller's index of each sequence (default 0..S-1), kept for restoring order.
-        images: each sequence's images (`Pack.images`), or None for a text pack.
+        extra_inputs: each sequence's inputs beyond its ids (`Pack.extra_inputs`), or None for a text pack.
 
     Returns:
         The `Pack`, K = sum(L_i).
@@ -205,9 +209,10 @@ def pack_sequences(sequences: Sequence[torch.Tensor | Sequence[int]], indices: S
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(torch.tensor(lens, device=device), 0)
     position_ids = torch.cat([torch.arange(n, device=device) for n in lens])
-    if images is not None and len(images) != len(ids):
-        raise ValueError(f"got images for {len(images)} sequences, packing {len(ids)}")
-    return Pack(torch.cat(ids)[None], position_ids[None], cu, indices, images=None if images is None else tuple(images))
+    if extra_inputs is not None and len(extra_inputs) != len(ids):
+        raise ValueError(f"got extra inputs for {len(extra_inputs)} sequences, packing {len(ids)}")
+    extra = None if extra_inputs is None else tuple(extra_inputs)
+    return Pack(torch.cat(ids)[None], position_ids[None], cu, indices, extra_inputs=extra)
 
 
 def pack_shared(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], indices: Sequence[int] | None = None) -> Pack:

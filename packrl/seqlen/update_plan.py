@@ -16,12 +16,12 @@ same loss and gradient however the mini-batch is split (invariant 4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from packrl.seqlen.balance import RankPlan, balance_ranks
 from packrl.seqlen.denominators import LossDenominators
-from packrl.seqlen.microbatch import MicrobatchPlan, VisionPatches, plan_microbatches, validate_lengths
+from packrl.seqlen.microbatch import CapLimit, GroupedCap, MicrobatchPlan, plan_microbatches, validate_lengths
 
 UPDATE_BUDGET_KEY = "train.max_tokens_per_microbatch"
 
@@ -48,18 +48,20 @@ class PromptSharing:
     def subset(self, indices: Sequence[int]) -> PromptSharing:
         return PromptSharing(tuple(self.prompt_tokens[i] for i in indices), tuple(self.prompt_keys[i] for i in indices))
 
-    def items(self, lengths: Sequence[int], max_tokens: int, min_items: int = 1) -> list[tuple[int, ...]]:
+    def items(self, lengths: Sequence[int], max_tokens: int, min_items: int = 1,
+              caps: Sequence[GroupedCap] = ()) -> list[tuple[int, ...]]:
         """The planning units: runs of consecutive sequences with the same prompt, each cut so
-        that its real tokens (the prompt once, then every response) stay within ``max_tokens``;
-        then, while there are fewer than ``min_items`` (ranks), the largest multi-sequence unit
-        is halved. A response of 0 tokens is a unit of its own (it is packed whole)."""
+        that its real tokens (the prompt once, then every response) stay within ``max_tokens``
+        and its load within each of ``caps``; then, while there are fewer than ``min_items``
+        (ranks), the largest multi-sequence unit is halved. A response of 0 tokens is a unit of
+        its own (it is packed whole)."""
         out: list[list[int]] = []
         for i, n in enumerate(lengths):
             last = out[-1] if out else None
             shareable = last is not None and self.prompt_keys[last[0]] == self.prompt_keys[i] and n > self.prompt_tokens[i]
             # `last is not None` is implied by shareable; restated so the type checker narrows `last`
             if (shareable and last is not None and all(lengths[j] > self.prompt_tokens[j] for j in last)
-                    and self.cost(last + [i], lengths) <= max_tokens):
+                    and self.cost(last + [i], lengths) <= max_tokens and all(c.load(last + [i]) <= c.limit.cap for c in caps)):
                 last.append(i)
             else:
                 out.append([i])
@@ -77,7 +79,7 @@ class PromptSharing:
 
 
 def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
-               packed: bool = True, sharing: PromptSharing | None = None, vision: VisionPatches | None = None) -> RankPlan:
+               packed: bool = True, sharing: PromptSharing | None = None, caps: Sequence[GroupedCap] = ()) -> RankPlan:
     """Micro-batches of at most ``max_tokens`` real tokens for each of ``num_ranks`` ranks.
 
     One rank plans with `plan_microbatches` (the fewest micro-batches); several with
@@ -85,29 +87,41 @@ def plan_ranks(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balan
     ``lengths``; `RankPlan.restore` puts per-rank results back in that order. ``packed=False``
     gives every sequence a micro-batch of its own (a model whose packs are not exact). With
     ``sharing`` the units planned are `PromptSharing.items` (a group's sequences, its prompt
-    counted once), kept whole and consecutive in their micro-batch. With ``vision`` every
-    micro-batch also holds at most ``vision.max_patches`` vision-encoder patches (a
-    vision-language model's packs never share prompts).
+    counted once), kept whole and consecutive in their micro-batch. With ``caps`` every
+    micro-batch also stays within each grouped cap (`GroupedCap`); under sharing a unit carries
+    its sequences' load (`_over_units`). Whether a model may share prompts at all is decided
+    where the plan is made (`PassPlanner.share_prompts`), not here.
 
     Raises:
         ValueError: as `plan_microbatches` / `balance_ranks` (a sequence over a cap is named).
     """
     if sharing is None or not packed:
-        return _plan_units(lengths, num_ranks, max_tokens, balance=balance, budget_key=budget_key, packed=packed, vision=vision)
-    assert vision is None, "a vision-language model's packs do not share prompts"
-    validate_lengths(lengths, max_tokens, budget_key)  # a sequence over the cap is named by its own index
-    items = sharing.items(lengths, max_tokens, min_items=num_ranks)
-    local = _plan_units([sharing.cost(u, lengths) for u in items], num_ranks, max_tokens, balance=balance, budget_key=budget_key)
+        return _plan_units(lengths, num_ranks, max_tokens, balance=balance, budget_key=budget_key, packed=packed, caps=caps)
+    validate_lengths(lengths, max_tokens, budget_key)  # a sequence over a cap is named by its own index
+    for grouped in caps:
+        grouped.check(len(lengths))
+    items = sharing.items(lengths, max_tokens, min_items=num_ranks, caps=caps)
+    local = _plan_units([sharing.cost(u, lengths) for u in items], num_ranks, max_tokens, balance=balance, budget_key=budget_key,
+                        caps=[_over_units(c, items) for c in caps])
     return RankPlan(tuple(MicrobatchPlan(tuple(tuple(i for k in mb for i in items[k]) for mb in rank.microbatches), tuple(lengths),
                                          max_tokens) for rank in local.ranks), local.linear_coef)
 
 
+def _over_units(cap: GroupedCap, units: Sequence[Sequence[int]]) -> GroupedCap:
+    """``cap`` over planning units: a unit's load is its sequences' together. A unit whose
+    sequences hold one key keeps it (a group cut into two units still counts its items once per
+    micro-batch); a unit of several keys gets a key of its own, so a micro-batch's load is never
+    counted below its real load (at most above it, when two such units share a key)."""
+    keys = [cap.keys[u[0]] if len({cap.keys[i] for i in u}) == 1 else -1 - k for k, u in enumerate(units)]
+    return GroupedCap(cap.limit, tuple(cap.load(u) for u in units), tuple(keys))
+
+
 def _plan_units(lengths: Sequence[int], num_ranks: int, max_tokens: int, *, balance: bool, budget_key: str,
-                packed: bool = True, vision: VisionPatches | None = None) -> RankPlan:
+                packed: bool = True, caps: Sequence[GroupedCap] = ()) -> RankPlan:
     if num_ranks == 1:
-        return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key, packed=packed, vision=vision),))
+        return RankPlan((plan_microbatches(lengths, max_tokens, balance=balance, budget_key=budget_key, packed=packed, caps=caps),))
     return balance_ranks(lengths, num_ranks, max_tokens, balance_microbatches=balance, budget_key=budget_key, packed=packed,
-                         vision=vision)
+                         caps=caps)
 
 
 @dataclass(frozen=True)
@@ -164,7 +178,7 @@ def plan_update(
     packed: bool = True,
     units: Sequence[int] | None = None,
     sharing: PromptSharing | None = None,
-    vision: VisionPatches | None = None,
+    caps: Sequence[GroupedCap] = (),
 ) -> UpdatePlan:
     """Plan a step's update.
 
@@ -183,15 +197,15 @@ def plan_update(
         units: the response (trajectory) each sequence is a part of, for the sequence count of
             the denominators (`packrl.seqlen.stepwise`); default: each sequence is its own.
         sharing: plan packs that write a group's prompt once (`plan_ranks`).
-        vision: each sequence's vision-encoder patches and the patch cap per micro-batch (`plan_ranks`).
+        caps: further budgets per micro-batch, each a load and sharing key per sequence (`GroupedCap`).
 
     Raises:
-        ValueError: a sequence over ``max_tokens`` or the patch cap (named by its index in the
+        ValueError: a sequence over ``max_tokens`` or a grouped cap (named by its index in the
             batch), or a mini-batch with fewer sequences than ranks.
     """
-    if vision is not None:
-        vision.check()  # a sequence over the patch cap is named by its index in the batch
     lengths, _ = validate_lengths(lengths, max_tokens, UPDATE_BUDGET_KEY)
+    for grouped in caps:
+        grouped.check(len(lengths))  # a sequence over a grouped cap is named by its index in the batch
     assert len(loss_tokens) == len(lengths) == len(groups), "one count and one group per sequence"
     assert list(groups) == sorted(groups), "the sequences of a group are contiguous"
     units = range(len(lengths)) if units is None else units
@@ -201,7 +215,7 @@ def plan_update(
         indices = tuple(range(firsts[start], firsts[min(start + mini_batch_prompts, len(firsts) - 1)]))
         local = plan_ranks([lengths[i] for i in indices], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY,
                            packed=packed, sharing=None if sharing is None else sharing.subset(indices),
-                           vision=None if vision is None else vision.subset(indices))
+                           caps=[c.subset(indices) for c in caps])
         ranks = RankPlan(tuple(MicrobatchPlan(tuple(tuple(indices[j] for j in mb) for mb in rank.microbatches), tuple(lengths),
                                               max_tokens) for rank in local.ranks), local.linear_coef)
         per_unit: dict[int, int] = {}
@@ -236,8 +250,8 @@ class PassPlanner:
         packed: a micro-batch may hold several sequences (False: one each, packs not exact).
         share_prompts: packs write a group's prompt once (`PromptSharing`).
         mini_batch_prompts / num_epochs / loss_scale_factor: as `plan_update` takes them.
-        max_vision_patches: vision-encoder patches per micro-batch per rank, every pass
-            (``train.max_vision_patches_per_microbatch``; None: no patch budget).
+        caps: the grouped caps per micro-batch per rank, every pass (`CapLimit`; the config's,
+            `packrl.config.grouped_caps.grouped_cap_limits`); empty: the token budgets alone.
     """
 
     num_ranks: int
@@ -251,7 +265,7 @@ class PassPlanner:
     mini_batch_prompts: int
     num_epochs: int
     loss_scale_factor: int
-    max_vision_patches: int | None = None
+    caps: tuple[CapLimit, ...] = ()
 
     LOGPROB_KEY = "train.max_tokens_per_logprob_microbatch"
 
@@ -259,27 +273,24 @@ class PassPlanner:
         """Which sequences share a prompt (``prompts``: each sequence's prompt ids), when packs write it once."""
         return PromptSharing.of(prompts) if self.share_prompts else None
 
-    def vision(self, patches: Sequence[int] | None, keys: Sequence[int]) -> VisionPatches | None:
-        """The patch budget over sequences with ``patches`` vision-encoder patches each and image
-        keys ``keys`` (`VisionPatches`); None without images or without a patch budget."""
-        if patches is None or self.max_vision_patches is None:
-            return None
-        return VisionPatches(tuple(patches), tuple(keys), self.max_vision_patches)
+    def grouped_caps(self, loads: Mapping[str, Sequence[int]], keys: Sequence[int]) -> list[GroupedCap]:
+        """This plan's caps over a batch: per cap, its sequences' ``loads[cap.name]`` and sharing
+        ``keys`` (`GroupedCap`); a cap whose load the batch does not report is left out (a batch
+        without those inputs), and a load without a cap is not budgeted."""
+        return [c.over(loads[c.name], keys) for c in self.caps if c.name in loads]
 
-    def scoring(self, lengths: Sequence[int], prompts: Sequence[Sequence[int]], vision: VisionPatches | None = None) -> RankPlan:
+    def scoring(self, lengths: Sequence[int], prompts: Sequence[Sequence[int]], caps: Sequence[GroupedCap] = ()) -> RankPlan:
         """The log-prob or value pass over sequences of ``lengths`` tokens: each rank's micro-batches
-        (with ``vision``, also under the patch budget).
+        (also within each of ``caps``, from `grouped_caps`).
 
         Raises:
-            ValueError: a sequence over the log-prob budget or the patch budget (named by index).
+            ValueError: a sequence over the log-prob budget or a grouped cap (named by index).
         """
-        if vision is not None:
-            vision.check()
         return plan_ranks(lengths, self.num_ranks, self.logprob_tokens * self.sequence_parallel_size, balance=self.balance,
-                          budget_key=self.LOGPROB_KEY, packed=self.packed, sharing=self.sharing(prompts), vision=vision)
+                          budget_key=self.LOGPROB_KEY, packed=self.packed, sharing=self.sharing(prompts), caps=caps)
 
     def update(self, lengths: Sequence[int], loss_tokens: Sequence[int], prompts: Sequence[Sequence[int]], *, groups: Sequence[int],
-               units: Sequence[int] | None = None, critic: bool = False, vision: VisionPatches | None = None) -> UpdatePlan:
+               units: Sequence[int] | None = None, critic: bool = False, caps: Sequence[GroupedCap] = ()) -> UpdatePlan:
         """The actor's update (or with ``critic`` the critic's): `plan_update` under its budget.
 
         Raises:
@@ -289,4 +300,4 @@ class PassPlanner:
         return plan_update(lengths, loss_tokens, groups=groups, mini_batch_prompts=self.mini_batch_prompts, num_epochs=self.num_epochs,
                            num_ranks=self.num_ranks, max_tokens=tokens * self.sequence_parallel_size, balance=self.balance,
                            loss_scale_factor=self.loss_scale_factor, packed=self.packed, units=units, sharing=self.sharing(prompts),
-                           vision=vision)
+                           caps=caps)

@@ -50,8 +50,8 @@ class PackForward:
         if self.share_prompts:
             return pack_shared([rollout.prompt_ids_of(i) for i in indices], [rollout.responses[i].response_ids for i in indices],
                                indices).to(device)
-        images = None if rollout.prompts.images is None else [rollout.images_of(i) for i in indices]
-        return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices, images=images).to(device)
+        extra = None if rollout.prompts.extra_inputs is None else [rollout.extra_inputs_of(i) for i in indices]
+        return pack_sequences([sequence_ids(rollout, i) for i in indices], indices=indices, extra_inputs=extra).to(device)
 
     def __call__(self, model: torch.nn.Module, pack: Pack, needed: torch.Tensor, entropy_grad: bool = False) -> Any:
         return pack_logprobs(model, pack, attention=self.attention, chunk_tokens=self.chunk_tokens,

@@ -45,8 +45,9 @@ class StepTotals:
     num_positions: int = 0
     num_real_tokens: int = 0
     num_shared_tokens_saved: int = 0
-    max_vision_patches: int = 0
-    """The most vision-encoder patches one micro-batch encoded (a vision-language model's)."""
+    max_grouped_loads: dict[str, int] = field(default_factory=dict)
+    """Per grouped-cap load (`packrl.seqlen.packing.Pack.grouped_loads`), the most one micro-batch
+    encoded (a vision-language model's ``vision_patches``)."""
     pending: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     """Metric sums still on the device, read back once by `finish`."""
 

@@ -36,11 +36,14 @@ def _build(tmp_path, rows, processor, max_image_patches=None, **data):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from packrl.config.grouped_caps import grouped_cap_limits
+    from packrl.config.schema import TrainConfig
+
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     cfg = DataConfig(train_files=[str(path)], batch_size=1, **({"max_prompt_tokens": 512} | data))
     return PromptDataset.build(cfg.train_files, processor, cfg, seed=0, split="train", key="data.train_files",
-                               max_image_patches=max_image_patches)
+                               caps=grouped_cap_limits(TrainConfig(max_vision_patches_per_microbatch=max_image_patches)))
 
 
 def test_image_tokens_count_in_the_prompt_and_match_the_images(tmp_path, processor):
@@ -50,18 +53,18 @@ def test_image_tokens_count_in_the_prompt_and_match_the_images(tmp_path, process
     assert dataset.accounting.num_kept == 3
     batch = dataset.batch(range(3))
     pad = processor.image_token_id
-    for ids, images in zip(batch.prompt_ids, batch.images):
+    for ids, images in zip(batch.prompt_ids, batch.extra_inputs):
         held = sum(t == pad for t in ids)
         assert held == (0 if images is None else images.num_tokens)
-    assert batch.images[0].num_images == 1 and batch.images[1].num_images == 2 and batch.images[2] is None
-    assert batch.images[0].num_tokens > 0 and len(batch.prompt_ids[0]) > batch.images[0].num_tokens
+    assert batch.extra_inputs[0].num_images == 1 and batch.extra_inputs[1].num_images == 2 and batch.extra_inputs[2] is None
+    assert batch.extra_inputs[0].num_tokens > 0 and len(batch.prompt_ids[0]) > batch.extra_inputs[0].num_tokens
 
 
 def test_max_image_tokens_resizes_before_the_budget(tmp_path, processor):
     rows = [_row("<image>How many?", [{"bytes": _png(448, 448)}])]
-    big = _build(tmp_path, rows, processor).batch([0]).images[0]
+    big = _build(tmp_path, rows, processor).batch([0]).extra_inputs[0]
     capped = _build(tmp_path, rows, processor, max_image_tokens=40)
-    small = capped.batch([0]).images[0]
+    small = capped.batch([0]).extra_inputs[0]
     assert big.num_tokens == 256 and small.num_tokens + 2 <= 40  # 2 markers around the placeholders
     assert capped.accounting.outcomes[0].status == "kept"
 
@@ -75,11 +78,11 @@ def test_an_overlong_image_prompt_is_resized_or_filtered_never_cut(tmp_path, pro
     assert outcome.status == "truncated" and "images resized" in outcome.reason and outcome.num_tokens_removed > 0
     batch = resized.batch([0])
     assert len(batch.prompt_ids[0]) <= budget
-    assert sum(t == processor.image_token_id for t in batch.prompt_ids[0]) == batch.images[0].num_tokens
+    assert sum(t == processor.image_token_id for t in batch.prompt_ids[0]) == batch.extra_inputs[0].num_tokens
     small = _row("<image>Count.", [{"bytes": _png(56, 56)}])
     filtered = _build(tmp_path, [*rows, small], processor, max_prompt_tokens=budget, overlong_prompt="filter")
     assert [o.status for o in filtered.accounting.outcomes] == ["filtered", "kept"]
-    text_only = len(full.prompt_ids[0]) - full.images[0].num_tokens - 2
+    text_only = len(full.prompt_ids[0]) - full.extra_inputs[0].num_tokens - 2
     with pytest.raises(ValueError, match="no usable prompt"):  # not even the smallest image fits: filtered, never cut
         _build(tmp_path, rows, processor, max_prompt_tokens=text_only + 3, overlong_prompt="middle")
 
@@ -174,9 +177,9 @@ def test_rows_no_image_cap_can_hold_name_the_cap(tmp_path, processor):
 
 def test_the_patch_budget_resizes_a_rows_images_to_fit_one_micro_batch(tmp_path, processor):
     rows = [_row("Two: <image> and <image>.", [{"bytes": _png(448, 448)}, {"bytes": _png(300, 200, 1)}])]
-    full = _build(tmp_path, rows, processor).batch([0]).images[0]
+    full = _build(tmp_path, rows, processor).batch([0]).extra_inputs[0]
     capped = _build(tmp_path, rows, processor, max_image_patches=400)
-    small = capped.batch([0]).images[0]
+    small = capped.batch([0]).extra_inputs[0]
     assert full.num_patches > 400 >= small.num_patches and small.num_images == 2
     assert small.num_patches == small.num_tokens * 4  # merge 2 x 2
     assert capped.accounting.outcomes[0].status == "kept"  # asked for, as data.max_image_tokens
@@ -197,14 +200,14 @@ def test_an_image_row_one_token_over_keeps_its_aspect_ratio_and_loses_one_row_of
     that shape (81 x 1, 27 x 3, 9 x 9)."""
     rows = [_row("<image>How wide?", [{"bytes": _png(1148, 56)}])]
     full = _build(tmp_path, rows, processor).batch([0])
-    assert full.images[0].num_tokens == 82
+    assert full.extra_inputs[0].num_tokens == 82
     budget = len(full.prompt_ids[0]) - 1
     fitted = _build(tmp_path, rows, processor, max_prompt_tokens=budget, overlong_prompt="right")
     outcome = fitted.accounting.outcomes[0]
     assert outcome.status == "truncated" and outcome.num_tokens_removed == 2
     assert outcome.reason == f"{budget + 1} -> {budget - 1} tokens (images resized to 1120x56; text kept whole)"
-    assert fitted.prompts[0].image_sizes == ((1120, 56),)
-    assert fitted.batch([0]).images[0].num_tokens == 80
+    assert fitted.prompts[0].part_sizes == ((1120, 56),)
+    assert fitted.batch([0]).extra_inputs[0].num_tokens == 80
 
 
 @pytest.mark.parametrize("size", [(1148, 56), (56, 1148), (1000, 50), (640, 480), (300, 1000)])

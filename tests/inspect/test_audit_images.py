@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 
+from packrl.config.grouped_caps import grouped_cap_limits
 from packrl.config.schema import DataConfig, ImageConfig, RolloutConfig, RunConfig, TrainConfig
 from packrl.data import PromptDataset, load_examples
 from packrl.inspect.audit import audit_rows, audit_sources, cache_key
@@ -118,7 +119,7 @@ def test_vision_and_text_tokens_sum_to_the_prompt_training_builds(processor, row
         ids = prompts[r.row].prompt_ids
         assert r.vision_tokens + r.text_tokens == len(ids)
         assert r.vision_tokens == sum(t == pad for t in ids) + 2 * r.num_images  # placeholders + start/end markers
-        assert r.image_sizes == prompts[r.row].image_sizes
+        assert r.image_sizes == prompts[r.row].part_sizes
     assert sized[0].image_sizes == ((448, 448),) and sized[0].vision_tokens == 16 * 16 + 2
     assert sized[1].image_sizes == ((224, 224), (112, 56)) and sized[1].num_images == 2
     assert m.total_tokens.max == max(len(prompts[r.row].prompt_ids) for r in sized)
@@ -162,8 +163,8 @@ def test_max_image_tokens_resizes_before_the_budget(processor, rows):
     trainer = build([rows], processor, cfg)
     assert all(r.vision_tokens <= 40 for r in m.rows if r.vision_tokens is not None)
     assert (m.policy_outcome("middle").num_kept, m.policy_outcome("middle").num_truncated) == (3, 0)
-    assert [(r.row, r.image_sizes) for r in m.rows if r.image_sizes] == [(p.example.row, p.image_sizes) for p in trainer.prompts
-                                                                          if p.image_sizes]
+    assert [(r.row, r.image_sizes) for r in m.rows if r.image_sizes] == [(p.example.row, p.part_sizes) for p in trainer.prompts
+                                                                          if p.part_sizes]
 
 
 def test_the_patch_budget_resizes_as_in_training(processor, rows):
@@ -171,10 +172,11 @@ def test_the_patch_budget_resizes_as_in_training(processor, rows):
     cfg = RunConfig(data=cfg.data, rollout=cfg.rollout, train=TrainConfig(max_tokens_per_microbatch=1024,
                                                                            max_vision_patches_per_microbatch=400))
     report = audit([rows], processor, cfg)
-    trainer = PromptDataset.build([rows], processor, cfg.data, seed=0, split="train", key="data.train_files", max_image_patches=400)
+    trainer = PromptDataset.build([rows], processor, cfg.data, seed=0, split="train", key="data.train_files",
+                                  caps=grouped_cap_limits(cfg.train))
     assert (report.policy("middle").num_kept, report.policy("middle").num_truncated) == statuses(trainer.accounting)[:2]
     sized = [(r.row, r.image_sizes) for r in report.multimodal.rows if r.image_sizes]
-    assert sized == [(p.example.row, p.image_sizes) for p in trainer.prompts if p.image_sizes]
+    assert sized == [(p.example.row, p.part_sizes) for p in trainer.prompts if p.part_sizes]
     assert all(sum(w * h for w, h in sizes) // (14 * 14) <= 400 for _, sizes in sized)  # encoder patches of each row's images
     assert report.config["train.max_vision_patches_per_microbatch"] == 400
     assert "train.max_vision_patches_per_microbatch=400" in report.multimodal.training

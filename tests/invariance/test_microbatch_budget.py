@@ -142,38 +142,47 @@ def test_large_batches_plan_without_deep_recursion():
     assert all(t <= 8192 for p in plan.ranks for t in p.num_tokens())
 
 
-# The second budget of a vision-language model's micro-batches: vision-encoder patches of the
-# distinct images each holds (a group's sequences share their prompt's images).
+# Grouped caps: a second budget per micro-batch over items that sequences share, e.g. a
+# vision-language model's vision-encoder patches of the distinct images each holds (a group's
+# sequences share their prompt's images).
+
+PATCH_LIMIT = dict(name="vision_patches", budget_key="train.max_vision_patches_per_microbatch", unit="vision-encoder patches",
+                   fix="lower data.max_image_tokens / data.image.max_pixels")
 
 
-def distinct_patches(mb, vision) -> int:
-    """Independent count: each image key's patches once."""
-    return sum(dict((vision.keys[i], vision.patches[i]) for i in mb).values())
+def patch_cap(patches, keys, max_patches):
+    """The vision-patch cap as `packrl.config.grouped_caps.grouped_cap_limits` builds it, over ``patches`` per sequence."""
+    from packrl.seqlen.microbatch import CapLimit
+
+    return CapLimit(cap=max_patches, **PATCH_LIMIT).over(patches, keys)
+
+
+def distinct_load(mb, cap) -> int:
+    """Independent count: each key's load once."""
+    return sum(dict((cap.keys[i], cap.loads[i]) for i in mb).values())
 
 
 @st.composite
 def vision_batches(draw, max_n: int = 40):
-    from packrl.seqlen.microbatch import VisionPatches
-
     lengths, cap = draw(batches(max_n))
     group = draw(st.integers(1, 4))
     max_patches = draw(st.integers(1, 500))
     per_prompt = draw(st.lists(st.one_of(st.just(0), st.integers(1, max_patches)), min_size=len(lengths), max_size=len(lengths)))
     keys = tuple(i // group for i in range(len(lengths)))
-    return lengths, cap, VisionPatches(tuple(per_prompt[k] for k in keys), keys, max_patches)
+    return lengths, cap, patch_cap(tuple(per_prompt[k] for k in keys), keys, max_patches)
 
 
 @settings(max_examples=300, deadline=None)
 @given(vision_batches(), st.booleans())
 def test_no_microbatch_exceeds_either_budget(batch, balance):
     lengths, cap, vision = batch
-    plan = plan_microbatches(lengths, cap, balance=balance, vision=vision)
+    plan = plan_microbatches(lengths, cap, balance=balance, caps=[vision])
     assert all(t <= cap for t in plan.num_tokens())
-    assert all(distinct_patches(mb, vision) <= vision.max_patches for mb in plan.microbatches)
+    assert all(distinct_load(mb, vision) <= vision.limit.cap for mb in plan.microbatches)
     assert sorted(plan.order) == list(range(len(lengths)))
     assert plan.num_microbatches <= len(lengths)
-    assert plan.num_microbatches >= max(math.ceil(sum(lengths) / cap), math.ceil(distinct_patches(range(len(lengths)), vision)
-                                                                                  / vision.max_patches))
+    assert plan.num_microbatches >= max(math.ceil(sum(lengths) / cap), math.ceil(distinct_load(range(len(lengths)), vision)
+                                                                                  / vision.limit.cap))
 
 
 @settings(max_examples=150, deadline=None)
@@ -182,31 +191,27 @@ def test_ranks_get_equal_counts_within_both_budgets(batch, num_ranks):
     lengths, cap, vision = batch
     if len(lengths) < num_ranks:
         return
-    plan = balance_ranks(lengths, num_ranks, cap, vision=vision)
+    plan = balance_ranks(lengths, num_ranks, cap, caps=[vision])
     assert len({p.num_microbatches for p in plan.ranks}) == 1
     for p in plan.ranks:
         assert all(t <= cap for t in p.num_tokens())
-        assert all(distinct_patches(mb, vision) <= vision.max_patches for mb in p.microbatches)
+        assert all(distinct_load(mb, vision) <= vision.limit.cap for mb in p.microbatches)
     assert sorted(i for p in plan.ranks for i in p.order) == list(range(len(lengths)))
 
 
 def test_a_group_shares_its_images_patches_in_one_microbatch():
-    from packrl.seqlen.microbatch import VisionPatches
-
     # 2 prompts x 3 responses, 600 patches per prompt: a group fits one 1,000-patch micro-batch
     # (encoded once), two groups do not
-    vision = VisionPatches((600,) * 6, (0, 0, 0, 1, 1, 1), 1000)
-    plan = plan_microbatches([10] * 6, 1000, vision=vision)
+    vision = patch_cap((600,) * 6, (0, 0, 0, 1, 1, 1), 1000)
+    plan = plan_microbatches([10] * 6, 1000, caps=[vision])
     assert plan.num_microbatches == 2
     assert sorted(sorted(vision.keys[i] for i in mb) for mb in plan.microbatches) == [[0, 0, 0], [1, 1, 1]]
     assert plan_microbatches([10] * 6, 1000).num_microbatches == 1  # the token budget alone
 
 
 def test_images_over_the_patch_budget_are_named_at_planning_time():
-    from packrl.seqlen.microbatch import VisionPatches
-
-    vision = VisionPatches((100, 100, 900, 900), (0, 0, 1, 1), 800)
-    for plan in (lambda: plan_microbatches([5] * 4, 100, vision=vision), lambda: balance_ranks([5] * 4, 2, 100, vision=vision)):
+    vision = patch_cap((100, 100, 900, 900), (0, 0, 1, 1), 800)
+    for plan in (lambda: plan_microbatches([5] * 4, 100, caps=[vision]), lambda: balance_ranks([5] * 4, 2, 100, caps=[vision])):
         with pytest.raises(ValueError) as err:
             plan()
         message = str(err.value)

@@ -44,7 +44,7 @@ def patch_budgets(rollout) -> tuple[int, int]:
     """Vision-patch budgets (`train.max_vision_patches_per_microbatch`) that split ``rollout``
     where the token budget alone does not: its largest prompt's patches, and those plus the
     smallest image prompt's (216 and 248 for Qwen2-VL's `vlm_train_batch`: 32, 36, 0, 216)."""
-    patches = sorted({n for n in rollout.image_patches()[0] if n})
+    patches = sorted({n for n in rollout.grouped_loads()[0]["vision_patches"] if n})
     return patches[-1], patches[-1] + patches[0]
 
 
@@ -76,8 +76,8 @@ def test_packed_hidden_states_equal_the_models_own_forward(family, tok, batches)
     batch64 = batches[family]
     rollout = batch64.rollout
     seqs = [torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids) for i in range(len(rollout))]
-    images = [rollout.images_of(i) for i in range(len(rollout))]
-    packed = packed_forward(model, pack_sequences(seqs, images=images))
+    images = [rollout.extra_inputs_of(i) for i in range(len(rollout))]
+    packed = packed_forward(model, pack_sequences(seqs, extra_inputs=images))
     own = []
     for ids, x in zip(seqs, images):
         extra = {} if x is None else dict(pixel_values=x.pixel_values, image_grid_thw=x.image_grid_thw,
@@ -126,12 +126,12 @@ def test_the_splits_really_differ(batch64):
         planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=False), num_ranks=1, num_epochs=1)
         plan = planner.update(rollout.sequence_lengths(), [len(r.response_ids) for r in rollout.responses],
                               [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=[i // 2 for i in range(len(rollout))],
-                              vision=planner.vision(*rollout.image_patches()))
+                              caps=planner.grouped_caps(*rollout.grouped_loads()))
         plans.append({mb for mb in plan.minibatches[0].microbatches(0) if mb})
     token_plans = {frozenset(p) for p in plans[: 1 + len(SPLITS)]}
     assert len(plans[0]) == 1 and len(token_plans) == 1 + len(SPLITS), plans
     assert all(len(p) > 1 for p in plans[1 + len(SPLITS):]), plans  # the patch budget alone splits the batch
-    patches, _ = rollout.image_patches()
+    patches = rollout.grouped_loads()[0]["vision_patches"]
     for p, plan in zip(budgets, plans[-len(budgets):]):  # each micro-batch: its distinct images' patches
         assert all(sum({i // 2: patches[i] for i in mb}.values()) <= p for mb in plan)
 
@@ -140,24 +140,24 @@ def test_the_splits_really_differ(batch64):
 def test_a_group_in_one_pack_encodes_its_images_once(family, tok, batches):
     """A prompt's responses share its `ImageInputs`: the tower runs over each distinct image once,
     and the pack scores as with a copy of the images per sequence."""
-    from packrl.types import ImageInputs
+    from packrl.models.image_inputs import ImageInputs
 
     model = _model(family, tok)
     batch64 = batches[family]
     rollout = batch64.rollout
     seqs = [torch.tensor(rollout.prompt_ids_of(i) + rollout.responses[i].response_ids) for i in range(len(rollout))]
-    shared = [rollout.images_of(i) for i in range(len(rollout))]
+    shared = [rollout.extra_inputs_of(i) for i in range(len(rollout))]
     copies = [None if x is None else ImageInputs(x.pixel_values.clone(), x.image_grid_thw.clone(), x.merge_size) for x in shared]
     encoded = []
     hook = model.model.visual.register_forward_hook(lambda _m, args, _out: encoded.append(int(args[0].shape[0])))
     try:
-        pack = pack_sequences(seqs, images=shared).to("cpu")
+        pack = pack_sequences(seqs, extra_inputs=shared).to("cpu")
         once = packed_forward(model, pack)
-        per_sequence = packed_forward(model, pack_sequences(seqs, images=copies))
+        per_sequence = packed_forward(model, pack_sequences(seqs, extra_inputs=copies))
     finally:
         hook.remove()
-    distinct = sum(x.num_patches for x in rollout.prompts.images if x is not None)
-    assert pack.num_vision_patches == distinct
+    distinct = sum(x.num_patches for x in rollout.prompts.extra_inputs or () if x is not None)
+    assert pack.grouped_loads() == {"vision_patches": distinct}
     assert encoded == [distinct, 2 * distinct]  # shared: each image once; copies: once per sequence
     torch.testing.assert_close(once, per_sequence, rtol=0, atol=1e-6)
 
@@ -167,7 +167,7 @@ def test_image_positions_are_m_rope_not_a_count(tok, batch64):
     model = _model("qwen2_vl", tok)
     rollout = batch64.rollout
     ids = torch.tensor(rollout.prompt_ids_of(0) + rollout.responses[0].response_ids)
-    positions = sequence_positions(model, ids, rollout.images_of(0))
+    positions = sequence_positions(model, ids, rollout.extra_inputs_of(0))
     assert positions.shape == (3, len(ids)) and not torch.equal(positions[1], torch.arange(len(ids)))
     assert int(positions.max()) < len(ids) - 1  # an image's tokens share positions: the text after it starts lower
 
@@ -178,4 +178,4 @@ def test_a_pack_whose_placeholders_do_not_match_its_images_is_refused(tok, batch
     ids = torch.tensor(rollout.prompt_ids_of(0) + rollout.responses[0].response_ids)
     cut = ids[ids != model.config.image_token_id][:10].tolist() + ids.tolist()[-5:]  # the placeholders cut out
     with pytest.raises(ValueError, match="image placeholder tokens but the images give"):
-        packed_forward(model, pack_sequences([cut], images=[rollout.images_of(0)]))
+        packed_forward(model, pack_sequences([cut], extra_inputs=[rollout.extra_inputs_of(0)]))

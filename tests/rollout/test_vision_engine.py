@@ -23,7 +23,7 @@ def _setup(family: str):
     use_packed_attention(model)
     prompts = [vlm_prompt(tiny_processor(tok, family=family), sizes, f"Count {k}", seed=k) for k, sizes in enumerate(IMAGE_SIZES)]
     batch = PromptBatch(tuple(p for p, _ in prompts), ("0",) * 4, ("t",) * 4, (0, 1, 2, 3), (False,) * 4,
-                        images=tuple(x for _, x in prompts))
+                        extra_inputs=tuple(x for _, x in prompts))
     engine = HFEngine(model, tok, max_context_tokens=4096, max_num_seqs=16, shares_policy=True)
     return tok, model, batch, engine
 
@@ -35,7 +35,7 @@ def setup(smollm_tokenizer):
 
 def _generate(engine, batch, **params):
     sampling = SamplingParams(n=2, max_response_tokens=12, temperature=1.0, return_logprobs=True, **params)
-    groups = engine.generate(batch.prompt_ids, sampling, seeds=[11, 12, 13, 14], images=batch.images)
+    groups = engine.generate(batch.prompt_ids, sampling, seeds=[11, 12, 13, 14], extra_inputs=batch.extra_inputs)
     return RolloutBatch(batch, 2, tuple(r for g in groups for r in g))
 
 
@@ -76,4 +76,4 @@ def test_prompts_whose_placeholders_do_not_match_their_images_are_refused(setup)
     with pytest.raises(ValueError, match="prompt 0 holds 8 image placeholder tokens but its images give 0"):
         engine.generate(batch.prompt_ids[:1], params, seeds=[1])
     with pytest.raises(ValueError, match="prompt 1 holds .* image placeholder tokens but its images give 8"):
-        engine.generate(batch.prompt_ids[:2], params, seeds=[1, 2], images=[batch.images[0], batch.images[0]])
+        engine.generate(batch.prompt_ids[:2], params, seeds=[1, 2], extra_inputs=[batch.extra_inputs[0], batch.extra_inputs[0]])

@@ -54,7 +54,7 @@ class _Workers:
         rng = random.Random(seed)
         return 10_000 if rng.random() < 0.2 else int(rng.paretovariate(1.2) * 3)  # 20% never emit EOS
 
-    def generate_ids(self, prompt_ids, params: SamplingParams, seeds, rows=(), images=None) -> list[list[Response]]:
+    def generate_ids(self, prompt_ids, params: SamplingParams, seeds, rows=(), extra_inputs=None) -> list[list[Response]]:
         self.calls.append((len(prompt_ids), params.n, params.max_response_tokens))
         out = []
         for prompt, seed in zip(prompt_ids, seeds):

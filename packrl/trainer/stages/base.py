@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from packrl.diagnostics.timers import Span
 from packrl.rollout.engine import EngineCapabilities, SamplingParams
-from packrl.types import ImageInputs, Response, RolloutBatch, ScoredBatch
+from packrl.types import ExtraInputs, Response, RolloutBatch, ScoredBatch
 
 if TYPE_CHECKING:
     from packrl.config.schema import RunConfig
@@ -35,16 +35,16 @@ class Generator(Protocol):
     """What a stage generates with.
 
     Attributes:
-        capabilities: what its engines can do (images; ``stop_on_condition``: it is an
+        capabilities: what its engines can do (``modalities``; ``stop_on_condition``: it is an
             `InterruptibleGenerator` and may stop a call on a condition of the whole call).
     """
 
     capabilities: EngineCapabilities
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                     rows: Sequence[int] = (), images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+                     rows: Sequence[int] = (), extra_inputs: Sequence[ExtraInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses to ``prompt_ids`` with the given per-prompt seeds (`packrl.rollout.engine.RolloutEngine.generate`);
-        ``rows``: the data rows (for messages), may be empty; ``images``: each prompt's images."""
+        ``rows``: the data rows (for messages), may be empty; ``extra_inputs``: each prompt's inputs beyond its ids."""
         ...
 
 
