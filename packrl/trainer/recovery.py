@@ -91,9 +91,8 @@ def _restart(cfg: RunConfig, run: Run, lost: WorkerLost, number: int, attempt_st
     own = resume_candidates(run.dir, "auto")
     resume = "auto" if own or cfg.train.resume in (None, "auto") else cfg.train.resume
     checkpoint = own[0] if own else (Path(resume) if resume != "auto" else None)
-    resumed_step = int(json.loads((checkpoint / STATE_FILE).read_text())["step"]) if checkpoint is not None else 0
+    resumed_step, saved_at = _checkpoint_step(checkpoint)
     last_logged = run.last_step or 0
-    saved_at = checkpoint.joinpath(STATE_FILE).stat().st_mtime if checkpoint is not None else 0.0
     record = {
         "restart": number,
         "detected_at": _iso(lost.detected_at),
@@ -113,6 +112,19 @@ def _restart(cfg: RunConfig, run: Run, lost: WorkerLost, number: int, attempt_st
     run.count_restart()
     run.loggers.append(_FirstStepAfterRestart(run.dir / RESTARTS_FILE, number, time.time()))
     return replace(cfg, train=replace(cfg.train, resume=resume))
+
+
+def _checkpoint_step(checkpoint: Path | None) -> tuple[int, float]:
+    """``(step, when it was written)`` of the checkpoint a restart resumes from; ``(0, 0.0)`` for
+    none. A state file that cannot be read counts as step 0 here (the resume itself then skips it
+    for an older checkpoint, or says why it cannot)."""
+    if checkpoint is None:
+        return 0, 0.0
+    try:
+        state = checkpoint / STATE_FILE
+        return int(json.loads(state.read_text())["step"]), state.stat().st_mtime
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0.0
 
 
 def _iso(unix: float) -> str:
