@@ -14,9 +14,8 @@ import time
 import psutil
 import pytest
 
-from tests.distributed.faults import LIVE_CLUSTERS
+from tests.distributed.faults import LIVE_CLUSTERS, OWNER
 
-OWNER = "PACKRL_TEST_OWNER"
 os.environ[OWNER] = f"{os.getpid()}-{time.time_ns()}"
 _RAY_BINARIES = ("raylet", "gcs_server")
 _GONE_WITHIN_S = 30.0  # Ray's processes exit shortly after ray.shutdown / a cluster's shutdown

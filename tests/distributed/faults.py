@@ -193,7 +193,8 @@ def restart_lines(run_dir: Path) -> list[dict]:
 
 @dataclass
 class Fault:
-    """One fault: ``action(run_dir) -> True`` once done, tried while ``ready(run_dir)`` holds."""
+    """One fault: ``action(run_dir) -> True`` once done, tried while ``ready(run_dir)`` holds;
+    ``done_at``: when the action that succeeded began (the moment the fault struck)."""
 
     name: str
     ready: Callable[[Path], bool]
@@ -225,8 +226,9 @@ class Injector:
         for fault in self.faults:
             while not self._stop.is_set():
                 try:
+                    began = time.time()
                     if fault.ready(self.run_dir) and fault.action(self.run_dir):
-                        fault.done_at = time.time()
+                        fault.done_at = began
                         break
                 except Exception as err:  # noqa: BLE001 - a run between groups; try again
                     self.errors.append(f"{fault.name}: {type(err).__name__}: {err}")
@@ -247,6 +249,28 @@ def after_step(step: int, restarts: int | None = 0) -> Callable[[Path], bool]:
         floor = lines[-1]["resumed_step"] if lines else 0
         return logged[-1]["step"] >= max(step, floor + 1)
     return ready
+
+
+OWNER = "PACKRL_TEST_OWNER"
+"""The environment variable tests/distributed/conftest.py sets to mark the processes this pytest process starts."""
+
+
+def listening_beyond_loopback() -> list[tuple[str, str, int]]:
+    """``(process name, address, port)`` of every listening socket, outside loopback, of this
+    process and the processes it started (those that inherited its `OWNER` mark)."""
+    import psutil
+
+    mark = os.environ.get(OWNER)
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and (mark is None or proc.environ().get(OWNER) != mark):
+                continue
+            found += [(proc.name(), c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN and c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def _record(run_dir: Path, file: str, role: str) -> dict:

@@ -31,6 +31,7 @@ from tests.distributed.faults import (  # noqa: E402
     fault_plugin,
     kill_rank,
     kill_rollout_worker,
+    listening_beyond_loopback,
     local_cluster,
     remove_node_of,
     restart_lines,
@@ -133,9 +134,15 @@ def test_a_killed_rollout_worker_a_kill_inside_a_weight_sync_and_a_lost_node_are
 def test_without_restarts_a_lost_rank_ends_the_run_naming_it(tmp_path, model_dir, full_cluster):
     """trainer.max_restarts=0: rank 1 killed with SIGKILL ends the run at once (the survivor's
     collective is not waited for), the error naming the rank, its Ray actor and node, the step and
-    how to continue."""
+    how to continue. Mid-run, nothing of the cluster or the ranks listens beyond loopback."""
     out = tmp_path / "run"
-    fault = Fault("kill rank 1", after_step(1), kill_rank(1))
+    listening: list = []
+
+    def look_then_kill(run_dir):
+        listening.extend(listening_beyond_loopback())  # the cluster, its workers and the ranks mid-run
+        return kill_rank(1)(run_dir)
+
+    fault = Fault("kill rank 1", after_step(1), look_then_kill)
     with Injector(out, [fault]) as injector, pytest.raises(WorkerLost) as failure:
         _train(out, model_dir, *SYNC, "trainer.num_workers=2", f"trainer.ray_address={full_cluster.address}",
                "trainer.collective_timeout_s=600")
@@ -149,6 +156,7 @@ def test_without_restarts_a_lost_rank_ends_the_run_naming_it(tmp_path, model_dir
     assert failure.value.kind == "process_died"
     assert ended - fault.done_at < 600, "the run waited for the collective timeout instead of Ray's report of the death"
     assert not (out / "restarts.jsonl").exists()
+    assert not listening, f"sockets listening beyond loopback: {listening}"
 
 
 @pytest.mark.parametrize("overrides, short", [(["trainer.num_workers=4", "train.mini_batch_size=2"], "1 of 4"),
