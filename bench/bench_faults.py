@@ -27,6 +27,15 @@ difference from the uninterrupted run's; with the host (``host``) and dtype.
 Command (repository root; ~15 min on 2 cores)::
 
     python bench/bench_faults.py --faults 5 --seed 0 [--mode sync|separate_async|both] [--nodes 3] [--steps 24]
+
+Measured (AMD EPYC with AVX-512, 2 cores shared with other work; 24 steps, a checkpoint every 2):
+``--faults 5 --seed 0``: 2 ranks: 5 of 5 recovered (2 rank kills, 2 kills inside a checkpoint
+write, a node removed), seen 0.07-1.03 s after each, 8 steps redone, 18-35 s lost per fault
+(restarts.jsonl; 22.3 s of wall time each against the uninterrupted 56.7 s run); separate_async:
+5 of 5 (2 ray.kill, 2 kills inside a weight sync, a node removed), seen 0.03-0.62 s after, 4
+steps redone, 26-49 s per fault (27.3 s of wall time each); both: 0 prompts trained twice or
+lost, every step's prompts (and the ledger) as uninterrupted, final weights equal (largest
+difference 0.0); a restart is mostly the new actors' start (18.6 / 24.9 s on average).
 """
 
 from __future__ import annotations
