@@ -175,12 +175,13 @@ def wait_all(refs: Sequence[Any], holders: Sequence[ActorRecord], stage: str) ->
     `GRACE_S` has passed, unless an actor died meanwhile.
 
     Raises:
-        WorkerLost: an actor died, its node died, or its collective failed (`_collective_error`).
+        WorkerLost: an actor died (Ray's memory monitor's kill included), its node died, a result
+            was lost with its node, or its collective failed (`_collective_error`).
         RuntimeError: an actor whose constructor raised (its error's text).
         Exception: a call's own exception.
     """
     import ray
-    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+    from ray.exceptions import ObjectLostError, OutOfMemoryError, RayActorError, RayTaskError
 
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
@@ -199,6 +200,8 @@ def wait_all(refs: Sequence[Any], holders: Sequence[ActorRecord], stage: str) ->
                 raise lost_from_error(holders[i], err, stage) from None
             except OutOfMemoryError as err:  # Ray's memory monitor killed the call's worker
                 raise WorkerLost(holders[i], stage, "oom", str(err)[:600]) from None
+            except ObjectLostError as err:  # the result was on a node that is gone
+                raise WorkerLost(holders[i], stage, "node_lost", str(err).strip().splitlines()[0][:600]) from None
             except RayTaskError as err:
                 if failure is None:
                     failure, deadline = (i, err), time.monotonic() + GRACE_S
