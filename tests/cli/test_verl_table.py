@@ -34,7 +34,7 @@ RC = "algorithm.rollout_correction"
 OB, OBC, OB9 = "reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg", "reward.reward_kwargs.overlong_buffer_cfg"
 SAMPLES: dict[str, Any] = {
     # executable keys verl gives no default here
-    "data.seed": 7, f"{AR}.model.path": "Qwen/Qwen2.5-0.5B-Instruct",
+    "data.seed": 7, f"{AR}.model.path": "Qwen/Qwen2.5-0.5B-Instruct", f"{AR}.nccl_timeout": 120,
     f"{AR}.model.override_config.rope_scaling.factor": 2.0, f"{AR}.model.enable_gradient_checkpointing": False,
     f"{AR}.model.enable_activation_offload": True, f"{ACTOR}.use_torch_compile": False, f"{ACTOR}.loss_scale_factor": 2048,
     f"{ACTOR}.fsdp_config.dtype": "float32", f"{ROLLOUT}.name": "hf", f"{ROLLOUT}.max_num_seqs": 64,

@@ -560,7 +560,8 @@ _TRAINER = {
     **{f"skip.{part}.enable": _i("verl's rollout cache for debugging; packrl generates every step", (False,),
                                  f"set skip.{part}.enable=False") for part in ("rollout", "rollout_tq", "async_rollout")},
     "actor_rollout_ref.hybrid_engine": _i("packrl's policy and engine always share the worker", (True,), "remove hybrid_engine"),
-    "actor_rollout_ref.nccl_timeout": _i(_PERF),
+    "actor_rollout_ref.nccl_timeout": _x("trainer.collective_timeout_s", cv.as_float,
+                                         "seconds a rank waits in one collective before it fails (verl's default 600, as packrl's)"),
 }
 
 VERL_KEYS: dict[str, KeyRule] = {**_DATA, **_MODEL, **_ACTOR, **_REF, **_ROLLOUT, **_CRITIC, **_REWARD, **_ALGORITHM, **_TRAINER}
