@@ -1,8 +1,8 @@
 """SFT tokens/s: `packrl sft` against a padded supervised loop on the same traces, in one run.
 
 Both arms train the same model (``model.path`` of the preset, float32 master weights, the compute
-dtype by autocast: ``--dtype``) on the same rendered traces (`packrl.data.traces.load_traces`: the
-preset's ``sft.train_files``) in the same order (`packrl.trainer.sft.step_indices`), for
+dtype by autocast: ``--dtype``) on the same rendered traces (`packrl.trainer.sft.sft_traces`: the
+preset's ``sft.train_files``) in the same order (`packrl.trainer.sft.trace_sampler`), for
 ``--steps`` optimizer steps of ``sft.batch_size`` traces, with AdamW at ``sft.lr`` and the same
 loss: the token-mean NLL of the assistant's tokens over the whole step.
 
@@ -37,10 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import check_positive, emit  # noqa: E402
 from packrl.config import load_config  # noqa: E402
-from packrl.data.traces import load_traces  # noqa: E402
 from packrl.hardware import resolve_dtype  # noqa: E402
 from packrl.models.loading import load_policy  # noqa: E402
-from packrl.trainer.sft import sft, step_indices  # noqa: E402
+from packrl.trainer.sft import sft, sft_traces, trace_sampler  # noqa: E402
 
 
 def packrl_arm(cfg) -> dict:
@@ -55,14 +54,15 @@ def packrl_arm(cfg) -> dict:
 def padded_arm(cfg, microbatch: int) -> dict:
     dtype = resolve_dtype(cfg.model.dtype)
     model, tokenizer = load_policy(cfg.model, compute_dtype=dtype)
-    traces = load_traces(cfg, tokenizer)
+    traces = sft_traces(cfg, tokenizer)
+    sampler = trace_sampler(traces, cfg.sft.batch_size, cfg.train.seed)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr, weight_decay=cfg.train.weight_decay)
     pad = tokenizer.pad_token_id
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype.name == "bf16")
     tokens = padded = seconds = 0.0
     losses = []
     for step in range(1, cfg.sft.total_steps + 1):
-        rows = step_indices(len(traces), cfg.sft.batch_size, step, cfg.train.seed)
+        rows = sampler.next_indices()
         seqs = [list(traces.prompt_ids[i]) + list(traces.response_ids[i]) for i in rows]
         masks = [[False] * len(traces.prompt_ids[i]) + list(traces.response_masks[i]) for i in rows]
         num_loss = sum(sum(m) for m in masks)

@@ -52,7 +52,7 @@ def _cmd_tool_traces(args: argparse.Namespace) -> int:
               "e.g. --out traces.jsonl", file=sys.stderr)
         return 2
     try:
-        rows = tool_trace_rows(cfg)
+        rows = tool_trace_rows(cfg.data, cfg.sft.num_rows, cfg.train.seed)
     except ValueError as err:
         print(f"packrl data tool-traces: {err}", file=sys.stderr)
         return 2

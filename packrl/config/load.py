@@ -165,12 +165,15 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 def nearest_key(key: str, keys: list[str]) -> str | None:
     """The valid key a mistyped ``key`` most likely meant: one that ends in the same name (in the
-    same section first, e.g. ``rollout.max_turns`` -> ``rollout.multi_turn.max_turns``), else
+    same section first, e.g. ``rollout.max_turns`` -> ``rollout.multi_turn.max_turns``; then the
+    least nested; then the first declared, so the RL sections come before the ``sft`` section that
+    repeats some of their names: ``train.max_prompt_tokens`` -> ``data.max_prompt_tokens``), else
     the closest spelling of the whole dotted key; None when nothing is close."""
     leaf, section = key.rsplit(".", 1)[-1], key.split(".", 1)[0]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
     if same_leaf:
-        return min(same_leaf, key=lambda k: (k.split(".", 1)[0] != section, len(k)))
+        order = {k: i for i, k in enumerate(keys)}
+        return min(same_leaf, key=lambda k: (k.split(".", 1)[0] != section, k.count("."), order[k]))
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     return close[0] if close else None
 

@@ -46,8 +46,29 @@ class SftConfig:
     that says more than it needs) or `thinking` (the concise lines inside `<think>` ... `</think>`,
     then `#### N`)."""
 
+    max_prompt_tokens: int | None = None
+    """Prompt budget of a trace (tokens: the system and user messages rendered with the chat
+    template and the generation prompt, as RL renders its prompts). A trace whose prompt is longer
+    is filtered out, never cut. null (default): `data.max_prompt_tokens`, the RL prompt budget."""
+
+    max_response_tokens: int | None = None
+    """Budget of what follows the prompt in a trace (tokens: the assistant turns with their closing
+    tokens, the tool messages and assistant headers between them). A longer trace is filtered out,
+    never cut. null (default): `rollout.max_response_tokens`, the RL response budget, so a trace is
+    kept when RL could have generated it."""
+
+    def trace_budgets(self, max_prompt_tokens: int, max_response_tokens: int) -> tuple[int, int]:
+        """``(prompt, response)`` token budgets of a trace: ``sft.max_prompt_tokens`` and
+        ``sft.max_response_tokens``, each null one replaced by the RL budget given
+        (``data.max_prompt_tokens``, ``rollout.max_response_tokens``)."""
+        return (self.max_prompt_tokens if self.max_prompt_tokens is not None else max_prompt_tokens,
+                self.max_response_tokens if self.max_response_tokens is not None else max_response_tokens)
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.batch_size", self.batch_size) + check_positive(f"{prefix}.num_rows", self.num_rows)
+        for name in ("max_prompt_tokens", "max_response_tokens"):
+            if getattr(self, name) is not None:
+                out += check_positive(f"{prefix}.{name}", getattr(self, name))
         if isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int) or self.total_steps < 0:
             out.append(ConfigProblem(f"{prefix}.total_steps", self.total_steps, "must be an integer >= 0", f"set {prefix}.total_steps=50"))
         if not 0 < self.lr < 1:

@@ -1,5 +1,6 @@
 """Prompt data: loaders (jsonl, json, parquet incl. verl's schema, HF hub), the built-in
-`task:arithmetic` and `task:char_count`, row normalisation, and the budgeted prompt dataset with its sampler.
+`task:arithmetic` and `task:char_count`, row normalisation, and the budgeted prompt dataset with the
+epoch sampler every recipe draws with (`sampler.EpochSampler`).
 
 `PromptDataset` and `PromptSampler` (which need torch through `packrl.types`) are imported on
 first use, so config-only tools do not load torch.
@@ -23,11 +24,13 @@ _EXPORTS = {
     "LoadedRows": "prompts",
     "RowSource": "prompts",
     "account_rows": "prompts",
+    "accounting_dict": "prompts",
     "budget_examples": "prompts",
     "load_examples": "prompts",
     "rendered_prompt_lengths": "prompts",
     "PromptDataset": "dataset",
     "PromptSampler": "dataset",
+    "EpochSampler": "sampler",
     "check_enough_prompts": "dataset",
 }
 

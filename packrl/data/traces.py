@@ -13,42 +13,65 @@ turn::
      {"role": "assistant", "content": "123 * 45 = 5535\\n#### 5535"}]
 
 The prompt is rendered as RL renders its prompts (`packrl.seqlen.prompt_policy.apply_prompt_policy`:
-chat template, generation prompt, ``data.max_prompt_tokens``); after it, each assistant turn is
+chat template with the run's tool schemas, generation prompt); after it, each assistant turn is
 its content's tokens and the template's turn-closing token (True in the loss mask: the policy's
-tokens), and each run of tool messages is what `packrl.rollout.multi_turn.ToolRenderer` appends in
-a rollout (tool messages and the next assistant header; False in the loss mask). So the trained
-sequences are the ones the policy would write in RL, scored in the same contexts.
+tokens), and each run of tool messages is what a multi-turn rollout appends
+(`packrl.chat.render.ToolRenderer`, which the rollout renders with too: tool messages and the next
+assistant header; False in the loss mask). So the trained sequences are the ones the policy would
+write in RL, scored in the same contexts.
 
-Every row ends in the accounting: kept, filtered (prompt over ``data.max_prompt_tokens`` or the
-rest over ``rollout.max_response_tokens``: a trace is never cut) or rejected with the reason.
+Every row ends in the accounting: kept, filtered (prompt over ``sft.max_prompt_tokens`` or the
+rest over ``sft.max_response_tokens``, `TraceOptions`: a trace is never cut) or rejected with the
+reason. The traces are `packrl.data.sampler.SampledData`: the epoch sampler draws them and a
+resume on other traces is refused by their fingerprint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from packrl.config.sft import CHAR_COUNT_TRACES
+from packrl.chat.render import ToolRenderer
+from packrl.config.schema import DataConfig
+from packrl.config.sft import CHAR_COUNT_TRACES, SftConfig
 from packrl.data.char_count_traces import char_count_trace_rows
 from packrl.data.examples import to_example
 from packrl.data.loaders import BadRow, load_rows
-from packrl.data.prompts import RowSource
+from packrl.data.prompts import RowSource, accounting_dict
 from packrl.data.tasks import arithmetic_rows, num_arithmetic_problems
+from packrl.registry import TOOLS
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
-
-if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
 
 TOOL_TRACES = "task:tool_traces"
 """The built-in traces: calculator calls for `task:arithmetic` problems (`tool_trace_rows`)."""
 SFT_SOURCE = "packrl/sft"
 _PROMPT_ROLES = ("system", "user")
 _AFTER_PROMPT = ("assistant", "tool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceOptions:
+    """How trace rows become training sequences (`packrl.trainer.sft.trace_options` builds them
+    from the config).
+
+    Attributes:
+        max_prompt_tokens: a trace's prompt budget in tokens (``sft.max_prompt_tokens``).
+        max_response_tokens: the budget of what follows the prompt, in tokens (``sft.max_response_tokens``).
+        tool_role: the role tool messages take (``rollout.multi_turn.tool_role``).
+        chat_template_kwargs: passed to every ``apply_chat_template`` call (the run's tool schemas,
+            `packrl.chat.tool_schemas.template_kwargs`), so a trace renders as RL renders.
+    """
+
+    max_prompt_tokens: int
+    max_response_tokens: int
+    tool_role: str = "tool"
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,18 +98,27 @@ class Traces:
         return len(self.prompt_ids)
 
     @property
+    def key(self) -> str:
+        """The config key the traces come from (named in the sampler's errors)."""
+        return "sft.train_files"
+
+    def fingerprint(self) -> str:
+        """sha256 (hex, 16 characters) of every trace's ids and loss mask, in order: what a resumed
+        run must find again for its saved data position to mean the same traces."""
+        digest = hashlib.sha256()
+        for trace in zip(self.prompt_ids, self.response_ids, self.response_masks):
+            digest.update(repr(trace).encode())
+        return digest.hexdigest()[:16]
+
+    @property
     def num_loss_tokens(self) -> int:
         return sum(sum(m) for m in self.response_masks)
 
     def accounting_dict(self) -> dict[str, Any]:
         """`PromptAccounting.to_dict` with, per row, ``source`` and ``source_row`` (the file or task and
-        the row's 0-based index inside it; None when not known), as ``data_accounting.json`` of RL."""
-        out = self.accounting.to_dict()
-        for entry in out["rows"]:
-            origin = self.origins[entry["row"]] if self.origins else None
-            entry["source"] = origin and origin.source
-            entry["source_row"] = origin and origin.source_row
-        return out
+        the row's 0-based index inside it; None when not known): `packrl.data.prompts.accounting_dict`,
+        the one RL's prompts use."""
+        return accounting_dict(self.accounting, self.origins)
 
     def train_batch(self, indices: Sequence[int]) -> TrainBatch:
         """The traces at ``indices`` as the update's batch: each its own group of one, advantages 0
@@ -103,24 +135,28 @@ class Traces:
                           old_logprobs=None, ref_logprobs=None)
 
 
-def tool_trace_rows(cfg: RunConfig) -> list[dict[str, Any]]:
-    """``sft.num_rows`` calculator traces of `task:arithmetic` problems (``data.arithmetic``,
-    ``train.seed``; never a validation question): the request as RL's prompts hold it
-    (``data.system_prompt``, ``data.instruction``), one call with the problem's expression, the
-    calculator's exact answer, and the final answer after ``####``. Each row: ``{"messages": [...]}``."""
-    from packrl.rollout.tools import calculator
+def tool_trace_rows(data: DataConfig, num_rows: int, seed: int) -> list[dict[str, Any]]:
+    """``num_rows`` (``sft.num_rows``) calculator traces of `task:arithmetic` problems
+    (``data.arithmetic``, ``seed`` = ``train.seed``; never a validation question): the request as
+    RL's prompts hold it (``data.system_prompt``, ``data.instruction``), one call with the
+    problem's expression, the registered ``calculator``'s exact answer, and the final answer after
+    ``####``. Each row: ``{"messages": [...]}``.
 
-    arith = cfg.data.arithmetic
+    Raises:
+        ValueError: more rows than ``data.arithmetic`` has distinct problems.
+    """
+    calculator = TOOLS.lookup("calculator")
+    arith = data.arithmetic
     args = (arith.digits, arith.num_operands, arith.operators)
     space = num_arithmetic_problems(*args)
-    if cfg.sft.num_rows > space:
-        raise ValueError(f"sft.num_rows={cfg.sft.num_rows:,} is more than the {space:,} distinct problems of data.arithmetic "
+    if num_rows > space:
+        raise ValueError(f"sft.num_rows={num_rows:,} is more than the {space:,} distinct problems of data.arithmetic "
                          f"(digits={arith.digits}, num_operands={arith.num_operands}, operators={arith.operators!r}): every "
                          "trace past them repeats one; lower sft.num_rows or raise data.arithmetic.digits")
-    val = [r["question"] for r in load_rows("task:arithmetic", arithmetic=arith, seed=cfg.train.seed, split="val")]
+    val = [r["question"] for r in load_rows("task:arithmetic", arithmetic=arith, seed=seed, split="val")]
     out = []
-    for k, row in enumerate(arithmetic_rows(cfg.sft.num_rows, *args, cfg.train.seed, exclude=val)):
-        example = to_example(row, row=k, instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
+    for k, row in enumerate(arithmetic_rows(num_rows, *args, seed, exclude=val)):
+        example = to_example(row, row=k, instruction=data.instruction, system_prompt=data.system_prompt)
         assert not isinstance(example, str), "task:arithmetic rows are well-formed"
         expression = row["question"].removeprefix("What is ").removesuffix("?")
         answer = calculator({"expression": expression})
@@ -131,41 +167,40 @@ def tool_trace_rows(cfg: RunConfig) -> list[dict[str, Any]]:
     return out
 
 
-def load_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
-    """Every row of ``sft.train_files``, rendered and accounted (module docstring).
+def load_traces(sft: SftConfig, data: DataConfig, tokenizer: Any, options: TraceOptions, *, seed: int) -> Traces:
+    """Every row of ``sft.train_files``, rendered under ``options`` and accounted (module docstring).
+    The built-in traces read ``data`` (`tool_trace_rows`, `char_count_trace_rows`) and ``seed``
+    (``train.seed``).
 
     Raises:
         ValueError: no ``sft.train_files``, a source that cannot be read (`load_rows`), or no
             trace left to train (names the reasons).
     """
-    if not cfg.sft.train_files:
+    if not sft.train_files:
         raise ValueError("sft.train_files is empty; give chat traces (jsonl rows with 'messages') or task:tool_traces, "
                          "e.g. sft.train_files=[task:tool_traces]")
     rows: list[Any] = []
     origins: list[RowSource] = []
-    for source in cfg.sft.train_files:
+    for source in sft.train_files:
         if source == CHAR_COUNT_TRACES:
-            loaded = char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)
+            loaded = char_count_trace_rows(data, sft, seed)
         else:
-            loaded = tool_trace_rows(cfg) if source == TOOL_TRACES else load_rows(
-                source, arithmetic=cfg.data.arithmetic, seed=cfg.train.seed, split="train", key="sft.train_files")
+            loaded = tool_trace_rows(data, sft.num_rows, seed) if source == TOOL_TRACES else load_rows(
+                source, arithmetic=data.arithmetic, seed=seed, split="train", key="sft.train_files")
         rows += loaded
         origins += [RowSource(source, k) for k in range(len(loaded))]
-    traces = replace(render_traces(rows, tokenizer, cfg), origins=tuple(origins))
+    traces = replace(render_traces(rows, tokenizer, options), origins=tuple(origins))
     if not len(traces):
         accounting = traces.accounting
         fixes = (["fix the rejected rows (reasons above, rows in data_accounting.json)"] if accounting.num_rejected else []) + (
-            ["raise data.max_prompt_tokens / rollout.max_response_tokens for the filtered ones (their sum at most the "
+            ["raise sft.max_prompt_tokens / sft.max_response_tokens for the filtered ones (their sum at most the "
              "model context)"] if accounting.num_filtered else [])
         raise ValueError(f"sft.train_files: no trace can be trained: {accounting.summary()}; {' or '.join(fixes) or 'add traces'}")
     return traces
 
 
-def render_traces(rows: Sequence[Any], tokenizer: Any, cfg: RunConfig) -> Traces:
+def render_traces(rows: Sequence[Any], tokenizer: Any, options: TraceOptions) -> Traces:
     """Split each row into its prompt and the rest, render both (module docstring) and account for it."""
-    from packrl.rollout.multi_turn import ToolRenderer
-    from packrl.rollout.tool_schemas import template_kwargs
-
     outcomes: dict[int, RowOutcome] = {}
     parts: dict[int, tuple[list[dict], list[dict]]] = {}
     for i, row in enumerate(rows):
@@ -175,20 +210,20 @@ def render_traces(rows: Sequence[Any], tokenizer: Any, cfg: RunConfig) -> Traces
         else:
             parts[i] = split
     order = sorted(parts)
-    kwargs = template_kwargs(cfg.rollout.multi_turn)
-    policy = apply_prompt_policy([parts[i][0] for i in order], tokenizer, cfg.data.max_prompt_tokens, "filter", row_numbers=order,
+    kwargs, prompt_budget, budget = dict(options.chat_template_kwargs), options.max_prompt_tokens, options.max_response_tokens
+    policy = apply_prompt_policy([parts[i][0] for i in order], tokenizer, prompt_budget, "filter", row_numbers=order,
                                  chat_template_kwargs=kwargs)
-    renderer = ToolRenderer(tokenizer, cfg.rollout.multi_turn.tool_role, kwargs)
+    renderer = ToolRenderer(tokenizer, options.tool_role, kwargs)
     prompts = {order[p.row]: p.prompt_ids for p in policy.prompts}
-    for outcome in policy.accounting.outcomes:
-        if outcome.status != "kept":
-            outcomes[order[outcome.row]] = RowOutcome(order[outcome.row], outcome.status, outcome.reason, outcome.num_tokens)
+    for o in policy.accounting.outcomes:
+        reason = f"{o.num_tokens} prompt tokens > sft.max_prompt_tokens={prompt_budget}" if o.status == "filtered" else o.reason
+        if o.status != "kept":
+            outcomes[order[o.row]] = RowOutcome(order[o.row], o.status, reason, o.num_tokens)
     kept: list[tuple[int, tuple[int, ...], list[int], list[bool]]] = []
-    budget = cfg.rollout.max_response_tokens
     for i in sorted(prompts):
         ids, mask = _continuation(parts[i][1], tokenizer, renderer)
         if len(ids) > budget:
-            outcomes[i] = RowOutcome(i, "filtered", f"{len(ids)} tokens after the prompt > rollout.max_response_tokens={budget}",
+            outcomes[i] = RowOutcome(i, "filtered", f"{len(ids)} tokens after the prompt > sft.max_response_tokens={budget}",
                                      len(prompts[i]) + len(ids))
             continue
         outcomes[i] = RowOutcome(i, "kept", "", len(prompts[i]) + len(ids))
@@ -225,7 +260,7 @@ def _split(row: Any) -> tuple[list[dict], list[dict]] | str:
     return head, tail
 
 
-def _continuation(tail: list[dict], tokenizer: Any, renderer: Any) -> tuple[list[int], list[bool]]:
+def _continuation(tail: list[dict], tokenizer: Any, renderer: ToolRenderer) -> tuple[list[int], list[bool]]:
     """The ids after the prompt and their loss mask: each assistant turn's content and closing
     token (True), each run of tool messages as a rollout appends it (False)."""
     ids: list[int] = []

@@ -119,14 +119,15 @@ class MlflowLogger:
         self.mlflow.end_run()
 
 
-def build_loggers(cfg: RunConfig, run_dir: Path) -> list[MetricLogger]:
-    """One logger per name in ``train.loggers``, in order.
+def build_loggers(cfg: RunConfig, run_dir: Path, total_steps: int | None = None) -> list[MetricLogger]:
+    """One logger per name in ``train.loggers``, in order; the console's bar counts ``total_steps``
+    (None: ``train.total_steps``).
 
     Raises:
         ValueError: an unknown name (the config loader rejects those first).
     """
     makers: dict[str, Callable[[], MetricLogger]] = {
-        "console": lambda: ConsoleLogger(cfg.train.total_steps),
+        "console": lambda: ConsoleLogger(cfg.train.total_steps if total_steps is None else total_steps),
         "tensorboard": lambda: TensorBoardLogger(run_dir, cfg),
         "wandb": lambda: WandbLogger(run_dir, cfg),
         "mlflow": lambda: MlflowLogger(run_dir, cfg),

@@ -9,16 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from packrl.config.plan import BatchPlan
     from packrl.config.schema import RunConfig
     from packrl.distributed.group import WorkerGroup
 
 
 @contextlib.contextmanager
-def open_worker_group(cfg: RunConfig, run_dir: Path, given: WorkerGroup | None = None) -> Iterator[WorkerGroup]:
+def open_worker_group(cfg: RunConfig, run_dir: Path, given: WorkerGroup | None = None,
+                      plan: BatchPlan | None = None) -> Iterator[WorkerGroup]:
     """The run's worker group: ``given`` as is (its owner closes it), else (after checking from
     the model config alone that RUN_DIR's disk holds one checkpoint, `check_disk_space`) one worker in this
     process for ``trainer.num_workers=1`` (`packrl.distributed.local.local_group`) or Ray actors
-    (`packrl.distributed.ray_group.ray_group`), closed when the block ends (also on errors)."""
+    (`packrl.distributed.ray_group.ray_group`), closed when the block ends (also on errors).
+    ``plan``: the recipe's `BatchPlan` (None: RL's, `BatchPlan.from_config`)."""
     if given is not None:
         yield given
         return
@@ -28,11 +31,11 @@ def open_worker_group(cfg: RunConfig, run_dir: Path, given: WorkerGroup | None =
     if cfg.trainer.num_workers == 1:
         from packrl.distributed.local import local_group
 
-        group = local_group(cfg)
+        group = local_group(cfg, plan=plan)
     else:
         from packrl.distributed.ray_group import ray_group
 
-        group = ray_group(cfg, run_dir)
+        group = ray_group(cfg, run_dir, plan)
     try:
         yield group
     except BaseException:

@@ -39,17 +39,18 @@ class InProcess:
         self.worker.close()
 
 
-def local_group(cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None) -> WorkerGroup:
+def local_group(cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None, plan: BatchPlan | None = None) -> WorkerGroup:
     """A `WorkerGroup` over one `PolicyWorker` in this process.
 
     Args:
         model / tokenizer: the policy as `packrl.models.loading.load_policy` returns it; None
             loads ``model.path``.
+        plan: the recipe's plan (`BatchPlan.supervised` for `packrl sft`); None: RL's, `BatchPlan.from_config`.
 
     Raises:
         ValueError: any error of loading the policy or building the worker.
     """
-    plan = BatchPlan.from_config(cfg)
+    plan = plan or BatchPlan.from_config(cfg)
     worker = PolicyWorker(cfg, plan)
     info = worker.setup(model=model, tokenizer=tokenizer)
-    return WorkerGroup(plan=plan, algorithm=cfg.algorithm, tokenizer=worker.tokenizer, transport=InProcess(worker), info=info)
+    return WorkerGroup(plan=plan, tokenizer=worker.tokenizer, transport=InProcess(worker), info=info)

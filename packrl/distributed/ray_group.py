@@ -310,9 +310,10 @@ def release_actors(actors: list, owns_ray: bool, what: str, *, graceful: bool = 
             ray.shutdown()
 
 
-def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
+def ray_group(cfg: RunConfig, run_dir: Path, plan: BatchPlan | None = None) -> WorkerGroup:
     """Start Ray (or join ``trainer.ray_address``), place the ranks (``trainer.placement``), write
     where each landed to ``RUN_DIR/workers.json``, form the process group and load the shards.
+    ``plan``: the recipe's `BatchPlan` (None: RL's, `BatchPlan.from_config`).
 
     Raises:
         ValueError: see `start_ray`; a worker's set-up error.
@@ -325,7 +326,7 @@ def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     n = cfg.trainer.num_workers
-    plan = BatchPlan.from_config(cfg)
+    plan = plan or BatchPlan.from_config(cfg)
     actors: list = []
     placement = None
     try:
@@ -348,4 +349,4 @@ def ray_group(cfg: RunConfig, run_dir: Path) -> WorkerGroup:
     logger.info("%d workers ready: %d data-parallel x %d sequence-parallel ranks (rendezvous %s:%d) on %s", n,
                 plan.data_parallel_size, plan.sequence_parallel_size, *address, ", ".join(f"{r.role} {r.node_ip} pid {r.pid}"
                                                                                       for r in records))
-    return WorkerGroup(plan=plan, algorithm=cfg.algorithm, tokenizer=tokenizer, transport=transport, info=infos[0])
+    return WorkerGroup(plan=plan, tokenizer=tokenizer, transport=transport, info=infos[0])

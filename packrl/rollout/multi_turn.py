@@ -7,8 +7,9 @@ A trajectory starts from the prompt ids. Each turn, the engine continues it (one
 trajectory, ``n = 1``, seed derived from the prompt's seed, the sample and the turn); the turn's
 tokens are the policy's (response mask True). A turn that calls tools (`packrl.rollout.tools`)
 gets their answers appended as tool messages, rendered by the model's chat template together with
-the next assistant header (`ToolRenderer`); those tokens, and a turn-closing token the policy did
-not write, have response mask False and never count in the loss. The trajectory ends when a turn
+the next assistant header (`packrl.chat.render.ToolRenderer`, which SFT traces render with too);
+those tokens, and a turn-closing token the policy did not write, have response mask False and
+never count in the loss. The trajectory ends when a turn
 calls no tool, a turn is cut by a budget, the engine aborts, or ``max_turns`` turns are done.
 
 Every request asks for ``min(max_tokens_per_turn, context left, trajectory left, response left)``
@@ -38,13 +39,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from packrl.chat.render import ToolRenderer
+from packrl.chat.tool_schemas import renders_tools, template_kwargs
 from packrl.rollout.engine import RolloutEngine, SamplingParams
-from packrl.rollout.tool_schemas import renders_tools, template_kwargs
 from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
 from packrl.types import FinishReason, Response, Trajectory
@@ -55,71 +56,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 TRUNCATION_MARKER = "...(truncated)..."
 """Stands where a long tool answer was cut (its tokens count in ``max_tool_response_tokens``)."""
-_PROBE_USER, _PROBE_ASSISTANT = "packrl probe question", "packrl probe answer"
-_SLOT, _SLOT_PATTERN = "PACKRLTOOLANSWER{}END", r"PACKRLTOOLANSWER(\d+)END"
 _MAX_CHARS_PER_TOKEN = 64  # a tool answer is cut to this many characters per budget token before it is tokenised
-
-
-class ToolRenderer:
-    """Token ids the chat template puts around tool messages, rendered without re-tokenising the
-    trajectory: ``close`` (what ends an assistant turn, e.g. ``<|im_end|>``) and, per tool step,
-    the ids from after that close to the next assistant header (the tool messages and the
-    generation prompt).
-
-    Args:
-        tokenizer: the policy's tokenizer, with a chat template.
-        role: the role tool messages take (``rollout.multi_turn.tool_role``).
-        chat_template_kwargs: passed to ``apply_chat_template`` (the tool schemas, `packrl.rollout.tool_schemas.template_kwargs`).
-
-    Raises:
-        ValueError: the template does not render a conversation that ends in tool messages as
-            an extension of the same conversation before them (the rendering would not be token-exact).
-    """
-
-    def __init__(self, tokenizer: Any, role: str, chat_template_kwargs: dict[str, Any] | None = None):
-        self.tokenizer, self.role, self.kwargs = tokenizer, role, dict(chat_template_kwargs or {})
-        base = self._text([{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}], False)
-        end = base.rfind(_PROBE_ASSISTANT)
-        if end < 0:
-            raise ValueError("the chat template drops the assistant's message; it cannot render multi-turn trajectories "
-                             "(rollout.multi_turn.tools needs a chat model's template)")
-        self._base = base
-        after = base[end + len(_PROBE_ASSISTANT):]
-        after_ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-        special = set(getattr(tokenizer, "all_special_ids", []))
-        closing = [i for i, t in enumerate(after_ids) if t in special]
-        if not closing:
-            raise ValueError("the chat template ends an assistant turn with no special token, so a turn cannot be closed "
-                             "token-exactly; rollout.multi_turn.tools needs a chat model's template")
-        self.close: tuple[int, ...] = tuple(after_ids[: closing[0] + 1])
-        self._close_text = tokenizer.decode(list(self.close), skip_special_tokens=False)
-        probe = tokenizer.decode(self.after_close(["packrl probe tool answer"]), skip_special_tokens=False)
-        if "packrl probe tool answer" not in probe:  # checked now, not mid-run
-            raise ValueError(f"the chat template drops {role!r} messages; "
-                             "set rollout.multi_turn.tool_role to a role it renders (e.g. user)")
-
-    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs)
-
-    def after_close(self, contents: Sequence[str]) -> list[int]:
-        """Ids of the tool messages ``contents`` and the next assistant header, as the template
-        renders them after an assistant turn's closing ids. The template's own text is tokenised
-        with its special tokens; each content is tokenised as plain text (``split_special_tokens``),
-        so a tool answer that contains ``<|im_end|>`` cannot forge the conversation's structure."""
-        messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        slots = [_SLOT.format(i) for i in range(len(contents))]
-        full = self._text(messages + [{"role": self.role, "content": slot} for slot in slots], True)
-        prefix = self._base[: self._base.rfind(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT)] + self._close_text
-        if not full.startswith(prefix) or any(full.count(slot) != 1 for slot in slots):
-            raise ValueError(f"the chat template does not render {self.role!r} messages after an assistant turn as an "
-                             "extension of the conversation; set rollout.multi_turn.tool_role to a role it accepts (e.g. user)")
-        ids: list[int] = []
-        for k, piece in enumerate(re.split(_SLOT_PATTERN, full[len(prefix):])):
-            if k % 2:  # a slot: the content it stands for, as plain text
-                ids += self.tokenizer(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-            elif piece:
-                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
-        return ids
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ counted as a tool error (``multi_turn/tool_errors``).
         return str(arguments["text"])
 
 Built in: ``calculator``, exact rational arithmetic on one expression (below). A tool's JSON schema
-(`packrl.rollout.tool_schemas.describe_tool`) reaches the policy through the chat template's
+(`packrl.chat.tool_schemas.describe_tool`) reaches the policy through the chat template's
 ``tools=`` argument where the template renders it.
 """
 
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
 
+from packrl.chat.tool_schemas import describe_tool
 from packrl.registry import TOOLS
-from packrl.rollout.tool_schemas import describe_tool
 
 logger = logging.getLogger(__name__)
 

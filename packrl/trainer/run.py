@@ -9,9 +9,10 @@ import random
 import secrets
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -19,8 +20,21 @@ from tqdm.auto import tqdm
 from packrl.config.load import to_yaml
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.loggers import build_loggers
+from packrl.seqlen.prompt_policy import PromptAccounting
 
 logger = logging.getLogger("packrl")
+
+class AccountedRows(Protocol):
+    """Data whose every input row is accounted for (`packrl.data.dataset.PromptDataset`,
+    `packrl.data.traces.Traces`)."""
+
+    @property
+    def accounting(self) -> PromptAccounting:
+        """Every input row's outcome."""
+        ...
+
+    def accounting_dict(self) -> dict[str, Any]: ...
+
 
 RESTARTS_FILE = "restarts.jsonl"
 """One line per automatic restart of the run (`packrl.trainer.recovery`)."""
@@ -77,10 +91,11 @@ def _detach_run_handlers() -> None:
 class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
     ``metrics.jsonl`` (one JSON object per step) and the loggers of ``train.loggers`` (``console``:
-    a live progress bar). With ``trainer.max_restarts > 0`` every step also logs ``train/restarts``,
-    the lines of ``restarts.jsonl`` so far."""
+    a live progress bar of ``total_steps``: ``train.total_steps`` unless the recipe counts its own,
+    as `packrl sft` does with ``sft.total_steps``). With ``trainer.max_restarts > 0`` every step
+    also logs ``train/restarts``, the lines of ``restarts.jsonl`` so far."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, total_steps: int | None = None):
         self.cfg = cfg
         self.last_step: int | None = None  # the step metrics.jsonl ends at (set by log_step and truncate_metrics)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -95,7 +110,7 @@ class Run:
             raise ValueError(f"train.out_dir={str(self.dir)!r} cannot be written ({err}); choose a writable train.out_dir") from err
         self._setup_logging()
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.loggers = build_loggers(cfg, self.dir)
+        self.loggers = build_loggers(cfg, self.dir, total_steps)
         restarts = self.dir / RESTARTS_FILE
         self.num_restarts: int | None = None  # logged as train/restarts when restarts are on
         if cfg.trainer.max_restarts > 0:
@@ -130,6 +145,15 @@ class Run:
 
     def write_json(self, name: str, data: Any) -> None:
         (self.dir / name).write_text(json.dumps(data, indent=2, default=lambda o: asdict(o)))
+
+    def write_accounting(self, note: str, splits: Mapping[str, AccountedRows], detail: str = "") -> None:
+        """Every input row of each split, kept / truncated / filtered / rejected with the reason,
+        the same for every recipe (RL's prompts, SFT's traces): the first split's summary (and
+        ``detail``) as ``RUN_DIR/<note>`` and every split's rows (`AccountedRows.accounting_dict`,
+        `packrl.data.prompts.accounting_dict`) in ``RUN_DIR/data_accounting.json``."""
+        name, first = next(iter(splits.items()))
+        self.note(note, f"{name}: {first.accounting.summary()}" + (f"; {detail}" if detail else ""))
+        self.write_json("data_accounting.json", {key: rows.accounting_dict() for key, rows in splits.items()})
 
     def start_steps(self, done_steps: int) -> None:
         """The steps begin after ``done_steps`` completed ones: loggers that draw (the console's

@@ -1,48 +1,84 @@
-"""`packrl sft`: supervised fine-tuning on chat traces, with the RL update's machinery.
+"""`packrl sft`: supervised fine-tuning on chat traces, a recipe beside RL's on the shared parts.
 
-Each step draws ``sft.batch_size`` traces (`packrl.data.traces`; epochs of a permutation seeded
-by ``train.seed``) and runs one update of the registered ``sft`` policy loss (``-log p`` per token,
-`packrl.algos.policy_losses.sft_nll`) aggregated ``token-mean`` over the assistant's tokens of the
-whole step: the same token-budget micro-batching (``train.max_tokens_per_microbatch``), packing,
-chunked log-probs, rank balancing and FSDP2 ranks as an RL update, so the loss and the gradient
-do not depend on how the step is split. The run directory is RUN_DIR as for ``packrl train``
-(metrics.jsonl, checkpoints/step_N: a checkpoint loads as ``model.path`` of an RL run).
+The recipe owns its choices and shares the machinery. It checks its own rules
+(`packrl.config.sft_rules`, never the RL ones), builds its update (`update_spec`: the registered
+``sft`` loss, ``-log p`` per token (`packrl.algos.policy_losses.sft_nll`), aggregated
+``token-mean`` over the assistant's tokens of the whole step, ``sft.lr``, one mini-batch of
+``sft.batch_size`` traces) and a plan with no engine, reference or critic
+(`packrl.config.plan.BatchPlan.supervised`). The rest is RL's: the worker group's update
+(token-budget micro-batches under ``train.max_tokens_per_microbatch``, packing, chunked
+log-probs, rank balancing, FSDP2 ranks; the loss and gradient do not depend on the split), the
+epoch sampler with its data fingerprint (`packrl.data.sampler.EpochSampler`: epochs of a
+permutation seeded by ``train.seed``, a step may span two), resume (`packrl.trainer.resume`), the
+row accounting and RUN_DIR (`packrl.trainer.run.Run`: metrics.jsonl, checkpoints/step_N, which
+loads as ``model.path`` of an RL run), and recovery from a lost Ray actor (``trainer.max_restarts``,
+`packrl.trainer.recovery`).
+
+Another supervised objective (rejection-sampling fine-tuning, distillation) is one file like this
+one: its rows, its `UpdateSpec` (its registered loss), and the same loop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from packrl.config.relations import config_problems
-from packrl.config.schema import AlgorithmConfig, RunConfig
-from packrl.data.traces import Traces, load_traces
+from packrl.chat.tool_schemas import template_kwargs
+from packrl.config.plan import BatchPlan
+from packrl.config.schema import AlgorithmConfig, RunConfig, TrainConfig
+from packrl.config.sft import SftConfig
+from packrl.config.sft_rules import sft_context_problems, sft_problems, trace_budgets
+from packrl.config.update_spec import OptimizerSpec, UpdateSpec
+from packrl.data.sampler import EpochSampler
+from packrl.data.traces import TraceOptions, Traces, load_traces
 from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.errors import ConfigError
 from packrl.models.loading import load_policy_tokenizer
+from packrl.trainer.recovery import run_with_recovery
+from packrl.trainer.resume import resume, trainer_state
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.worker.checkpoint import resume_candidates
 
 logger = logging.getLogger(__name__)
 
-_SET_HERE = ("algorithm.policy_loss", "rollout.n")  # this command's own choices: the sft loss, one trace per group
-_RL_ONLY = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/kl_loss")  # an update's RL metrics, meaningless here
+LOSS_METRIC = "sft/loss"
+"""The step's mean negative log-likelihood per assistant token (docs/metrics.md)."""
 
 
-def sft_run_config(cfg: RunConfig) -> RunConfig:
-    """The config the workers train with: the ``sft`` loss under ``token-mean`` (no KL, entropy,
-    critic or rollout correction), ``sft.lr``, one mini-batch of ``sft.batch_size`` traces per step
-    (``train.ppo_epochs=1``), ``sft.total_steps`` steps; the rest (model, budgets, ranks) as given."""
-    train = replace(cfg.train, lr=cfg.sft.lr, total_steps=cfg.sft.total_steps, mini_batch_size=cfg.sft.batch_size, ppo_epochs=1,
-                    val_every=0, dump_rollouts=False)
-    return replace(cfg, algorithm=AlgorithmConfig(policy_loss="sft", loss_agg_mode="token-mean"), train=train,
-                   data=replace(cfg.data, batch_size=cfg.sft.batch_size), rollout=replace(cfg.rollout, n=1, engine="hf"),
-                   critic=replace(cfg.critic, enable=False), trainer=replace(cfg.trainer, rollout_mode="sync"))
+def update_spec(sft: SftConfig, train: TrainConfig) -> UpdateSpec:
+    """SFT's update: the registered ``sft`` loss under ``token-mean`` (no KL, entropy bonus or
+    clip), AdamW at ``sft.lr`` with ``train``'s weight decay, warm-up, clip and skip rule, one
+    mini-batch of ``sft.batch_size`` traces per step and one epoch, log-probs at temperature 1 (the
+    model's own likelihood), the loss logged as ``sft/loss`` without RL's diagnostics."""
+    return UpdateSpec(algorithm=AlgorithmConfig(policy_loss="sft", loss_agg_mode="token-mean"),
+                      optimizer=OptimizerSpec.of(train, lr=sft.lr, lr_key="sft.lr"), mini_batch_size=sft.batch_size, num_epochs=1,
+                      temperature=1.0, loss_metric=LOSS_METRIC, rl_metrics=False)
+
+
+def trace_options(cfg: RunConfig) -> TraceOptions:
+    """How `packrl sft` renders its traces: the trace budgets (``sft.max_prompt_tokens`` /
+    ``sft.max_response_tokens``, `packrl.config.sft_rules.trace_budgets`), and the tool role and
+    tool schemas of ``rollout.multi_turn``, so a trace renders as the RL run's rollouts do."""
+    prompt, response = trace_budgets(cfg)
+    mt = cfg.rollout.multi_turn
+    return TraceOptions(max_prompt_tokens=prompt, max_response_tokens=response, tool_role=mt.tool_role,
+                        chat_template_kwargs=template_kwargs(mt))
+
+
+def sft_traces(cfg: RunConfig, tokenizer: Any) -> Traces:
+    """Every row of ``sft.train_files`` rendered as `packrl sft` trains it (`load_traces` under
+    `trace_options`). Raises as `load_traces`."""
+    return load_traces(cfg.sft, cfg.data, tokenizer, trace_options(cfg), seed=cfg.train.seed)
+
+
+def trace_sampler(traces: Traces, batch_size: int, seed: int) -> EpochSampler:
+    """The traces each step draws: ``batch_size`` (``sft.batch_size``) at a time, epochs of a
+    permutation seeded by ``seed`` (``train.seed``), a step taking the rest of an epoch and the start
+    of the next (`EpochSampler` with ``drop_last=False``: every trace once per epoch)."""
+    return EpochSampler(traces, batch_size, shuffle=True, seed=seed, drop_last=False, noun="traces")
 
 
 def repeat_warning(batch_size: int, num_traces: int) -> str | None:
@@ -53,76 +89,60 @@ def repeat_warning(batch_size: int, num_traces: int) -> str | None:
             f"{batch_size / num_traces:.1f} epochs); lower sft.batch_size or add traces to sft.train_files")
 
 
-def step_indices(num_traces: int, batch_size: int, step: int, seed: int) -> list[int]:
-    """The traces of ``step`` (1-based): positions ``(step - 1) * batch_size ...`` of the epochs,
-    each a permutation of the traces drawn from ``seed`` and the epoch (a step may span two)."""
-    out = []
-    for position in range((step - 1) * batch_size, step * batch_size):
-        epoch, k = divmod(position, num_traces)
-        order = torch.randperm(num_traces, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        out.append(int(order[k]))
-    return out
-
-
 def sft(cfg: RunConfig) -> Path:
     """Run ``sft.total_steps`` supervised steps on ``sft.train_files`` and return RUN_DIR.
 
     Raises:
-        ConfigError: the config the workers would run has a problem (e.g. ``sft.batch_size``
-            against ``trainer.num_workers``).
-        ValueError: ``sft.total_steps=0``, no trace to train (`load_traces`), a trace over the
-            micro-batch budget, or any error of the worker set-up.
+        ConfigError: a problem of `packrl.config.sft_rules.sft_problems` (before anything is
+            written), or trace budgets over the model context (once the model is read).
+        ValueError: no trace to train (`load_traces`), a trace over the micro-batch budget, a
+            resume on other traces (`packrl.data.sampler.EpochSampler.load_state_dict`), or any
+            error of the worker set-up.
+        WorkerLost: a Ray actor or node was lost and ``trainer.max_restarts`` allowed no (more)
+            restarts (`packrl.trainer.recovery.run_with_recovery`, as for RL).
     """
-    if cfg.sft.total_steps < 1:
-        raise ValueError("sft.total_steps=0: nothing to train; set sft.total_steps (e.g. sft.total_steps=50)")
-    seed_everything(cfg.train.seed)
-    run_cfg = sft_run_config(cfg)
-    problems = [p for p in config_problems(run_cfg) if p.key not in _SET_HERE]
+    problems = sft_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    with Run(run_cfg) as run:
-        tokenizer = load_policy_tokenizer(cfg.model)
-        traces = load_traces(cfg, tokenizer)
-        run.note("sft_accounting.txt", f"sft: {traces.accounting.summary()}; {traces.num_loss_tokens:,} assistant tokens")
-        run.write_json("data_accounting.json", {"sft": traces.accounting_dict()})
+    seed_everything(cfg.train.seed)
+    if cfg.train.resume not in (None, "auto"):
+        resume_candidates(Path("."), cfg.train.resume)  # a wrong path fails before anything is written or loaded
+    plan = BatchPlan.supervised(cfg, update_spec(cfg.sft, cfg.train), max_response_tokens=trace_budgets(cfg)[1])
+    with Run(cfg, total_steps=cfg.sft.total_steps) as run:
+        traces = sft_traces(cfg, load_policy_tokenizer(cfg.model))
+        run.write_accounting("sft_accounting.txt", {"sft": traces}, f"{traces.num_loss_tokens:,} assistant tokens")
         if (repeats := repeat_warning(cfg.sft.batch_size, len(traces))) is not None:
             logger.warning(repeats)
-        with open_worker_group(run_cfg, run.dir) as workers:
-            run.note("model.txt", workers.model_summary)
-            run.note("budgets.txt", workers.plan.summary())
-            _steps(run_cfg, run, workers, traces)
+
+        def attempt(current: RunConfig) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
+            with open_worker_group(current, run.dir, plan=plan) as workers:
+                if problems := sft_context_problems(trace_budgets(current), workers.max_context_tokens):
+                    raise ConfigError(problems)
+                run.note("model.txt", workers.model_summary)
+                run.note("budgets.txt", workers.plan.summary())
+                _steps(current, run, workers, traces)
+
+        run_with_recovery(cfg, run, attempt)
     return run.dir
 
 
-def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup) -> int:
-    """The last completed step (0 for a fresh run); the weights and optimizer restored from the
-    checkpoint ``train.resume`` names (the traces of each step follow from the step)."""
-    candidates = resume_candidates(run.dir, cfg.train.resume)
-    if not candidates:
-        run.truncate_metrics(0)
-        return 0
-    step = int(workers.load_checkpoint(candidates[0])["step"])
-    run.truncate_metrics(step)
-    run.note("resumed.txt", f"resumed from {candidates[0]} after step {step}")
-    return step
-
-
 def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, traces: Traces) -> None:
-    total, size = cfg.train.total_steps, cfg.sft.batch_size
-    done = _resume(cfg, run, workers)
+    """Steps after the last completed one up to ``sft.total_steps``, each logged (and checkpointed when due)."""
+    total = cfg.sft.total_steps
+    sampler = trace_sampler(traces, cfg.sft.batch_size, cfg.train.seed)
+    parts = {"sampler": sampler}
+    done = resume(run, workers, cfg.train, parts, total_steps=total, total_key="sft.total_steps")
     run.start_steps(done)
     for step in range(done + 1, total + 1):
         seed_everything(cfg.train.seed * 1_000_003 + step)
-        batch = traces.train_batch(step_indices(len(traces), size, step, cfg.train.seed))
+        batch = traces.train_batch(sampler.next_indices())
         start = time.perf_counter()
         metrics = workers.update(batch, step=step)
         seconds = time.perf_counter() - start
         num_tokens = sum(batch.rollout.sequence_lengths())
-        metrics = {k: v for k, v in metrics.items() if k not in _RL_ONLY and not k.startswith("bucket/")}
-        metrics["sft/loss"] = metrics.pop("actor/pg_loss")
-        metrics |= {"sft/epoch": (step * size) / len(traces), "sft/num_tokens": float(num_tokens),
+        metrics |= {"sft/epoch": sampler.epochs_drawn, "sft/num_tokens": float(num_tokens),
                     "sft/num_loss_tokens": float(sum(int(m.sum()) for m in batch.loss_masks)),
                     "perf/update_s": seconds, "perf/sft_tokens_per_s": num_tokens / max(seconds, 1e-9)}
         run.log_step(step, metrics)
         if due(step, cfg.train.save_every, total):
-            workers.save_checkpoint(run.dir, step, {"sampler": {}, "rollout": {}})
+            workers.save_checkpoint(run.dir, step, trainer_state(parts))

@@ -244,7 +244,8 @@ def critic_optimization(critic: ValueModel, cfg: RunConfig) -> Optimization:
     actor's skip rule, and ``critic.grad_clip`` (`packrl.worker.optim.Optimization.build`)."""
     return Optimization.build([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr,
                               weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
-                              max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.critic.grad_clip)
+                              max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.critic.grad_clip,
+                              lr_key="critic.lr")
 
 
 @dataclass

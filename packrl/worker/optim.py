@@ -25,6 +25,8 @@ class SkipCounter:
     max_consecutive: int
     total: int = 0
     consecutive: int = 0
+    lr_key: str = "train.lr"
+    """The learning rate's config key, named in the fix."""
 
     def record(self, grad_norm: float) -> bool:
         """Count one optimizer step; return True when it must be skipped."""
@@ -37,7 +39,7 @@ class SkipCounter:
         if self.consecutive >= self.max_consecutive:
             raise ValueError(
                 f"{self.consecutive} optimizer steps in a row had a non-finite gradient (train.max_consecutive_skips="
-                f"{self.max_consecutive}); the run stopped. Lower train.lr, set train.grad_clip, or check the rewards for NaN"
+                f"{self.max_consecutive}); the run stopped. Lower {self.lr_key}, set train.grad_clip, or check the rewards for NaN"
             )
         return True
 
@@ -61,13 +63,15 @@ class Optimization:
 
     @classmethod
     def build(cls, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float, warmup_steps: int,
-              max_consecutive_skips: int, grad_clip: float) -> Optimization:
+              max_consecutive_skips: int, grad_clip: float, lr_key: str = "train.lr") -> Optimization:
         """AdamW over ``params`` (`adamw`) with a linear warm-up over ``warmup_steps`` optimizer
         steps from 0 to ``lr`` (none at 0), a `SkipCounter` of ``max_consecutive_skips`` and
-        ``grad_clip`` (0 = no clipping): the actor's (``train.*``) and the critic's (``critic.*``)."""
+        ``grad_clip`` (0 = no clipping): the actor's (the update's
+        `packrl.config.update_spec.OptimizerSpec`) and the critic's (``critic.*``). ``lr_key``
+        names the learning rate's key in the skip counter's error."""
         optimizer = adamw(params, lr=lr, weight_decay=weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
-        return cls(optimizer=optimizer, scheduler=scheduler, skips=SkipCounter(max_consecutive_skips), grad_clip=grad_clip)
+        return cls(optimizer=optimizer, scheduler=scheduler, skips=SkipCounter(max_consecutive_skips, lr_key=lr_key), grad_clip=grad_clip)
 
 
 def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:

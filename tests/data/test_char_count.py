@@ -24,8 +24,8 @@ from packrl.data.char_count import (
 from packrl.data.char_count_traces import char_count_trace_rows
 from packrl.data.dataset import PromptDataset
 from packrl.data.examples import to_example
-from packrl.data.traces import load_traces
 from packrl.reward import gsm8k_reward
+from packrl.trainer.sft import sft_traces
 
 _QUESTION = re.compile(r"How many ([a-z]) are in ((?:[a-z]-)*[a-z])\?")
 _LINE = re.compile(r"([a-z]) - (yes|no) \((\d+)\)")
@@ -159,7 +159,7 @@ def test_the_gsm8k_reward_scores_right_answers_1_and_wrong_counts_0(extraction):
 @pytest.mark.parametrize("style", STYLES)
 def test_traces_render_as_rl_prompts_and_end_in_the_count(smollm_tokenizer, style):
     cfg = load_config("char_count", ["sft.num_rows=24", f"sft.trace_style={style}"])
-    traces = load_traces(cfg, smollm_tokenizer)
+    traces = sft_traces(cfg, smollm_tokenizer)
     assert len(traces) == 24 and traces.accounting.num_rejected == traces.accounting.num_filtered == 0
     build = dict(tokenizer=smollm_tokenizer, data_cfg=cfg.data, seed=cfg.train.seed)
     train = PromptDataset.build(["task:char_count"], split="train", key="data.train_files", **build)
@@ -183,7 +183,7 @@ def test_the_preset_fits_the_longest_verbose_answer(smollm_tokenizer):
         return len(smollm_tokenizer(text, add_special_tokens=False)["input_ids"])
 
     cfg = load_config("char_count", ["sft.num_rows=512"])
-    traces = load_traces(cfg, smollm_tokenizer)
+    traces = sft_traces(cfg, smollm_tokenizer)
     assert len(traces) == 512 and max(map(len, traces.response_ids)) <= cfg.rollout.max_response_tokens
     # the worst case: 20 letters, all the letter asked for (two-digit counts), the longest filler after every 4th letter
     lines = [line for line in worked_answer("a" * 20, "a", "verbose").split("\n") if line not in _FILLERS]

@@ -7,12 +7,13 @@ import json
 
 import pytest
 
+from packrl.chat.render import ToolRenderer
 from packrl.cli.main import main
 from packrl.config import ConfigError, load_config
 from packrl.data.dataset import PromptDataset
-from packrl.data.traces import load_traces, render_traces, tool_trace_rows
-from packrl.rollout.multi_turn import ToolRenderer
+from packrl.data.traces import render_traces, tool_trace_rows
 from packrl.rollout.tools import parse_tool_calls, run_tool
+from packrl.trainer.sft import sft_traces, trace_options
 
 TRACE = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 * 34?"},
          {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'},
@@ -23,8 +24,12 @@ def _cfg(*more):
     return load_config("arithmetic_tool", ["sft.num_rows=16", *more])
 
 
+def _render(rows, tokenizer, *more):
+    return render_traces(rows, tokenizer, trace_options(_cfg(*more)))
+
+
 def test_a_trace_is_the_prompt_then_the_rollout_segments(smollm_tokenizer):
-    traces = render_traces([{"messages": TRACE}], smollm_tokenizer, _cfg())
+    traces = _render([{"messages": TRACE}], smollm_tokenizer)
     prompt = smollm_tokenizer.apply_chat_template(TRACE[:2], add_generation_prompt=True, tokenize=False)
     assert list(traces.prompt_ids[0]) == smollm_tokenizer(prompt, add_special_tokens=False)["input_ids"]
     renderer = ToolRenderer(smollm_tokenizer, "tool")
@@ -48,7 +53,7 @@ def test_a_trace_is_the_prompt_then_the_rollout_segments(smollm_tokenizer):
     ([*TRACE[:3], TRACE[4]], "two assistant turns in a row"),
 ])
 def test_bad_traces_are_rejected_with_the_reason(smollm_tokenizer, messages, reason):
-    traces = render_traces([{"messages": TRACE}, {"messages": messages}, "not a row"], smollm_tokenizer, _cfg())
+    traces = _render([{"messages": TRACE}, {"messages": messages}, "not a row"], smollm_tokenizer)
     assert len(traces) == 1 and traces.rows == (0,)
     outcomes = traces.accounting.outcomes
     assert [o.status for o in outcomes] == ["kept", "rejected", "rejected"]
@@ -57,23 +62,48 @@ def test_bad_traces_are_rejected_with_the_reason(smollm_tokenizer, messages, rea
 
 def test_traces_over_a_budget_are_filtered_never_cut(smollm_tokenizer):
     long_answer = [*TRACE[:4], {"role": "assistant", "content": "so " * 300 + "#### 408"}]
-    traces = render_traces([{"messages": TRACE}, {"messages": long_answer}], smollm_tokenizer, _cfg())
-    assert traces.rows == (0,)
-    assert traces.accounting.outcomes[1].status == "filtered" and "rollout.max_response_tokens=256" in traces.accounting.outcomes[1].reason
-    short = render_traces([{"messages": TRACE}], smollm_tokenizer, _cfg("data.max_prompt_tokens=8"))
-    assert not len(short) and "data.max_prompt_tokens=8" in short.accounting.outcomes[0].reason
-    with pytest.raises(ValueError, match=r"no trace can be trained: .*; raise data.max_prompt_tokens / rollout.max_response_tokens "
-                       r"for the filtered ones$"):
-        load_traces(_cfg("data.max_prompt_tokens=8", "sft.train_files=[task:tool_traces]"), smollm_tokenizer)
+    traces = _render([{"messages": TRACE}, {"messages": long_answer}], smollm_tokenizer)
+    assert traces.rows == (0,)  # the budgets default to RL's: data.max_prompt_tokens=192, rollout.max_response_tokens=256
+    assert traces.accounting.outcomes[1].status == "filtered" and "sft.max_response_tokens=256" in traces.accounting.outcomes[1].reason
+    short = _render([{"messages": TRACE}], smollm_tokenizer, "data.max_prompt_tokens=8")
+    assert not len(short) and "> sft.max_prompt_tokens=8" in short.accounting.outcomes[0].reason
+    with pytest.raises(ValueError, match=r"no trace can be trained: .*; raise sft.max_prompt_tokens / sft.max_response_tokens "
+                       r"for the filtered ones \(their sum at most the model context\)$"):
+        sft_traces(_cfg("data.max_prompt_tokens=8", "sft.train_files=[task:tool_traces]"), smollm_tokenizer)
+
+
+def test_the_trace_budgets_are_their_own_keys(smollm_tokenizer):
+    """sft.max_prompt_tokens / sft.max_response_tokens bound the traces whatever the RL budgets are."""
+    full = _render([{"messages": TRACE}], smollm_tokenizer)
+    prompt, rest = len(full.prompt_ids[0]), len(full.response_ids[0])
+    tight = _render([{"messages": TRACE}], smollm_tokenizer, f"sft.max_response_tokens={rest - 1}")
+    assert not len(tight) and f"{rest} tokens after the prompt > sft.max_response_tokens={rest - 1}" in tight.accounting.outcomes[0].reason
+    exact = _render([{"messages": TRACE}], smollm_tokenizer, f"sft.max_response_tokens={rest}", f"sft.max_prompt_tokens={prompt}",
+                    f"data.max_prompt_tokens={prompt - 1}", f"rollout.max_response_tokens={rest - 1}",
+                    f"rollout.multi_turn.max_tokens_per_turn={rest - 1}")
+    assert exact.response_ids == full.response_ids and exact.prompt_ids == full.prompt_ids  # the RL budgets do not apply
+    short = _render([{"messages": TRACE}], smollm_tokenizer, f"sft.max_prompt_tokens={prompt - 1}")
+    assert f"{prompt} prompt tokens > sft.max_prompt_tokens={prompt - 1}" in short.accounting.outcomes[0].reason
+    with pytest.raises(ConfigError, match=r"sft.max_response_tokens=0: must be >= 1"):
+        _cfg("sft.max_response_tokens=0")
+
+
+def test_the_fingerprint_tells_edited_traces_apart(smollm_tokenizer):
+    edited = [*TRACE[:4], {"role": "assistant", "content": "#### 409"}]
+    a, b = _render([{"messages": TRACE}], smollm_tokenizer), _render([{"messages": TRACE}], smollm_tokenizer)
+    assert a.fingerprint() == b.fingerprint() and len(a.fingerprint()) == 16
+    assert _render([{"messages": edited}], smollm_tokenizer).fingerprint() != a.fingerprint()
+    assert _render([{"messages": TRACE}, {"messages": edited}], smollm_tokenizer).fingerprint() != \
+        _render([{"messages": edited}, {"messages": TRACE}], smollm_tokenizer).fingerprint()  # the order counts
 
 
 def test_calculator_traces_answer_right_in_the_rl_prompt_format(smollm_tokenizer):
     cfg = _cfg()
-    rows = tool_trace_rows(cfg)
+    rows = tool_trace_rows(cfg.data, cfg.sft.num_rows, cfg.train.seed)
     assert len(rows) == 16
     val = PromptDataset.build(["task:arithmetic"], smollm_tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
     train = PromptDataset.build(["task:arithmetic"], smollm_tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files")
-    traces = render_traces(rows, smollm_tokenizer, cfg)
+    traces = render_traces(rows, smollm_tokenizer, trace_options(cfg))
     val_prompts = {tuple(p.prompt_ids) for p in val.prompts}
     train_prompts = {tuple(p.prompt_ids) for p in train.prompts}
     for row, prompt in zip(rows, traces.prompt_ids):
@@ -126,18 +156,18 @@ def test_unreadable_lines_keep_their_reason_and_every_reason_is_counted(tmp_path
     bad = [[{"role": "user", "content": "hi"}], TRACE[:4], [*TRACE[:3], TRACE[4]], [{"role": "assistant", "content": "x"}],
            [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]]
     path.write_text("{not json\n" + "".join(json.dumps({"messages": m}) + "\n" for m in [TRACE, *bad]))
-    traces = load_traces(_cfg(f"sft.train_files=[{path}]"), smollm_tokenizer)
+    traces = sft_traces(_cfg(f"sft.train_files=[{path}]"), smollm_tokenizer)
     assert traces.accounting.outcomes[0].reason.startswith("line 1: invalid JSON")
     summary = traces.accounting.summary()
     assert "6 rejected" in summary and "and 1 more reason(s)" in summary
     with pytest.raises(ValueError, match="or use task:tool_traces"):
-        load_traces(_cfg(f"sft.train_files=[{tmp_path / 'nope.jsonl'}]"), smollm_tokenizer)
+        sft_traces(_cfg(f"sft.train_files=[{tmp_path / 'nope.jsonl'}]"), smollm_tokenizer)
 
 
 def test_the_accounting_names_each_rows_file_and_line(tmp_path, smollm_tokenizer):
     path = tmp_path / "traces.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [TRACE, TRACE[:4]]))
-    traces = load_traces(_cfg(f"sft.train_files=[task:tool_traces,{path}]", "sft.num_rows=3"), smollm_tokenizer)
+    traces = sft_traces(_cfg(f"sft.train_files=[task:tool_traces,{path}]", "sft.num_rows=3"), smollm_tokenizer)
     rows = traces.accounting_dict()["rows"]
     assert [(r["source"], r["source_row"], r["status"]) for r in rows] == [
         ("task:tool_traces", 0, "kept"), ("task:tool_traces", 1, "kept"), ("task:tool_traces", 2, "kept"),

@@ -106,20 +106,21 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
     use_packed_attention(model)
     packs = PackingCheck(packs=True, stateful_types=(), max_diff=None, detail="")
     assert load_config("demo").train.share_prompts is None
-    assert shares_prompts(RunConfig(), model, packs) == (True, "on (a group's prompt once per pack)")
-    assert shares_prompts(RunConfig(train=TrainConfig(share_prompts=False)), model, packs) == (False, "off (train.share_prompts=false)")
+    assert shares_prompts(RunConfig(), model, packs, group_size=4) == (True, "on (a group's prompt once per pack)")
+    off = shares_prompts(RunConfig(train=TrainConfig(share_prompts=False)), model, packs, group_size=4)
+    assert off == (False, "off (train.share_prompts=false)")
     position_ids = load_config("demo", ["model.packed_attention=position_ids"])  # no error under null
     with caplog.at_level(logging.INFO, logger="packrl.worker.parts"):
-        on, phrase = shares_prompts(position_ids, model, packs)
+        on, phrase = shares_prompts(position_ids, model, packs, group_size=4)
     assert not on and phrase.startswith("off (model.packed_attention=position_ids")
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.INFO]
     caplog.clear()
     unpacked = PackingCheck(packs=False, stateful_types=("mamba",), max_diff=None, detail="")
-    assert not shares_prompts(RunConfig(train=TrainConfig(share_prompts=True)), model, unpacked)[0]
+    assert not shares_prompts(RunConfig(train=TrainConfig(share_prompts=True)), model, unpacked, group_size=4)[0]
     assert [r.levelno for r in caplog.records if "share_prompts" in r.getMessage()] == [logging.WARNING]
     caplog.clear()
     single = RunConfig(train=TrainConfig(share_prompts=True), rollout=RolloutConfig(n=1), algorithm=AlgorithmConfig(adv_estimator="gae"))
     with caplog.at_level(logging.INFO, logger="packrl.worker.parts"):
-        on_single = (True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)")
-        assert shares_prompts(single, model, packs) == on_single
-    assert [r.levelno for r in caplog.records if "rollout.n=1" in r.getMessage()] == [logging.WARNING]
+        on_single = (True, "on (one sequence per prompt: only a prompt that repeats in a micro-batch is written once)")
+        assert shares_prompts(single, model, packs, group_size=1) == on_single
+    assert [r.levelno for r in caplog.records if "one sequence per prompt" in r.getMessage()] == [logging.WARNING]

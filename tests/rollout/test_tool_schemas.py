@@ -10,13 +10,14 @@ import logging
 import pytest
 from transformers import AutoTokenizer
 
+from packrl.chat.render import ToolRenderer
+from packrl.chat.tool_schemas import describe_tool, renders_tools, template_kwargs, tool_schema
 from packrl.config import load_config
 from packrl.data.dataset import PromptDataset
 from packrl.data.traces import render_traces
 from packrl.registry import TOOLS
 from packrl.rollout.engine import SamplingParams
-from packrl.rollout.multi_turn import ToolRenderer, multi_turn_engine
-from packrl.rollout.tool_schemas import describe_tool, renders_tools, template_kwargs, tool_schema
+from packrl.rollout.multi_turn import multi_turn_engine
 from tests.builders import CALL, ScriptedEngine, calculator_prompt_ids
 from tests.conftest import SMOLLM_DIR
 
@@ -82,8 +83,9 @@ def test_a_tools_template_gets_the_schemas_in_every_render(tools_tokenizer, smol
     assert json.dumps(tool_schema("calculator")) in text and cfg.data.system_prompt.split()[0] in text
     # SFT traces of the same problems start with RL's prompt ids, schemas included
     from packrl.data.traces import tool_trace_rows
+    from packrl.trainer.sft import trace_options
 
-    traces = render_traces(tool_trace_rows(cfg), tools_tokenizer, cfg)
+    traces = render_traces(tool_trace_rows(cfg.data, cfg.sft.num_rows, cfg.train.seed), tools_tokenizer, trace_options(cfg))
     assert set(traces.prompt_ids) <= {tuple(p.prompt_ids) for p in train.prompts}
     # tool messages render the same with the schemas as without (they sit in the system message only)
     assert ToolRenderer(tools_tokenizer, "tool", kwargs).after_close(["7"]) == ToolRenderer(tools_tokenizer, "tool").after_close(["7"])

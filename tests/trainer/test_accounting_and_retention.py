@@ -159,7 +159,7 @@ def test_a_flaky_reward_is_retried_once_and_a_broken_one_names_the_response(capl
 
 def test_generation_is_retried_once_then_names_the_rows():
     from packrl.config.plan import BatchPlan
-    from packrl.config.schema import AlgorithmConfig
+    from packrl.config.update_spec import UpdateSpec
     from packrl.distributed.group import WorkerGroup
     from packrl.distributed.local import InProcess
     from packrl.rollout.engine import SamplingParams
@@ -181,9 +181,9 @@ def test_generation_is_retried_once_then_names_the_rows():
             return [[Response((3,), "eos")] * params.n for _ in prompt_ids]
 
     def group(failures: int) -> WorkerGroup:  # the demo preset's sizes: 8 prompts x 4 responses, one process, on-policy
-        plan = BatchPlan(num_prompts=8, group_size=4, mini_batch_prompts=8, num_epochs=1, num_ranks=1, sequence_parallel_size=1,
+        plan = BatchPlan(num_prompts=8, group_size=4, update=UpdateSpec(mini_batch_size=8), num_ranks=1, sequence_parallel_size=1,
                          loss_scale_factor=64, has_reference=False, needs_old_logprobs=False, max_response_tokens=64)
-        return WorkerGroup(plan=plan, algorithm=AlgorithmConfig(), tokenizer=None, transport=InProcess(Worker(failures)),
+        return WorkerGroup(plan=plan, tokenizer=None, transport=InProcess(Worker(failures)),
                            info=WorkerInfo(512, 1.0, "test"))
 
     out = group(failures=1).generate(prompts, SamplingParams(n=2, max_response_tokens=4))
