@@ -32,15 +32,14 @@ import torch
 
 from packrl.algos.policy_losses import prepare_update
 from packrl.config.plan import BatchPlan
-from packrl.config.schema import AlgorithmConfig
 from packrl.diagnostics.trace import NullTracer
 from packrl.distributed.health import WorkerLost
 from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.balance import karmarkar_karp
-from packrl.seqlen.microbatch import VisionPatches
+from packrl.seqlen.microbatch import GroupedCap
 from packrl.seqlen.stepwise import StepSamples, step_samples
 from packrl.seqlen.update_plan import UpdatePlan, groups_of
-from packrl.types import ImageInputs, PromptBatch, Response, RolloutBatch, TrainBatch, ValueEstimates
+from packrl.types import ExtraInputs, PromptBatch, Response, RolloutBatch, TrainBatch, ValueEstimates
 from packrl.worker.actor import ResponseSums, UpdateStats, update_metrics
 from packrl.worker.critic import critic_metrics
 from packrl.worker.policy import Role, WorkerInfo
@@ -99,18 +98,17 @@ class WorkerGroup:
 
     Every pass is planned by one `packrl.seqlen.update_plan.PassPlanner` (``planner``), built from
     the run's `BatchPlan` and what the workers found at set-up; the group reads no other setting
-    but the ``algorithm`` section a policy loss's ``prepare`` takes.
+    but the recipe's update (`BatchPlan.update`, whose loss section a policy loss's ``prepare`` takes).
 
     Args:
         plan: the run's derived sizes and budgets (`BatchPlan`), the one the workers were built with.
-        algorithm: the ``algorithm`` config section (`packrl.algos.policy_losses.prepare_update`).
         tokenizer: the policy's tokenizer (decodes responses for rewards and dumps).
         transport: how the workers are reached.
         info: what the workers reported at set-up (`WorkerInfo`).
     """
 
-    def __init__(self, *, plan: BatchPlan, algorithm: AlgorithmConfig, tokenizer: Any, transport: Transport, info: WorkerInfo):
-        self.plan, self.algorithm, self.tokenizer, self.transport = plan, algorithm, tokenizer, transport
+    def __init__(self, *, plan: BatchPlan, tokenizer: Any, transport: Transport, info: WorkerInfo):
+        self.plan, self.tokenizer, self.transport = plan, tokenizer, transport
         self.max_context_tokens, self.rope_factor, self.model_summary = info.max_context_tokens, info.rope_factor, info.model_summary
         self.packing = info.packing
         self.share_prompts = info.share_prompts
@@ -133,19 +131,19 @@ class WorkerGroup:
         """Sample ``params.n`` responses per prompt from exactly ``prompts.prompt_ids``. Every
         prompt's seed is drawn here, so the responses do not depend on the rank that generates
         them. A raising engine is retried once (`generate_with_retry`)."""
-        groups = self.generate_ids(prompts.prompt_ids, params, draw_seeds(len(prompts)), prompts.rows, prompts.images)
+        groups = self.generate_ids(prompts.prompt_ids, params, draw_seeds(len(prompts)), prompts.rows, prompts.extra_inputs)
         return RolloutBatch(prompts, params.n, tuple(r for group in groups for r in group))
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                     rows: Sequence[int] = (), images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+                     rows: Sequence[int] = (), extra_inputs: Sequence[ExtraInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses to ``prompt_ids`` with the given per-prompt seeds, the prompts split
         over the data-parallel ranks by cost (prompt + response budget); ``rows`` (the data rows,
-        for messages) may be empty; ``images``: each prompt's images (a vision-language model).
+        for messages) may be empty; ``extra_inputs``: each prompt's inputs beyond its ids (its images).
         Retried once as `generate`."""
         size = self.plan.sequence_parallel_size
         return generate_split(prompt_ids, params, seeds, rows, self.num_ranks,  # one worker per data-parallel rank
                               lambda calls: self.transport.call("generate", calls, [r * size for r in range(len(calls))]),
-                              images=images)
+                              extra_inputs=extra_inputs)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Callable[[Sequence[bool]], bool]) -> list[Response]:
@@ -170,7 +168,7 @@ class WorkerGroup:
         size = self.plan.sequence_parallel_size
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
-        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored), self._vision(scored))
+        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored), self._caps(scored))
         shared = self.transport.share(scored)
         results = self.transport.call("compute_logprobs", self._spread([(shared, role, p.microbatches) for p in ranks.ranks]))
         values = ranks.restore(results[::size])  # a sequence-parallel group's workers return the same values
@@ -187,7 +185,7 @@ class WorkerGroup:
             return None
         steps = step_samples(rollout)
         scored = rollout if steps is None else steps.rollout
-        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored), self._vision(scored))
+        ranks = self.planner.scoring(scored.sequence_lengths(), _prompts(scored), self._caps(scored))
         shared = self.transport.share(scored)
         size = self.plan.sequence_parallel_size
         values = ranks.restore(self.transport.call("compute_values", self._spread([(shared, p.microbatches) for p in ranks.ranks]))[::size])
@@ -227,16 +225,17 @@ class WorkerGroup:
         """
         groups = groups_of(len(batch.rollout), batch.rollout.group_size) if groups is None else groups
         return self.planner.update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks], _prompts(batch.rollout),
-                                   groups=groups, units=units, critic=critic, vision=self._vision(batch.rollout))
+                                   groups=groups, units=units, critic=critic, caps=self._caps(batch.rollout))
 
-    def _vision(self, rollout: RolloutBatch) -> VisionPatches | None:
-        """The patch budget of a vision-language rollout's micro-batches (`PassPlanner.vision`)."""
-        patches = rollout.image_patches()
-        return None if patches is None else self.planner.vision(*patches)
+    def _caps(self, rollout: RolloutBatch) -> list[GroupedCap]:
+        """The grouped caps of ``rollout``'s micro-batches (`PassPlanner.grouped_caps` over the
+        loads its prompts' extra inputs report); none for a text rollout."""
+        return self.planner.grouped_caps(*rollout.grouped_loads())
 
     def update(self, batch: TrainBatch, tracer: NullTracer = NullTracer(), step: int = 1) -> dict[str, float]:
-        """One update (all mini-batches and epochs) on every rank; returns ``actor/*``,
-        ``seqlen/*``, ``bucket/*`` metrics (`update_metrics`), with several ranks
+        """One update (all mini-batches and epochs) of the recipe's `BatchPlan.update` on every
+        rank; returns ``actor/*`` (the loss under `UpdateSpec.loss_metric`), ``seqlen/*`` and, for
+        an update with ``rl_metrics``, ``bucket/*`` metrics (`update_metrics`), with several ranks
         ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches), and
         for a rollout trained as step-wise samples ``seqlen/num_step_samples`` (sequences trained),
         and the metrics of the policy loss's ``prepare`` (`packrl.algos.policy_losses.prepare_update`).
@@ -247,7 +246,8 @@ class WorkerGroup:
         trained, plan, steps = self._planned(batch)
         # a loss that chooses tokens over whole mini-batches (Clip-Cov, KL-Cov) does it here, once,
         # seeded by the step's seed (the loop reseeds torch every step)
-        trained, prepared = prepare_update(trained, [mb.sequences for mb in plan.minibatches], self.algorithm, torch.initial_seed())
+        trained, prepared = prepare_update(trained, [mb.sequences for mb in plan.minibatches], self.plan.update.algorithm,
+                                           torch.initial_seed())
         shared = self.transport.share(trained)
         own = tracer if self.transport.in_process else None
         results = self.transport.call("update", [(shared, plan, own)] * self.transport.num_ranks)
@@ -260,7 +260,8 @@ class WorkerGroup:
             for key, name in self.transport.trace_links().items():
                 tracer.link(key, name)
             self._linked = True
-        metrics = update_metrics([stats for stats, _ in results], batch, self.plan.max_response_tokens) | prepared
+        metrics = update_metrics([stats for stats, _ in results], batch, self.plan.max_response_tokens,
+                                 buckets=self.plan.update.rl_metrics) | prepared
         metrics |= {"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {}
         metrics |= {"seqlen/num_step_samples": float(len(trained.rollout))} if steps is not None else {}
         return metrics | ({"seqlen/sequence_parallel_size": float(self.plan.sequence_parallel_size)}
@@ -298,10 +299,10 @@ def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:
 
 def generate_split(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int], rows: Sequence[int],
                    num_parts: int, call: Callable[[list[tuple]], list],
-                   images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+                   extra_inputs: Sequence[ExtraInputs | None] | None = None) -> list[list[Response]]:
     """``[B][G]`` responses to ``prompt_ids``, the prompts split into at most ``num_parts`` parts of
     even cost (prompt + response budget, `karmarkar_karp`); ``call(args)`` runs part k's
-    ``(prompt_ids, params, seeds)`` = ``args[k]`` (with ``images``, each part's images as a fourth
+    ``(prompt_ids, params, seeds)`` = ``args[k]`` (with ``extra_inputs``, each part's as a fourth
     argument) on its own generator and returns each part's ``[b][G]`` responses. Retried once
     (`generate_with_retry`)."""
     costs = [len(p) + params.max_response_tokens for p in prompt_ids]
@@ -309,9 +310,9 @@ def generate_split(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, 
 
     def run() -> list:
         out: list = [None] * len(costs)
-        with_images = images is not None and any(x is not None for x in images)
+        extra = extra_inputs if extra_inputs is not None and any(x is not None for x in extra_inputs) else None
         results = call([([prompt_ids[i] for i in part], params, [seeds[i] for i in part])
-                        + (([images[i] for i in part],) if with_images and images is not None else ()) for part in parts])
+                        + (([extra[i] for i in part],) if extra is not None else ()) for part in parts])
         for part, groups in zip(parts, results):
             for i, group in zip(part, groups):
                 out[i] = group

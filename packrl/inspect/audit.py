@@ -83,7 +83,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packrl.chat.tool_schemas import template_kwargs
 from packrl.config.budgets import PromptRoom, prompt_budget_fix
+from packrl.config.grouped_caps import grouped_cap_limits
 from packrl.data.loaders import BadRow
 from packrl.data.prompts import account_rows, budget_examples, load_examples, rendered_prompt_lengths
 from packrl.inspect.audit_images import NEEDS_VISION_MODEL, image_rows, is_processor, multimodal_stats, reads_image_files
@@ -96,8 +98,8 @@ from packrl.inspect.audit_report import (
     SourceInfo,
     SuggestedBudgets,
 )
-from packrl.models.model_config import VISION_MODEL_TYPES
-from packrl.rollout.tool_schemas import template_kwargs
+from packrl.models.modality import MODALITIES
+from packrl.seqlen.microbatch import CapLimit
 from packrl.seqlen.prompt_policy import POLICIES, Policy, RowOutcome
 from packrl.seqlen.stats import length_percentiles
 
@@ -188,7 +190,7 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
             training raises, `packrl.data.images.ImageGeometry.of`).
     """
     start = time.perf_counter()
-    budgets = _Budgets(cfg.data, cfg.train.max_vision_patches_per_microbatch, template_kwargs(cfg.rollout.multi_turn))
+    budgets = _Budgets(cfg.data, grouped_cap_limits(cfg.train), template_kwargs(cfg.rollout.multi_turn))
     passes = _Passes.run(loaded.examples, tokenizer, budgets, progress)
     accounting = account_rows(passes.base, loaded.bad, loaded.num_rows)
     prompt_tokens = LengthStats.from_lengths(rendered_prompt_lengths(accounting))
@@ -238,17 +240,17 @@ _TRUNCATING = tuple(p for p in POLICIES if p not in ("filter", "error"))
 @dataclass(frozen=True, slots=True)
 class _Budgets:
     """What `budget_examples` takes besides the rows, as `PromptDataset.build` passes it in training:
-    the ``data`` section, ``train.max_vision_patches_per_microbatch`` (``max_image_patches``) and
-    the tool schemas (`packrl.rollout.tool_schemas.template_kwargs`)."""
+    the ``data`` section, the grouped caps (`packrl.config.grouped_caps.grouped_cap_limits`: images are
+    sized to ``train.max_vision_patches_per_microbatch``) and the tool schemas
+    (`packrl.chat.tool_schemas.template_kwargs`)."""
 
     data: DataConfig
-    max_image_patches: int | None
+    caps: tuple[CapLimit, ...]
     chat_template_kwargs: dict[str, Any]
 
     def apply(self, examples: Sequence[Example], encoder: Any, policy: Policy) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
         return budget_examples(examples, encoder, max_prompt_tokens=self.data.max_prompt_tokens, policy=policy,
-                               data_cfg=self.data, max_image_patches=self.max_image_patches,
-                               chat_template_kwargs=self.chat_template_kwargs)
+                               data_cfg=self.data, caps=self.caps, chat_template_kwargs=self.chat_template_kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +429,7 @@ def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int, room
     if num_need_vision:
         out.append(f"{num_need_vision:,} row(s) with images, which training rejects with the text model.path={cfg.model.path!r} "
                    f"({NEEDS_VISION_MODEL}); set model.path (or --model) to a vision-language model "
-                   f"({', '.join(VISION_MODEL_TYPES)}) to train on them")
+                   f"({', '.join(MODALITIES.names())}) to train on them")
     return tuple(out)
 
 

@@ -23,6 +23,7 @@ from packrl.algos.losses import kl_penalty
 from packrl.algos.policy_losses import PolicyLossFn, PolicyLossInputs, PolicyLossOutput, loss_options
 from packrl.algos.rollout_correction import behaviour_weights_in_update, weighted_token_loss
 from packrl.config.schema import AlgorithmConfig, RunConfig
+from packrl.config.update_spec import UpdateSpec
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
 from packrl.models import ulysses
@@ -133,21 +134,33 @@ class ResponseSums:
 
 @dataclass(frozen=True)
 class MicrobatchLoss:
-    """How a micro-batch's loss is formed: the registered policy loss (``algorithm.policy_loss``)
-    and its options (``algorithm.policy_loss_args``, built once), the ``algorithm`` section and
-    the pack forward."""
+    """How a micro-batch's loss is formed: the registered policy loss of the recipe's update
+    (`packrl.config.update_spec.UpdateSpec`: ``algorithm.policy_loss`` in RL, ``sft`` in `packrl
+    sft`) and its options (built once), the loss section, the pack forward and the metric names."""
 
     policy_loss: PolicyLossFn
     algo: AlgorithmConfig
     forward: PackForward
     options: Any = None
+    loss_metric: str = "actor/pg_loss"
+    rl_metrics: bool = True
+
+    @classmethod
+    def of(cls, update: UpdateSpec, forward: PackForward) -> MicrobatchLoss:
+        """The loss of ``update`` over ``forward``.
+
+        Raises:
+            ValueError: the policy loss is not registered (names the nearest), or its
+                ``policy_loss_args`` do not fit its options.
+        """
+        algo = update.algorithm
+        return cls(POLICY_LOSSES.lookup(algo.policy_loss), algo, forward, loss_options(algo), update.loss_metric, update.rl_metrics)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, share_prompts: bool = False) -> MicrobatchLoss:
-        """Raises: ValueError: ``algorithm.policy_loss`` is not registered (names the nearest), or
-        its ``policy_loss_args`` do not fit its options."""
-        return cls(POLICY_LOSSES.lookup(cfg.algorithm.policy_loss), cfg.algorithm, PackForward.from_config(cfg, share_prompts),
-                   loss_options(cfg.algorithm))
+        """RL's loss (`UpdateSpec.rl`) over `PackForward.from_config`. Raises as `of`."""
+        update = UpdateSpec.rl(cfg.algorithm, cfg.train, batch_size=cfg.data.batch_size, temperature=cfg.rollout.temperature)
+        return cls.of(update, PackForward.from_config(cfg, share_prompts))
 
 
 def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, den: LossDenominators, loss: MicrobatchLoss,
@@ -156,7 +169,9 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     importance weights of ``algorithm.rollout_correction`` when the batch carries them; the
     batch's ``extras`` reach the loss laid over the pack) aggregated by
     ``algorithm.loss_agg_mode``, plus ``kl_coef`` x the KL to the reference (unless it is in the
-    reward), minus ``entropy_coeff`` x the entropy. Adds the micro-batch's metrics to ``totals``."""
+    reward), minus ``entropy_coeff`` x the entropy. Adds the micro-batch's metrics to ``totals``:
+    the policy loss as ``loss.loss_metric``, ``actor/entropy``, and with ``loss.rl_metrics`` the
+    clip fraction, PPO KL and KL loss."""
     algo, rollout = loss.algo, batch.rollout
     out = loss.forward(model, pack, response_positions(pack, rollout), entropy_grad=algo.entropy_coeff > 0)
     full_mask = scatter_response(pack, rollout, batch.loss_masks, False)
@@ -179,9 +194,10 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     total = pg - algo.entropy_coeff * ent
     clipped = result.clipped if result.clipped is not None else torch.zeros_like(mask)
     token_kl = old - logprobs.detach()  # ppo_kl per token, the bucket KL without a reference
-    metrics: dict[str, torch.Tensor | float] = {"actor/pg_loss": pg.detach(), "actor/entropy": ent.detach(),
-                                                "actor/pg_clipfrac": den.token_share(clipped, mask),
-                                                "actor/ppo_kl": den.token_share(token_kl, mask), "actor/kl_loss": 0.0}
+    metrics: dict[str, torch.Tensor | float] = {loss.loss_metric: pg.detach(), "actor/entropy": ent.detach()}
+    if loss.rl_metrics:
+        metrics |= {"actor/pg_clipfrac": den.token_share(clipped, mask), "actor/ppo_kl": den.token_share(token_kl, mask),
+                    "actor/kl_loss": 0.0}
     if ref is not None:
         ref_kl = kl_penalty(logprobs, ref, algo.kl_estimator)
         token_kl = ref_kl.detach()
@@ -197,8 +213,8 @@ def microbatch_loss(model: torch.nn.Module, pack: Pack, batch: TrainBatch, *, de
     totals.max_rank_tokens = max(totals.max_rank_tokens, pack.num_tokens if sp is None else sp.padded(pack.num_tokens) // sp.size)
     totals.num_positions += pack.input_ids.numel()
     totals.num_real_tokens += pack.num_tokens  # a pack has no padding
-    if pack.images is not None:
-        totals.max_vision_patches = max(totals.max_vision_patches, pack.num_vision_patches)
+    for name, load in pack.grouped_loads().items():
+        totals.max_grouped_loads[name] = max(totals.max_grouped_loads.get(name, 0), load)
     totals.num_shared_tokens_saved += sum(len(rollout.prompt_ids_of(i)) + len(rollout.responses[i].response_ids)
                                           for i in pack.indices) - pack.num_tokens
     return total
@@ -263,7 +279,7 @@ class UpdateStats:
     all_to_all_s: float = 0.0
 
 
-def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response_tokens: int) -> dict[str, float]:
+def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response_tokens: int, *, buckets: bool = True) -> dict[str, float]:
     """The update's metrics from every rank's `UpdateStats` (one in a single process).
 
     Loss terms and the policy loss's metrics are each rank's share of a globally normalised
@@ -280,17 +296,21 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         (with ``model.activation_offload``: saved activations moved to host memory, largest rank),
         ``seqlen/shared_prompt_tokens_saved`` (with ``train.share_prompts``: prompt tokens the
         update's packs did not compute again, all passes and ranks),
-        ``perf/all_to_all_s`` and ``seqlen/microbatch_tokens_per_rank_max`` (with sequence
-        parallelism: forward all-to-all seconds of the update and tokens of the largest shard),
-        and ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means over loss tokens and
-        every pass, averaged per response-length bucket; kl is the token KL estimate to the
-        reference, else ``old_logprobs - logprobs``).
+        ``seqlen/microbatch_<load>_max`` (per grouped-cap load the packs report, `Pack.grouped_loads`:
+        the most one micro-batch encoded, e.g. ``vision_patches``), ``perf/all_to_all_s`` and
+        ``seqlen/microbatch_tokens_per_rank_max`` (with sequence parallelism: forward all-to-all
+        seconds of the update and tokens of the largest shard),
+        and with ``buckets`` ``bucket/entropy|clipfrac|kl/<lo>-<hi>`` (per-response means over
+        loss tokens and every pass, averaged per response-length bucket of ``max_response_tokens``;
+        kl is the token KL estimate to the reference, else ``old_logprobs - logprobs``). The
+        policy loss is named by the update (`packrl.config.update_spec.UpdateSpec.loss_metric`),
+        and a supervised update has no clip fraction, PPO KL or KL loss (``rl_metrics``).
     """
     first = ranks[0]
     totals = [t for r in ranks for t, _, _ in r.steps]
     lengths = [len(r.response_ids) for r in batch.rollout.responses]
     positions = sum(t.num_positions for t in totals)
-    out = ResponseSums.merged([r.sums for r in ranks]).metrics(lengths, max_response_tokens)
+    out = ResponseSums.merged([r.sums for r in ranks]).metrics(lengths, max_response_tokens) if buckets else {}
     out |= step_metrics([r.steps for r in ranks], "actor")
     stale = out.pop("async/behaviour_stale_tokens", 0.0)
     weight_sum = out.pop("async/behaviour_weight_sum", 0.0)
@@ -302,8 +322,8 @@ def update_metrics(ranks: Sequence[UpdateStats], batch: TrainBatch, max_response
         "seqlen/microbatch_tokens_max": float(max(t.max_microbatch_tokens for t in totals)),
         "seqlen/pad_fraction": 1.0 - sum(t.num_real_tokens for t in totals) / max(1, positions),
     }
-    if batch.rollout.prompts.images is not None:
-        out["seqlen/microbatch_vision_patches_max"] = float(max(t.max_vision_patches for t in totals))
+    for name in sorted({name for t in totals for name in t.max_grouped_loads}):  # e.g. seqlen/microbatch_vision_patches_max
+        out[f"seqlen/microbatch_{name}_max"] = float(max(t.max_grouped_loads.get(name, 0) for t in totals))
     saved = sum(t.num_shared_tokens_saved for t in totals)
     if saved:
         out["seqlen/shared_prompt_tokens_saved"] = float(saved)

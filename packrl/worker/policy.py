@@ -3,8 +3,9 @@ and on every data-parallel rank.
 
 A worker holds the actor, the frozen reference policy (when `BatchPlan.has_reference`), the
 critic (when `BatchPlan.has_critic`: `packrl.worker.critic`), the rollout engine
-(``rollout.engine``), the optimizer, LR schedule and skip counter, the contexts its forwards run
-in, and the checkpoint I/O. Its parallelism strategy
+(``rollout.engine``; none when `BatchPlan.generates` is False, as in `packrl sft`), the optimizer,
+LR schedule and skip counter of the recipe's update (`BatchPlan.update`), the contexts its
+forwards run in, and the checkpoint I/O. Its parallelism strategy
 (`packrl.worker.strategy`: `SingleProcess` for one worker, `FSDP2` for each of several) supplies
 wrapping, gradient sync, loss scaling, the rollout-weights gather and the state-dict I/O, so
 every memory feature works the same under both:
@@ -39,17 +40,17 @@ from packrl.models.compile import active
 from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
-from packrl.models.vision import is_vision_config
 from packrl.registry import import_plugins
-from packrl.rollout.engine import EngineCapabilities, ImageEngine, InterruptibleEngine, SamplingParams, awake
+from packrl.rollout.engine import EngineCapabilities, ExtraInputsEngine, InterruptibleEngine, SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
-from packrl.types import ImageInputs, Response, RolloutBatch, TrainBatch
+from packrl.types import ExtraInputs, Response, RolloutBatch, TrainBatch
 from packrl.worker.actor import MicrobatchLoss, UpdateStats, actor_update, compute_logprobs
 from packrl.worker.checkpoint import full_optimizer_state, load_optimizer_and_schedule, load_trainer_state, save_checkpoint
 from packrl.worker.critic import CRITIC_FILE, CriticRole, CriticStats
 from packrl.worker.optim import Optimization
-from packrl.worker.parts import WorkerParts, build_engine, check_vision_run, compiled_layers, shares_prompts
+from packrl.worker.packs import PackForward
+from packrl.worker.parts import WorkerParts, build_engine, check_modality_run, compiled_layers, shares_prompts
 from packrl.worker.strategy import FSDP2, SingleProcess, Strategy, write_on_writer
 
 logger = logging.getLogger(__name__)
@@ -156,23 +157,27 @@ class PolicyWorker:
             logger.warning("model.activation_offload=true on %s: activations already live in host memory, so offloading only "
                            "copies them; set model.activation_offload=false", strategy.device.type)
         reference = load_reference(model) if plan.has_reference else None
-        engine, engine_phrase, capabilities = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
-                                                           may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
-        check_vision_run(cfg, model, capabilities, has_critic=plan.has_critic)
-        self.processor_files = processor_files(cfg.model) if is_vision_config(model.config) else []  # copied into checkpoints
+        engine, engine_phrase, capabilities = None, "", EngineCapabilities()  # a recipe on given sequences generates nothing
+        if plan.generates:
+            engine, engine_phrase, capabilities = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
+                                                               may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
+            check_modality_run(cfg, model, capabilities, has_critic=plan.has_critic)
+        self.processor_files = processor_files(cfg.model, model.config)  # copied into checkpoints
         strategy.wrap(model)
         if reference is not None and reference is not model:
             strategy.wrap(reference)
-        opt = Optimization.build([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                 weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
-                                 max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.train.grad_clip)
+        update, optim = plan.update, plan.update.optimizer
+        opt = Optimization.build([p for p in model.parameters() if p.requires_grad], lr=optim.lr, weight_decay=optim.weight_decay,
+                                 warmup_steps=optim.warmup_steps, max_consecutive_skips=optim.max_consecutive_skips,
+                                 grad_clip=optim.grad_clip, lr_key=optim.lr_key)
         compiled = compiled_layers(cfg, model, reference)
-        share, phrase = shares_prompts(cfg, model, packing)
+        share, phrase = shares_prompts(cfg, model, packing, group_size=plan.group_size)
+        loss = MicrobatchLoss.of(update, PackForward(cfg.model.packed_attention, cfg.train.logits_chunk_tokens, update.temperature, share))
         critic = (CriticRole.build(cfg, strategy, plan.compute_dtype, compile_layers=compiled["actor"] is not None)
                   if plan.has_critic else None)
-        self.parts = WorkerParts(model, tokenizer, reference, engine, opt, compiled, MicrobatchLoss.from_config(cfg, share_prompts=share),
-                                 critic, packing, share, phrase, max_context, rope_factor, capabilities, engine_phrase)
-        summary = self.parts.summary(cfg, plan.compute_dtype, strategy.describe())
+        self.parts = WorkerParts(model, tokenizer, reference, engine, opt, compiled, loss, critic, packing, share, phrase, max_context,
+                                 rope_factor, capabilities, engine_phrase)
+        summary = self.parts.summary(cfg.model, plan.compute_dtype, strategy.describe())
         logger.info("%s", summary)
         return WorkerInfo(max_context, rope_factor, summary, packing, share, capabilities)
 
@@ -243,14 +248,16 @@ class PolicyWorker:
             yield
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                 images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
+                 extra_inputs: Sequence[ExtraInputs | None] | None = None) -> list[list[Response]]:
         """``[B][G]`` responses for this worker's prompts (the engine awake only meanwhile), with
-        their images when the prompts have them (`check_vision_run` refused an engine that cannot
-        take them at set-up)."""
-        if images is None:
+        their extra inputs when the prompts have them (`check_modality_run` refused an engine that
+        cannot take them at set-up)."""
+        assert self.engine is not None, "the group generates only with a plan that generates"
+        if extra_inputs is None:
             return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
-        assert self.parts.capabilities.images, "check_vision_run refuses a VLM whose engine takes no images"
-        return awake(self.engine, functools.partial(cast(ImageEngine, self.engine).generate, images=images), prompt_ids, params, seeds)
+        assert self.parts.capabilities.modalities, "check_modality_run refuses a multimodal policy whose engine takes no extra inputs"
+        generate = functools.partial(cast(ExtraInputsEngine, self.engine).generate, extra_inputs=extra_inputs)
+        return awake(self.engine, generate, prompt_ids, params, seeds)
 
     def generate_until(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
                        caps: Sequence[int], enough: Any) -> list[Response]:
@@ -295,7 +302,7 @@ class PolicyWorker:
                                context=self.update_context, tracer=recorder, parallel=self.strategy.parallel(self.model))
         stats.offloaded_bytes = self.offloaded_bytes
         stats.all_to_all_s = 0.0 if sp is None else sp.all_to_all_s
-        self.engine.load_weights(self.strategy.rollout_weights(self.model))
+        self._sync_engine()
         if tracer is not None:
             return stats, []
         assert isinstance(recorder, SpanRecorder), "made above when no tracer was given"
@@ -337,8 +344,8 @@ class PolicyWorker:
         return None if path is None else str(path)
 
     def load_checkpoint(self, path: str | Path) -> dict:
-        """Restore weights, optimizer, schedule (with ``train.lr`` applied) and skip counter; the
-        engine follows. Returns the checkpoint's trainer state.
+        """Restore weights, optimizer, schedule (with the update's learning rate applied:
+        ``train.lr``, ``sft.lr``) and skip counter; the engine follows. Returns the checkpoint's trainer state.
 
         Raises:
             ValueError: a file of ``path`` is missing, unreadable or does not fit the model (named).
@@ -346,16 +353,21 @@ class PolicyWorker:
         path = Path(path)
         state, optimizer_state = load_trainer_state(path)
         self.strategy.load_weights(self.model, path)
-        load_optimizer_and_schedule(self.model, self.optimizer, self.opt.scheduler, optimizer_state, self.cfg.train.lr, path)
+        load_optimizer_and_schedule(self.model, self.optimizer, self.opt.scheduler, optimizer_state, self.plan.update.optimizer.lr, path)
         self.opt.skips.load_state_dict(state.get("skips", {}))
         if self.parts.critic is not None:
             self.parts.critic.load(path)
-        self.engine.load_weights(self.strategy.rollout_weights(self.model))
+        self._sync_engine()
         return state
+
+    def _sync_engine(self) -> None:
+        """The policy's new weights into the rollout engine (none when the plan generates nothing)."""
+        if self.engine is not None:
+            self.engine.load_weights(self.strategy.rollout_weights(self.model))
 
     def close(self) -> None:
         """Close the rollout engine and leave the process group (FSDP2)."""
         parts = getattr(self, "parts", None)  # None when setup never ran
-        if parts is not None:
+        if parts is not None and parts.engine is not None:
             parts.engine.close()
         self.strategy.close()
