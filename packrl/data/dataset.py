@@ -1,4 +1,4 @@
-"""The prompt dataset of one split, and the seeded, resumable sampler over it.
+"""The prompt dataset of one split, and the seeded, resumable sampler over it (`packrl.data.sampler`).
 
 `PromptDataset.build` reads every source, normalises each row (`examples.to_example`), and runs
 the prompt policy once over all good chats at build time (through `packrl.data.prompts`, the
@@ -13,7 +13,6 @@ invariant 6).
 from __future__ import annotations
 
 import logging
-import random
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,12 +21,17 @@ from packrl.config.budgets import PromptRoom, prompt_budget_fix
 from packrl.config.schema import DataConfig
 from packrl.data.prompts import (
     DatasetPrompt,
+    ExtraRows,
     RowSource,
     account_rows,
+    accounting_dict,
     budget_examples,
+    extra_rows,
     load_examples,
     rendered_prompt_lengths,
 )
+from packrl.data.sampler import EpochSampler
+from packrl.seqlen.microbatch import CapLimit
 from packrl.seqlen.prompt_policy import PromptAccounting
 from packrl.seqlen.stats import length_percentiles
 from packrl.types import PromptBatch
@@ -50,11 +54,11 @@ class PromptDataset:
         *,
         key: str = "data.train_files",
         origins: Sequence[RowSource] = (),
-        images: tuple[Any, Any] | None = None,
+        extra: ExtraRows | None = None,
         room: PromptRoom | None = None,
     ):
-        """``images``: ``(processor, geometry)`` that read a drawn prompt's images
-        (`packrl.data.vision_prompts.image_inputs`); None for a text dataset. ``room``: what the
+        """``extra``: what reads a drawn prompt's extra inputs (its images: `ExtraRows.inputs`);
+        None for a text dataset. ``room``: what the
         model context leaves for a prompt, so a fix never proposes a prompt budget it cannot hold
         (None: the context was not read)."""
         self.prompts: tuple[DatasetPrompt, ...] = tuple(prompts)
@@ -63,7 +67,7 @@ class PromptDataset:
         self.room = room
         self.origins: tuple[RowSource, ...] = tuple(origins)
         self.duplicates: dict[int, int] = duplicate_rows(self.prompts)
-        self.images = images if any(p.image_sizes for p in self.prompts) else None
+        self.extra = extra if any(p.part_sizes for p in self.prompts) else None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -78,7 +82,7 @@ class PromptDataset:
         seed: int,
         split: str,
         key: str,
-        max_image_patches: int | None = None,
+        caps: Sequence[CapLimit] = (),
         chat_template_kwargs: dict[str, Any] | None = None,
         room: PromptRoom | None = None,
     ) -> PromptDataset:
@@ -93,7 +97,7 @@ class PromptDataset:
             split: ``"train"`` or ``"val"``. For ``val`` with ``data.max_val_rows`` set, only
                 the first ``max_val_rows`` rows (in source order) are read into the dataset.
             key: the config key of ``sources``, for messages.
-            max_image_patches: ``train.max_vision_patches_per_microbatch`` (`budget_examples`).
+            caps: the grouped caps a row's parts must fit (`budget_examples`).
             chat_template_kwargs: extra ``apply_chat_template`` arguments (`budget_examples`).
             room: what the model context leaves for a prompt (`PromptRoom.of`); the fixes of
                 the errors below stay within it. None when the context is unknown.
@@ -112,7 +116,7 @@ class PromptDataset:
         # under `error` the budget is applied as `filter` first, so one message names every bad and overlong row
         prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,
                                             policy="filter" if policy == "error" else policy, data_cfg=data_cfg,
-                                            max_image_patches=max_image_patches, chat_template_kwargs=chat_template_kwargs)
+                                            caps=caps, chat_template_kwargs=chat_template_kwargs)
         bad = {} if data_cfg.skip_bad_rows else rows.bad | {o.row: o.reason for o in outcomes if o.status == "rejected"}
         # a filtered outcome always records its prompt's token count (`apply_prompt_policy`)
         # (an image row whose images cannot fit data.max_image_tokens has no prompt length: its reason is named)
@@ -120,7 +124,7 @@ class PromptDataset:
         if bad or overlong:
             _raise_bad_rows(bad, overlong, rows.origins, key, budget, room)
         dataset = cls(prompts, account_rows(outcomes, rows.bad, rows.num_rows), key=key, origins=rows.origins,
-                      images=_image_reader(tokenizer, data_cfg), room=room)
+                      extra=extra_rows(tokenizer, data_cfg, caps), room=room)
         lengths = dataset.prompt_length_percentiles()
         logger.info("%s: %s; prompt_length p50 %s, p99 %s, max %s tokens", key, dataset.accounting.summary(),
                     lengths["p50"], lengths["p99"], lengths["max"])
@@ -163,49 +167,32 @@ class PromptDataset:
         """
         return length_percentiles(rendered_prompt_lengths(self.accounting))
 
-    def vision_summary(self) -> str:
-        """A line on the prompts' text and vision tokens (image placeholders + markers, at the sizes
-        the prompts hold) and vision-encoder patches, for ``RUN_DIR/budgets.txt``; "" without images."""
-        if self.images is None:
-            return ""
-        geometry = self.images[1]
-        vision = [sum(geometry.tokens(w, h) + geometry.extra_tokens for w, h in p.image_sizes) for p in self.prompts]
-        patches = [sum(geometry.tokens(w, h) for w, h in p.image_sizes) * geometry.merge ** 2 for p in self.prompts]
-        text = [len(p.prompt_ids) - v for p, v in zip(self.prompts, vision)]
-        v, t, n = length_percentiles(vision), length_percentiles(text), length_percentiles(patches)
-        return (f"vision ({self.key}): prompt tokens per prompt: text p50 {t['p50']}, max {t['max']}; vision p50 {v['p50']}, "
-                f"max {v['max']} (placeholders + markers); vision-encoder patches per prompt p50 {n['p50']}, max {n['max']}")
+    def extra_summary(self) -> str:
+        """A line on the prompts' extra parts (`ExtraRows.summary`: a vision-language dataset's text
+        and vision tokens and encoder patches) for ``RUN_DIR/budgets.txt``; "" for text prompts."""
+        return "" if self.extra is None else self.extra.summary([(p.prompt_ids, p.part_sizes) for p in self.prompts], self.key)
 
     def accounting_dict(self) -> dict[str, Any]:
         """`PromptAccounting.to_dict` with, per row, ``source`` and ``source_row`` (where the row came
         from; 0-based among the rows of that source, blank jsonl lines not counted) and ``duplicate_of``
         (the earlier row it repeats, or None), and ``totals.num_duplicates``."""
-        out = self.accounting.to_dict()
-        for entry in out["rows"]:
-            origin = self.origins[entry["row"]] if self.origins else None
-            entry["source"] = origin and origin.source
-            entry["source_row"] = origin and origin.source_row
-            entry["duplicate_of"] = self.duplicates.get(entry["row"])
-        out["totals"]["num_duplicates"] = len(self.duplicates)
-        return out
+        return accounting_dict(self.accounting, self.origins, self.duplicates)
 
     def batch(self, indices: Sequence[int]) -> PromptBatch:
         """The prompts at dataset positions ``indices`` (0 .. len-1, not global rows) as a `PromptBatch`."""
         chosen = [self.prompts[i] for i in indices]
-        images = None
-        if self.images is not None:
-            from packrl.data.vision_prompts import image_inputs
-
-            processor, geometry = self.images
-            images = tuple(image_inputs(processor, p.example, p.prompt_ids, p.image_sizes, geometry) if p.image_sizes else None
-                           for p in chosen)
+        extra = self.extra
+        inputs = None if extra is None else tuple(extra.inputs(p.example, p.prompt_ids, p.part_sizes) if p.part_sizes else None
+                                                  for p in chosen)
         return PromptBatch(
             prompt_ids=tuple(p.prompt_ids for p in chosen),
             ground_truths=tuple(p.example.ground_truth for p in chosen),
             data_sources=tuple(p.example.data_source for p in chosen),
             rows=tuple(p.example.row for p in chosen),
             prompt_truncated=tuple(p.truncated for p in chosen),
-            images=images,
+            extra_inputs=inputs,
+            length_targets=(tuple(p.example.length_target or 0 for p in chosen)
+                            if any(p.example.length_target is not None for p in chosen) else None),
         )
 
     def iter_batches(self, batch_size: int) -> Iterator[PromptBatch]:
@@ -261,15 +248,6 @@ def duplicate_rows(prompts: Sequence[DatasetPrompt]) -> dict[int, int]:
     return repeats
 
 
-def _image_reader(encoder: Any, data_cfg: DataConfig) -> tuple[Any, Any] | None:
-    """``(processor, geometry)`` for a vision-language model's processor, else None."""
-    if not hasattr(encoder, "image_processor"):
-        return None
-    from packrl.data.images import ImageGeometry
-
-    return encoder, ImageGeometry.of(encoder, data_cfg.image)
-
-
 def check_enough_prompts(dataset: PromptDataset, batch_size: int) -> None:
     """Raise unless ``dataset`` holds at least ``batch_size`` usable prompts.
 
@@ -314,22 +292,19 @@ def _fix_hint(accounting: PromptAccounting, policy: str = "filter", room: Prompt
     return "fix the rejected rows (reasons in parentheses); data.skip_bad_rows=true trains on the rest"
 
 
-class PromptSampler:
-    """Batches of training prompts, reshuffled every epoch, resumable exactly.
+class PromptSampler(EpochSampler):
+    """Batches of training prompts (`packrl.data.sampler.EpochSampler` over a `PromptDataset`,
+    drop-last), reshuffled every epoch, resumable exactly, refused on other data. Without shuffle
+    the same tail is always dropped, which is warned about.
 
-    Epoch ``e`` visits the prompts in the order of ``random.Random(f"packrl-sampler:{seed}:{e}")``
-    (a string seed hashes with SHA-512, so seeds 0 and 1 do not share shifted orders and the
-    order does not depend on PYTHONHASHSEED); without shuffle, in dataset order. When fewer than
-    ``batch_size`` prompts remain in an epoch they are skipped and the next epoch starts (as a
-    drop-last loader): a batch never holds one prompt twice, and a reshuffle drops different
-    prompts each epoch. Without shuffle the same tail is always dropped, which is warned about.
+    Raises:
+        ValueError: fewer usable prompts than ``batch_size`` (`check_enough_prompts`).
     """
 
     def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int):
         check_enough_prompts(dataset, batch_size)
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.epoch, self.index = 0, 0
-        self._order: list[int] | None = None
+        super().__init__(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=True, noun="prompts")
+        self.dataset = dataset
         left_out = len(dataset) % batch_size
         if left_out and not shuffle:
             logger.warning(
@@ -338,53 +313,6 @@ class PromptSampler:
                 left_out, dataset.key, len(dataset), batch_size, len(dataset),
             )
 
-    def _epoch_order(self) -> list[int]:
-        if self._order is None:
-            order = list(range(len(self.dataset)))
-            if self.shuffle:
-                random.Random(f"packrl-sampler:{self.seed}:{self.epoch}").shuffle(order)
-            self._order = order
-        return self._order
-
     def next_batch(self) -> PromptBatch:
         """The next ``batch_size`` prompts; starts the next epoch when too few remain in this one."""
-        if len(self.dataset) - self.index < self.batch_size:
-            self.epoch, self.index, self._order = self.epoch + 1, 0, None
-        indices = self._epoch_order()[self.index : self.index + self.batch_size]
-        self.index += self.batch_size
-        return self.dataset.batch(indices)
-
-    def state_dict(self) -> dict[str, int | str]:
-        """``{epoch, index, seed, num_prompts, fingerprint}``: enough to continue exactly where this
-        sampler is, and to tell whether the data is still the same (`PromptDataset.fingerprint`)."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_prompts": len(self.dataset),
-                "fingerprint": self._fingerprint()}
-
-    def _fingerprint(self) -> str:
-        if not hasattr(self, "_data_fingerprint"):
-            self._data_fingerprint = self.dataset.fingerprint()
-        return self._data_fingerprint
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state`` (from `state_dict`); the saved seed wins so the order is the saved run's.
-
-        Raises:
-            ValueError: the state's ``num_prompts`` differs from this dataset's (the data changed).
-        """
-        num = state.get("num_prompts", len(self.dataset))
-        if num != len(self.dataset):
-            raise ValueError(
-                f"sampler state is for {num} prompts but {self.dataset.key} now gives {len(self.dataset)}; "
-                f"resume with the same data and data.max_prompt_tokens, or start a new run"
-            )
-        saved = state.get("fingerprint")
-        if saved is not None and saved != self._fingerprint():
-            raise ValueError(
-                f"the prompts of {self.dataset.key} differ from the checkpoint's ({len(self.dataset)} prompts either way, "
-                f"fingerprint {self._fingerprint()} != {saved}): the saved data position would point at other prompts; "
-                "resume with the same data files and data.* settings, or start a new run (a new train.out_dir)"
-            )
-        if state["seed"] != self.seed:
-            logger.warning("resuming the sampler with its saved seed %d, not train.seed=%d", state["seed"], self.seed)
-        self.epoch, self.index, self.seed = int(state["epoch"]), int(state["index"]), int(state["seed"])
-        self._order = None
+        return self.dataset.batch(self.next_indices())

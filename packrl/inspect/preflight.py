@@ -158,18 +158,9 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     memory, recommended = None, None
     lora_ok = not any(p.key.startswith("model.lora") for p in problems)
     if model_config is not None and lora_ok:
-        try:
-            shape = ModelShape.from_config(model_config, cfg.model.lora, cfg.model.path)
-        except ValueError as err:
-            key = "model.lora.target_modules" if "target_modules" in str(err) else "model.path"
-            if key == "model.path":
-                fix = ("see the message: a text-only checkpoint of the family" if "multimodal" in str(err)
-                       else "use a causal LM transformers can build from its config")
-                problems.append(ConfigProblem(key, cfg.model.path, str(err), fix))
-            else:
-                problems.append(ConfigProblem(key, cfg.model.lora.target_modules, str(err),
-                                              "set model.lora.target_modules to names the model has"))
-        else:
+        shape, shape_problems = _model_shape(cfg, model_config)
+        problems += shape_problems
+        if shape is not None:
             compute = resolve_for_device(cfg.model.dtype, device)
             host = probe_host(device)
             notes.append(compute.describe() + (f"; host {host.cpu_model}, {host.num_threads} threads" if device == "cpu" else ""))
@@ -181,13 +172,27 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             problems += _sequence_parallel_problems(cfg, model_config, packing)
             notes += _engine_notes(cfg, shape, budgets, device)
             notes += _multi_turn_notes(cfg) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
-            vision_notes, vision_problems = _vision(cfg, model_config, PromptRoom.of(cfg, budgets.max_context_tokens))
-            notes, problems = notes + vision_notes, problems + vision_problems
+            more = _modality_checks(cfg, model_config, PromptRoom.of(cfg, budgets.max_context_tokens))
+            notes, problems = notes + more[0], problems + more[1]
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)
                 problems += _memory_problems(cfg, shape, memory, memory_bytes, recommended, budgets)
     unique = {str(p): p for p in problems}
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
+
+
+def _model_shape(cfg: RunConfig, model_config: Any) -> tuple[ModelShape | None, list[ConfigProblem]]:
+    """The model's shape (`ModelShape.from_config`), or None and the problem that stops it: a
+    multimodal checkpoint of a family packrl does not train, or LoRA targets the model lacks."""
+    try:
+        return ModelShape.from_config(model_config, cfg.model.lora, cfg.model.path), []
+    except ValueError as err:
+        if "target_modules" in str(err):
+            return None, [ConfigProblem("model.lora.target_modules", cfg.model.lora.target_modules, str(err),
+                                        "set model.lora.target_modules to names the model has")]
+        fix = ("see the message: a text-only checkpoint of the family" if "multimodal" in str(err)
+               else "use a causal LM transformers can build from its config")
+        return None, [ConfigProblem("model.path", cfg.model.path, str(err), fix)]
 
 
 def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[str]:
@@ -208,7 +213,7 @@ def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[st
            f"rollout.max_num_seqs={cfg.rollout.max_num_seqs}; carried groups are re-prefilled when they resume"]
     rows = (batch + over) * cfg.rollout.n
     stops_one_call = (not info.rollout_workers and cfg.trainer.num_workers == 1
-                      and engine_capabilities(cfg.rollout.engine, multi_turn=cfg.rollout.multi_turn.enabled).stop_on_condition)
+                      and engine_capabilities(cfg.rollout).stop_on_condition)
     if stops_one_call and rows > cfg.rollout.max_num_seqs:
         lower = " or lower rollout.over_provision" if (batch + 1) * cfg.rollout.n <= cfg.rollout.max_num_seqs else ""
         out.append(f"the {rows} sequences of a step do not fit one engine batch (rollout.max_num_seqs={cfg.rollout.max_num_seqs}): "
@@ -234,79 +239,24 @@ def _multi_turn_notes(cfg: RunConfig) -> list[str]:
             "call as soon as it is written"]
 
 
-VISION_SIZES = ((224, 224), (448, 448), (1024, 768), (1920, 1080))
-"""Image sizes (width, height) preflight reports for a vision-language model."""
-
-
-def _vision(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple[list[str], list[ConfigProblem]]:
-    """For a vision-language model: the image tokens of `VISION_SIZES` as its processor (with
-    ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``)
-    sizes them, the prompt budget each leaves for text, and what it cannot run with
-    (`packrl.models.vision.vision_run_problems`, with the engine's declared capabilities); a prompt budget it proposes stays within
+def _modality_checks(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple[list[str], list[ConfigProblem]]:
+    """For a multimodal model: what it cannot run with (its modality's
+    `packrl.models.modality.Modality.run_problems`, with the engine's declared modalities, the
+    list worker set-up reads too) and its modality's own notes and budget checks (images:
+    `packrl.inspect.preflight_images.image_preflight`); a prompt budget it proposes stays within
     ``room`` (what the model context leaves for a prompt; None when unknown)."""
     from packrl.config.plan import BatchPlan
-    from packrl.data.images import ImageGeometry, fit_sizes
-    from packrl.data.vision_prompts import image_token_cap
-    from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
-    from packrl.models.vision import is_vision_config, vision_run_problems
+    from packrl.inspect.preflight_images import image_preflight
+    from packrl.models.modality import modality_of
     from packrl.rollout.engine import engine_capabilities
 
-    if not is_vision_config(model_config):
+    modality = modality_of(model_config)
+    if modality is None:
         return [], []
-    capabilities = engine_capabilities(cfg.rollout.engine, multi_turn=cfg.rollout.multi_turn.enabled)
-    out = vision_run_problems(cfg, engine_takes_images=capabilities.images, has_critic=BatchPlan.from_config(cfg).has_critic)
-    try:
-        processor = load_prompt_encoder(cfg.model, load_policy_tokenizer(cfg.model))
-        geometry = ImageGeometry.of(processor, cfg.data.image)
-    except ValueError as err:
-        return [], out + [ConfigProblem("model.path", cfg.model.path, str(err), "see the message")]
-    smallest = geometry.tokens(*geometry.resized(28, 28)) + geometry.extra_tokens  # an image at min_pixels
-    if cfg.data.max_image_tokens is not None and cfg.data.max_image_tokens < smallest:
-        out.append(ConfigProblem("data.max_image_tokens", cfg.data.max_image_tokens,
-                                 f"is below the {smallest} tokens of one image at the smallest size (min_pixels={geometry.min_pixels:,}"
-                                 ", markers included): every image row would be filtered",
-                                 f"set data.max_image_tokens >= {smallest}, or lower data.image.min_pixels"))
-    patch_cap = cfg.train.max_vision_patches_per_microbatch
-    if patch_cap is not None and patch_cap < (smallest - geometry.extra_tokens) * geometry.merge ** 2:
-        least = (smallest - geometry.extra_tokens) * geometry.merge ** 2
-        out.append(ConfigProblem("train.max_vision_patches_per_microbatch", patch_cap,
-                                 f"is below the {least} encoder patches of one image at the smallest size "
-                                 f"(min_pixels={geometry.min_pixels:,}): every image row would be filtered",
-                                 f"set train.max_vision_patches_per_microbatch >= {least}, or lower data.image.min_pixels"))
-    template = _template_tokens(processor, cfg.data.system_prompt)
-    if cfg.data.max_prompt_tokens <= smallest + template:
-        out.append(ConfigProblem("data.max_prompt_tokens", cfg.data.max_prompt_tokens,
-                                 f"leaves no room for text beside the chat template ({template} tokens with one word of text) and "
-                                 f"one image at its smallest size ({smallest} tokens)",
-                                 f"raise data.max_prompt_tokens well above {smallest + template}"
-                                 if room is None or smallest + template < room.max_prompt_tokens else
-                                 f"no data.max_prompt_tokens the model context holds is well above {smallest + template} "
-                                 f"({room.describe()}): lower rollout.max_response_tokens or data.image.min_pixels, or use a "
-                                 "model with a longer context"))
-    rows = []
-    for width, height in VISION_SIZES:
-        cap, cap_key = image_token_cap(geometry, 1, cfg.data.max_image_tokens, patch_cap)
-        fitted = fit_sizes([(width, height)], geometry, cap)
-        if fitted is None:
-            rows.append(f"{width}x{height}: does not fit {cap_key}")
-            continue
-        (w, h), = fitted
-        tokens = geometry.tokens(w, h) + geometry.extra_tokens
-        patches = geometry.tokens(w, h) * geometry.merge ** 2
-        rows.append(f"{width}x{height} -> {w}x{h}: {tokens} tokens, {patches} encoder patches, "
-                    f"{cfg.data.max_prompt_tokens - tokens} of data.max_prompt_tokens={cfg.data.max_prompt_tokens} left for text")
-    pixels = f"{geometry.min_pixels:,}..{geometry.max_pixels:,} pixels per image (data.image.min_pixels/max_pixels or the processor's)"
-    return [f"vision-language model: one image token per {geometry.factor}x{geometry.factor} pixels, {pixels}; per image: "
-            + "; ".join(rows)], out
-
-
-def _template_tokens(processor: Any, system_prompt: str | None) -> int:
-    """Tokens of the chat template around a one-word user message (with ``data.system_prompt``)
-    and its generation prompt, as the processor's tokenizer renders it."""
-    tokenizer = getattr(processor, "tokenizer", processor)
-    chat = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": "x"}]
-    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out = modality.run_problems(cfg, engine_modalities=engine_capabilities(cfg.rollout).modalities,
+                                has_critic=BatchPlan.from_config(cfg).has_critic)
+    notes, problems = image_preflight(cfg, room) if modality.name == "image" else ([], [])
+    return notes, out + problems
 
 
 def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any) -> list[ConfigProblem]:

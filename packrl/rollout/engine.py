@@ -14,10 +14,10 @@ device memory (a KV cache) can give it back to training.
 Engines are built by name (``rollout.engine``) from `packrl.registry.ROLLOUT_ENGINES`: a factory
 takes an `EngineContext` and returns the engine. What an engine can do beyond the five methods of
 `RolloutEngine` it declares when it registers, as `EngineCapabilities` (``register("name",
-info=EngineCapabilities(...))``): taking a vision-language prompt's images (`ImageEngine`) and
-stopping a call on a condition (`InterruptibleEngine`). Set-up, preflight and the sampling stages
-read the declaration through `engine_capabilities`, and `check_capabilities` holds a built engine
-to it.
+info=EngineCapabilities(...))``): taking prompts' extra inputs of a modality (a vision-language
+prompt's images: `ExtraInputsEngine`) and stopping a call on a condition (`InterruptibleEngine`).
+Set-up, preflight and the sampling stages read the declaration through `engine_capabilities`,
+and `check_capabilities` holds a built engine to it.
 
 Greedy decoding is ``temperature == 0`` rather than a separate flag, so the two can never
 disagree; `SamplingParams.greedy` reads it. This module imports no torch, so config-only tools
@@ -36,7 +36,7 @@ from packrl.registry import ROLLOUT_ENGINES
 
 if TYPE_CHECKING:
     from packrl.config.schema import RolloutConfig, RunConfig
-    from packrl.types import ImageInputs, Response
+    from packrl.types import ExtraInputs, Response
 
 
 T = TypeVar("T")
@@ -179,13 +179,15 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
-class ImageEngine(Protocol):
-    """An engine that generates from a vision-language prompt's images too (`EngineCapabilities.images`)."""
+class ExtraInputsEngine(Protocol):
+    """An engine that generates from prompts' extra inputs too (`EngineCapabilities.modalities`:
+    a vision-language prompt's images)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-                 images: Sequence[ImageInputs | None] | None = None) -> list[list[Response]]:
-        """`RolloutEngine.generate`, with ``images``: each prompt's images (None for a text prompt),
-        whose placeholders ``prompt_ids`` holds expanded."""
+                 extra_inputs: Sequence[ExtraInputs | None] | None = None) -> list[list[Response]]:
+        """`RolloutEngine.generate`, with ``extra_inputs``: each prompt's inputs beyond its ids
+        (`packrl.types.ExtraInputs`; None for a text prompt), whose placeholders ``prompt_ids``
+        holds expanded."""
         ...
 
 
@@ -215,24 +217,23 @@ class EngineCapabilities:
     """What a registered engine can do beyond the `RolloutEngine` contract; declared with its
     registration (``ROLLOUT_ENGINES.register("name", info=EngineCapabilities(...))``)."""
 
-    images: bool = False
-    """`generate` takes ``images=`` (`ImageEngine`): it can serve a vision-language policy."""
+    modalities: tuple[str, ...] = ()
+    """The modalities whose extra inputs `generate` takes (``extra_inputs=``, `ExtraInputsEngine`),
+    by `packrl.models.modality.Modality.name`: ``("image",)`` serves a vision-language policy."""
 
     stop_on_condition: bool = False
     """It has `InterruptibleEngine.generate_until`: a partial-rollout step can stop generating once
     its batch is complete instead of generating in chunks."""
 
 
-def engine_capabilities(engine: str, *, multi_turn: bool) -> EngineCapabilities:
-    """What the rollouts of a run can do: ``rollout.engine``'s declaration, or none of it when the
-    engine serves multi-turn rollouts (the multi-turn wrapper generates trajectories from text
-    prompts, one call per turn: `packrl.rollout.multi_turn.MultiTurnEngine`).
+def declared_capabilities(engine: str) -> EngineCapabilities:
+    """What ``rollout.engine=engine`` declared with its registration (none: `EngineCapabilities()`).
 
     Raises:
-        ValueError: ``engine`` is not a registered engine.
+        ValueError: ``engine`` is not a registered engine, or it declared something else.
     """
     declared = ROLLOUT_ENGINES.info(engine)
-    if multi_turn or declared is None:
+    if declared is None:
         return EngineCapabilities()
     if not isinstance(declared, EngineCapabilities):
         raise ValueError(f"rollout.engine={engine!r} registered info={declared!r}; declare an EngineCapabilities "
@@ -240,16 +241,29 @@ def engine_capabilities(engine: str, *, multi_turn: bool) -> EngineCapabilities:
     return declared
 
 
+def engine_capabilities(rollout: RolloutConfig) -> EngineCapabilities:
+    """What the rollouts of a run can do: ``rollout.engine``'s declaration, or none of it when a
+    wrapper serves the engine call by call (multi-turn rollouts, `packrl.rollout.multi_turn`, and
+    thinking budgets, `packrl.rollout.thinking`: text prompts, one call per turn or segment).
+
+    Raises:
+        ValueError: as `declared_capabilities`.
+    """
+    declared = declared_capabilities(rollout.engine)
+    return EngineCapabilities() if rollout.multi_turn.enabled or rollout.thinking else declared
+
+
 def check_capabilities(engine: Any, name: str, capabilities: EngineCapabilities) -> None:
     """Hold a built engine to what its registration declared.
 
     Raises:
-        ValueError: it declares images but its ``generate`` takes no ``images``, or declares
-            stop-on-condition without ``generate_until``; the message names the engine and the method.
+        ValueError: it declares modalities but its ``generate`` takes no ``extra_inputs``, or
+            declares stop-on-condition without ``generate_until``; the message names the engine and the method.
     """
-    if capabilities.images and "images" not in inspect.signature(engine.generate).parameters:
-        raise ValueError(f"rollout.engine={name!r} declares EngineCapabilities(images=True) but its generate() takes no images=; "
-                         "add the argument (packrl.rollout.engine.ImageEngine) or declare images=False")
+    if capabilities.modalities and "extra_inputs" not in inspect.signature(engine.generate).parameters:
+        raise ValueError(f"rollout.engine={name!r} declares EngineCapabilities(modalities={capabilities.modalities}) but its "
+                         "generate() takes no extra_inputs=; add the argument (packrl.rollout.engine.ExtraInputsEngine) "
+                         "or declare modalities=()")
     if capabilities.stop_on_condition and not isinstance(engine, InterruptibleEngine):
         raise ValueError(f"rollout.engine={name!r} declares EngineCapabilities(stop_on_condition=True) but has no generate_until(); "
                          "add it (packrl.rollout.engine.InterruptibleEngine) or declare stop_on_condition=False")

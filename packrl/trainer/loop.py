@@ -16,9 +16,12 @@ import logging
 from contextlib import closing
 from pathlib import Path
 
+from packrl.chat.tool_schemas import template_kwargs
 from packrl.config.budgets import PromptRoom, budgets_of, budgets_table, response_schedule, validate_budgets
+from packrl.config.grouped_caps import grouped_cap_limits
 from packrl.config.schema import RunConfig
 from packrl.data.dataset import PromptDataset, PromptSampler
+from packrl.diagnostics.length_metrics import length_metrics
 from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_metrics, rollout_mismatch_metrics, score_metrics
 from packrl.diagnostics.rollout_dump import build_rollout_dump
 from packrl.diagnostics.timers import Span, stage_timer
@@ -29,9 +32,9 @@ from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
 from packrl.models.model_config import load_model_context
 from packrl.reward.score import check_reward
 from packrl.rollout.engine import SamplingParams
-from packrl.rollout.tool_schemas import template_kwargs
 from packrl.trainer.batch import build_train_batch
 from packrl.trainer.recovery import run_with_recovery
+from packrl.trainer.resume import Resumable, resume, trainer_state
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.stages import sampling_stage
 from packrl.trainer.stages.base import SamplingStage, StageContext
@@ -42,55 +45,18 @@ logger = logging.getLogger(__name__)
 
 
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
-    patches, kwargs = cfg.train.max_vision_patches_per_microbatch, template_kwargs(cfg.rollout.multi_turn)
+    caps, kwargs = grouped_cap_limits(cfg.train), template_kwargs(cfg.rollout.multi_turn)
     try:  # the model's context bounds the prompt budgets the data errors may propose (configs only, no weights)
         room = PromptRoom.of(cfg, load_model_context(cfg.model))
     except ValueError:  # the same problem stops the run when the workers read the model
         room = None
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
-                                max_image_patches=patches, chat_template_kwargs=kwargs, room=room)
+                                caps=caps, chat_template_kwargs=kwargs, room=room)
     val = None
     if cfg.data.val_files and cfg.train.val_every:
         val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files",
-                                  max_image_patches=patches, chat_template_kwargs=kwargs, room=room)
+                                  caps=caps, chat_template_kwargs=kwargs, room=room)
     return train, val
-
-
-def _data_accounting(train: PromptDataset, val: PromptDataset | None) -> dict:
-    """Every input row of each split: kept / truncated / filtered / rejected, with the reason
-    (`PromptDataset.accounting_dict`); written to ``RUN_DIR/data_accounting.json``."""
-    return {"train": train.accounting_dict()} | ({"val": val.accounting_dict()} if val is not None else {})
-
-
-def _resume(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSampler, stage: SamplingStage) -> int:
-    """The last completed step: 0 for a fresh run, else the step of the checkpoint ``train.resume``
-    names, with the model, optimizer, schedule and data position restored from it. Under ``auto``
-    a checkpoint that cannot be read is skipped for the next older one, and a run dir without any
-    starts over at step 1 (its metrics.jsonl emptied), each with a warning."""
-    candidates = resume_candidates(run.dir, cfg.train.resume)
-    if cfg.train.resume == "auto" and not candidates:
-        logger.warning("train.resume=auto: no complete checkpoint in %s; starting at step 1", run.dir / "checkpoints")
-        run.truncate_metrics(0)
-        return 0
-    for path in candidates:
-        try:
-            state = workers.load_checkpoint(path)
-            sampler.load_state_dict(state["sampler"])
-            stage.load_state_dict(state.get("rollout", {}))  # partial rollouts carried at the checkpoint
-            break
-        except ValueError as err:
-            if path == candidates[-1]:
-                raise
-            logger.warning("cannot resume from %s (%s); trying the next older checkpoint", path, err)
-    else:
-        return 0
-    step = int(state["step"])
-    run.truncate_metrics(step)
-    run.note("resumed.txt", f"resumed from {path} after step {step}")
-    if step >= cfg.train.total_steps:
-        logger.warning("the checkpoint is at step %d >= train.total_steps=%d: nothing to train; raise train.total_steps",
-                       step, cfg.train.total_steps)
-    return step
 
 
 def _train_steps(cfg: RunConfig, run: Run, workers: WorkerGroup, train_set: PromptDataset, val_set: PromptDataset | None) -> None:
@@ -107,7 +73,8 @@ def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSample
     tracer = build_tracer(cfg.train.trace, run.dir)
     dump_rollouts = build_rollout_dump(cfg.train.dump_rollouts, run.dir, workers.tokenizer)
     total, max_response = cfg.train.total_steps, cfg.rollout.max_response_tokens
-    done = _resume(cfg, run, workers, sampler, sample)
+    parts: dict[str, Resumable] = {"sampler": sampler, "rollout": sample}  # the data position, partial rollouts carried
+    done = resume(run, workers, cfg.train, parts, total_steps=total, total_key="train.total_steps")
     run.start_steps(done)  # the progress bar appears now, below the run's notes
     for step in range(done + 1, total + 1):
         seed_everything(cfg.train.seed * 1_000_003 + step)
@@ -134,14 +101,14 @@ def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSample
                 update_metrics = workers.update(batch, tracer, step)
         metrics = schedule.metrics(step) | rollout_metrics(rollout) | score_metrics(batch) | adv_metrics | critic_metrics | update_metrics
         metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old_logprobs, max_response)
-        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics() | sample_metrics
+        metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics() | sample_metrics | length_metrics(batch.scored)
         if val_set is not None and due(step, cfg.train.val_every, total):
             metrics |= validate(workers, val_set, cfg)
         dump_rollouts(step, batch)
         tracer.end_step(step, spans, num_sequences=len(rollout), num_tokens=sum(rollout.sequence_lengths()))
         run.log_step(step, metrics)
         if due(step, cfg.train.save_every, total):
-            workers.save_checkpoint(run.dir, step, {"sampler": sampler.state_dict(), "rollout": sample.state_dict()})
+            workers.save_checkpoint(run.dir, step, trainer_state(parts))
 
 
 def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
@@ -160,8 +127,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     with Run(cfg) as run:
         tokenizer = workers.tokenizer if workers else load_policy_tokenizer(cfg.model)
         train_set, val_set = _datasets(cfg, load_prompt_encoder(cfg.model, tokenizer))
-        run.note("prompt_accounting.txt", f"train: {train_set.accounting.summary()}")
-        run.write_json("data_accounting.json", _data_accounting(train_set, val_set))
+        run.write_accounting("prompt_accounting.txt", {"train": train_set} | ({"val": val_set} if val_set is not None else {}))
 
         def attempt(cfg: RunConfig) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
             with open_worker_group(cfg, run.dir, workers) as group:
@@ -169,9 +135,9 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
                     logger.warning("%s", group.plan.compute_dtype.warning)
                 run.note("model.txt", group.model_summary)
                 budgets = validate_budgets(budgets_of(cfg, group.max_context_tokens, group.rope_factor))
-                vision = train_set.vision_summary()
+                extra = train_set.extra_summary()
                 run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
-                         + (f"\n{vision}" if vision else ""))
+                         + (f"\n{extra}" if extra else ""))
                 _train_steps(cfg, run, group, train_set, val_set)
 
         run_with_recovery(cfg, run, attempt)

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from packrl.config.schema import RunConfig
+from packrl.config.grouped_caps import grouped_cap_limits
+from packrl.config.schema import ModelConfig, RunConfig
 from packrl.errors import ConfigError
 from packrl.hardware import ComputeDtype
 from packrl.models.attention import supports_shared_prompts
 from packrl.models.compile import CompiledLayers
 from packrl.models.isolation import PackingCheck
 from packrl.models.lora import adapter_config, is_lora, parameter_counts
-from packrl.models.vision import is_vision_config, vision_run_problems
+from packrl.models.modality import modality_of
 from packrl.registry import ROLLOUT_ENGINES
 from packrl.rollout.engine import (
     DescribedEngine,
@@ -28,9 +29,11 @@ from packrl.rollout.engine import (
     EngineOptions,
     RolloutEngine,
     check_capabilities,
+    declared_capabilities,
     engine_capabilities,
 )
 from packrl.rollout.multi_turn import multi_turn_engine
+from packrl.rollout.thinking import thinking_engine
 from packrl.worker.actor import MicrobatchLoss
 from packrl.worker.critic import CriticRole
 from packrl.worker.optim import Optimization
@@ -48,7 +51,8 @@ class WorkerParts:
     Attributes:
         model / tokenizer: the policy (a peft model with LoRA), wrapped by the strategy.
         reference: the frozen reference policy (the policy itself under LoRA), or None.
-        engine: the rollout engine (wrapped by `MultiTurnEngine` with tools).
+        engine: the rollout engine (wrapped by `MultiTurnEngine` with tools), or None where the
+            plan generates nothing (`packrl.config.plan.BatchPlan.generates`).
         capabilities: what the run's rollouts can do (`packrl.rollout.engine.EngineCapabilities`).
         opt: the actor's optimization (`packrl.worker.optim.Optimization`).
         compiled: compiled decoder layers of the actor and the reference (``model.compile``), None where off.
@@ -76,11 +80,13 @@ class WorkerParts:
     capabilities: EngineCapabilities
     engine_phrase: str = ""
 
-    def summary(self, cfg: RunConfig, compute_dtype: ComputeDtype, strategy: str) -> str:
-        """One line for ``model.txt``; it ends with the shared-prompts phrase. The engine's phrase is
-        left out under the ``sft`` loss (`packrl.trainer.sft`): nothing is generated there."""
-        parts = [describe_policy(self.model, cfg, self.max_context_tokens), compute_dtype.describe(), strategy, self.packing.describe()]
-        parts += [self.engine_phrase] if self.engine_phrase and cfg.algorithm.policy_loss != "sft" else []
+    def summary(self, model_cfg: ModelConfig, compute_dtype: ComputeDtype, strategy: str) -> str:
+        """One line for ``model.txt``; it ends with the shared-prompts phrase. The engine's phrase
+        appears where the worker holds an engine (none where the plan generates nothing, as in
+        `packrl sft`)."""
+        parts = [describe_policy(self.model, model_cfg, self.max_context_tokens), compute_dtype.describe(), strategy,
+                 self.packing.describe()]
+        parts += [self.engine_phrase] if self.engine is not None and self.engine_phrase else []
         parts += [self.critic.describe()] if self.critic is not None else []
         parts += [f"compiled layers: {'off' if self.compiled['actor'] is None else 'on'}", f"shared prompts: {self.share_phrase}"]
         return "; ".join(parts)
@@ -105,28 +111,32 @@ def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tok
         missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(engine, m, None))]
         raise ValueError(f"rollout.engine={name!r}: its factory returned a {type(engine).__name__} without "
                          f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
-    check_capabilities(engine, name, engine_capabilities(name, multi_turn=False))
+    check_capabilities(engine, name, declared_capabilities(name))
     phrase = engine.describe() if isinstance(engine, DescribedEngine) else ""
     if cfg.rollout.multi_turn.enabled:
         engine = multi_turn_engine(engine, tokenizer, cfg.rollout.multi_turn, max_prompt_tokens=cfg.data.max_prompt_tokens,
                                    max_response_tokens=cfg.rollout.max_response_tokens, max_context_tokens=max_context_tokens)
-    return engine, phrase, engine_capabilities(name, multi_turn=cfg.rollout.multi_turn.enabled)
+    if cfg.rollout.thinking:
+        engine = thinking_engine(engine, tokenizer, cfg.rollout)
+    return engine, phrase, engine_capabilities(cfg.rollout)
 
 
-def check_vision_run(cfg: RunConfig, model: Any, capabilities: EngineCapabilities, *, has_critic: bool) -> None:
-    """Refuse what a vision-language policy cannot run yet, before any step
-    (`packrl.models.vision.vision_run_problems`, the list preflight reads too).
+def check_modality_run(cfg: RunConfig, model: Any, capabilities: EngineCapabilities, *, has_critic: bool) -> None:
+    """Refuse what a multimodal policy cannot run yet, before any step (its modality's
+    `packrl.models.modality.Modality.run_problems`, the list preflight reads too), and warn of a
+    grouped cap no input of the model reports a load against.
 
     Raises:
-        ConfigError: (a ValueError) with a vision-language model, every problem of that list, each
+        ConfigError: (a ValueError) with a multimodal model, every problem of that list, each
             with its keys and its fix.
     """
-    if not is_vision_config(cast("PreTrainedModel", model).config):
-        if cfg.train.max_vision_patches_per_microbatch is not None:
-            logger.warning("train.max_vision_patches_per_microbatch=%d has no effect: model.path=%r is not a vision-language model "
-                           "(remove the key)", cfg.train.max_vision_patches_per_microbatch, cfg.model.path)
-        return
-    problems = vision_run_problems(cfg, engine_takes_images=capabilities.images, has_critic=has_critic)
+    modality = modality_of(cast("PreTrainedModel", model).config)
+    for cap in grouped_cap_limits(cfg.train):
+        if modality is None or cap.name not in modality.load_names:
+            logger.warning("%s=%d has no effect: the prompts of model.path=%r report no %s (remove the key)",
+                           cap.budget_key, cap.cap, cfg.model.path, cap.unit)
+    problems = [] if modality is None else modality.run_problems(cfg, engine_modalities=capabilities.modalities,
+                                                                   has_critic=has_critic)
     if problems:
         raise ConfigError(problems)
 
@@ -144,10 +154,11 @@ def compiled_layers(cfg: RunConfig, model: Any, reference: Any) -> dict[str, Com
     return {"actor": actor, "ref": None if reference is None else actor if reference is model else CompiledLayers(reference)}
 
 
-def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck) -> tuple[bool, str]:
+def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck, *, group_size: int) -> tuple[bool, str]:
     """``train.share_prompts`` (true, or null = wherever it can run) where it can run: packs at all,
     no sequence parallelism, and an attention path that lets a segment see its prompt
     (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null.
+    ``group_size``: sequences per prompt (`BatchPlan.group_size`: ``rollout.n``, 1 in `packrl sft`).
 
     Returns:
         ``(on, phrase)``: the phrase (``"on"`` or ``"off (why)"``) ends the run's model summary.
@@ -159,8 +170,8 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
         why = "this model trains one sequence per micro-batch (its packs are not exact)"
     elif cfg.trainer.sequence_parallel_size > 1:
         why = "sequence parallelism splits packs across ranks"
-    elif is_vision_config(cast("PreTrainedModel", model).config):
-        why = "a vision-language model's M-RoPE positions continue each sequence's own prompt"
+    elif (modality := modality_of(cast("PreTrainedModel", model).config)) is not None and modality.shared_prompts_blocker:
+        why = modality.shared_prompts_blocker
     elif not supports_shared_prompts(model, cfg.model.packed_attention):
         impl = cast("PreTrainedModel", model).config._attn_implementation  # torch types model.config as Tensor | Module
         why = (f"model.packed_attention={cfg.model.packed_attention} runs {impl!r}, which cannot let a "
@@ -171,15 +182,15 @@ def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck
         else:
             logger.info("train.share_prompts: off, %s", why)
         return False, f"off ({why})"
-    if cfg.rollout.n == 1:
+    if group_size == 1:
         if cfg.train.share_prompts:
-            logger.warning("train.share_prompts=true with rollout.n=1: a group has one response, so only a prompt that repeats "
-                           "in a micro-batch is written once; set rollout.n > 1 for shared prompts to save tokens")
-        return True, "on (rollout.n=1: only a prompt that repeats in a micro-batch is written once)"
+            logger.warning("train.share_prompts=true with one sequence per prompt: only a prompt that repeats in a micro-batch "
+                           "is written once (in RL, set rollout.n > 1 for shared prompts to save tokens)")
+        return True, "on (one sequence per prompt: only a prompt that repeats in a micro-batch is written once)"
     return True, "on (a group's prompt once per pack)"
 
 
-def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: int) -> str:
+def describe_policy(model: torch.nn.Module, model_cfg: ModelConfig, max_context_tokens: int) -> str:
     """One line on the policy for the start of a run: parameters (trainable of total) and the
     memory features in force, e.g. ``policy: 4,884,480 trainable of 139,399,488 parameters
     (3.50%); LoRA rank 16, alpha 32 on 210 Linear layers; ...``."""
@@ -192,9 +203,9 @@ def describe_policy(model: torch.nn.Module, cfg: RunConfig, max_context_tokens: 
         adapter = adapter_config(model)
         lora = f"rank {adapter.r}, alpha {adapter.lora_alpha:g} on {num_layers} Linear layers"
     checkpointing = any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
-    rope = cfg.model.rope_scaling
+    rope = model_cfg.rope_scaling
     scaling = "none" if rope.type == "none" else f"{rope.type} x{rope.factor:g}"
     return (f"policy: {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%); "
             f"LoRA {lora}; gradient checkpointing {'on' if checkpointing else 'off'}; "
-            f"activation offload {'on' if cfg.model.activation_offload else 'off'}; RoPE scaling {scaling} "
+            f"activation offload {'on' if model_cfg.activation_offload else 'off'}; RoPE scaling {scaling} "
             f"(model context {max_context_tokens:,} tokens)")

@@ -19,7 +19,7 @@ from packrl.rollout.hf_engine import build_hf_engine
 
 
 class TextOnly:
-    """The hf engine behind a generate() without images=."""
+    """The hf engine behind a generate() without extra_inputs=."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -40,9 +40,10 @@ class TextOnly:
         self.inner.close()
 
 
-ROLLOUT_ENGINES.register("test_images", info=EngineCapabilities(images=True))(build_hf_engine)
+IMAGES = EngineCapabilities(modalities=("image",))
+ROLLOUT_ENGINES.register("test_images", info=IMAGES)(build_hf_engine)
 ROLLOUT_ENGINES.register("test_text")(lambda context: TextOnly(build_hf_engine(context)))
-ROLLOUT_ENGINES.register("test_claims_images", info=EngineCapabilities(images=True))(lambda context: TextOnly(build_hf_engine(context)))
+ROLLOUT_ENGINES.register("test_claims_images", info=IMAGES)(lambda context: TextOnly(build_hf_engine(context)))
 '''
 
 
@@ -60,10 +61,13 @@ def vlm_dir(tmp_path_factory, smollm_tokenizer):
 
 
 def test_the_built_in_engines_declare_what_they_can_do():
-    assert engine_capabilities("hf", multi_turn=False) == EngineCapabilities(images=True, stop_on_condition=True)
-    assert engine_capabilities("vllm", multi_turn=False) == EngineCapabilities()
-    assert engine_capabilities("hf", multi_turn=True) == EngineCapabilities()  # trajectories are generated from text, turn by turn
-    assert ROLLOUT_ENGINES.info("hf").images
+    from packrl.config.schema import MultiTurnConfig, RolloutConfig
+
+    assert engine_capabilities(RolloutConfig(engine="hf")) == EngineCapabilities(modalities=("image",), stop_on_condition=True)
+    assert engine_capabilities(RolloutConfig(engine="vllm")) == EngineCapabilities()
+    tools = RolloutConfig(engine="hf", multi_turn=MultiTurnConfig(tools=["calculator"]))
+    assert engine_capabilities(tools) == EngineCapabilities()  # trajectories are generated from text, turn by turn
+    assert ROLLOUT_ENGINES.info("hf").modalities == ("image",)
 
 
 def _setup(cfg):
@@ -99,6 +103,6 @@ def test_an_engine_that_lacks_what_it_declares_is_named_at_set_up(tmp_path, plug
     from tests.conftest import tiny_llama
 
     cfg = load_config("demo", ["model.dtype=fp32", "rollout.engine=test_claims_images", f"trainer.plugins=[{plugin}]"])
-    with pytest.raises(ValueError, match=r"rollout.engine='test_claims_images' declares EngineCapabilities\(images=True\) but its "
-                                         r"generate\(\) takes no images="):
+    with pytest.raises(ValueError, match=r"rollout.engine='test_claims_images' declares EngineCapabilities\(modalities=\('image',\)\) "
+                                         r"but its generate\(\) takes no extra_inputs="):
         local_group(cfg, tiny_llama(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
