@@ -228,10 +228,15 @@ ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine"
 TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"})
 """``fn(arguments: dict) -> str`` (`packrl.rollout.tools.Tool`); raises `packrl.rollout.tools.ToolError` for a bad call."""
 
+_LENGTH_PARTS = ("group_length", "efficiency", "shortest_correct", "target_length")
+"""The length objectives (`packrl.reward.length`), one module each."""
+
 REWARD_SHAPING = Registry("REWARD_SHAPING", "reward.shaping", "reward-shaping part",
-                          {"overlong": "packrl.reward.overlong", "tool_format": "packrl.reward.tool_format"},
+                          {"overlong": "packrl.reward.overlong", "tool_format": "packrl.reward.tool_format",
+                           **{part: f"packrl.reward.length.{part}" for part in _LENGTH_PARTS}},
                           checks={"overlong": "packrl.reward.overlong:config_problems",
-                                  "tool_format": "packrl.reward.tool_format:config_problems"},
+                                  "tool_format": "packrl.reward.tool_format:config_problems",
+                                  **{part: f"packrl.reward.length.{part}:config_problems" for part in _LENGTH_PARTS}},
                           args_key="reward.shaping")
 """``fn(inputs: ShapingInputs) -> ShapingOutput`` (`packrl.reward.shaping.ShapingFn`). Its config key holds a
 mapping, part name -> that part's options (``args_key`` is the key itself)."""

@@ -31,10 +31,11 @@ KEYS = {
 """`Budgets` field -> the config key that sets it."""
 
 
-def budgets_of(cfg: RunConfig, max_context_tokens: int | None = None, rope_factor: float = 1.0) -> Budgets:
+def budgets_of(cfg: RunConfig, max_context_tokens: int | None = None, rope_factor: float = 1.0, forced_tokens: int = 1) -> Budgets:
     """The budgets of ``cfg``; ``max_context_tokens`` (RoPE scaling included) when the model config
-    has been read, else None (the context relation is then not checked)."""
-    mt = cfg.rollout.multi_turn
+    has been read, else None (the context relation is then not checked); ``forced_tokens``: the
+    end-of-thinking text's tokens when the tokenizer has told (thinking budgets), else 1."""
+    mt, r = cfg.rollout.multi_turn, cfg.rollout
     return Budgets(
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         max_response_tokens=cfg.rollout.max_response_tokens,
@@ -46,6 +47,7 @@ def budgets_of(cfg: RunConfig, max_context_tokens: int | None = None, rope_facto
         context_policy=mt.context_policy if mt.enabled else "error",
         multi_turn=(mt.max_turns, mt.max_tokens_per_turn, mt.max_trajectory_tokens, mt.max_tool_response_tokens) if mt.enabled else None,
         response_stages=_response_stages(cfg.rollout),
+        thinking=(r.think_budget_tokens, forced_tokens, r.answer_budget_tokens or 0) if r.think_budget_tokens is not None else None,
     )
 
 
@@ -169,7 +171,7 @@ def _problem(budgets: Budgets, v: BudgetViolation) -> ConfigProblem:
             f"{p.fix} (stage {v.stage + 1}'s budget is {SCHEDULE_KEY}[{v.stage}][1]; the largest stage is rollout.max_response_tokens)",
             keys=tuple(dict.fromkeys((key, SCHEDULE_KEY, *p.involved_keys))))
     return {"context": _context_problem, "microbatch": _microbatch_problem, "per_turn": _per_turn_problem,
-            "trajectory": _trajectory_problem}[v.kind](budgets, v)
+            "trajectory": _trajectory_problem, "thinking": _thinking_problem}[v.kind](budgets, v)
 
 
 def _context_problem(budgets: Budgets, v: BudgetViolation) -> ConfigProblem:
@@ -216,6 +218,17 @@ def _trajectory_problem(budgets: Budgets, v: BudgetViolation) -> ConfigProblem:
     return ConfigProblem(key, v.value, f"exceeds data.max_prompt_tokens + rollout.max_response_tokens = {v.limit:,}, which caps a "
                          "trajectory anyway", f"set {key} <= {v.limit:,} or raise rollout.max_response_tokens",
                          keys=(key, "rollout.max_response_tokens", "data.max_prompt_tokens"))
+
+
+def _thinking_problem(budgets: Budgets, v: BudgetViolation) -> ConfigProblem:
+    assert budgets.thinking is not None
+    think, forced, answer = budgets.thinking
+    return ConfigProblem("rollout.think_budget_tokens", think,
+                         f"+ the forced end-of-thinking text ({forced} token(s)) + rollout.answer_budget_tokens={answer:,} = {v.value:,} > "
+                         f"rollout.max_response_tokens={v.limit:,}: a forced answer would be cut by the response budget",
+                         f"lower rollout.think_budget_tokens or rollout.answer_budget_tokens, or raise rollout.max_response_tokens "
+                         f"to >= {v.value:,}",
+                         keys=("rollout.think_budget_tokens", "rollout.answer_budget_tokens", "rollout.max_response_tokens"))
 
 
 def budgets_table(budgets: Budgets) -> str:

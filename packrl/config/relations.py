@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from packrl.config.budgets import budget_problems, budgets_of
 from packrl.config.critic import CriticConfig
+from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import RunConfig
 from packrl.errors import ConfigProblem
 
@@ -202,9 +203,56 @@ def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
+def group_filter(cfg: RunConfig) -> list[ConfigProblem]:
+    """GFPO keeps fewer than ``rollout.n`` responses, and enough for a group-relative baseline."""
+    keep, n, estimator = cfg.algorithm.group_filter.keep, cfg.rollout.n, cfg.algorithm.adv_estimator
+    key = "algorithm.group_filter.keep"
+    if keep is None or keep < 1:
+        return []
+    if keep > n:
+        return [ConfigProblem(key, keep, f"> rollout.n={n}: a group has only {n} responses to keep",
+                              f"set {key} < rollout.n (GFPO samples more than it trains: raise rollout.n)", keys=(key, "rollout.n"))]
+    if keep == n:
+        return [ConfigProblem(key, keep, f"has no effect: it keeps all rollout.n={n} responses of a group",
+                              f"set {key} < rollout.n, or null (off)", keys=(key, "rollout.n"))]
+    if keep < 2 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        return [ConfigProblem(key, keep, f"leaves a group of one, whose advantage under {estimator} is 0 (no baseline)",
+                              f"set {key} >= 2", keys=(key, "algorithm.adv_estimator"))]
+    return []
+
+
+def thinking_budgets(cfg: RunConfig) -> list[ConfigProblem]:
+    """Thinking budgets run on single-turn rollouts generated within a step (the budgets' sum is
+    `packrl.config.budgets`'s relation)."""
+    r = cfg.rollout
+    if not r.thinking:
+        return []
+    out = []
+    if r.multi_turn.enabled:
+        out.append(ConfigProblem("rollout.think_budget_tokens", r.think_budget_tokens, "does not apply per turn of multi-turn "
+                                 "rollouts yet", "set rollout.think_budget_tokens=null or rollout.multi_turn.tools=[]",
+                                 keys=("rollout.think_budget_tokens", "rollout.multi_turn.tools")))
+    if mode_info(cfg.trainer.rollout_mode).carries_groups:
+        out.append(ConfigProblem("rollout.think_budget_tokens", r.think_budget_tokens, f"does not apply to responses carried "
+                                 f"across steps (trainer.rollout_mode={cfg.trainer.rollout_mode}): a thinking segment cut "
+                                 "between steps could not be told from one that ran out", "set trainer.rollout_mode=sync or "
+                                 "rollout.think_budget_tokens=null", keys=("rollout.think_budget_tokens", "trainer.rollout_mode")))
+    return out
+
+
+def length_targets(cfg: RunConfig) -> list[ConfigProblem]:
+    """A drawn target the response budget cannot hold."""
+    target, budget = cfg.data.length_target, cfg.rollout.max_response_tokens
+    if target.max_tokens is None or target.max_tokens <= budget:
+        return []
+    return [ConfigProblem("data.length_target.max_tokens", target.max_tokens, f"> rollout.max_response_tokens={budget:,}: a prompt "
+                          "would ask for a length its response cannot reach", f"set data.length_target.max_tokens <= {budget:,} or "
+                          "raise rollout.max_response_tokens", keys=("data.length_target.max_tokens", "rollout.max_response_tokens"))]
+
+
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward,
+    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, group_filter, thinking_budgets, length_targets,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

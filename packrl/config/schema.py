@@ -19,6 +19,7 @@ from typing import Any, Literal
 from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig, algorithm_variant_problems
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
+from packrl.config.length_control import GroupFilterConfig, LengthTargetConfig, thinking_problems
 from packrl.config.sft import SftConfig
 from packrl.errors import ConfigProblem, check_positive
 
@@ -313,6 +314,10 @@ class DataConfig:
     """Knobs of the built-in `task:char_count` (count a letter in a word; its SFT traces
     `task:char_count_traces` read them too)."""
 
+    length_target: LengthTargetConfig = field(default_factory=LengthTargetConfig)
+    """The response length each prompt asks for (L1; the `target_length` objective reads it): a
+    column or a drawn range, written into the prompt by a template. Off by default."""
+
     shapes: ShapesConfig = field(default_factory=lambda: ShapesConfig())
     """Knobs of the built-in `task:shapes` (images; a vision-language model)."""
 
@@ -336,7 +341,8 @@ class DataConfig:
         if self.max_image_tokens is not None:
             out += check_positive(f"{prefix}.max_image_tokens", self.max_image_tokens)
         return out + self.arithmetic.problems(f"{prefix}.arithmetic") + self.image.problems(f"{prefix}.image") + \
-            self.shapes.problems(f"{prefix}.shapes") + self.char_count.problems(f"{prefix}.char_count")
+            self.shapes.problems(f"{prefix}.shapes") + self.char_count.problems(f"{prefix}.char_count") + \
+            self.length_target.problems(f"{prefix}.length_target")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -377,7 +383,7 @@ class MultiTurnConfig:
     render of the run (prompts, tool messages, SFT traces), for templates that render them
     (Qwen2.5/Qwen3, Llama 3.1+, Hermes); a template that ignores them (SmolLM2's) leaves the prompt
     (`data.system_prompt`) to describe the call format, with a warning. `none`: no schemas
-    (`packrl.rollout.tool_schemas`)."""
+    (`packrl.chat.tool_schemas`)."""
 
     context_policy: ContextPolicy = "error"
     """When a trajectory could outgrow the model context: `error` refuses such budgets before the
@@ -484,8 +490,28 @@ class RolloutConfig:
     """`colocate_async`: tokens per member per engine call; between calls the step checks whether
     `data.batch_size` groups are complete. Smaller cuts the tail finer and re-prefills more."""
 
+    think_budget_tokens: int | None = None
+    """Thinking budget (Elastic Reasoning, arXiv 2505.05315): tokens a response's thinking segment
+    may take; when it runs out, `end_of_thinking` is appended (out of the loss, counted as
+    `seqlen/forced_tokens`) and generation continues as the answer (`packrl.rollout.thinking`).
+    null = off."""
+
+    answer_budget_tokens: int | None = None
+    """Tokens the answer may take after thinking ends (with `think_budget_tokens`);
+    think + forced end-of-thinking + answer <= `max_response_tokens`."""
+
+    end_of_thinking: str | None = None
+    """The text that ends thinking, e.g. `</think>`; null = the one the chat template writes (a
+    template naming `</think>`), else refused at set-up."""
+
+    @property
+    def thinking(self) -> bool:
+        """Thinking budgets are on (`think_budget_tokens` is set)."""
+        return self.think_budget_tokens is not None
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.n", self.n) + check_positive(f"{prefix}.max_response_tokens", self.max_response_tokens)
+        out += thinking_problems(self.think_budget_tokens, self.answer_budget_tokens, self.end_of_thinking, prefix)
         out += schedule_problems(self.max_response_tokens_schedule, self.max_response_tokens, f"{prefix}.max_response_tokens_schedule")
         out += self.multi_turn.problems(f"{prefix}.multi_turn")
         out += check_positive(f"{prefix}.max_num_seqs", self.max_num_seqs)
@@ -807,9 +833,12 @@ class AlgorithmConfig:
     entropy_filter: EntropyFilterConfig = field(default_factory=EntropyFilterConfig)
     """Train only on responses of high mean token entropy (off by default)."""
 
+    group_filter: GroupFilterConfig = field(default_factory=GroupFilterConfig)
+    """GFPO: train on the best `keep` responses of each group by `metric` (off by default)."""
+
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out: list[ConfigProblem] = self.filter_groups.problems(f"{prefix}.filter_groups")
-        out += algorithm_variant_problems(self, prefix)
+        out += algorithm_variant_problems(self, prefix) + self.group_filter.problems(f"{prefix}.group_filter")
         if self.loss_scale_factor is not None:
             out += check_positive(f"{prefix}.loss_scale_factor", self.loss_scale_factor)
             if self.loss_agg_mode != "seq-mean-token-sum-norm":

@@ -43,6 +43,8 @@ class Example:
         images: the row's images in order (`packrl.data.images.ImageRef`); each is an
             ``{"type": "image"}`` part of a message whose content is then a list of parts
             (``{"type": "text", "text": str}`` for the text around it). Empty for a text row.
+        length_target: the response length the prompt asks for, in tokens (``data.length_target``,
+            `packrl.data.length_targets`); None = none.
     """
 
     chat: list[dict[str, Any]]
@@ -51,6 +53,7 @@ class Example:
     row: int
     extra_info: dict[str, Any] | None = field(default=None, compare=False)
     images: tuple[ImageRef, ...] = field(default=(), compare=False)
+    length_target: int | None = field(default=None, compare=False)
 
 
 def clean_number(text: str) -> str | None:

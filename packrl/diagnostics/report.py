@@ -174,6 +174,16 @@ def build_sections(run: RunData) -> list[Section]:
                        "token's version and the step (async/staleness_token_*), the share of trained responses holding tokens "
                        "of an earlier version, groups carried to the next step, at rollout.max_staleness, and dropped.",
                        figs.staleness(run.metrics), "no async/* metrics in metrics.jsonl (trainer.rollout_mode=sync)"),
+        _plain_section("length_control", "Length control",
+                       "How long correct and wrong responses are (length/correct/*, length/wrong/*: tokens the policy "
+                       "generated), tokens per correct answer, forced end-of-thinking tokens (seqlen/forced_tokens) and "
+                       "responses group filtering left out (train/group_filter/filtered_responses).",
+                       figs.length_control(run.metrics), "no length/* metrics in metrics.jsonl (a reward without a notion "
+                       "of correct)"),
+        _plain_section("targets", "Target-length adherence",
+                       "|len - N| / N of the responses to prompts that ask for N tokens (data.length_target), over all "
+                       "targets and per target range (length/target_error/*).",
+                       figs.target_error(run.metrics), "no length/target_error/* metrics (no data.length_target)"),
         _plain_section("padding", "Pad fraction and micro-batch fill",
                        f"Pad positions / all positions of the update passes (seqlen/pad_fraction, 0 with packing); {fill}.",
                        figs.padding(run.metrics, mbt), "no seqlen/pad_fraction or seqlen/microbatch_tokens_max in metrics.jsonl"),

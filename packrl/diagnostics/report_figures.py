@@ -173,6 +173,27 @@ def _lines(metrics: Metrics, named: tuple[tuple[str, str], ...], *, y_title: str
     return _layout(fig, y_title=y_title) if fig.data else None
 
 
+LENGTH_SERIES = (
+    ("length/correct/mean", "correct responses, mean tokens"), ("length/correct/p95", "correct, p95"),
+    ("length/wrong/mean", "wrong responses, mean tokens"), ("length/tokens_per_correct", "tokens per correct answer"),
+    ("val/length/correct/mean", "validation: correct, mean tokens"), ("seqlen/forced_tokens", "forced end-of-thinking tokens"),
+    ("train/group_filter/filtered_responses", "responses filtered (GFPO)"),
+)
+
+
+def length_control(metrics: Metrics) -> go.Figure | None:
+    """Length control per step (``length/*``): how long correct and wrong responses are, tokens per
+    correct answer, forced and filtered counts; None when no such metric was logged."""
+    return _lines(metrics, LENGTH_SERIES, y_title="tokens / count")
+
+
+def target_error(metrics: Metrics) -> go.Figure | None:
+    """``|len - N| / N`` per step, over all targets and per target range (``length/target_error/*``);
+    None without targets."""
+    named = tuple((key, key.removeprefix("length/target_error/")) for key in keys_with_prefix(metrics, "length/target_error/"))
+    return _lines(metrics, named, y_title="|len - N| / N") if named else None
+
+
 def turns(metrics: Metrics) -> go.Figure | None:
     """Multi-turn rollouts per step: turns per trajectory (mean, max), tool calls, malformed calls
     and tool errors per trajectory, the share of trajectories that called a tool, and the turns the

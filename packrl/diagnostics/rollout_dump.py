@@ -45,8 +45,29 @@ def rollout_rows(step: int, batch: TrainBatch, tokenizer: Any) -> list[dict[str,
             "score": float(batch.scored.scores[i]), "reward": float(batch.scored.rewards[i]),
             "advantage": float(adv[mask].mean()) if bool(mask.any()) else 0.0,
             "ground_truth": str(prompts.ground_truths[b]), "prompt_truncated": bool(prompts.prompt_truncated[b]),
-        } | _turns(response, tokenizer) | _versions(response))
+        } | _turns(response, tokenizer) | _versions(response) | _length_fields(batch, i, b, response, tokenizer))
     return rows
+
+
+def _length_fields(batch: TrainBatch, i: int, b: int, response: Any, tokenizer: Any) -> dict[str, Any]:
+    """Length control's fields, where they apply: ``filtered`` (GFPO left it out of the update),
+    ``length_target`` (the length its prompt asked for), ``forced_tokens`` and ``forced`` (the
+    end-of-thinking tokens appended when the thinking budget ran out, in the response but not sampled
+    by the policy, and the response's text split around them: ``thinking``, ``forced``, ``answer``)."""
+    out: dict[str, Any] = {}
+    if batch.filtered is not None:
+        out["filtered"] = bool(batch.filtered[i])
+    targets = batch.rollout.prompts.length_targets
+    if targets is not None:
+        out["length_target"] = int(targets[b])
+    forced = response.forced_tokens()
+    if forced:
+        start, stop = response.forced_span
+        ids = list(response.response_ids)
+        texts = tokenizer.batch_decode([ids[:start], ids[start:stop], ids[stop:]], skip_special_tokens=False)
+        out["forced_tokens"] = forced
+        out["forced"] = dict(zip(("thinking", "forced", "answer"), texts))
+    return out
 
 
 def _versions(response: Any) -> dict[str, Any]:

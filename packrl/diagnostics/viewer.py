@@ -78,6 +78,10 @@ class Sample:
         turns: a multi-turn response's segments ``(role, text, tokens, in_loss)``; empty otherwise.
         ended_by: what ended a multi-turn trajectory ("" for a single turn).
         dropped_turns: turns the rolling window dropped from the last turn's context.
+        length_target: the response length its prompt asked for (``data.length_target``), or None.
+        filtered: group filtering (GFPO) left it out of the update.
+        forced: the response split around the end-of-thinking tokens its thinking budget forced
+            ``(thinking, forced, answer)``; empty when nothing was forced.
     """
 
     index: int
@@ -94,6 +98,9 @@ class Sample:
     turns: tuple[tuple[str, str, int, bool], ...] = ()
     ended_by: str = ""
     dropped_turns: int = 0
+    length_target: int | None = None
+    filtered: bool = False
+    forced: tuple[str, ...] = ()
 
     @property
     def truncated(self) -> bool:
@@ -208,7 +215,18 @@ def parse_sample(row: Any) -> Sample:
         ground_truth=str(row.get("ground_truth", "")), data_source=str(row.get("data_source", "")),
         turns=_parse_turns(row.get("turns", [])), ended_by=str(row.get("ended_by", "")),
         dropped_turns=_count(row.get("dropped_turns", 0), "dropped_turns"),
+        length_target=_count(row["length_target"], "length_target") if "length_target" in row else None,
+        filtered=bool(row.get("filtered", False)), forced=_forced(row.get("forced")),
     )
+
+
+def _forced(value: Any) -> tuple[str, ...]:
+    """A dump row's ``forced`` object as ``(thinking, forced, answer)``, or () without one."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(isinstance(value.get(k), str) for k in ("thinking", "forced", "answer")):
+        raise ValueError(f"forced should be an object of thinking, forced and answer texts, got {value!r}")
+    return value["thinking"], value["forced"], value["answer"]
 
 
 def _count(value: Any, key: str) -> int:
@@ -306,6 +324,8 @@ def describe_sample(step: int, sample: Sample) -> Text:
         f" · reward {_fmt(sample.reward)} · advantage {_fmt(sample.advantage)} · finish {sample.finish_reason}"
         + (f" · source {sample.data_source}" if sample.data_source else "")
         + (f" · ground truth {sample.ground_truth!r}" if sample.ground_truth else "")
+        + (f" · target {sample.length_target} tokens" if sample.length_target is not None else "")
+        + (" · filtered by group filtering (not trained)" if sample.filtered else "")
         + "\n\n"
     )
     cut = " (prompt truncated)" if sample.prompt_truncated else ""
@@ -315,6 +335,13 @@ def describe_sample(step: int, sample: Sample) -> Text:
     ended = f" · ended by {sample.ended_by}" if sample.ended_by else ""
     ended += f" · {sample.dropped_turns} turns dropped by the rolling window" if sample.dropped_turns else ""
     text.append(f"RESPONSE · {sample.response_tokens} tokens{cut}{ended}\n", style="bold green")
+    if sample.forced:
+        thinking, forced, answer = sample.forced
+        text.append(thinking)
+        text.append(f"{forced}", style="bold magenta")
+        text.append("  [forced: the thinking budget ran out; not in the loss]\n", style="magenta")
+        text.append(answer)
+        return text
     if not sample.turns:
         text.append(sample.response)
         return text

@@ -75,7 +75,7 @@ def answers_match(answer: str, ground_truth: str) -> bool:
     return answer.strip() == ground_truth.strip()
 
 
-@register_reward("gsm8k")
+@register_reward("gsm8k", correct_score=1.0)
 def gsm8k_reward(response_text: str, ground_truth: str, *, data_source: str, cfg: RewardConfig) -> float:
     """1.0 for the right final answer, ``cfg.format_score`` for a wrong one, 0.0 for none.
 

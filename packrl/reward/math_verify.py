@@ -24,7 +24,7 @@ def _load():
     return parse, verify
 
 
-@register_reward("math_verify")
+@register_reward("math_verify", correct_score=1.0)
 def math_verify_reward(response_text: str, ground_truth: str, *, data_source: str, cfg: RewardConfig) -> float:
     """1.0 when the response's final answer equals the ground truth symbolically,
     ``cfg.format_score`` when an answer is found but differs, 0.0 when none is found.

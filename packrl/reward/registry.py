@@ -18,6 +18,7 @@ overlong penalty) is added by `packrl.reward.score_rollout`, not by reward funct
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from packrl.config.schema import RewardConfig
@@ -30,30 +31,52 @@ class RewardFn(Protocol):
         ...
 
 
-def register_reward(name: str, *, scores_truncated: bool = False) -> Callable[[RewardFn], RewardFn]:
-    """Register the decorated function as reward ``name`` (`packrl.registry.Registry.register`).
+@dataclass(frozen=True)
+class RewardInfo:
+    """What a reward function declares with its registration (`register_reward`).
 
-    Args:
-        scores_truncated: the reward's rule for responses a token budget cut (finish reason
-            ``length`` or ``context``): False (the default, and the rule of a function registered
-            without it) scores them 0 without calling the function, since an answer cut short must
+    Attributes:
+        scores_truncated: its rule for responses a token budget cut (finish reason ``length`` or
+            ``context``): False scores them 0 without calling it, since an answer cut short must
             not be credited as if it had ended on its own; True scores them like any other (a
             reward that does not read an answer). ``reward.score_truncated`` overrides it per run.
+        correct_score: the score at and above which a response is correct (1.0 for ``gsm8k`` and
+            ``math_verify``, whose wrong answers score ``reward.format_score`` < 1); None = the
+            reward has no notion of correct (a dense score), which the length objectives that
+            reward correct responses need (`packrl.reward.length`).
+    """
+
+    scores_truncated: bool = False
+    correct_score: float | None = None
+
+
+def register_reward(name: str, *, scores_truncated: bool = False, correct_score: float | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Register the decorated function as reward ``name`` (`packrl.registry.Registry.register`),
+    with what it declares (`RewardInfo`).
 
     Raises:
         ValueError: ``name`` is already registered to another function.
     """
     def decorate(fn: RewardFn) -> RewardFn:
-        fn.scores_truncated = scores_truncated  # type: ignore[attr-defined]
-        return REWARDS.register(name)(fn)
+        return REWARDS.register(name, info=RewardInfo(scores_truncated=scores_truncated, correct_score=correct_score))(fn)
 
     return decorate
 
 
-def scores_truncated(fn: RewardFn, cfg: RewardConfig) -> bool:
-    """Whether responses a budget cut are scored by ``fn``: ``reward.score_truncated`` when set,
-    else the reward's own rule (`register_reward`), else False."""
-    return cfg.score_truncated if cfg.score_truncated is not None else bool(getattr(fn, "scores_truncated", False))
+def reward_info(name: str) -> RewardInfo:
+    """What reward ``name`` declared (a function registered without `register_reward`: the defaults).
+
+    Raises:
+        ValueError: ``name`` is not registered.
+    """
+    info = REWARDS.info(name)
+    return info if isinstance(info, RewardInfo) else RewardInfo()
+
+
+def scores_truncated(cfg: RewardConfig) -> bool:
+    """Whether responses a budget cut are scored by ``reward.name``: ``reward.score_truncated`` when
+    set, else the reward's own rule (`RewardInfo.scores_truncated`)."""
+    return cfg.score_truncated if cfg.score_truncated is not None else reward_info(cfg.name).scores_truncated
 
 
 def get_reward(name: str) -> RewardFn:

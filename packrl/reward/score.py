@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from packrl.config.schema import RewardConfig
-from packrl.reward.registry import get_reward, scores_truncated
+from packrl.reward.registry import get_reward, reward_info, scores_truncated
 from packrl.reward.shaping import ShapingInputs, shape_rewards
 from packrl.types import Response, RolloutBatch, ScoredBatch
 
@@ -48,7 +48,7 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
     """
     reward_fn = get_reward(cfg.name)
     texts = policy_texts(rollout.responses, tokenizer)
-    score_cut = scores_truncated(reward_fn, cfg)
+    score_cut = scores_truncated(cfg)
     prompts, group = rollout.prompts, rollout.group_size
     scores = []
     for i, (text, response) in enumerate(zip(texts, rollout.responses)):
@@ -58,9 +58,12 @@ def score_rollout(rollout: RolloutBatch, tokenizer: Any, cfg: RewardConfig, max_
         else:
             scores.append(_score_with_retry(reward_fn, text, truth, source, cfg, i))
     task = torch.tensor(scores, dtype=torch.float32)
+    correct_score = reward_info(cfg.name).correct_score
+    correct = None if correct_score is None else (task >= correct_score) & ~torch.tensor([r.truncated for r in rollout.responses])
     shaping, parts = shape_rewards(ShapingInputs(rollout=rollout, scores=task, texts=tuple(texts), tokenizer=tokenizer,
-                                                 response_budgets=rollout.response_budgets(max_response_tokens), step=step), cfg)
-    return ScoredBatch(rollout=rollout, scores=task, rewards=task + shaping, parts=parts)
+                                                 response_budgets=rollout.response_budgets(max_response_tokens), step=step,
+                                                 correct=correct), cfg)
+    return ScoredBatch(rollout=rollout, scores=task, rewards=task + shaping, parts=parts, correct=correct)
 
 
 def policy_texts(responses: tuple[Response, ...], tokenizer: Any) -> list[str]:

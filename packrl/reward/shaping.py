@@ -52,6 +52,9 @@ class ShapingInputs:
             step's (the current stage's under a length curriculum), or for a partial-rollout group
             carried across steps its dispatching step's (`packrl.types.RolloutBatch.response_budgets`).
         step: the training step (1-based; 0 outside training, e.g. validation).
+        correct: True where a response is correct: its task score reaches the reward's
+            `packrl.reward.registry.RewardInfo.correct_score` and no budget cut it (an answer cut
+            short is not correct). Shape [N], bool; None when the reward has no notion of correct.
         options: the part's own options (its registered dataclass built from
             ``reward.shaping.<part>``).
     """
@@ -62,6 +65,7 @@ class ShapingInputs:
     tokenizer: Any
     response_budgets: tuple[int, ...]
     step: int = 0
+    correct: torch.Tensor | None = None
     options: Any = None
 
 

@@ -64,16 +64,17 @@ class BudgetViolation:
         kind: ``context`` (prompt + response > model context), ``microbatch`` (a micro-batch budget
             x the sequence-parallel ranks < the longest sequence), ``per_turn`` (a turn's budget >
             the response budget, which caps it anyway), ``trajectory`` (a trajectory's budget >
-            prompt + response).
+            prompt + response), ``thinking`` (thinking + forced end-of-thinking + answer budgets >
+            the response budget).
         budget: the `Budgets` field at fault (``max_response_tokens``,
             ``max_tokens_per_microbatch``, ``max_tokens_per_logprob_microbatch``,
-            ``max_tokens_per_turn``, ``max_trajectory_tokens``).
+            ``max_tokens_per_turn``, ``max_trajectory_tokens``, ``think_budget_tokens``).
         value: its value, tokens.
         limit: the bound it breaks, tokens (the context, the longest sequence, ...).
         stage: the 0-based length-curriculum stage it breaks in (`response_stages`); None without stages.
     """
 
-    kind: Literal["context", "microbatch", "per_turn", "trajectory"]
+    kind: Literal["context", "microbatch", "per_turn", "trajectory", "thinking"]
     budget: str
     value: int
     limit: int
@@ -113,6 +114,10 @@ class Budgets:
     """Multi-turn budgets ``(max_turns, max_tokens_per_turn, max_trajectory_tokens,
     max_tool_response_tokens)`` (None = the default: the response budget, prompt + response);
     None when multi-turn is off."""
+    thinking: tuple[int, int, int] | None = None
+    """Thinking budgets ``(think_budget_tokens, forced end-of-thinking tokens, answer_budget_tokens)``
+    (the forced count is 1 until the tokenizer says); think + forced + answer must fit the
+    response budget of every stage. None when thinking budgets are off."""
     response_stages: tuple[tuple[int, int], ...] = ()
     """A length curriculum's stages ``((first_step, max_response_tokens), ...)``
     (`packrl.seqlen.curriculum`); () = none. The context and micro-batch relations hold for every
@@ -163,6 +168,8 @@ class Budgets:
             if value * size >= seq or (self.context_bounded and self.max_context_tokens is None):
                 continue  # bounded by a context not read yet: checked when the model's config is (before step 1)
             out.append(BudgetViolation("microbatch", name, value, seq))
+        if self.thinking is not None and sum(self.thinking) > self.max_response_tokens:
+            out.append(BudgetViolation("thinking", "think_budget_tokens", sum(self.thinking), self.max_response_tokens))
         return out
 
     def _multi_turn_violations(self) -> list[BudgetViolation]:

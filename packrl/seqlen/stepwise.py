@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
+from packrl.types import PromptBatch, Response, RolloutBatch, TrainBatch
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,7 @@ class StepSamples:
             return None if values is None else sliced(values)
 
         index = torch.tensor(self.trajectory_of, dtype=torch.long)
-        scored = ScoredBatch(self.rollout, batch.scored.scores[index], batch.scored.rewards[index],
-                             {name: values[index] for name, values in batch.scored.parts.items()})
+        scored = batch.scored.indexed(self.rollout, index)
         counts = [int(m.sum()) for m in batch.loss_masks]
         return TrainBatch(scored, sliced(batch.advantages), sliced(batch.loss_masks), maybe_sliced(batch.old_logprobs),
                           maybe_sliced(batch.ref_logprobs), trajectory_loss_tokens=tuple(counts[t] for t in self.trajectory_of),

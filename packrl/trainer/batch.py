@@ -12,6 +12,7 @@ import torch
 from packrl.algos.advantages import AdvantageInputs, check_advantages, token_rewards_of
 from packrl.algos.entropy_filter import apply_entropy_filter
 from packrl.algos.gae import gae_of
+from packrl.algos.group_filter import filter_metrics, kept_indices
 from packrl.algos.losses import kl_penalty
 from packrl.algos.rollout_correction import apply_behaviour_weights, apply_rollout_correction
 from packrl.config.schema import AlgorithmConfig
@@ -54,7 +55,9 @@ def build_train_batch(
     With the critic's ``values`` (PPO with a critic) the estimator may read them, and the batch
     carries them with the critic's targets, the GAE returns (`packrl.algos.gae`).
 
-    After the truncation policy, `response_filters` may take whole responses out of the loss
+    With ``algorithm.group_filter`` (GFPO) the estimator sees each group's kept responses alone
+    (`packrl.algos.group_filter`); the others get advantage 0 and no loss tokens. After the
+    truncation policy, `response_filters` may take whole responses out of the loss
     (rollout-correction rejection, the entropy filter; ``old_entropy``: the old-log-prob pass's
     entropy, ``N`` x Shape [R_i] float32 nats) and add per-token extras for the loss.
 
@@ -63,7 +66,7 @@ def build_train_batch(
         by ``algorithm.truncated=mask``), with in-reward KL ``critic/kl_in_reward/mean`` (the
         mean over responses of sum_t KL_t) and verl's ``actor/reward_kl_penalty`` (of mean_t KL_t)
         and ``actor/reward_kl_penalty_coeff``,
-        with values `value_metrics`, and those of `response_filters`.
+        with values `value_metrics`, with GFPO `filter_metrics`, and those of `response_filters`.
 
     Raises:
         ValueError: an unknown estimator, or one that does not return one value per response token.
@@ -88,17 +91,54 @@ def build_train_batch(
     inputs = AdvantageInputs(scored=scored, rewards=rewards, token_rewards=token_rewards, response_masks=generated,
                              old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, cfg=cfg, values=critic_values,
                              bootstrap_values=None if values is None else values.bootstrap)
-    advantages = check_advantages(ADVANTAGE_ESTIMATORS.lookup(cfg.adv_estimator)(inputs), inputs)
+    kept = kept_indices(replace(scored, rewards=rewards), cfg.group_filter)
+    advantages = estimate(inputs, kept)
     returns: tuple[torch.Tensor, ...] | None = None
     if values is not None:
         returns = gae_of(inputs)[1]
         metrics |= value_metrics(values.values, returns, generated)
     masks = loss_masks(scored, cfg.truncated)
     metrics["seqlen/masked_tokens/truncated"] = float(sum(int((g & ~m).sum()) for g, m in zip(generated, masks)))
-    masks, extras, filter_metrics = response_filters(scored, old_logprobs, old_entropy, masks, cfg)
+    filtered: tuple[bool, ...] | None = None
+    if cfg.group_filter.keep is not None:
+        keep = set(kept)
+        filtered = tuple(i not in keep for i in range(len(masks)))
+        masks = tuple(m & (not out) for m, out in zip(masks, filtered))
+        metrics |= filter_metrics(scored, kept)
+    masks, extras, other_metrics = response_filters(scored, old_logprobs, old_entropy, masks, cfg)
     batch = TrainBatch(replace(scored, rewards=rewards), advantages, masks, old_logprobs, ref_logprobs,
-                       values=critic_values, returns=returns, extras=extras)
-    return batch, metrics | filter_metrics
+                       values=critic_values, returns=returns, extras=extras, filtered=filtered)
+    return batch, metrics | other_metrics
+
+
+def estimate(inputs: AdvantageInputs, kept: list[int]) -> tuple[torch.Tensor, ...]:
+    """``algorithm.adv_estimator`` on the responses ``kept`` (each group's, `packrl.algos.group_filter`;
+    all of them without GFPO), the others' advantages 0. ``N`` tensors of Shape [R_i], float32."""
+    estimator = ADVANTAGE_ESTIMATORS.lookup(inputs.cfg.adv_estimator)
+    responses = inputs.scored.rollout.responses
+    if len(kept) == len(responses):
+        return check_advantages(estimator(inputs), inputs)
+    subset = _subset(inputs, kept)
+    out = [torch.zeros(len(r.response_ids)) for r in responses]
+    for j, advantage in zip(kept, check_advantages(estimator(subset), subset)):
+        out[j] = advantage
+    return tuple(out)
+
+
+def _subset(inputs: AdvantageInputs, kept: list[int]) -> AdvantageInputs:
+    """``inputs`` of the responses ``kept`` alone: ``k`` per group (a group size of ``k``)."""
+    scored, rollout = inputs.scored, inputs.scored.rollout
+    index = torch.tensor(kept, dtype=torch.long)
+
+    def pick(values: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
+        return None if values is None else tuple(values[i] for i in kept)
+
+    sub = replace(rollout, group_size=len(kept) // len(rollout.prompts), responses=tuple(rollout.responses[i] for i in kept))
+    sub_scored = scored.indexed(sub, index)
+    return replace(inputs, scored=sub_scored, rewards=inputs.rewards[index], token_rewards=tuple(inputs.token_rewards[i] for i in kept),
+                   response_masks=tuple(inputs.response_masks[i] for i in kept), old_logprobs=pick(inputs.old_logprobs),
+                   ref_logprobs=pick(inputs.ref_logprobs), values=pick(inputs.values),
+                   bootstrap_values=None if inputs.bootstrap_values is None else inputs.bootstrap_values[index])
 
 
 def response_filters(scored: ScoredBatch, old_logprobs: tuple[torch.Tensor, ...] | None, old_entropy: tuple[torch.Tensor, ...] | None,

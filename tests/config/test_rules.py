@@ -36,6 +36,13 @@ CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo
      "algorithm.filter_groups.enable", "rollout.n"),
     ("sft_loss", ["algorithm.policy_loss=sft"], "algorithm.policy_loss", "supervised loss of packrl sft"),
     ("kl_in_reward", ["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "has no effect with algorithm.kl_coef=0"),
+    ("group_filter", ["algorithm.group_filter.keep=5"], "algorithm.group_filter.keep", "> rollout.n=4"),
+    ("group_filter", ["algorithm.group_filter.keep=4"], "algorithm.group_filter.keep", "has no effect: it keeps all"),
+    ("group_filter", ["algorithm.group_filter.keep=1"], "algorithm.group_filter.keep", "leaves a group of one"),
+    ("thinking_budgets", ["rollout.think_budget_tokens=8", "rollout.answer_budget_tokens=8", "trainer.rollout_mode=colocate_async"],
+     "rollout.think_budget_tokens", "does not apply to responses carried across steps"),
+    ("length_targets", ["data.length_target.min_tokens=8", "data.length_target.max_tokens=65"], "data.length_target.max_tokens",
+     "> rollout.max_response_tokens=64"),
 ]
 
 PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's own config check (checks= in packrl.registry)
@@ -64,6 +71,14 @@ PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's ow
      "> rollout.max_response_tokens=64"),
     ("reward.shaping.tool_format", ["reward.shaping.tool_format.weight=0.2"], "reward.shaping.tool_format",
      "has no effect: multi-turn is off"),
+    ("reward.shaping.group_length", ["reward.shaping.group_length.warmup_steps=9"], "reward.shaping.group_length.warmup_steps",
+     "leaves no step of train.total_steps=5"),
+    ("reward.shaping.efficiency", ["reward.shaping.efficiency={}", "reward.format_score=1.0"], "reward.format_score",
+     "would count formatted wrong answers as correct"),
+    ("reward.shaping.shortest_correct", ["reward.shaping.shortest_correct={}", "reward.format_score=2.0"], "reward.format_score",
+     ">= the correct score 1"),
+    ("reward.shaping.target_length", ["reward.shaping.target_length={}"], "reward.shaping.target_length",
+     "data.length_target sets none"),
 ]
 
 

@@ -112,8 +112,9 @@ class PartialRollouts:
             if not self.queue:
                 batch = self.sampler.next_batch()
                 self.queue = [{"uid": self.ledger.draw(), "prompt_ids": tuple(batch.prompt_ids[i]), "ground_truth": batch.ground_truths[i],
-                               "data_source": batch.data_sources[i], "row": batch.rows[i],
-                               "prompt_truncated": batch.prompt_truncated[i]} for i in range(len(batch))]
+                               "data_source": batch.data_sources[i], "row": batch.rows[i], "prompt_truncated": batch.prompt_truncated[i],
+                               "length_target": None if batch.length_targets is None else batch.length_targets[i]}
+                              for i in range(len(batch))]
             draws.append(self.queue.pop(0))
         budget = sampling.max_response_tokens
         for prompt, seed in zip(draws, draw_seeds(len(draws))):
@@ -259,7 +260,9 @@ def _rollout_of(groups: Sequence[RolloutGroup], group_size: int, step: int) -> R
     """The trained groups as a rollout of step ``step``: each prompt with its dispatch budget."""
     prompts = PromptBatch(tuple(g.prompt_ids for g in groups), tuple(g.ground_truth for g in groups),
                           tuple(g.data_source for g in groups), tuple(g.row for g in groups), tuple(g.prompt_truncated for g in groups),
-                          response_budgets=tuple(g.dispatch_budget for g in groups))
+                          response_budgets=tuple(g.dispatch_budget for g in groups),
+                          length_targets=(tuple(g.length_target or 0 for g in groups)
+                                          if any(g.length_target is not None for g in groups) else None))
     responses = tuple(m.response() for g in groups for m in g.members)
     return RolloutBatch(prompts, group_size, responses, policy_version=step)
 

@@ -127,6 +127,7 @@ class RolloutGroup:
         cap_reason: ``length`` when the cap is the response budget, ``context`` when the model
             context was the smaller.
         members: G members.
+        length_target: the response length its prompt asks for (``data.length_target``), or None.
     """
 
     uid: int
@@ -141,6 +142,7 @@ class RolloutGroup:
     dispatch_cap: int
     cap_reason: FinishReason
     members: tuple[Member, ...] = field(default=())
+    length_target: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -166,7 +168,8 @@ class RolloutGroup:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (`from_dict` restores it exactly)."""
         out = {name: getattr(self, name) for name in ("uid", "ground_truth", "data_source", "row", "prompt_truncated", "seed",
-                                                      "dispatch_step", "dispatch_budget", "dispatch_cap", "cap_reason")}
+                                                      "dispatch_step", "dispatch_budget", "dispatch_cap", "cap_reason",
+                                                      "length_target")}
         out["prompt_ids"] = list(self.prompt_ids)
         out["members"] = [{"finish_reason": m.finish_reason,
                            "segments": [[list(s.token_ids), None if s.logprobs is None else list(s.logprobs), s.version]

@@ -217,9 +217,7 @@ def select_groups(scored: ScoredBatch, groups: Sequence[int]) -> ScoredBatch:
     responses = [i * size + j for i in groups for j in range(size)]
     prompts = rollout.prompts.select(groups)
     sub = dataclasses.replace(rollout, prompts=prompts, responses=tuple(rollout.responses[i] for i in responses))
-    index = torch.tensor(responses, dtype=torch.long)
-    return dataclasses.replace(scored, rollout=sub, scores=scored.scores[index], rewards=scored.rewards[index],
-                               parts={name: values[index] for name, values in scored.parts.items()})
+    return scored.indexed(sub, torch.tensor(responses, dtype=torch.long))
 
 
 def concat_scored(parts: Sequence[ScoredBatch]) -> ScoredBatch:
@@ -228,7 +226,9 @@ def concat_scored(parts: Sequence[ScoredBatch]) -> ScoredBatch:
     prompts = PromptBatch.concat([part.rollout.prompts for part in parts])
     responses = tuple(r for part in parts for r in part.rollout.responses)
     rollout = dataclasses.replace(first.rollout, prompts=prompts, responses=responses)
+    corrects = [p.correct for p in parts if p.correct is not None]
+    correct = torch.cat(corrects) if len(corrects) == len(parts) else None
     return dataclasses.replace(first, rollout=rollout, scores=torch.cat([p.scores for p in parts]),
                                rewards=torch.cat([p.rewards for p in parts]),
-                               parts={name: torch.cat([p.parts[name] for p in parts]) for name in first.parts})
+                               parts={name: torch.cat([p.parts[name] for p in parts]) for name in first.parts}, correct=correct)
 

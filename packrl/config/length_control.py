@@ -1,0 +1,109 @@
+"""Config sections of length control (docs/algorithms/length_control.md): the target length a
+prompt asks for (``data.length_target``), group filtering (``algorithm.group_filter``) and the
+checks of the thinking budgets (``rollout.think_budget_tokens``, ``answer_budget_tokens``,
+``end_of_thinking``). The length objectives themselves are reward-shaping parts with options of
+their own (`packrl.reward.length`). No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from packrl.errors import ConfigProblem
+
+GroupFilterMetric = Literal["shortest", "reward_per_token"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LengthTargetConfig:
+    """Each prompt asks for a response length N (L1, arXiv 2503.04697): N comes from a data column
+    or is drawn per row from ``[min_tokens, max_tokens]`` (seeded by ``train.seed`` and the row), and
+    `template` with ``{target}`` = N is appended to the prompt's last user message, so it goes
+    through the chat template and the prompt budget like any prompt text. The ``target_length``
+    objective reads N (`packrl.types.PromptBatch.length_targets`). Off when neither is set."""
+
+    column: str | None = None
+    """A row field holding each row's target in tokens (a positive integer)."""
+
+    min_tokens: int | None = None
+    """Smallest target drawn per row (with `max_tokens`; L1 draws from 100-4,000)."""
+
+    max_tokens: int | None = None
+    """Largest target drawn per row; at most `rollout.max_response_tokens`."""
+
+    template: str = " Think for {target} tokens."
+    """Appended to the last user message, ``{target}`` replaced by N (L1-Exact's wording; L1-Max's
+    is " Think for maximum {target} tokens.")."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.column is not None or self.min_tokens is not None or self.max_tokens is not None
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out: list[ConfigProblem] = []
+        ranged = self.min_tokens is not None or self.max_tokens is not None
+        if self.column is not None and ranged:
+            out.append(ConfigProblem(f"{prefix}.column", self.column, f"is set together with {prefix}.min_tokens/max_tokens",
+                                     f"set one: {prefix}.column=null or {prefix}.min_tokens=null and {prefix}.max_tokens=null",
+                                     keys=(f"{prefix}.column", f"{prefix}.min_tokens", f"{prefix}.max_tokens")))
+        elif ranged and (self.min_tokens is None or self.max_tokens is None):
+            out.append(ConfigProblem(f"{prefix}.min_tokens", self.min_tokens, f"and {prefix}.max_tokens={self.max_tokens} must both be "
+                                     "set to draw targets", f"set {prefix}.min_tokens and {prefix}.max_tokens (e.g. 16 and 96)",
+                                     keys=(f"{prefix}.min_tokens", f"{prefix}.max_tokens")))
+        elif ranged and self.min_tokens is not None and self.max_tokens is not None:
+            if self.min_tokens < 1 or self.max_tokens < self.min_tokens:
+                out.append(ConfigProblem(f"{prefix}.min_tokens", self.min_tokens, f"must be in [1, {prefix}.max_tokens={self.max_tokens}]",
+                                         f"set 1 <= {prefix}.min_tokens <= {prefix}.max_tokens",
+                                         keys=(f"{prefix}.min_tokens", f"{prefix}.max_tokens")))
+        if self.enabled and "{target}" not in self.template:
+            out.append(ConfigProblem(f"{prefix}.template", self.template, "does not hold {target}: the prompt would not say its length",
+                                     f"set {prefix}.template=' Think for {{target}} tokens.'"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupFilterConfig:
+    """GFPO (Shrivastava et al. 2025, arXiv 2508.09726): of each group's ``rollout.n`` responses,
+    train on the best `keep` by `metric`; the advantages are computed over the kept set, the others
+    get no loss tokens and are counted and dumped (`packrl.algos.group_filter`). Off when `keep`
+    is null."""
+
+    keep: int | None = None
+    """k: responses per group trained (2 <= k < rollout.n; GFPO keeps 4-8 of 8-24)."""
+
+    metric: GroupFilterMetric = "shortest"
+    """`shortest`: the k fewest generated tokens; `reward_per_token`: the k highest reward / tokens
+    (GFPO's token efficiency). Ties go to the earlier response."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        if self.keep is not None and self.keep < 1:
+            return [ConfigProblem(f"{prefix}.keep", self.keep, "must be >= 1", f"set {prefix}.keep to k < rollout.n, or null (off)")]
+        if self.keep is None and self.metric != "shortest":
+            return [ConfigProblem(f"{prefix}.metric", self.metric, f"has no effect: {prefix}.keep is null",
+                                  f"set {prefix}.keep or remove {prefix}.metric", keys=(f"{prefix}.metric", f"{prefix}.keep"))]
+        return []
+
+
+def thinking_problems(think: int | None, answer: int | None, end_of_thinking: str | None, prefix: str = "rollout") -> list[ConfigProblem]:
+    """The thinking budgets' own checks (``rollout.think_budget_tokens``, ``answer_budget_tokens``,
+    ``end_of_thinking``; Elastic Reasoning, arXiv 2505.05315, and s1's budget forcing, arXiv
+    2501.19393, `packrl.rollout.thinking`): both budgets or neither, each >= 1, a non-blank
+    end-of-thinking text. Their relation to the response budget is `packrl.config.budgets`'s."""
+    out: list[ConfigProblem] = []
+    if think is None:
+        for key, value in (("answer_budget_tokens", answer), ("end_of_thinking", end_of_thinking)):
+            if value is not None:
+                out.append(ConfigProblem(f"{prefix}.{key}", value, f"has no effect: {prefix}.think_budget_tokens is null",
+                                         f"set {prefix}.think_budget_tokens or remove {prefix}.{key}",
+                                         keys=(f"{prefix}.{key}", f"{prefix}.think_budget_tokens")))
+        return out
+    if think < 1:
+        out.append(ConfigProblem(f"{prefix}.think_budget_tokens", think, "must be >= 1", f"set {prefix}.think_budget_tokens=64"))
+    if answer is None or answer < 1:
+        out.append(ConfigProblem(f"{prefix}.answer_budget_tokens", answer, "must be >= 1 with a thinking budget (it leaves the "
+                                 "answer no room)", f"set {prefix}.answer_budget_tokens (e.g. 32)",
+                                 keys=(f"{prefix}.answer_budget_tokens", f"{prefix}.think_budget_tokens")))
+    if end_of_thinking is not None and not end_of_thinking.strip():
+        out.append(ConfigProblem(f"{prefix}.end_of_thinking", end_of_thinking, "is blank",
+                                 f"set {prefix}.end_of_thinking='</think>' or null (the chat template's)"))
+    return out

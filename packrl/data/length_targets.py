@@ -1,0 +1,60 @@
+"""``data.length_target``: the response length each prompt asks for (L1, Aggarwal & Welleck 2025,
+arXiv 2503.04697: "Think for N tokens." appended to the prompt).
+
+Each usable row gets a target N: its ``column`` field, or a draw from ``[min_tokens, max_tokens]``
+seeded by ``train.seed`` and the row (so a row asks for the same N in every epoch and on every
+rank). The template, ``{target}`` replaced by N, is appended to the row's last user message after
+one space; it then goes through the chat template, the prompt budget and the prompt policy like any
+prompt text. The target travels with the prompt (`packrl.types.PromptBatch.length_targets`) to the
+``target_length`` objective and the ``length/target_error/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+from packrl.config.length_control import LengthTargetConfig
+from packrl.data.examples import Example
+
+
+def with_length_target(example: Example, raw: Any, cfg: LengthTargetConfig, seed: int) -> Example | str:
+    """``example`` asking for its target (module docstring), or the reason the row cannot be used.
+
+    Args:
+        example: the row, normalised (`packrl.data.examples.to_example`).
+        raw: the row as loaded (a mapping; ``column`` is read from it).
+        cfg: ``data.length_target`` (off: ``example`` is returned as it is).
+        seed: ``train.seed``.
+
+    Returns:
+        The example with the template appended and ``length_target`` set, or a reason string
+        (the row's ``column`` is missing or not a positive integer), counted as a bad row.
+    """
+    if not cfg.enabled:
+        return example
+    if cfg.column is not None:
+        value = raw.get(cfg.column) if isinstance(raw, dict) else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"field {cfg.column!r} (data.length_target.column) is {value!r}, not a positive integer of tokens"
+        target = value
+    else:
+        assert cfg.min_tokens is not None and cfg.max_tokens is not None, "checked at config load"
+        target = random.Random(f"{seed}:{example.row}:length_target").randint(cfg.min_tokens, cfg.max_tokens)
+    return replace(example, chat=_asking(example.chat, cfg.template.strip().replace("{target}", str(target))), length_target=target)
+
+
+def _asking(chat: list[dict[str, Any]], request: str) -> list[dict[str, Any]]:
+    """``chat`` with ``request`` appended to its last user message (a text part for a message of parts)."""
+    out = [dict(m) for m in chat]
+    last = max((i for i, m in enumerate(out) if m.get("role") == "user"), default=None)
+    if last is None:
+        out.append({"role": "user", "content": request})
+        return out
+    content = out[last]["content"]
+    if isinstance(content, list):
+        out[last]["content"] = [*content, {"type": "text", "text": f" {request}"}]
+    else:
+        out[last]["content"] = f"{str(content).rstrip()} {request}"
+    return out

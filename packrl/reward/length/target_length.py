@@ -1,0 +1,97 @@
+"""``target_length``: L1 / LCPO (Aggarwal & Welleck 2025, "L1: Controlling How Long a Reasoning
+Model Thinks With Reinforcement Learning", arXiv 2503.04697).
+
+Each prompt asks for a length ``N`` (``data.length_target``: a data column, or drawn per row from a
+range, written into the prompt by an instruction template; `packrl.types.PromptBatch.length_targets`):
+
+- ``exact`` (L1-Exact): ``value = -alpha * |N - len|`` on every response;
+- ``max`` (L1-Max): a correct response's reward becomes ``score * clip(alpha * (N - len) + delta,
+  0, 1)``, so the value is ``score * (clip(...) - 1)`` on correct responses (0 on wrong ones):
+  within budget it keeps its score, a little over it (``delta=0.5``) still beats a wrong answer.
+
+``alpha=0.0003`` is the paper's (for targets of 100-4,000 tokens); small models with targets of
+tens of tokens need a larger one (the `char_count` preset's arm uses more). ``|len - N| / N``
+is reported as ``target_error`` and as the metric ``length/target_error/*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from packrl.errors import ConfigProblem
+from packrl.registry import REWARD_SHAPING
+from packrl.reward.length.common import correct_of, correctness_problems, finite_positive, policy_lengths
+
+if TYPE_CHECKING:
+    import torch
+
+    from packrl.config.schema import RunConfig
+    from packrl.reward.shaping import ShapingInputs, ShapingOutput
+
+PART = "target_length"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TargetLengthOptions:
+    mode: Literal["exact", "max"] = "exact"
+    """``exact``: hit the target; ``max``: stay within it (module docstring)."""
+
+    alpha: float = 0.0003
+    """Reward per token of distance (``exact``) or the slope of the clip (``max``), finite > 0."""
+
+    delta: float = 0.5
+    """``max`` only: the clip's offset; a correct answer ``delta / alpha`` tokens over its target
+    keeps half its score (in [0, 1])."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out = finite_positive(prefix, "alpha", self.alpha, f"set {prefix}.alpha=0.0003")
+        if not 0 <= self.delta <= 1:
+            out.append(ConfigProblem(f"{prefix}.delta", self.delta, "must be in [0, 1]", f"set {prefix}.delta=0.5"))
+        return out
+
+
+def targets_of(inputs: ShapingInputs) -> torch.Tensor:
+    """Each response's prompt's target, Shape [N], float32.
+
+    Raises:
+        ValueError: the prompts carry no targets (``data.length_target`` is off).
+    """
+    import torch
+
+    targets = inputs.rollout.prompts.length_targets
+    if targets is None:
+        raise ValueError("reward.shaping.target_length needs each prompt's target length, and the prompts carry none; "
+                         "set data.length_target (a column or a range)")
+    size = inputs.rollout.group_size
+    return torch.tensor([float(targets[i // size]) for i in range(len(inputs.rollout.responses))])
+
+
+@REWARD_SHAPING.register(PART, options=TargetLengthOptions)
+def target_length(inputs: ShapingInputs) -> ShapingOutput:
+    """The L1 term of every response; ``target_error`` = ``|len - N| / N`` reported. Shape [N], float32."""
+    import torch
+
+    from packrl.reward.shaping import ShapingOutput
+
+    opts: TargetLengthOptions = inputs.options
+    lengths, targets = policy_lengths(inputs), targets_of(inputs)
+    error = (lengths - targets).abs() / targets
+    if opts.mode == "exact":
+        value = -opts.alpha * (lengths - targets).abs()
+    else:
+        kept = (opts.alpha * (targets - lengths) + opts.delta).clamp(0.0, 1.0)
+        value = torch.where(correct_of(inputs, PART), inputs.scores * (kept - 1.0), torch.zeros_like(kept))
+    return ShapingOutput(value, {"target_error": error})
+
+
+def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """Prompts that carry targets; ``max`` mode reads correctness."""
+    out = []
+    if not cfg.data.length_target.enabled:
+        out.append(ConfigProblem(f"reward.shaping.{PART}", cfg.reward.shaping.get(PART), "needs each prompt to ask for a length, "
+                                 "and data.length_target sets none", "set data.length_target.min_tokens and max_tokens (or "
+                                 "data.length_target.column) and its template", keys=(f"reward.shaping.{PART}", "data.length_target")))
+    if (cfg.reward.shaping.get(PART) or {}).get("mode", "exact") == "max":
+        out += correctness_problems(cfg, PART)
+    return out

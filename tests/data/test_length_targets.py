@@ -1,0 +1,55 @@
+"""data.length_target: each prompt asks for its length through the chat template and the prompt
+budget, drawn per row (seeded) or read from a column; a bad column value is a bad row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from packrl.config import load_config
+from packrl.data.dataset import PromptDataset
+
+
+def _dataset(tok, overrides, files=None):
+    cfg = load_config("demo", [*overrides, *(["data.train_files=[" + str(files) + "]"] if files else [])])
+    return cfg, PromptDataset.build(cfg.data.train_files, tok, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files")
+
+
+def test_drawn_targets_are_written_into_the_prompt_and_travel_with_it(smollm_tokenizer):
+    over = ["data.length_target.min_tokens=10", "data.length_target.max_tokens=60"]
+    _, ds = _dataset(smollm_tokenizer, over)
+    batch = ds.batch([0, 1, 2, 3])
+    assert batch.length_targets is not None and all(10 <= n <= 60 for n in batch.length_targets)
+    for ids, n in zip(batch.prompt_ids, batch.length_targets):
+        assert f"Think for {n} tokens." in smollm_tokenizer.decode(ids)  # inside the user turn, through the chat template
+    _, again = _dataset(smollm_tokenizer, over)
+    assert again.batch([0, 1, 2, 3]).length_targets == batch.length_targets  # seeded per row
+    _, plain = _dataset(smollm_tokenizer, [])
+    assert plain.batch([0]).length_targets is None
+    assert len(plain.batch([0]).prompt_ids[0]) < len(batch.prompt_ids[0])  # the request counts in the prompt's tokens
+
+
+def test_a_column_gives_each_row_its_target_and_a_bad_value_is_a_bad_row(tmp_path, smollm_tokenizer):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": "What is 1 + 1?", "answer": "#### 2", "target_tokens": 30},
+            {"question": "What is 2 + 2?", "answer": "#### 4", "target_tokens": "many"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    over = ["data.length_target.column=target_tokens", "data.length_target.template=Answer in {target} tokens.", "data.skip_bad_rows=true",
+            "data.batch_size=1"]
+    _, ds = _dataset(smollm_tokenizer, over, files=path)
+    assert len(ds) == 1 and ds.batch([0]).length_targets == (30,)
+    assert "Answer in 30 tokens." in smollm_tokenizer.decode(ds.batch([0]).prompt_ids[0])
+    reasons = json.dumps(ds.accounting_dict())
+    assert "data.length_target.column" in reasons and "'many'" in reasons
+
+
+def test_length_target_config_checks():
+    from packrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.length_target.column='t': is set together with data.length_target.min_tokens"):
+        load_config("demo", ["data.length_target.column=t", "data.length_target.min_tokens=4", "data.length_target.max_tokens=8"])
+    with pytest.raises(ConfigError, match=r"data.length_target.min_tokens=4: and data.length_target.max_tokens=None must both be set"):
+        load_config("demo", ["data.length_target.min_tokens=4"])
+    with pytest.raises(ConfigError, match=r"data.length_target.template='Answer briefly.': does not hold \{target\}"):
+        load_config("demo", ["data.length_target.column=t", "data.length_target.template=Answer briefly."])
