@@ -48,6 +48,26 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
+class KeyedValueError(ValueError):
+    """A user mistake about one config key found outside the loader (in a model's files, say): a
+    ValueError that carries the key it is about and the fix, so a caller that collects problems
+    (preflight) turns it into a `ConfigProblem` by type, never by reading the message.
+
+    Attributes:
+        key: the dotted config key, e.g. ``model.lora.target_modules``.
+        fix: what to change, naming the key.
+    """
+
+    def __init__(self, key: str, message: str, fix: str):
+        self.key, self.fix = key, fix
+        super().__init__(f"{message}; fix: {fix}")
+        self.message = message
+
+    def problem(self, value: Any) -> ConfigProblem:
+        """This error as a `ConfigProblem` with the key's current ``value``."""
+        return ConfigProblem(self.key, value, self.message, self.fix)
+
+
 def check_positive(key: str, value: int | float) -> list[ConfigProblem]:
     """A problem when ``value`` < 1 (budgets, counts and sizes are positive)."""
     if value >= 1:

@@ -25,6 +25,7 @@ from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
+from packrl.errors import KeyedValueError
 from packrl.hardware import probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 from packrl.models.isolation import config_packing
@@ -140,10 +141,10 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     if model_config is not None:
         try:
             context, factor, base = _context(cfg if rope_ok else _without_rope(cfg), model_config)
+        except KeyedValueError as err:  # model.rope_scaling the model config cannot take
+            problems.append(err.problem(cfg.model.rope_scaling.type))
         except ValueError as err:
-            key = "model.rope_scaling.type" if "model.rope_scaling" in str(err) else "model.path"
-            value = cfg.model.rope_scaling.type if key != "model.path" else cfg.model.path
-            problems.append(ConfigProblem(key, value, str(err), "see the message: use a model whose config.json sets "
+            problems.append(ConfigProblem("model.path", cfg.model.path, str(err), "use a model whose config.json sets "
                                           "max_position_embeddings, or set model.rope_scaling.type=none"))
         else:
             budgets = budgets_of(cfg, context, factor)
@@ -186,13 +187,10 @@ def _model_shape(cfg: RunConfig, model_config: Any) -> tuple[ModelShape | None, 
     multimodal checkpoint of a family packrl does not train, or LoRA targets the model lacks."""
     try:
         return ModelShape.from_config(model_config, cfg.model.lora, cfg.model.path), []
+    except KeyedValueError as err:  # LoRA targets the model lacks, or an untrained multimodal family
+        return None, [err.problem(cfg.model.lora.target_modules if err.key.startswith("model.lora") else cfg.model.path)]
     except ValueError as err:
-        if "target_modules" in str(err):
-            return None, [ConfigProblem("model.lora.target_modules", cfg.model.lora.target_modules, str(err),
-                                        "set model.lora.target_modules to names the model has")]
-        fix = ("see the message: a text-only checkpoint of the family" if "multimodal" in str(err)
-               else "use a causal LM transformers can build from its config")
-        return None, [ConfigProblem("model.path", cfg.model.path, str(err), fix)]
+        return None, [ConfigProblem("model.path", cfg.model.path, str(err), "use a causal LM transformers can build from its config")]
 
 
 def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[str]:
@@ -339,10 +337,10 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
         check_text_model(model_config, cfg.model.path)
     except ModelConfigFileError as err:
         return None, [ConfigProblem("model.path", cfg.model.path, err.problem, err.fix)]
+    except KeyedValueError as err:  # a multimodal checkpoint of a family packrl does not train
+        return None, [err.problem(cfg.model.path)]
     except ValueError as err:
-        multimodal = "multimodal" in str(err)
-        return None, [ConfigProblem("model.path", cfg.model.path, str(err),
-                                    "a text-only checkpoint (see the message)" if multimodal else fix)]
+        return None, [ConfigProblem("model.path", cfg.model.path, str(err), fix)]
     config_json = resolve_model(cfg.model.path, weights=False).model_dir / "config.json"
     if config_json.is_file():
         raw = json.loads(config_json.read_text())

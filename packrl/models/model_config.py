@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packrl.errors import KeyedValueError
 from packrl.models.modality import MODALITIES, is_multimodal, modality_of
 
 if TYPE_CHECKING:
@@ -243,18 +244,18 @@ def check_text_model(config: Any, path: str) -> None:
     ``model.language_model.*`` weights unused.
 
     Raises:
-        ValueError: such a config; the message names the families that train and the text model
-            type of the checkpoint's family.
+        KeyedValueError: (a ValueError, key ``model.path``) such a config; the message names the
+            families that train and the text model type of the checkpoint's family.
     """
     if not is_multimodal(config) or config.model_type in MODALITIES:
         return
     text_type = getattr(config.get_text_config(), "model_type", None)
     instead = (f"a text-only checkpoint of the family (config.json with model_type {text_type!r}, e.g. the language model "
                "saved alone as its *ForCausalLM class)") if text_type else "a text-only checkpoint of the family"
-    raise ValueError(f"model.path={path!r} is a multimodal checkpoint ({type(config).__name__}: an encoder beside its "
-                     f"language model); packrl trains the multimodal families {', '.join(MODALITIES.names())} "
-                     f"only (registered in packrl.models.modality.MODALITIES: their packing and their processors' token "
-                     f"counts). Set model.path to one of those, or to {instead}")
+    raise KeyedValueError("model.path", f"model.path={path!r} is a multimodal checkpoint ({type(config).__name__}: an encoder "
+                          f"beside its language model); packrl trains the multimodal families {', '.join(MODALITIES.names())} "
+                          "only (registered in packrl.models.modality.MODALITIES: their packing and their processors' token "
+                          "counts)", f"set model.path to one of those, or to {instead}")
 
 
 _STRETCHING = ("linear", "dynamic", "yarn")
@@ -297,20 +298,22 @@ def apply_rope_scaling(config: Any, rope: RopeScalingConfig) -> Any:
     where = "model.rope_scaling"
     max_pos = getattr(config, "max_position_embeddings", None)
     if not isinstance(max_pos, int) or isinstance(max_pos, bool) or max_pos < 1:
-        raise ValueError(f"{where}.type={rope.type} needs the model config's max_position_embeddings, which is {max_pos!r}; "
-                         f"set {where}.type=none or use a model whose config.json states it")
+        raise KeyedValueError(f"{where}.type", f"{where}.type={rope.type} needs the model config's max_position_embeddings, "
+                              f"which is {max_pos!r}", f"set {where}.type=none or use a model whose config.json states it")
     if rope.type not in _STRETCHING or not rope.factor > 1.0:
-        raise ValueError(f"{where}.type={rope.type!r} factor={rope.factor} cannot stretch the context: the type must be one of "
-                         f"{', '.join(_STRETCHING)} and the factor > 1; set {where}.factor=2.0 or {where}.type=none")
+        raise KeyedValueError(f"{where}.type", f"{where}.type={rope.type!r} factor={rope.factor} cannot stretch the context: "
+                              f"the type must be one of {', '.join(_STRETCHING)} and the factor > 1",
+                              f"set {where}.factor=2.0 or {where}.type=none")
     new_style = getattr(config, "rope_parameters", None) is not None
     current = dict((config.rope_parameters if new_style else getattr(config, "rope_scaling", None)) or {})
     if current and all(isinstance(v, dict) for v in current.values()):
-        raise ValueError(f"the model config has RoPE settings per layer type ({', '.join(current)}), which {where} does not "
-                         f"scale; set {where}.type=none")
+        raise KeyedValueError(f"{where}.type", f"the model config has RoPE settings per layer type ({', '.join(current)}), "
+                              f"which {where} does not scale", f"set {where}.type=none")
     own_type = current.get("rope_type", current.get("type", "default"))
     if own_type not in ("default", None):
-        raise ValueError(f"the model config already scales RoPE (rope_type={own_type!r}, factor={current.get('factor')}); "
-                         f"{where}.type={rope.type} would replace it: set {where}.type=none to keep the model's own scaling")
+        raise KeyedValueError(f"{where}.type", f"the model config already scales RoPE (rope_type={own_type!r}, factor="
+                              f"{current.get('factor')}); {where}.type={rope.type} would replace it",
+                              f"set {where}.type=none to keep the model's own scaling")
     scaled = copy.deepcopy(config)
     params = {**current, "rope_type": rope.type, "factor": float(rope.factor)}
     params.pop("type", None)
@@ -384,10 +387,9 @@ class ModelShape:
             targets = [(n, m) for n, m in linears if _lora_targets(n, lora.target_modules) and not (encoder and encoder in f".{n}.")]
             if not targets:
                 names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
-                raise ValueError(
-                    f"model.lora.target_modules={lora.target_modules} matches no Linear module of the model; "
-                    f"its Linear modules are named {', '.join(names)} (or use [all-linear])"
-                )
+                raise KeyedValueError("model.lora.target_modules", f"model.lora.target_modules={lora.target_modules} matches "
+                                      f"no Linear module of the model; its Linear modules are named {', '.join(names)}",
+                                      "set model.lora.target_modules to names the model has (or [all-linear])")
             lora_params = sum(lora.rank * (m.in_features + m.out_features) for _, m in targets)
             lora_modules = len(targets)
         model_config = model_config.get_text_config()  # the shape of the language model (the config itself for a text one)

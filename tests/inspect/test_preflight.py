@@ -247,7 +247,7 @@ def test_an_attention_free_model_is_estimated_and_a_multimodal_one_refused_by_na
     transformers.Qwen3_5Config().save_pretrained(tmp_path / "vl")
     problems = preflight("demo", [f"model.path={tmp_path / 'vl'}"]).problems
     assert len(problems) == 1 and "is a multimodal checkpoint (Qwen3_5Config" in problems[0].message
-    assert "model_type 'qwen3_5_text'" in problems[0].message
+    assert "model_type 'qwen3_5_text'" in problems[0].fix
 
 
 def test_model_config_without_context_is_named(tmp_path):
