@@ -54,16 +54,19 @@ class Registry(Mapping[str, Any]):
         kind: what a part is, for messages (``policy loss``).
         builtins: name -> module that registers it when imported.
         checks: name -> ``"module:function"`` of a config check for that part (imported only
-            when the config names it): ``function(cfg) -> list[ConfigProblem]``.
+            when the config names it): ``function(inputs) -> list[ConfigProblem]``, ``inputs``
+            the config or what ``check_inputs`` makes of it.
         args_key: the dotted config key of a mapping that holds the chosen part's own options
             (``algorithm.policy_loss_args``), or None when parts of this kind take none.
         infos: name -> ``"module:attribute"`` of what a built-in declares about itself (`info`),
             read from a light module without importing the part's own.
+        check_inputs: ``"module:function"`` turning the run's config into what this registry's
+            checks read (the sections its parts depend on), or None: they read the whole config.
     """
 
     def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], checks: dict[str, str] | None = None,
-                 args_key: str | None = None, infos: dict[str, str] | None = None):
-        self.name, self.key, self.kind, self.args_key = name, key, kind, args_key
+                 args_key: str | None = None, infos: dict[str, str] | None = None, check_inputs: str | None = None):
+        self.name, self.key, self.kind, self.args_key, self.check_inputs = name, key, kind, args_key, check_inputs
         self._builtins = dict(builtins)
         self._checks: dict[str, Any] = dict(checks or {})
         self._parts: dict[str, Any] = {}
@@ -131,8 +134,10 @@ class Registry(Mapping[str, Any]):
         return info
 
     def register_check(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``function(cfg) -> list[ConfigProblem]`` checks a config that names part
-        ``name`` (its settings among the others), at config load."""
+        """Decorator: ``function(inputs) -> list[ConfigProblem]`` checks a config that names part
+        ``name`` (its settings among the others), at config load; ``inputs`` is the config, or
+        what the registry's ``check_inputs`` makes of it (a reward-shaping part's check reads
+        `packrl.config.shaping_checks.ShapingCheckInputs`)."""
 
         def decorate(check: T) -> T:
             self._checks[name] = check
@@ -141,14 +146,14 @@ class Registry(Mapping[str, Any]):
         return decorate
 
     def config_problems(self, name: str, cfg: Any) -> list:
-        """The problems the check of part ``name`` finds in ``cfg`` (none without a check)."""
+        """The problems the check of part ``name`` finds in ``cfg`` (none without a check), given
+        what ``check_inputs`` makes of ``cfg`` when the registry has one."""
         check = self._checks.get(name)
         if check is None:
             return []
         if isinstance(check, str):
-            module, _, function = check.partition(":")
-            check = getattr(importlib.import_module(module), function)
-        return list(check(cfg))
+            check = _resolve(check)
+        return list(check(cfg if self.check_inputs is None else _resolve(self.check_inputs)(cfg)))
 
     def names(self) -> list[str]:
         """Every name a config may use: the built-in ones and those registered so far, sorted."""
@@ -198,6 +203,12 @@ class Registry(Mapping[str, Any]):
         return f"Registry({self.key}: {', '.join(self.names())})"
 
 
+def _resolve(target: str) -> Any:
+    """The function ``"module:function"`` names (its module imported)."""
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _origin(part: Any) -> tuple[str, str]:
     """Where a part is defined: a module re-executed under another name (a plugin file imported
     twice) registers an equal part, not a clash."""
@@ -237,9 +248,10 @@ REWARD_SHAPING = Registry("REWARD_SHAPING", "reward.shaping", "reward-shaping pa
                           checks={"overlong": "packrl.reward.overlong:config_problems",
                                   "tool_format": "packrl.reward.tool_format:config_problems",
                                   **{part: f"packrl.reward.length.{part}:config_problems" for part in _LENGTH_PARTS}},
-                          args_key="reward.shaping")
+                          args_key="reward.shaping", check_inputs="packrl.config.shaping_checks:shaping_check_inputs")
 """``fn(inputs: ShapingInputs) -> ShapingOutput`` (`packrl.reward.shaping.ShapingFn`). Its config key holds a
-mapping, part name -> that part's options (``args_key`` is the key itself)."""
+mapping, part name -> that part's options (``args_key`` is the key itself); a part's check reads
+``ShapingCheckInputs`` (`packrl.config.shaping_checks`: the reward, rollout, data and train sections)."""
 
 ROLLOUT_MODES = Registry("ROLLOUT_MODES", "trainer.rollout_mode", "rollout mode",
                          {"sync": "packrl.trainer.stages.rounds", "colocate_async": "packrl.trainer.stages.partial",

@@ -19,7 +19,9 @@ one decorated function in a file named in ``trainer.plugins``::
     def brevity(inputs: ShapingInputs) -> ShapingOutput: ...
 
 A part's config check (other keys it depends on) registers with
-``REWARD_SHAPING.register_check("brevity")`` (``cfg -> list[ConfigProblem]``).
+``REWARD_SHAPING.register_check("brevity")`` on a function
+`packrl.config.shaping_checks.ShapingCheckInputs` -> ``list[ConfigProblem]`` (the ``reward``,
+``rollout``, ``data`` and ``train`` sections).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from packrl.registry import REWARD_SHAPING
 from packrl.types import Response, Trajectory
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.shaping_checks import ShapingCheckInputs
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PARTS = ("call", "answer_used", "malformed")
@@ -67,11 +67,11 @@ def tool_format(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(sum(terms.values()), terms)  # type: ignore[arg-type]
 
 
-def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
     """The format reward scores tool calls: without tools it would add nothing (the part's check)."""
-    if cfg.rollout.multi_turn.enabled:
+    if inputs.rollout.multi_turn.enabled:
         return []
-    return [ConfigProblem(KEY, cfg.reward.shaping.get("tool_format"), "has no effect: multi-turn is off "
+    return [ConfigProblem(KEY, inputs.reward.shaping.get("tool_format"), "has no effect: multi-turn is off "
                           "(rollout.multi_turn.tools is empty), so no response holds a tool call",
                           f"name a tool in rollout.multi_turn.tools (e.g. [calculator]) or set {KEY}=null",
                           keys=(KEY, "rollout.multi_turn.tools"))]

@@ -11,6 +11,8 @@ import torch
 
 from packrl.config import ConfigError, load_config
 from packrl.config.schema import RewardConfig
+from packrl.config.shaping_checks import ShapingCheckInputs, shaping_check_inputs
+from packrl.errors import ConfigProblem
 from packrl.registry import REWARD_SHAPING, import_plugins
 from packrl.reward import score_rollout
 from packrl.types import PromptBatch, Response, RolloutBatch
@@ -81,6 +83,35 @@ def test_a_plugin_part_with_its_own_knobs_is_checked_at_load(plugin):
     with pytest.raises(ConfigError, match=r"reward.shaping.test_bad_shape=.*has no effect: reward-shaping part test_bad_shape reads "
                                           r"no options"):
         load_config("demo", [*base, "reward.shaping.test_bad_shape.x=1"])
+
+
+def _brevity_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+    """A check of the test part: its penalty at the response budget stays <= 50."""
+    per_token = (inputs.reward.shaping.get("test_brevity") or {}).get("per_token", 0.01)
+    budget = inputs.rollout.max_response_tokens
+    if per_token * budget <= 50:
+        return []
+    return [ConfigProblem("reward.shaping.test_brevity.per_token", per_token, f"x rollout.max_response_tokens={budget} > 50",
+                          "lower reward.shaping.test_brevity.per_token",
+                          keys=("reward.shaping.test_brevity.per_token", "rollout.max_response_tokens"))]
+
+
+def test_a_plugin_parts_check_reads_the_sections_it_gets(plugin, monkeypatch):
+    """A part's registered check (`REWARD_SHAPING.register_check`) gets `ShapingCheckInputs` (the
+    reward, rollout, data and train sections), not the whole config, and its problems stop the load."""
+    checks = REWARD_SHAPING._checks | {"test_brevity": _brevity_problems}  # as register_check would, for this test only
+    monkeypatch.setattr(REWARD_SHAPING, "_checks", checks)
+    base = [f"trainer.plugins=[{plugin}]"]
+    with pytest.raises(ConfigError, match=r"reward.shaping.test_brevity.per_token=1: x rollout.max_response_tokens=64 > 50"):
+        load_config("demo", [*base, "reward.shaping.test_brevity.per_token=1", "rollout.max_response_tokens=64"])
+    assert load_config("demo", [*base, "reward.shaping.test_brevity.per_token=1", "rollout.max_response_tokens=32"])
+    cfg = load_config("demo", base)
+    inputs = shaping_check_inputs(cfg)
+    assert isinstance(inputs, ShapingCheckInputs)
+    assert (inputs.reward, inputs.rollout, inputs.data, inputs.train) == (cfg.reward, cfg.rollout, cfg.data, cfg.train)
+    seen = []
+    checks["test_seen_inputs"] = lambda got: seen.append(got) or []
+    assert REWARD_SHAPING.config_problems("test_seen_inputs", cfg) == [] and seen == [inputs]
 
 
 def test_score_rollout_sums_the_parts_and_reports_each(plugin):

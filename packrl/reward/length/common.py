@@ -12,7 +12,7 @@ from packrl.errors import ConfigProblem
 if TYPE_CHECKING:
     import torch
 
-    from packrl.config.schema import RunConfig
+    from packrl.config.schema import RewardConfig
     from packrl.reward.shaping import ShapingInputs
 
 
@@ -42,24 +42,25 @@ def grouped(values: torch.Tensor, group_size: int) -> torch.Tensor:
     return values.reshape(-1, group_size)
 
 
-def correctness_problems(cfg: RunConfig, part: str) -> list[ConfigProblem]:
+def correctness_problems(reward: RewardConfig, part: str) -> list[ConfigProblem]:
     """A part that rewards correct responses needs a reward with a notion of correct, and a
-    format score below it (a formatted wrong answer must not count as correct)."""
+    format score below it (a formatted wrong answer must not count as correct). ``reward``: the
+    ``reward`` section."""
     from packrl.reward.registry import reward_info
 
     key = f"reward.shaping.{part}"
     try:
-        info = reward_info(cfg.reward.name)
+        info = reward_info(reward.name)
     except ValueError:
         return []  # the unknown reward name is its own problem
     if info.correct_score is None:
-        return [ConfigProblem(key, cfg.reward.shaping.get(part), f"reads which responses are correct, and reward.name={cfg.reward.name} "
+        return [ConfigProblem(key, reward.shaping.get(part), f"reads which responses are correct, and reward.name={reward.name} "
                               "declares no notion of correct (a dense score)",
                               f"use a reward registered with correct_score (gsm8k, math_verify), or set {key}=null",
                               keys=(key, "reward.name"))]
-    if cfg.reward.format_score >= info.correct_score:
-        return [ConfigProblem("reward.format_score", cfg.reward.format_score, f">= the correct score {info.correct_score:g} of "
-                              f"reward.name={cfg.reward.name}: {key} would count formatted wrong answers as correct",
+    if reward.format_score >= info.correct_score:
+        return [ConfigProblem("reward.format_score", reward.format_score, f">= the correct score {info.correct_score:g} of "
+                              f"reward.name={reward.name}: {key} would count formatted wrong answers as correct",
                               f"set reward.format_score below {info.correct_score:g}", keys=("reward.format_score", key))]
     return []
 

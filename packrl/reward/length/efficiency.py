@@ -19,7 +19,7 @@ from packrl.registry import REWARD_SHAPING
 from packrl.reward.length.common import correct_of, correctness_problems, grouped, policy_lengths
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.shaping_checks import ShapingCheckInputs
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "efficiency"
@@ -58,5 +58,5 @@ def efficiency(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(value.reshape(-1), {"z": z.reshape(-1)})
 
 
-def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
-    return correctness_problems(cfg, PART)
+def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+    return correctness_problems(inputs.reward, PART)

@@ -23,7 +23,7 @@ from packrl.registry import REWARD_SHAPING
 from packrl.reward.length.common import correct_of, correctness_problems, finite_positive, grouped, policy_lengths
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.shaping_checks import ShapingCheckInputs
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "group_length"
@@ -63,13 +63,13 @@ def group_length(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(value, {"lambda": lam})
 
 
-def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
     """A reward with a notion of correct; a warm-up shorter than the run."""
-    out = correctness_problems(cfg, PART)
-    warmup = (cfg.reward.shaping.get(PART) or {}).get("warmup_steps", 0)
-    if isinstance(warmup, int) and warmup >= cfg.train.total_steps:
+    out = correctness_problems(inputs.reward, PART)
+    warmup = (inputs.reward.shaping.get(PART) or {}).get("warmup_steps", 0)
+    if isinstance(warmup, int) and warmup >= inputs.train.total_steps:
         out.append(ConfigProblem(f"reward.shaping.{PART}.warmup_steps", warmup, f"leaves no step of train.total_steps="
-                                 f"{cfg.train.total_steps} with the length term",
+                                 f"{inputs.train.total_steps} with the length term",
                                  f"lower reward.shaping.{PART}.warmup_steps or raise train.total_steps",
                                  keys=(f"reward.shaping.{PART}.warmup_steps", "train.total_steps")))
     return out

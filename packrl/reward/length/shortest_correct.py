@@ -16,7 +16,7 @@ from packrl.registry import REWARD_SHAPING
 from packrl.reward.length.common import correct_of, correctness_problems, finite_positive, grouped, policy_lengths
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.shaping_checks import ShapingCheckInputs
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "shortest_correct"
@@ -48,5 +48,5 @@ def shortest_correct(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(value.reshape(-1), {"target": target.reshape(-1)})
 
 
-def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
-    return correctness_problems(cfg, PART)
+def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+    return correctness_problems(inputs.reward, PART)

@@ -26,7 +26,7 @@ from packrl.reward.length.common import correct_of, correctness_problems, finite
 if TYPE_CHECKING:
     import torch
 
-    from packrl.config.schema import RunConfig
+    from packrl.config.shaping_checks import ShapingCheckInputs
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "target_length"
@@ -85,13 +85,13 @@ def target_length(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(value, {"target_error": error})
 
 
-def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
     """Prompts that carry targets; ``max`` mode reads correctness."""
     out = []
-    if not cfg.data.length_target.enabled:
-        out.append(ConfigProblem(f"reward.shaping.{PART}", cfg.reward.shaping.get(PART), "needs each prompt to ask for a length, "
+    if not inputs.data.length_target.enabled:
+        out.append(ConfigProblem(f"reward.shaping.{PART}", inputs.reward.shaping.get(PART), "needs each prompt to ask for a length, "
                                  "and data.length_target sets none", "set data.length_target.min_tokens and max_tokens (or "
                                  "data.length_target.column) and its template", keys=(f"reward.shaping.{PART}", "data.length_target")))
-    if (cfg.reward.shaping.get(PART) or {}).get("mode", "exact") == "max":
-        out += correctness_problems(cfg, PART)
+    if (inputs.reward.shaping.get(PART) or {}).get("mode", "exact") == "max":
+        out += correctness_problems(inputs.reward, PART)
     return out
