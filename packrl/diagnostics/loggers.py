@@ -8,6 +8,8 @@
 - ``mlflow``: an MLflow run (its own settings: ``MLFLOW_TRACKING_URI``).
 
 A missing package is a config problem raised before any model loads (`TrainConfig.problems`).
+The backends that record the run's config (tensorboard, wandb, mlflow) get it as a `ConfigRecord`,
+made once by the run, not the `RunConfig` itself.
 """
 
 from __future__ import annotations
@@ -15,20 +17,32 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from packrl.config.load import to_yaml
-from packrl.config.schema import RunConfig
+from packrl.config.schema import TrainConfig
 
 
 class MetricLogger(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ConfigRecord:
+    """The resolved run config as the backends record it.
+
+    Attributes:
+        yaml: its YAML text (``RUN_DIR/config.yaml``, `packrl.config.load.to_yaml`).
+        values: the same as nested plain values (``dataclasses.asdict`` of the config).
+    """
+
+    yaml: str
+    values: dict[str, Any]
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:
@@ -75,11 +89,11 @@ class TensorBoardLogger:
     """Scalars under ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR``), the resolved
     config as text."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig):
+    def __init__(self, run_dir: Path, config: ConfigRecord):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.writer.add_text("config", "```\n" + to_yaml(cfg) + "\n```")
+        self.writer.add_text("config", "```\n" + config.yaml + "\n```")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in _numbers(metrics).items():
@@ -91,11 +105,11 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    def __init__(self, run_dir: Path, cfg: RunConfig):
+    def __init__(self, run_dir: Path, config: ConfigRecord):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project="packrl", name=run_dir.name, dir=str(run_dir), config=asdict(cfg))
+        self.run = wandb.init(project="packrl", name=run_dir.name, dir=str(run_dir), config=config.values)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(_numbers(metrics), step=step)
@@ -105,12 +119,12 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    def __init__(self, run_dir: Path, cfg: RunConfig):
+    def __init__(self, run_dir: Path, config: ConfigRecord):
         import mlflow
 
         self.mlflow = mlflow
         mlflow.start_run(run_name=run_dir.name)
-        mlflow.log_text(to_yaml(cfg), "config.yaml")
+        mlflow.log_text(config.yaml, "config.yaml")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics(_numbers(metrics), step=step)
@@ -119,21 +133,22 @@ class MlflowLogger:
         self.mlflow.end_run()
 
 
-def build_loggers(cfg: RunConfig, run_dir: Path, total_steps: int | None = None) -> list[MetricLogger]:
-    """One logger per name in ``train.loggers``, in order; the console's bar counts ``total_steps``
-    (None: ``train.total_steps``).
+def build_loggers(train: TrainConfig, run_dir: Path, config: ConfigRecord, total_steps: int | None = None) -> list[MetricLogger]:
+    """One logger per name in ``train.loggers`` (``train``: the ``train`` section), in order; the
+    console's bar counts ``total_steps`` (None: ``train.total_steps``); the backends that record
+    the config record ``config``.
 
     Raises:
         ValueError: an unknown name (the config loader rejects those first).
     """
     makers: dict[str, Callable[[], MetricLogger]] = {
-        "console": lambda: ConsoleLogger(cfg.train.total_steps if total_steps is None else total_steps),
-        "tensorboard": lambda: TensorBoardLogger(run_dir, cfg),
-        "wandb": lambda: WandbLogger(run_dir, cfg),
-        "mlflow": lambda: MlflowLogger(run_dir, cfg),
+        "console": lambda: ConsoleLogger(train.total_steps if total_steps is None else total_steps),
+        "tensorboard": lambda: TensorBoardLogger(run_dir, config),
+        "wandb": lambda: WandbLogger(run_dir, config),
+        "mlflow": lambda: MlflowLogger(run_dir, config),
     }
-    names = [name for name in cfg.train.loggers if name != "jsonl"]  # Run writes metrics.jsonl itself
+    names = [name for name in train.loggers if name != "jsonl"]  # Run writes metrics.jsonl itself
     unknown = [name for name in names if name not in makers]
     if unknown:
-        raise ValueError(f"train.loggers={cfg.train.loggers!r} names unknown loggers {unknown}; choose from jsonl, {', '.join(makers)}")
+        raise ValueError(f"train.loggers={train.loggers!r} names unknown loggers {unknown}; choose from jsonl, {', '.join(makers)}")
     return [makers[name]() for name in names]

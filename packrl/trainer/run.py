@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from packrl.config.load import to_yaml
 from packrl.config.schema import RunConfig
-from packrl.diagnostics.loggers import build_loggers
+from packrl.diagnostics.loggers import ConfigRecord, build_loggers
 from packrl.seqlen.prompt_policy import PromptAccounting
 
 logger = logging.getLogger("packrl")
@@ -103,14 +103,15 @@ class Run:
         if cfg.train.resume is None and (self.dir / "metrics.jsonl").is_file() and (self.dir / "metrics.jsonl").stat().st_size:
             raise ValueError(f"train.out_dir={str(self.dir)!r} already holds a run (metrics.jsonl); set train.resume=auto to "
                              "continue it, or choose a new train.out_dir")
+        config = ConfigRecord(to_yaml(cfg), asdict(cfg))
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.yaml").write_text(to_yaml(cfg))
+            (self.dir / "config.yaml").write_text(config.yaml)
         except OSError as err:
             raise ValueError(f"train.out_dir={str(self.dir)!r} cannot be written ({err}); choose a writable train.out_dir") from err
         self._setup_logging()
         self.metrics_path = self.dir / "metrics.jsonl"
-        self.loggers = build_loggers(cfg, self.dir, total_steps)
+        self.loggers = build_loggers(cfg.train, self.dir, config, total_steps)
         restarts = self.dir / RESTARTS_FILE
         self.num_restarts: int | None = None  # logged as train/restarts when restarts are on
         if cfg.trainer.max_restarts > 0:
