@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from packrl.config.plan import BatchPlan
-from packrl.config.schema import RunConfig
+from packrl.config.schema import RunConfig, TrainerConfig
 from packrl.distributed.group import WorkerGroup
 from packrl.distributed.health import (
     ActorRecord,
@@ -71,7 +71,7 @@ def _ray_temp_dir(run_dir: Path) -> Path:
     return short
 
 
-def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
+def start_ray(trainer: TrainerConfig, run_dir: Path) -> bool:
     """Join ``trainer.ray_address`` or start a private local Ray; True when this call connected
     this process to Ray (its `release_actors` disconnects it, and stops a private Ray).
 
@@ -80,7 +80,7 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
             the run's actors at once (`_check_room`); a node of the cluster does not share
             ``train.out_dir`` (`check_shared_dir`); or a local Ray would not bind to loopback.
     """
-    local = cfg.trainer.ray_address is None
+    local = trainer.ray_address is None
     if local:  # Ray's single-machine mode: this node's address is 127.0.0.1, so every server binds there
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     try:
@@ -92,8 +92,8 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
     if ray.is_initialized():
         raise ValueError("Ray is already initialised in this process; call ray.shutdown() first or set trainer.ray_address")
     if local:
-        num_rollout = cfg.trainer.num_rollout_workers if cfg.trainer.rollout_mode == "separate_async" else 0
-        num_cpus = max(os.cpu_count() or 1, (cfg.trainer.num_workers + num_rollout) * cfg.trainer.num_cpus_per_worker)
+        num_rollout = trainer.num_rollout_workers if trainer.rollout_mode == "separate_async" else 0
+        num_cpus = max(os.cpu_count() or 1, (trainer.num_workers + num_rollout) * trainer.num_cpus_per_worker)
         try:
             ray.init(address="local", num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
                      object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,
@@ -107,12 +107,12 @@ def start_ray(cfg: RunConfig, run_dir: Path) -> bool:
                              "start Ray yourself and set trainer.ray_address, or use trainer.num_workers=1")
     else:
         try:
-            ray.init(address=cfg.trainer.ray_address, log_to_driver=False, configure_logging=False)
+            ray.init(address=trainer.ray_address, log_to_driver=False, configure_logging=False)
         except Exception as err:  # connection and address errors
-            raise ValueError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address!r}: "
+            raise ValueError(f"cannot join the Ray cluster at trainer.ray_address={trainer.ray_address!r}: "
                              f"{type(err).__name__}: {err}; start it with `ray start --head` or fix the address") from err
     try:
-        _check_room(cfg)
+        _check_room(trainer)
         if not local:
             check_shared_dir(run_dir)
     except BaseException:
@@ -135,44 +135,43 @@ def _single_machine_mode() -> None:
         setattr(constants, "ENABLE_RAY_CLUSTER", False)  # importlib returns a plain ModuleType, which declares no such attribute
 
 
-def actor_bundle(cfg: RunConfig) -> dict[str, float]:
+def actor_bundle(trainer: TrainerConfig) -> dict[str, float]:
     """The resources Ray reserves for one rank or rollout worker: ``trainer.num_cpus_per_worker``
     CPUs, and one GPU on CUDA."""
-    return {"CPU": float(cfg.trainer.num_cpus_per_worker)} | ({"GPU": 1.0} if torch.cuda.is_available() else {})
+    return {"CPU": float(trainer.num_cpus_per_worker)} | ({"GPU": 1.0} if torch.cuda.is_available() else {})
 
 
-def run_bundles(cfg: RunConfig) -> list[dict[str, float]]:
+def run_bundles(trainer: TrainerConfig) -> list[dict[str, float]]:
     """One `actor_bundle` per Ray actor of the run: the ranks (``trainer.num_workers > 1``) and the
     rollout workers (``separate_async``)."""
-    ranks = cfg.trainer.num_workers if cfg.trainer.num_workers > 1 else 0
-    rollout = cfg.trainer.num_rollout_workers if cfg.trainer.rollout_mode == "separate_async" else 0
-    return [actor_bundle(cfg)] * (ranks + rollout)
+    ranks = trainer.num_workers if trainer.num_workers > 1 else 0
+    rollout = trainer.num_rollout_workers if trainer.rollout_mode == "separate_async" else 0
+    return [actor_bundle(trainer)] * (ranks + rollout)
 
 
-def _room_fix(cfg: RunConfig) -> str:
-    knobs = "trainer.num_workers" + (", trainer.num_rollout_workers" if cfg.trainer.rollout_mode == "separate_async" else "")
+def _room_fix(trainer: TrainerConfig) -> str:
+    knobs = "trainer.num_workers" + (", trainer.num_rollout_workers" if trainer.rollout_mode == "separate_async" else "")
     return f"lower {knobs} or trainer.num_cpus_per_worker, or add nodes to the cluster (`ray start --address=HEAD:PORT` on each)"
 
 
-def _check_room(cfg: RunConfig) -> None:
+def _check_room(trainer: TrainerConfig) -> None:
     """Refuse a run whose actors the cluster's alive nodes can never hold at once (each actor's
     bundle must fit one node).
 
     Raises:
         ValueError: naming the keys and values, each node's CPUs and GPUs, and the fix.
     """
-    bundles = run_bundles(cfg)
+    bundles = run_bundles(trainer)
     nodes = alive_nodes()
     missing = placement_shortfall(bundles, nodes)
     if missing:
-        t = cfg.trainer
-        actors = f"trainer.num_workers={t.num_workers}" + (f" + trainer.num_rollout_workers={t.num_rollout_workers}"
-                                                           if t.rollout_mode == "separate_async" else "")
+        actors = f"trainer.num_workers={trainer.num_workers}" + (
+            f" + trainer.num_rollout_workers={trainer.num_rollout_workers}" if trainer.rollout_mode == "separate_async" else "")
         raise ValueError(f"{actors} Ray actors of {bundles[0]} each do not fit the Ray cluster: {missing} of {len(bundles)} "
-                         f"have no room ({describe_nodes(nodes)}); {_room_fix(cfg)}")
+                         f"have no room ({describe_nodes(nodes)}); {_room_fix(trainer)}")
 
 
-def wait_for_cluster(cfg: RunConfig, timeout_s: float) -> float:
+def wait_for_cluster(trainer: TrainerConfig, timeout_s: float) -> float:
     """Before a restart on a cluster (``trainer.ray_address``): join it, wait until its alive nodes
     can hold the run's actors again (a lost node rejoining), leave; return the seconds waited (0
     for a private local Ray, which starts afresh).
@@ -182,18 +181,18 @@ def wait_for_cluster(cfg: RunConfig, timeout_s: float) -> float:
             nodes' resources and the fix.
         ValueError: the cluster cannot be joined.
     """
-    if cfg.trainer.ray_address is None:
+    if trainer.ray_address is None:
         return 0.0
     import ray
 
     try:
-        ray.init(address=cfg.trainer.ray_address, log_to_driver=False, configure_logging=False)
+        ray.init(address=trainer.ray_address, log_to_driver=False, configure_logging=False)
     except Exception as err:  # connection and address errors
-        raise ValueError(f"cannot join the Ray cluster at trainer.ray_address={cfg.trainer.ray_address!r} to restart: "
+        raise ValueError(f"cannot join the Ray cluster at trainer.ray_address={trainer.ray_address!r} to restart: "
                          f"{type(err).__name__}: {err}") from err
     try:
-        return wait_for_room(run_bundles(cfg), timeout_s, "the run",
-                             f"{_room_fix(cfg)}; then continue with train.resume=auto, or raise trainer.restart_wait_s")
+        return wait_for_room(run_bundles(trainer), timeout_s, "the run",
+                             f"{_room_fix(trainer)}; then continue with train.resume=auto, or raise trainer.restart_wait_s")
     finally:
         ray.shutdown()
 
@@ -203,7 +202,7 @@ def _on_loopback(nodes: Sequence[dict[str, Any]]) -> bool:
     return all(n["NodeManagerAddress"].startswith("127.") or n["NodeManagerAddress"] == "::1" for n in nodes)
 
 
-def _place_ranks(cfg: RunConfig) -> Any:
+def _place_ranks(trainer: TrainerConfig) -> Any:
     """A placement group of one `actor_bundle` per rank (``trainer.placement``), ready.
 
     Raises:
@@ -212,10 +211,10 @@ def _place_ranks(cfg: RunConfig) -> Any:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    group = placement_group([actor_bundle(cfg)] * cfg.trainer.num_workers, strategy=cfg.trainer.placement.upper())
+    group = placement_group([actor_bundle(trainer)] * trainer.num_workers, strategy=trainer.placement.upper())
     if not group.wait(timeout_seconds=PLACEMENT_WAIT_S):
         remove_placement_group(group)
-        raise RuntimeError(f"the {cfg.trainer.num_workers} ranks (trainer.num_workers, trainer.placement={cfg.trainer.placement}) "
+        raise RuntimeError(f"the {trainer.num_workers} ranks (trainer.num_workers, trainer.placement={trainer.placement}) "
                            f"found no free room within {PLACEMENT_WAIT_S:g} s; free now: {ray.available_resources()}; "
                            "stop what holds the cluster's resources, or lower trainer.num_workers")
     return group
@@ -321,7 +320,7 @@ def ray_group(cfg: RunConfig, run_dir: Path, plan: BatchPlan | None = None) -> W
         WorkerLost: a rank or its node was lost during set-up.
     """
     tokenizer = load_policy_tokenizer(cfg.model)
-    owns_ray = start_ray(cfg, run_dir)
+    owns_ray = start_ray(cfg.trainer, run_dir)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -330,9 +329,9 @@ def ray_group(cfg: RunConfig, run_dir: Path, plan: BatchPlan | None = None) -> W
     actors: list = []
     placement = None
     try:
-        placement = _place_ranks(cfg)
+        placement = _place_ranks(cfg.trainer)
         loopback = cfg.trainer.ray_address is None or _on_loopback(alive_nodes())
-        bundle = actor_bundle(cfg)
+        bundle = actor_bundle(cfg.trainer)
         remote = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RankActor)
         names = [f"packrl-rank{rank}-{secrets.token_hex(3)}" for rank in range(n)]
         actors = [remote.options(name=names[rank], scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -117,8 +117,8 @@ def rollout_pool(cfg: RunConfig, run_dir: Path, plan: BatchPlan, max_context_tok
         raise ValueError("trainer.rollout_mode=separate_async runs its rollout workers on Ray: pip install 'packrl[ray]'")
     import ray
 
-    owns_ray = False if ray.is_initialized() else start_ray(cfg, run_dir)
-    bundle = actor_bundle(cfg)
+    owns_ray = False if ray.is_initialized() else start_ray(cfg.trainer, run_dir)
+    bundle = actor_bundle(cfg.trainer)
     remote = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RolloutWorker)
     count = cfg.trainer.num_rollout_workers
     names = [f"packrl-rollout{i}-{secrets.token_hex(3)}" for i in range(count)]

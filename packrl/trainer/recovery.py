@@ -87,7 +87,7 @@ def _restart(cfg: RunConfig, run: Run, lost: WorkerLost, number: int, attempt_st
 
     torn_down = time.time()
     wait_s = cfg.trainer.restart_wait_s if cfg.trainer.restart_wait_s is not None else RESTART_WAIT_S
-    waited = wait_for_cluster(cfg, wait_s)
+    waited = wait_for_cluster(cfg.trainer, wait_s)
     own = resume_candidates(run.dir, "auto")
     resume = "auto" if own or cfg.train.resume in (None, "auto") else cfg.train.resume
     checkpoint = own[0] if own else (Path(resume) if resume != "auto" else None)

@@ -4,6 +4,7 @@ and why from Ray's own messages, and whether a cluster's nodes can hold the run'
 from __future__ import annotations
 
 import pytest
+import torch
 
 from packrl.distributed.health import ActorRecord, WorkerLost, describe_nodes, lost_from_error, placement_shortfall
 
@@ -62,3 +63,15 @@ def test_placement_counts_the_actors_no_node_can_hold():
     assert placement_shortfall([{"CPU": 1.0}], []) == 1
     assert describe_nodes(gpu_nodes) == "node gggggggggg (10.0.0.1): CPU 8, GPU 2; node hhhhhhhhhh (10.0.0.1): CPU 8, GPU 1"
     assert describe_nodes([]) == "no node alive"
+
+
+def test_the_run_reserves_one_bundle_per_ray_actor_from_the_trainer_section():
+    from packrl.config.schema import TrainerConfig
+    from packrl.distributed.ray_group import run_bundles
+
+    gpu = {"GPU": 1.0} if torch.cuda.is_available() else {}
+    assert run_bundles(TrainerConfig(num_workers=1)) == [], "one process: no Ray actor"
+    assert run_bundles(TrainerConfig(num_workers=2, num_cpus_per_worker=3)) == [{"CPU": 3.0} | gpu] * 2
+    separate = TrainerConfig(num_workers=2, rollout_mode="separate_async", num_rollout_workers=3)
+    assert run_bundles(separate) == [{"CPU": float(separate.num_cpus_per_worker)} | gpu] * 5
+    assert len(run_bundles(TrainerConfig(num_workers=2, num_rollout_workers=3))) == 2, "rollout workers only under separate_async"
