@@ -29,7 +29,7 @@ from packrl.distributed.health import ActorRecord, Located, locate, wait_all
 from packrl.distributed.ray_group import actor_bundle, release_actors, start_ray, write_records
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
-from packrl.rollout.engine import EngineCapabilities, SamplingParams, awake
+from packrl.rollout.engine import EngineCapabilities, EngineOptions, SamplingParams, awake
 from packrl.types import ExtraInputs, Response
 from packrl.worker.parts import build_engine
 
@@ -53,8 +53,8 @@ class RolloutWorker(Located):
         torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         policy, tokenizer = load_policy(cfg.model, device=device, compute_dtype=plan.compute_dtype)
-        self.engine, _, _ = build_engine(cfg, policy, tokenizer, max_context_tokens=max_context_tokens, may_share_policy=False,
-                                         compute_dtype=plan.compute_dtype)
+        self.engine, _, _ = build_engine(cfg.rollout, EngineOptions.from_config(cfg), policy, tokenizer,
+                                         max_context_tokens=max_context_tokens, may_share_policy=False, compute_dtype=plan.compute_dtype)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
         return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)

@@ -178,7 +178,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         activations = T * shape.num_layers * per_layer
     outside_layers = T * (3 * max(c, _RESIDUAL_BYTES) + c) * shape.hidden_size  # embedding, final norm, its cast
     weight_casts = 0 if c >= 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
-    layout = weight_layout(cfg)
+    layout = weight_layout(cfg.trainer.num_workers, m.param_offload)
     shards = layout.num_shards
     engine_copy = 2 if c == 2 else (c if layout.engine_copy_always or cfg.rollout.engine != "hf" else 0)
     layer_params = (shape.num_matmul_params + (shape.num_lora_params if lora else 0)) // shape.num_layers  # with its adapters

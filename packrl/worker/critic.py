@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from packrl.algos.loss_agg import aggregate_loss
-from packrl.config.schema import LossAggMode, RunConfig
+from packrl.config.schema import CriticConfig, LossAggMode, ModelConfig, RunConfig, TrainConfig
 from packrl.hardware import ComputeDtype
 from packrl.models.attention import PackedAttention, packed_forward
 from packrl.models.compile import CompiledLayers, active
@@ -86,19 +86,24 @@ class ValueModel(torch.nn.Module):
         return values if values.dtype == torch.float64 else values.float()
 
 
-def load_critic(cfg: RunConfig, device: torch.device, compute_dtype: ComputeDtype | None = None) -> ValueModel:
+def load_critic(model_cfg: ModelConfig, critic_cfg: CriticConfig, seed: int, device: torch.device,
+                compute_dtype: ComputeDtype | None = None) -> ValueModel:
     """The value model: ``critic.model.path`` (or ``model.path``) loaded as the policy is
     (`packrl.models.loading.load_policy`: float32 master weights, packed attention, gradient
     checkpointing as ``model.gradient_checkpointing``; never LoRA), its LM head dropped.
+
+    Args:
+        model_cfg / critic_cfg: the ``model`` and ``critic`` sections.
+        seed: ``train.seed`` (the value head's start).
 
     Raises:
         ValueError: any error of `load_policy` for that path.
     """
     from packrl.models.loading import load_policy
 
-    model_cfg = replace(cfg.model, path=cfg.critic.model.path or cfg.model.path, lora=replace(cfg.model.lora, rank=0))
-    causal_lm, _ = load_policy(model_cfg, device=device, compute_dtype=compute_dtype)
-    critic = ValueModel(causal_lm.get_decoder(), causal_lm.config, cfg.model.packed_attention, seed=cfg.train.seed).to(device)
+    backbone = replace(model_cfg, path=critic_cfg.model.path or model_cfg.path, lora=replace(model_cfg.lora, rank=0))
+    causal_lm, _ = load_policy(backbone, device=device, compute_dtype=compute_dtype)
+    critic = ValueModel(causal_lm.get_decoder(), causal_lm.config, model_cfg.packed_attention, seed=seed).to(device)
     return critic.train()
 
 
@@ -239,12 +244,13 @@ def critic_metrics(ranks: Sequence[CriticStats]) -> dict[str, float]:
     return step_metrics([r.steps for r in ranks], "critic")
 
 
-def critic_optimization(critic: ValueModel, cfg: RunConfig) -> Optimization:
+def critic_optimization(critic: ValueModel, critic_cfg: CriticConfig, train: TrainConfig) -> Optimization:
     """AdamW at ``critic.lr`` (``train.weight_decay``), the actor's warm-up schedule shape, the
-    actor's skip rule, and ``critic.grad_clip`` (`packrl.worker.optim.Optimization.build`)."""
-    return Optimization.build([p for p in critic.parameters() if p.requires_grad], lr=cfg.critic.lr,
-                              weight_decay=cfg.train.weight_decay, warmup_steps=cfg.train.warmup_steps,
-                              max_consecutive_skips=cfg.train.max_consecutive_skips, grad_clip=cfg.critic.grad_clip,
+    actor's skip rule, and ``critic.grad_clip`` (`packrl.worker.optim.Optimization.build`; the
+    ``critic`` and ``train`` sections)."""
+    return Optimization.build([p for p in critic.parameters() if p.requires_grad], lr=critic_cfg.lr,
+                              weight_decay=train.weight_decay, warmup_steps=train.warmup_steps,
+                              max_consecutive_skips=train.max_consecutive_skips, grad_clip=critic_cfg.grad_clip,
                               lr_key="critic.lr")
 
 
@@ -276,9 +282,9 @@ class CriticRole:
         """Load the value model (`load_critic`), wrap it with ``strategy``, then its optimizer and
         (with ``compile_layers``) its compiled twin, in that order (the optimizer sees the wrapped
         parameters)."""
-        model = load_critic(cfg, strategy.device, compute_dtype)
+        model = load_critic(cfg.model, cfg.critic, cfg.train.seed, strategy.device, compute_dtype)
         strategy.wrap(model)
-        return cls(model, critic_optimization(model, cfg), CompiledLayers(model) if compile_layers else None,
+        return cls(model, critic_optimization(model, cfg.critic, cfg.train), CompiledLayers(model) if compile_layers else None,
                    cfg.critic.cliprange_value, cfg.algorithm.loss_agg_mode, cfg.critic.lr, cfg.critic.model.path or cfg.model.path)
 
     def describe(self) -> str:

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from packrl.config.grouped_caps import grouped_cap_limits
-from packrl.config.schema import ModelConfig, RunConfig
+from packrl.config.schema import ModelConfig, RolloutConfig, RunConfig
 from packrl.errors import ConfigError
 from packrl.hardware import ComputeDtype
-from packrl.models.attention import supports_shared_prompts
+from packrl.models.attention import PackedAttention, supports_shared_prompts
 from packrl.models.compile import CompiledLayers
 from packrl.models.isolation import PackingCheck
 from packrl.models.lora import adapter_config, is_lora, parameter_counts
@@ -92,33 +92,39 @@ class WorkerParts:
         return "; ".join(parts)
 
 
-def build_engine(cfg: RunConfig, policy: Any, tokenizer: Any, *, max_context_tokens: int, may_share_policy: bool,
-                 compute_dtype: ComputeDtype) -> tuple[Any, str, EngineCapabilities]:
+def build_engine(rollout: RolloutConfig, options: EngineOptions, policy: Any, tokenizer: Any, *, max_context_tokens: int,
+                 may_share_policy: bool, compute_dtype: ComputeDtype) -> tuple[Any, str, EngineCapabilities]:
     """The configured rollout engine for ``policy`` (``rollout.engine``, wrapped for tools by
-    `packrl.rollout.multi_turn.multi_turn_engine`), its summary phrase and what the run's rollouts
+    `packrl.rollout.multi_turn.multi_turn_engine` and for thinking budgets by
+    `packrl.rollout.thinking.thinking_engine`), its summary phrase and what the run's rollouts
     can do (`packrl.rollout.engine.engine_capabilities`). Before the strategy wraps the policy: an
     engine copies whole weights.
+
+    Args:
+        rollout: the ``rollout`` section.
+        options: the engine's settings from the run (`EngineOptions.from_config`; its
+            ``max_prompt_tokens`` is ``data.max_prompt_tokens``).
 
     Raises:
         ValueError: the factory returned an object without the engine contract's methods, or one
             that lacks what its registration declares (`packrl.rollout.engine.check_capabilities`).
     """
-    name = cfg.rollout.engine
+    name = rollout.engine
     factory = ROLLOUT_ENGINES.lookup(name)
-    engine = factory(EngineContext(policy=policy, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
-                                   max_context_tokens=max_context_tokens, may_share_policy=may_share_policy, compute_dtype=compute_dtype))
+    engine = factory(EngineContext(policy=policy, tokenizer=tokenizer, options=options, max_context_tokens=max_context_tokens,
+                                   may_share_policy=may_share_policy, compute_dtype=compute_dtype))
     if not isinstance(engine, RolloutEngine):
         missing = [m for m in ("generate", "load_weights", "sleep", "wake_up", "close") if not callable(getattr(engine, m, None))]
         raise ValueError(f"rollout.engine={name!r}: its factory returned a {type(engine).__name__} without "
                          f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
     check_capabilities(engine, name, declared_capabilities(name))
     phrase = engine.describe() if isinstance(engine, DescribedEngine) else ""
-    if cfg.rollout.multi_turn.enabled:
-        engine = multi_turn_engine(engine, tokenizer, cfg.rollout.multi_turn, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                                   max_response_tokens=cfg.rollout.max_response_tokens, max_context_tokens=max_context_tokens)
-    if cfg.rollout.thinking:
-        engine = thinking_engine(engine, tokenizer, cfg.rollout)
-    return engine, phrase, engine_capabilities(cfg.rollout)
+    if rollout.multi_turn.enabled:
+        engine = multi_turn_engine(engine, tokenizer, rollout.multi_turn, max_prompt_tokens=options.max_prompt_tokens,
+                                   max_response_tokens=rollout.max_response_tokens, max_context_tokens=max_context_tokens)
+    if rollout.thinking:
+        engine = thinking_engine(engine, tokenizer, rollout)
+    return engine, phrase, engine_capabilities(rollout)
 
 
 def check_modality_run(cfg: RunConfig, model: Any, capabilities: EngineCapabilities, *, has_critic: bool) -> None:
@@ -141,49 +147,53 @@ def check_modality_run(cfg: RunConfig, model: Any, capabilities: EngineCapabilit
         raise ConfigError(problems)
 
 
-def compiled_layers(cfg: RunConfig, model: Any, reference: Any) -> dict[str, CompiledLayers | None]:
-    """``model.compile``: compiled decoder layers per role (None: that role runs eagerly). Null
+def compiled_layers(model_cfg: ModelConfig, num_workers: int, model: Any, reference: Any) -> dict[str, CompiledLayers | None]:
+    """``model.compile`` (``model_cfg``: the ``model`` section; ``num_workers``:
+    ``trainer.num_workers``): compiled decoder layers per role (None: that role runs eagerly). Null
     compiles where it can run (`ModelConfig.compile_blocker`) and says so in train.log where it
     cannot; true is refused at config load there. Of wrapped layers."""
-    blocker = cfg.model.compile_blocker(cfg.trainer.num_workers)
-    if cfg.model.compile is None and blocker:
+    blocker = model_cfg.compile_blocker(num_workers)
+    if model_cfg.compile is None and blocker:
         logger.info("model.compile: off, %s", blocker)
-    if cfg.model.compile is False or blocker:
+    if model_cfg.compile is False or blocker:
         return {"actor": None, "ref": None}
     actor = CompiledLayers(model)
     return {"actor": actor, "ref": None if reference is None else actor if reference is model else CompiledLayers(reference)}
 
 
-def shares_prompts(cfg: RunConfig, model: torch.nn.Module, packing: PackingCheck, *, group_size: int) -> tuple[bool, str]:
-    """``train.share_prompts`` (true, or null = wherever it can run) where it can run: packs at all,
-    no sequence parallelism, and an attention path that lets a segment see its prompt
-    (`supports_shared_prompts`). When it cannot, a warning says why for true, a log line for null.
-    ``group_size``: sequences per prompt (`BatchPlan.group_size`: ``rollout.n``, 1 in `packrl sft`).
+def shares_prompts(wanted: bool | None, model: torch.nn.Module, packing: PackingCheck, *, group_size: int,
+                   attention: PackedAttention, sequence_parallel_size: int) -> tuple[bool, str]:
+    """``train.share_prompts`` (``wanted``: true, or null = wherever it can run) where it can run:
+    packs at all, no sequence parallelism (``sequence_parallel_size``:
+    ``trainer.sequence_parallel_size``), and an attention path (``attention``:
+    ``model.packed_attention``) that lets a segment see its prompt (`supports_shared_prompts`).
+    When it cannot, a warning says why for true, a log line for null. ``group_size``: sequences
+    per prompt (`BatchPlan.group_size`: ``rollout.n``, 1 in `packrl sft`).
 
     Returns:
         ``(on, phrase)``: the phrase (``"on"`` or ``"off (why)"``) ends the run's model summary.
     """
-    if cfg.train.share_prompts is False:
+    if wanted is False:
         return False, "off (train.share_prompts=false)"
     why = None
     if not packing.packs:
         why = "this model trains one sequence per micro-batch (its packs are not exact)"
-    elif cfg.trainer.sequence_parallel_size > 1:
+    elif sequence_parallel_size > 1:
         why = "sequence parallelism splits packs across ranks"
     elif (modality := modality_of(cast("PreTrainedModel", model).config)) is not None and modality.shared_prompts_blocker:
         why = modality.shared_prompts_blocker
-    elif not supports_shared_prompts(model, cfg.model.packed_attention):
+    elif not supports_shared_prompts(model, attention):
         impl = cast("PreTrainedModel", model).config._attn_implementation  # torch types model.config as Tensor | Module
-        why = (f"model.packed_attention={cfg.model.packed_attention} runs {impl!r}, which cannot let a "
+        why = (f"model.packed_attention={attention} runs {impl!r}, which cannot let a "
                "response see a prompt segment (use varlen on CPU SDPA, or block_mask)")
     if why is not None:
-        if cfg.train.share_prompts:
+        if wanted:
             logger.warning("train.share_prompts=true has no effect: %s; every sequence is packed whole", why)
         else:
             logger.info("train.share_prompts: off, %s", why)
         return False, f"off ({why})"
     if group_size == 1:
-        if cfg.train.share_prompts:
+        if wanted:
             logger.warning("train.share_prompts=true with one sequence per prompt: only a prompt that repeats in a micro-batch "
                            "is written once (in RL, set rollout.n > 1 for shared prompts to save tokens)")
         return True, "on (one sequence per prompt: only a prompt that repeats in a micro-batch is written once)"

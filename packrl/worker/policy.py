@@ -41,7 +41,7 @@ from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
 from packrl.registry import import_plugins
-from packrl.rollout.engine import EngineCapabilities, ExtraInputsEngine, InterruptibleEngine, SamplingParams, awake
+from packrl.rollout.engine import EngineCapabilities, EngineOptions, ExtraInputsEngine, InterruptibleEngine, SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
 from packrl.seqlen.update_plan import UpdatePlan
 from packrl.types import ExtraInputs, Response, RolloutBatch, TrainBatch
@@ -159,8 +159,9 @@ class PolicyWorker:
         reference = load_reference(model) if plan.has_reference else None
         engine, engine_phrase, capabilities = None, "", EngineCapabilities()  # a recipe on given sequences generates nothing
         if plan.generates:
-            engine, engine_phrase, capabilities = build_engine(cfg, model, tokenizer, max_context_tokens=max_context,
-                                                               may_share_policy=strategy.may_share_policy, compute_dtype=plan.compute_dtype)
+            engine, engine_phrase, capabilities = build_engine(cfg.rollout, EngineOptions.from_config(cfg), model, tokenizer,
+                                                               max_context_tokens=max_context, may_share_policy=strategy.may_share_policy,
+                                                               compute_dtype=plan.compute_dtype)
             check_modality_run(cfg, model, capabilities, has_critic=plan.has_critic)
         self.processor_files = processor_files(cfg.model, model.config)  # copied into checkpoints
         strategy.wrap(model)
@@ -170,8 +171,9 @@ class PolicyWorker:
         opt = Optimization.build([p for p in model.parameters() if p.requires_grad], lr=optim.lr, weight_decay=optim.weight_decay,
                                  warmup_steps=optim.warmup_steps, max_consecutive_skips=optim.max_consecutive_skips,
                                  grad_clip=optim.grad_clip, lr_key=optim.lr_key)
-        compiled = compiled_layers(cfg, model, reference)
-        share, phrase = shares_prompts(cfg, model, packing, group_size=plan.group_size)
+        compiled = compiled_layers(cfg.model, cfg.trainer.num_workers, model, reference)
+        share, phrase = shares_prompts(cfg.train.share_prompts, model, packing, group_size=plan.group_size,
+                                       attention=cfg.model.packed_attention, sequence_parallel_size=cfg.trainer.sequence_parallel_size)
         loss = MicrobatchLoss.of(update, PackForward(cfg.model.packed_attention, cfg.train.logits_chunk_tokens, update.temperature, share))
         critic = (CriticRole.build(cfg, strategy, plan.compute_dtype, compile_layers=compiled["actor"] is not None)
                   if plan.has_critic else None)

@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
     from transformers import PreTrainedModel
 
-    from packrl.config.schema import RunConfig
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -93,11 +91,12 @@ class WeightLayout:
     params_on_host: bool = False
 
 
-def weight_layout(cfg: RunConfig) -> WeightLayout:
-    """The layout of ``cfg``'s strategy: `FSDP2` for ``trainer.num_workers > 1``, else `SingleProcess`."""
-    sharded = cfg.trainer.num_workers > 1
-    return WeightLayout(num_shards=cfg.trainer.num_workers, engine_copy_always=sharded, gathers_layers=sharded,
-                        params_on_host=sharded and cfg.model.param_offload)
+def weight_layout(num_workers: int, param_offload: bool) -> WeightLayout:
+    """The layout of a run's strategy: `FSDP2` for ``num_workers > 1`` (``trainer.num_workers``),
+    else `SingleProcess`; ``param_offload``: ``model.param_offload``."""
+    sharded = num_workers > 1
+    return WeightLayout(num_shards=num_workers, engine_copy_always=sharded, gathers_layers=sharded,
+                        params_on_host=sharded and param_offload)
 
 
 def default_device() -> torch.device:

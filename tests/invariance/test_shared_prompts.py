@@ -100,7 +100,11 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
 
     from packrl.models.attention import use_packed_attention
     from packrl.models.isolation import PackingCheck
-    from packrl.worker.parts import shares_prompts
+    from packrl.worker.parts import shares_prompts as shares
+
+    def shares_prompts(cfg, model, packing, *, group_size):  # as PolicyWorker.setup reads the config
+        return shares(cfg.train.share_prompts, model, packing, group_size=group_size, attention=cfg.model.packed_attention,
+                      sequence_parallel_size=cfg.trainer.sequence_parallel_size)
 
     model = tiny_llama(attn="sdpa")
     use_packed_attention(model)
@@ -124,3 +128,5 @@ def test_share_prompts_defaults_to_on_wherever_it_can_run(caplog):
         on_single = (True, "on (one sequence per prompt: only a prompt that repeats in a micro-batch is written once)")
         assert shares_prompts(single, model, packs, group_size=1) == on_single
     assert [r.levelno for r in caplog.records if "one sequence per prompt" in r.getMessage()] == [logging.WARNING]
+    split = shares(None, model, packs, group_size=4, attention="varlen", sequence_parallel_size=2)
+    assert split == (False, "off (sequence parallelism splits packs across ranks)")

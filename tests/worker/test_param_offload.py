@@ -46,7 +46,8 @@ def test_the_estimate_moves_shards_gradients_and_states_to_host_memory(workers):
     base = ["model.dtype=fp32", f"trainer.num_workers={workers}"]
     sharded = load_config("demo", base)
     offloaded = load_config("demo", [*base, "model.param_offload=true"])
-    assert weight_layout(offloaded).params_on_host and not weight_layout(sharded).params_on_host
+    assert weight_layout(workers, param_offload=True).params_on_host and not weight_layout(workers, param_offload=False).params_on_host
+    assert not weight_layout(1, param_offload=True).params_on_host, "one process holds no shards to offload"
     on_device = estimate_memory(sharded, shape, device="cuda", tokens_per_microbatch=1024)
     off = estimate_memory(offloaded, shape, device="cuda", tokens_per_microbatch=1024)
     for part in OFFLOADED:
