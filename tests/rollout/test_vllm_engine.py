@@ -168,8 +168,8 @@ def test_weights_follow_an_update_exactly_as_the_hf_engine(tokenizer):
     from packrl.trainer.batch import build_train_batch
     from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
 
-    groups = {name: local_group(load_config("demo", [*CONFIG, f"rollout.engine={name}"]), tiny_policy(tokenizer), tokenizer)
-              for name in ("vllm", "hf")}
+    configs = {name: load_config("demo", [*CONFIG, f"rollout.engine={name}"]) for name in ("vllm", "hf")}
+    groups = {name: local_group(cfg, tiny_policy(tokenizer), tokenizer) for name, cfg in configs.items()}
     prompts = PromptBatch(tuple(tuple(p) for p in PROMPTS[:2]), ("0", "0"), ("t", "t"), (0, 1), (False, False))
     greedy = SamplingParams(n=1, temperature=0.0, max_response_tokens=12)
     try:
@@ -179,7 +179,7 @@ def test_weights_follow_an_update_exactly_as_the_hf_engine(tokenizer):
         responses = tuple(Response(tuple(torch.randint(3, 4000, (n,), generator=g).tolist()), "eos") for n in (9, 5, 12, 7))
         rewards = torch.tensor([1.0, 0.0, 0.5, -1.0])
         batch, _ = build_train_batch(ScoredBatch(RolloutBatch(prompts, 2, responses), rewards, rewards), None, None,
-                                     groups["hf"].algorithm)
+                                     configs["hf"].algorithm)
         for group in groups.values():
             group.update(batch)
         after = {name: [r.response_ids for r in g.generate(prompts, greedy).responses] for name, g in groups.items()}
