@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from packrl.config.plan import BatchPlan
-from packrl.config.schema import RunConfig
+from packrl.config.schema import ModelConfig, RolloutConfig, RunConfig
 from packrl.distributed.group import generate_split
 from packrl.distributed.health import ActorRecord, Located, locate, wait_all
 from packrl.distributed.ray_group import actor_bundle, release_actors, start_ray, write_records
+from packrl.hardware import ComputeDtype
 from packrl.models.loading import load_policy
 from packrl.registry import import_plugins
 from packrl.rollout.engine import EngineCapabilities, EngineOptions, SamplingParams, awake
@@ -39,22 +41,44 @@ logger = logging.getLogger(__name__)
 ROLLOUT_WORKERS_FILE = "rollout_workers.json"
 
 
+@dataclass(frozen=True)
+class RolloutWorkerSpec:
+    """What a `RolloutWorker` builds its engine from, made once by `rollout_pool` and shipped to
+    every worker (not the run's whole config).
+
+    Attributes:
+        model: the ``model`` section (the policy copy it loads).
+        rollout: the ``rollout`` section (the engine and its multi-turn and thinking wrappers).
+        engine: the engine's settings (`packrl.rollout.engine.EngineOptions.from_config`).
+        plugins: ``trainer.plugins``, imported in the worker's process.
+        num_threads: ``trainer.num_cpus_per_worker``, torch's threads there.
+        compute_dtype: the run's compute dtype (`BatchPlan.compute_dtype`).
+        max_context_tokens: the model context the trainer found (`packrl.seqlen.Budgets`).
+    """
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    engine: EngineOptions
+    plugins: tuple[str, ...]
+    num_threads: int
+    compute_dtype: ComputeDtype
+    max_context_tokens: int
+
+
 class RolloutWorker(Located):
     """A rollout engine on its own copy of the policy, in its own process (`Located`: it says where).
 
     Args:
-        cfg: the run's config (``model``, ``rollout``, ``trainer.plugins``).
-        plan: the run's `BatchPlan` (its compute dtype).
-        max_context_tokens: the model context the trainer found (`packrl.seqlen.Budgets`).
+        spec: what it builds the engine from (`RolloutWorkerSpec`).
     """
 
-    def __init__(self, cfg: RunConfig, plan: BatchPlan, max_context_tokens: int) -> None:
-        import_plugins(cfg.trainer.plugins)
-        torch.set_num_threads(cfg.trainer.num_cpus_per_worker)
+    def __init__(self, spec: RolloutWorkerSpec) -> None:
+        import_plugins(list(spec.plugins))
+        torch.set_num_threads(spec.num_threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        policy, tokenizer = load_policy(cfg.model, device=device, compute_dtype=plan.compute_dtype)
-        self.engine, _, _ = build_engine(cfg.rollout, EngineOptions.from_config(cfg), policy, tokenizer,
-                                         max_context_tokens=max_context_tokens, may_share_policy=False, compute_dtype=plan.compute_dtype)
+        policy, tokenizer = load_policy(spec.model, device=device, compute_dtype=spec.compute_dtype)
+        self.engine, _, _ = build_engine(spec.rollout, spec.engine, policy, tokenizer, max_context_tokens=spec.max_context_tokens,
+                                         may_share_policy=False, compute_dtype=spec.compute_dtype)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]) -> list[list[Response]]:
         return awake(self.engine, self.engine.generate, prompt_ids, params, seeds)
@@ -106,7 +130,8 @@ class RolloutPool:
 
 def rollout_pool(cfg: RunConfig, run_dir: Path, plan: BatchPlan, max_context_tokens: int) -> RolloutPool:
     """``trainer.num_rollout_workers`` `RolloutWorker` actors (one GPU each on CUDA), on the Ray the
-    trainer's ranks use, or on a private local Ray started here.
+    trainer's ranks use, or on a private local Ray started here; each gets the `RolloutWorkerSpec`
+    made here from ``cfg``, ``plan`` (its compute dtype) and ``max_context_tokens``.
 
     Raises:
         ValueError: see `packrl.distributed.ray_group.start_ray`; a worker's set-up error.
@@ -122,7 +147,10 @@ def rollout_pool(cfg: RunConfig, run_dir: Path, plan: BatchPlan, max_context_tok
     remote = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RolloutWorker)
     count = cfg.trainer.num_rollout_workers
     names = [f"packrl-rollout{i}-{secrets.token_hex(3)}" for i in range(count)]
-    actors: list = [remote.options(name=name).remote(cfg, plan, max_context_tokens) for name in names]
+    spec = RolloutWorkerSpec(model=cfg.model, rollout=cfg.rollout, engine=EngineOptions.from_config(cfg),
+                             plugins=tuple(cfg.trainer.plugins), num_threads=cfg.trainer.num_cpus_per_worker,
+                             compute_dtype=plan.compute_dtype, max_context_tokens=max_context_tokens)
+    actors: list = [remote.options(name=name).remote(spec) for name in names]
     try:
         records = locate(actors, [f"rollout worker {i}" for i in range(count)], names)
         write_records(run_dir / ROLLOUT_WORKERS_FILE, records)

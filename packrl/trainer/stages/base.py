@@ -80,7 +80,8 @@ class StageContext:
 
     Attributes:
         cfg: the run's config (a stage reads ``data.batch_size``, ``rollout``, ``reward`` and its
-            own keys; ``separate_async`` ships it to its rollout workers, which build engines from it).
+            own keys; ``separate_async`` makes its rollout workers' `RolloutWorkerSpec` from it,
+            `packrl.distributed.rollout_pool`).
         sampler: the run's prompt sampler (every drawn prompt comes from it, so the checkpointed
             sampler position covers what the stage drew).
         workers: the worker group: the default `Generator`, the tokenizer, the plan, the policy's
