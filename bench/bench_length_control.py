@@ -83,7 +83,8 @@ def main() -> None:
         report["target_length"] = _target_arm(base, checkpoint, args.target_steps, out)
     report["vs_grpo"] = _against_grpo(report["arms"])
     command = (f"python bench/bench_length_control.py --sft-steps {args.sft_steps} --steps {args.steps} --eval-rows {args.eval_rows} "
-               f"--arms {args.arms} --target-steps {args.target_steps}")
+               f"--arms {args.arms} --target-steps {args.target_steps}" + (f" --start {args.start}" if args.start else "")
+               + "".join(f" {o}" for o in args.overrides))
     emit({"command": command, "wall_s": round(time.perf_counter() - start, 1), **report})
 
 
