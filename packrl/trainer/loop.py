@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 from packrl.chat.tool_schemas import template_kwargs
@@ -129,16 +130,17 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         train_set, val_set = _datasets(cfg, load_prompt_encoder(cfg.model, tokenizer))
         run.write_accounting("prompt_accounting.txt", {"train": train_set} | ({"val": val_set} if val_set is not None else {}))
 
-        def attempt(cfg: RunConfig) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
-            with open_worker_group(cfg, run.dir, workers) as group:
+        def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
+            current = replace(cfg, train=replace(cfg.train, resume=resume_from))
+            with open_worker_group(current, run.dir, workers) as group:
                 if group.plan.compute_dtype.warning:
                     logger.warning("%s", group.plan.compute_dtype.warning)
                 run.note("model.txt", group.model_summary)
-                budgets = validate_budgets(budgets_of(cfg, group.max_context_tokens, group.rope_factor))
+                budgets = validate_budgets(budgets_of(current, group.max_context_tokens, group.rope_factor))
                 extra = train_set.extra_summary()
                 run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
                          + (f"\n{extra}" if extra else ""))
-                _train_steps(cfg, run, group, train_set, val_set)
+                _train_steps(current, run, group, train_set, val_set)
 
-        run_with_recovery(cfg, run, attempt)
+        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
     return run.dir

@@ -27,11 +27,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from packrl.config.schema import RunConfig
+from packrl.config.schema import TrainerConfig
 from packrl.distributed.health import WorkerLost
 from packrl.trainer.run import RESTARTS_FILE, Run
 from packrl.worker.checkpoint import STATE_FILE, resume_candidates
@@ -42,9 +41,15 @@ RESTART_WAIT_S = 60.0
 """``trainer.restart_wait_s`` when unset."""
 
 
-def run_with_recovery(cfg: RunConfig, run: Run, attempt: Callable[[RunConfig], None]) -> None:
-    """``attempt(cfg)``, and after each `WorkerLost`, while ``trainer.max_restarts`` allows, a
+def run_with_recovery(trainer: TrainerConfig, resume: str | None, run: Run, attempt: Callable[[str | None], None]) -> None:
+    """``attempt(resume)``, and after each `WorkerLost`, while ``trainer.max_restarts`` allows, a
     fresh ``attempt`` resumed from the newest complete checkpoint (see the module docstring).
+
+    Args:
+        trainer: the ``trainer`` section (``max_restarts``, ``restart_wait_s``, ``ray_address``).
+        resume: the run's ``train.resume`` (None, ``auto`` or a checkpoint path).
+        attempt: one attempt with the ``train.resume`` it resumes from: ``resume`` first, then
+            ``auto`` (or ``resume``'s path again while RUN_DIR holds no checkpoint of its own).
 
     Raises:
         WorkerLost: with ``trainer.max_restarts`` spent (0: the first), naming what died, where,
@@ -52,14 +57,14 @@ def run_with_recovery(cfg: RunConfig, run: Run, attempt: Callable[[RunConfig], N
         RuntimeError: the cluster did not regain room for the run within ``trainer.restart_wait_s``.
         Exception: whatever else ``attempt`` raised, as it raised it.
     """
-    current, restarts, started = cfg, 0, time.time()
+    current, restarts, started = resume, 0, time.time()
     while True:
         try:
             attempt(current)
             return
         except WorkerLost as lost:
             lost.at_step(_step_in_progress(run, lost.stage))
-            limit = cfg.trainer.max_restarts
+            limit = trainer.max_restarts
             if restarts >= limit:
                 spent = f"after {restarts} restart(s), trainer.max_restarts={limit} is spent" if limit else \
                     "trainer.max_restarts=0: no automatic restart"
@@ -68,7 +73,7 @@ def run_with_recovery(cfg: RunConfig, run: Run, attempt: Callable[[RunConfig], N
                 raise
             restarts += 1
             logger.warning("%s; restarting from the newest checkpoint (restart %d of trainer.max_restarts=%d)", lost, restarts, limit)
-            current = _restart(cfg, run, lost, restarts, started)
+            current = _restart(trainer, resume, run, lost, restarts, started)
             started = time.time()
 
 
@@ -79,18 +84,18 @@ def _step_in_progress(run: Run, stage: str) -> int:
     return last if stage == "save_checkpoint" else last + 1
 
 
-def _restart(cfg: RunConfig, run: Run, lost: WorkerLost, number: int, attempt_started: float) -> RunConfig:
-    """Wait for room, record restart ``number`` in restarts.jsonl, and return the config of the
-    next attempt (``train.resume=auto``, or the original ``train.resume`` path while RUN_DIR holds
-    no checkpoint of its own)."""
+def _restart(trainer: TrainerConfig, resume: str | None, run: Run, lost: WorkerLost, number: int, attempt_started: float) -> str:
+    """Wait for room, record restart ``number`` in restarts.jsonl, and return the ``train.resume``
+    of the next attempt (``auto``, or the run's own ``resume`` path while RUN_DIR holds no
+    checkpoint of its own)."""
     from packrl.distributed.ray_group import wait_for_cluster
 
     torn_down = time.time()
-    wait_s = cfg.trainer.restart_wait_s if cfg.trainer.restart_wait_s is not None else RESTART_WAIT_S
-    waited = wait_for_cluster(cfg.trainer, wait_s)
+    wait_s = trainer.restart_wait_s if trainer.restart_wait_s is not None else RESTART_WAIT_S
+    waited = wait_for_cluster(trainer, wait_s)
     own = resume_candidates(run.dir, "auto")
-    resume = "auto" if own or cfg.train.resume in (None, "auto") else cfg.train.resume
-    checkpoint = own[0] if own else (Path(resume) if resume != "auto" else None)
+    next_resume = "auto" if own or resume in (None, "auto") else resume
+    checkpoint = own[0] if own else (Path(next_resume) if next_resume != "auto" else None)
     resumed_step, saved_at = _checkpoint_step(checkpoint)
     last_logged = run.last_step or 0
     record = {
@@ -111,7 +116,7 @@ def _restart(cfg: RunConfig, run: Run, lost: WorkerLost, number: int, attempt_st
         f.write(json.dumps(record) + "\n")
     run.count_restart()
     run.loggers.append(_FirstStepAfterRestart(run.dir / RESTARTS_FILE, number, time.time()))
-    return replace(cfg, train=replace(cfg.train, resume=resume))
+    return next_resume
 
 
 def _checkpoint_step(checkpoint: Path | None) -> tuple[int, float]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -114,27 +115,29 @@ def sft(cfg: RunConfig) -> Path:
         if (repeats := repeat_warning(cfg.sft.batch_size, len(traces))) is not None:
             logger.warning(repeats)
 
-        def attempt(current: RunConfig) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
+        def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
+            current = replace(cfg, train=replace(cfg.train, resume=resume_from))
             with open_worker_group(current, run.dir, plan=plan) as workers:
                 if problems := sft_context_problems(trace_budgets(current), workers.max_context_tokens):
                     raise ConfigError(problems)
                 run.note("model.txt", workers.model_summary)
                 run.note("budgets.txt", workers.plan.summary())
-                _steps(current, run, workers, traces)
+                _steps(current.sft, current.train, run, workers, traces)
 
-        run_with_recovery(cfg, run, attempt)
+        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
     return run.dir
 
 
-def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, traces: Traces) -> None:
-    """Steps after the last completed one up to ``sft.total_steps``, each logged (and checkpointed when due)."""
-    total = cfg.sft.total_steps
-    sampler = trace_sampler(traces, cfg.sft.batch_size, cfg.train.seed)
+def _steps(sft_cfg: SftConfig, train: TrainConfig, run: Run, workers: WorkerGroup, traces: Traces) -> None:
+    """Steps after the last completed one up to ``sft.total_steps``, each logged (and checkpointed
+    when due); ``sft_cfg`` and ``train``: the ``sft`` and ``train`` sections."""
+    total = sft_cfg.total_steps
+    sampler = trace_sampler(traces, sft_cfg.batch_size, train.seed)
     parts = {"sampler": sampler}
-    done = resume(run, workers, cfg.train, parts, total_steps=total, total_key="sft.total_steps")
+    done = resume(run, workers, train, parts, total_steps=total, total_key="sft.total_steps")
     run.start_steps(done)
     for step in range(done + 1, total + 1):
-        seed_everything(cfg.train.seed * 1_000_003 + step)
+        seed_everything(train.seed * 1_000_003 + step)
         batch = traces.train_batch(sampler.next_indices())
         start = time.perf_counter()
         metrics = workers.update(batch, step=step)
@@ -144,5 +147,5 @@ def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, traces: Traces) -> No
                     "sft/num_loss_tokens": float(sum(int(m.sum()) for m in batch.loss_masks)),
                     "perf/update_s": seconds, "perf/sft_tokens_per_s": num_tokens / max(seconds, 1e-9)}
         run.log_step(step, metrics)
-        if due(step, cfg.train.save_every, total):
+        if due(step, train.save_every, total):
             workers.save_checkpoint(run.dir, step, trainer_state(parts))

@@ -38,8 +38,8 @@ def test_a_lost_actor_resumes_from_the_newest_checkpoint_and_is_recorded(tmp_pat
     cfg = load_config("demo", [*RANKS, f"train.out_dir={tmp_path}", "trainer.max_restarts=2", "trainer.restart_wait_s=5"])
     seen = []
 
-    def attempt(current):
-        seen.append(current.train.resume)
+    def attempt(resume):
+        seen.append(resume)
         if len(seen) == 1:
             for step in (1, 2, 3):
                 run.log_step(step, {"timing_s/step": 0.5})
@@ -51,7 +51,7 @@ def test_a_lost_actor_resumes_from_the_newest_checkpoint_and_is_recorded(tmp_pat
         run.log_step(3, {"timing_s/step": 0.5})
 
     with Run(cfg) as run:
-        run_with_recovery(cfg, run, attempt)
+        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
     assert seen == [None, "auto"]
     (line,) = _lines(tmp_path, "restarts.jsonl")
     assert line["restart"] == 1 and line["resumed_from"] == str(tmp_path / "checkpoints" / "step_2")
@@ -74,13 +74,13 @@ def test_without_a_checkpoint_the_run_starts_over_and_a_resume_path_is_kept(tmp_
         cfg = load_config("demo", [*RANKS, f"train.out_dir={out}", "trainer.max_restarts=1", *overrides])
         seen = []
 
-        def attempt(current, seen=seen):
-            seen.append(current.train.resume)
+        def attempt(resume, seen=seen):
+            seen.append(resume)
             if len(seen) == 1:
                 raise _lost("save_checkpoint")
 
         with Run(cfg) as run:
-            run_with_recovery(cfg, run, attempt)
+            run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
         assert seen == [resume, expected or resume]
         (line,) = _lines(out, "restarts.jsonl")
         assert line["resumed_step"] == (0 if resume is None else 5) and line["failed"]["step"] == 0
@@ -93,12 +93,12 @@ def test_spent_restarts_end_the_run_naming_what_died_and_how_to_continue(tmp_pat
         cfg = load_config("demo", [*RANKS, f"train.out_dir={out}", f"trainer.max_restarts={limit}"])
         calls = []
 
-        def attempt(current, calls=calls):
-            calls.append(current)
+        def attempt(resume, calls=calls):
+            calls.append(resume)
             raise _lost()
 
         with pytest.raises(WorkerLost) as failure, Run(cfg) as run:
-            run_with_recovery(cfg, run, attempt)
+            run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
         note = " ".join(failure.value.__notes__)
         assert len(calls) == limit + 1
         assert ("trainer.max_restarts=0: no automatic restart" if limit == 0 else
@@ -112,12 +112,12 @@ def test_other_errors_are_never_restarted(tmp_path):
     cfg = load_config("demo", [*RANKS, f"train.out_dir={tmp_path}", "trainer.max_restarts=3"])
     calls = []
 
-    def attempt(current):
-        calls.append(current)
+    def attempt(resume):
+        calls.append(resume)
         raise ValueError("data.train_files: no usable prompt")
 
     with pytest.raises(ValueError, match="no usable prompt"), Run(cfg) as run:
-        run_with_recovery(cfg, run, attempt)
+        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
     assert len(calls) == 1 and not (tmp_path / "restarts.jsonl").exists()
 
 

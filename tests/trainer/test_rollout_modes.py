@@ -24,7 +24,7 @@ from packrl.trainer.stages.rounds import Rounds, one_round
 @ROLLOUT_MODES.register("test_counted", info=RolloutModeInfo())
 def counted(context):
     """One round per step, as sync, with a metric of its own."""
-    inner = partial(one_round, cfg=context.cfg, sampler=context.sampler, workers=context.workers)
+    inner = partial(one_round, reward=context.cfg.reward, sampler=context.sampler, workers=context.workers)
 
     def rounds(sampling, timing, spans, step):
         rollout, scored, _ = inner(sampling, timing, spans, step)

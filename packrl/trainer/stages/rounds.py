@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from packrl.config.schema import FilterGroupsConfig, RunConfig
+from packrl.config.schema import FilterGroupsConfig, RewardConfig
 from packrl.data.dataset import PromptSampler
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.distributed.group import WorkerGroup
@@ -68,20 +68,23 @@ class Rounds:
 @ROLLOUT_MODES.register("sync")
 def sync_stage(context: StageContext) -> SamplingStage:
     """The ``sync`` mode: `dynamic_sampling` with ``algorithm.filter_groups.enable``, else `one_round`."""
-    cfg = context.cfg
-    rounds = dynamic_sampling if cfg.algorithm.filter_groups.enable else one_round
-    return Rounds(partial(rounds, cfg=cfg, sampler=context.sampler, workers=context.workers))
+    cfg, sampler, workers = context.cfg, context.sampler, context.workers
+    if not cfg.algorithm.filter_groups.enable:
+        return Rounds(partial(one_round, reward=cfg.reward, sampler=sampler, workers=workers))
+    return Rounds(partial(dynamic_sampling, reward=cfg.reward, filter_groups=cfg.algorithm.filter_groups,
+                          batch_size=cfg.data.batch_size, sampler=sampler, workers=workers))
 
 
 def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
-              cfg: RunConfig, sampler: PromptSampler, workers: WorkerGroup) -> Sampled:
-    """``data.batch_size`` prompts from ``sampler``, generated and scored: every response's budget
-    is the step's (``sampling.max_response_tokens``), where the overlong ramp ends. No metrics."""
+              reward: RewardConfig, sampler: PromptSampler, workers: WorkerGroup) -> Sampled:
+    """``data.batch_size`` prompts from ``sampler`` (its batch size), generated and scored under
+    ``reward`` (the ``reward`` section): every response's budget is the step's
+    (``sampling.max_response_tokens``), where the overlong ramp ends. No metrics."""
     prompts = sampler.next_batch()
     with stage_timer(timing, "gen", spans):
         rollout = workers.generate(prompts, sampling)
     with stage_timer(timing, "reward", spans):
-        scored = score_rollout(rollout, workers.tokenizer, cfg.reward, sampling.max_response_tokens, step=step)
+        scored = score_rollout(rollout, workers.tokenizer, reward, sampling.max_response_tokens, step=step)
     return rollout, scored, {}
 
 
@@ -116,9 +119,11 @@ class FillCounts:
 
 
 def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
-                     cfg: RunConfig, sampler: PromptSampler, workers: WorkerGroup) -> Sampled:
-    """Rounds of `one_round` until ``data.batch_size`` groups with variance are kept, at most
-    ``algorithm.filter_groups.max_num_gen_batches`` rounds (DAPO's dynamic sampling, arXiv 2503.14476).
+                     reward: RewardConfig, filter_groups: FilterGroupsConfig, batch_size: int, sampler: PromptSampler,
+                     workers: WorkerGroup) -> Sampled:
+    """Rounds of `one_round` until ``batch_size`` (``data.batch_size``) groups with variance are
+    kept, at most ``filter_groups.max_num_gen_batches`` rounds (``algorithm.filter_groups``; DAPO's
+    dynamic sampling, arXiv 2503.14476).
 
     Kept groups keep their round's order; groups kept beyond ``data.batch_size`` are dropped
     (``surplus``), so a full step trains exactly ``data.batch_size`` prompts. At the cap the step
@@ -132,12 +137,12 @@ def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: 
         RuntimeError: no group is left to train after the last round (every group's values were
             equal); the message names the counts and the keys to change.
     """
-    fg, want, plan = cfg.algorithm.filter_groups, cfg.data.batch_size, workers.plan
+    fg, want, plan = filter_groups, batch_size, workers.plan
     kept: list[ScoredBatch] = []
     num_kept = num_rounds = num_generated = 0
     scores: list[torch.Tensor] = []
     while num_kept < want and num_rounds < fg.max_num_gen_batches:
-        _, scored, _ = one_round(sampling, timing, spans, step, cfg=cfg, sampler=sampler, workers=workers)
+        _, scored, _ = one_round(sampling, timing, spans, step, reward=reward, sampler=sampler, workers=workers)
         keep = groups_with_variance(filter_values(scored, fg), scored.rollout.group_size)
         kept.append(select_groups(scored, keep))
         num_rounds, num_kept = num_rounds + 1, num_kept + len(keep)
@@ -147,7 +152,7 @@ def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: 
     counts = FillCounts(num_rounds, num_generated, num_generated - num_kept, num_kept, max(0, num_kept - want),
                         min(num_kept, want) - num_update, num_update, float(torch.cat(scores).mean()))
     if num_update == 0:
-        raise RuntimeError(_nothing_left(counts, cfg, plan.data_parallel_size))
+        raise RuntimeError(_nothing_left(counts, fg, want, plan.data_parallel_size))
     if num_update < want:
         logger.warning(
             "dynamic sampling: %d of data.batch_size=%d prompt groups kept after algorithm.filter_groups.max_num_gen_batches=%d "
@@ -159,13 +164,12 @@ def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: 
     return scored.rollout, scored, counts.metrics()
 
 
-def _nothing_left(counts: FillCounts, cfg: RunConfig, num_ranks: int) -> str:
-    fg = cfg.algorithm.filter_groups
+def _nothing_left(counts: FillCounts, fg: FilterGroupsConfig, batch_size: int, num_ranks: int) -> str:
     why = (f"{counts.num_kept} group(s) with variance make a mini-batch of fewer sequences than the {num_ranks} "
            "data-parallel ranks (each needs one)" if counts.num_kept else
            f"all {counts.num_gen_prompts} prompt groups had equal {fg.metric}s (mean score {counts.gen_score_mean:.3g})")
     return (f"dynamic sampling left no prompt group to train after algorithm.filter_groups.max_num_gen_batches="
-            f"{counts.num_gen_batches} rounds of data.batch_size={cfg.data.batch_size} prompts: {why}; raise "
+            f"{counts.num_gen_batches} rounds of data.batch_size={batch_size} prompts: {why}; raise "
             "algorithm.filter_groups.max_num_gen_batches, check that reward.name tells responses apart on this data, "
             "or set algorithm.filter_groups.enable=false")
 
