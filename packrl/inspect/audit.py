@@ -215,7 +215,7 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
     )
     needs_vision = 0 if is_processor(tokenizer) else sum(1 for e in loaded.examples if e.images)
     room = PromptRoom.of(cfg, max_context_tokens)
-    report = replace(report, problems=_problems(report, cfg, num_need_vision=needs_vision, room=room))
+    report = replace(report, problems=_problems(report, cfg.data, cfg.model.path, num_need_vision=needs_vision, room=room))
     return report.timed(time.perf_counter() - start)
 
 
@@ -397,11 +397,12 @@ def _config_values(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int, room: PromptRoom | None) -> tuple[str, ...]:
-    """What would stop `packrl train` with this data and config, each with its fix (a prompt
-    budget within ``room``, what the model context leaves); and the ``num_need_vision`` rows with
-    images that a text ``model.path`` makes training reject."""
-    data, out = cfg.data, []
+def _problems(report: AuditReport, data: DataConfig, model_path: str, *, num_need_vision: int,
+              room: PromptRoom | None) -> tuple[str, ...]:
+    """What would stop `packrl train` with this data and the ``data`` section, each with its fix (a
+    prompt budget within ``room``, what the model context leaves); and the ``num_need_vision``
+    rows with images that a text ``model_path`` (``model.path``) makes training reject."""
+    out = []
     if report.num_bad_rows and not data.skip_bad_rows:
         first = report.bad_rows[0]
         out.append(f"{report.num_bad_rows:,} bad row(s) (first: row {first.row}: {first.reason}) with data.skip_bad_rows=false; "
@@ -427,7 +428,7 @@ def _problems(report: AuditReport, cfg: RunConfig, *, num_need_vision: int, room
                      "the filtered rows' reasons are in the rows listed above)")
         out.append(f"{usable:,} usable prompt(s) < data.batch_size={data.batch_size:,}; add rows or lower data.batch_size{more}")
     if num_need_vision:
-        out.append(f"{num_need_vision:,} row(s) with images, which training rejects with the text model.path={cfg.model.path!r} "
+        out.append(f"{num_need_vision:,} row(s) with images, which training rejects with the text model.path={model_path!r} "
                    f"({NEEDS_VISION_MODEL}); set model.path (or --model) to a vision-language model "
                    f"({', '.join(MODALITIES.names())}) to train on them")
     return tuple(out)

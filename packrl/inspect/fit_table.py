@@ -115,11 +115,11 @@ def _with(cfg: Any, values: dict[str, Any]) -> Any:
     return dataclasses.replace(cfg, **changes)
 
 
-def _settings(cfg: RunConfig, device: str) -> list[tuple[str, dict[str, Any], str | None]]:
-    """``(name, dotted changes, reason it cannot run or None)`` per setting."""
-    workers = cfg.trainer.num_workers
+def _settings(lora_rank: int, workers: int, device: str) -> list[tuple[str, dict[str, Any], str | None]]:
+    """``(name, dotted changes, reason it cannot run or None)`` per setting, for a run of
+    ``model.lora.rank=lora_rank`` (0: the table's LoRA rank is 16) on ``trainer.num_workers=workers``."""
     off = {"model.gradient_checkpointing": False, "model.lora.rank": 0, "model.param_offload": False}
-    rank = cfg.model.lora.rank or 16
+    rank = lora_rank or 16
     lora = off | {"model.lora.rank": rank}
     offload = off | {"model.param_offload": True} | ({"trainer.num_workers": 2} if workers == 1 else {})
     return [
@@ -186,7 +186,7 @@ def fit_table(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     table = FitTable(cfg.model.path, device, context, cfg.rollout.max_num_seqs)
     shapes: dict[int, ModelShape] = {}
     for gib in memory_gib:
-        for name, changes, unavailable in _settings(cfg, device):
+        for name, changes, unavailable in _settings(cfg.model.lora.rank, cfg.trainer.num_workers, device):
             variant = _with(cfg, changes)
             keys = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items() if _get(cfg, k) != v]
             if unavailable:

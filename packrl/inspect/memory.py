@@ -79,7 +79,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from packrl.config.schema import RunConfig
+from packrl.config.schema import RolloutConfig, RunConfig
 from packrl.hardware import ComputeDtype, resolve_for_device
 from packrl.models.model_config import ModelShape
 from packrl.worker.strategy import weight_layout
@@ -194,8 +194,8 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "activations": activations + outside_layers,
         "weight casts for the backward": weight_casts,
         "logits chunk": 2 * max(c, 4) * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
-        "rollout KV cache": _kv_cache_bytes(cfg, shape, c),
-        "packed rollout weights (CPU generation)": _packed_bytes(cfg, shape, device, c),
+        "rollout KV cache": _kv_cache_bytes(cfg.rollout, cfg.data.max_prompt_tokens, shape, c),
+        "packed rollout weights (CPU generation)": _packed_bytes(cfg.rollout.engine, shape, device, c),
     }
     host = {}
     if layout.params_on_host and device == "cuda":
@@ -226,15 +226,18 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     return MemoryEstimate(device, T, parts, phases, host)
 
 
-def _packed_bytes(cfg: RunConfig, shape: ModelShape, device: str, compute_bytes: int) -> int:
-    """The hf engine's packed bf16 Linear weights while it generates on the CPU (0 elsewhere)."""
-    if device != "cpu" or compute_bytes != 2 or cfg.rollout.engine != "hf":
+def _packed_bytes(engine: str, shape: ModelShape, device: str, compute_bytes: int) -> int:
+    """The hf engine's packed bf16 Linear weights while it generates on the CPU (0 elsewhere;
+    ``engine``: ``rollout.engine``)."""
+    if device != "cpu" or compute_bytes != 2 or engine != "hf":
         return 0
     return 2 * (shape.num_matmul_params + shape.vocab_size * shape.hidden_size)
 
 
-def _kv_cache_bytes(cfg: RunConfig, shape: ModelShape, compute_bytes: int) -> int:
-    tokens = cfg.rollout.max_num_seqs * (cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens)
+def _kv_cache_bytes(rollout: RolloutConfig, max_prompt_tokens: int, shape: ModelShape, compute_bytes: int) -> int:
+    """The rollout engine's KV cache: ``rollout.max_num_seqs`` sequences of ``data.max_prompt_tokens
+    + rollout.max_response_tokens`` tokens."""
+    tokens = rollout.max_num_seqs * (max_prompt_tokens + rollout.max_response_tokens)
     return shape.kv_bytes_per_token(compute_bytes) * tokens
 
 

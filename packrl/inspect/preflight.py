@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
+from packrl.config.schema import CriticConfig, ModelConfig, ModelDtype, RolloutConfig, RopeScalingConfig
 from packrl.errors import KeyedValueError
 from packrl.hardware import probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 from packrl.models.isolation import config_packing
 from packrl.seqlen.budgets import Budgets, model_context_tokens
+
+if TYPE_CHECKING:
+    from packrl.rollout.engine import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -132,15 +136,15 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     memory_bytes = None if device_memory_gib is None else int(device_memory_gib * GIB)
     model_config = None
     if "model.path" not in bad:
-        model_config, problem = _read_model_config(cfg)
+        model_config, problem = _read_model_config(cfg.model.path)
         problems += problem
-    problems += _critic_path_problems(cfg)
+    problems += _critic_path_problems(cfg.critic, cfg.algorithm.adv_estimator)
     budgets = budgets_of(cfg, max_context_tokens=None)
     rope = None
     rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
     if model_config is not None:
         try:
-            context, factor, base = _context(cfg if rope_ok else _without_rope(cfg), model_config)
+            context, factor, base = _context(cfg.model.rope_scaling if rope_ok else RopeScalingConfig(), model_config)
         except KeyedValueError as err:  # model.rope_scaling the model config cannot take
             problems.append(err.problem(cfg.model.rope_scaling.type))
         except ValueError as err:
@@ -159,7 +163,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     memory, recommended = None, None
     lora_ok = not any(p.key.startswith("model.lora") for p in problems)
     if model_config is not None and lora_ok:
-        shape, shape_problems = _model_shape(cfg, model_config)
+        shape, shape_problems = _model_shape(cfg.model, model_config)
         problems += shape_problems
         if shape is not None:
             compute = resolve_for_device(cfg.model.dtype, device)
@@ -170,9 +174,12 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             memory = estimate_memory(cfg, shape, device=device, compute_dtype=compute)
             packing = config_packing(model_config)
             notes.append(packing.describe())
-            problems += _sequence_parallel_problems(cfg, model_config, packing)
-            notes += _engine_notes(cfg, shape, budgets, device)
-            notes += _multi_turn_notes(cfg) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
+            problems += _sequence_parallel_problems(cfg.trainer.sequence_parallel_size, model_config, packing)
+            if cfg.rollout.engine == "vllm":
+                from packrl.rollout.engine import EngineOptions
+
+                notes += _vllm_notes(EngineOptions.from_config(cfg), cfg.model.dtype, shape, budgets, device)
+            notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
             more = _modality_checks(cfg, model_config, PromptRoom.of(cfg, budgets.max_context_tokens))
             notes, problems = notes + more[0], problems + more[1]
             if memory_bytes is not None:
@@ -182,15 +189,16 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     return PreflightReport(list(unique.values()), notes, budgets, memory, memory_bytes, recommended, rope)
 
 
-def _model_shape(cfg: RunConfig, model_config: Any) -> tuple[ModelShape | None, list[ConfigProblem]]:
-    """The model's shape (`ModelShape.from_config`), or None and the problem that stops it: a
-    multimodal checkpoint of a family packrl does not train, or LoRA targets the model lacks."""
+def _model_shape(model_cfg: ModelConfig, model_config: Any) -> tuple[ModelShape | None, list[ConfigProblem]]:
+    """The model's shape (`ModelShape.from_config`; ``model_cfg``: the ``model`` section), or None
+    and the problem that stops it: a multimodal checkpoint of a family packrl does not train, or
+    LoRA targets the model lacks."""
     try:
-        return ModelShape.from_config(model_config, cfg.model.lora, cfg.model.path), []
+        return ModelShape.from_config(model_config, model_cfg.lora, model_cfg.path), []
     except KeyedValueError as err:  # LoRA targets the model lacks, or an untrained multimodal family
-        return None, [err.problem(cfg.model.lora.target_modules if err.key.startswith("model.lora") else cfg.model.path)]
+        return None, [err.problem(model_cfg.lora.target_modules if err.key.startswith("model.lora") else model_cfg.path)]
     except ValueError as err:
-        return None, [ConfigProblem("model.path", cfg.model.path, str(err), "use a causal LM transformers can build from its config")]
+        return None, [ConfigProblem("model.path", model_cfg.path, str(err), "use a causal LM transformers can build from its config")]
 
 
 def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[str]:
@@ -226,11 +234,11 @@ def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[st
     return out
 
 
-def _multi_turn_notes(cfg: RunConfig) -> list[str]:
+def _multi_turn_notes(rollout: RolloutConfig) -> list[str]:
     """With tools but without ``</tool_call>`` in ``rollout.stop``, a turn runs on after its call."""
     from packrl.rollout.tools import CALL_CLOSE
 
-    if not cfg.rollout.multi_turn.enabled or CALL_CLOSE in cfg.rollout.stop:
+    if not rollout.multi_turn.enabled or CALL_CLOSE in rollout.stop:
         return []
     return [f"rollout.multi_turn.tools is set but rollout.stop does not hold {CALL_CLOSE!r}: a turn goes on after its tool "
             f"call until EOS or its budget, and its calls run only then; add rollout.stop=['{CALL_CLOSE}'] to answer each "
@@ -253,16 +261,16 @@ def _modality_checks(cfg: RunConfig, model_config: Any, room: PromptRoom | None)
         return [], []
     out = modality.run_problems(cfg, engine_modalities=engine_capabilities(cfg.rollout).modalities,
                                 has_critic=BatchPlan.from_config(cfg).has_critic)
-    notes, problems = image_preflight(cfg, room) if modality.name == "image" else ([], [])
+    notes, problems = (image_preflight(cfg.model, cfg.data, cfg.train.max_vision_patches_per_microbatch, room)
+                       if modality.name == "image" else ([], []))
     return notes, out + problems
 
 
-def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any) -> list[ConfigProblem]:
-    """``trainer.sequence_parallel_size > 1`` needs attention heads it divides and layers that keep
-    a pack's sequences apart (it splits packs)."""
+def _sequence_parallel_problems(size: int, model_config: Any, packing: Any) -> list[ConfigProblem]:
+    """``trainer.sequence_parallel_size`` (``size``) > 1 needs attention heads it divides and
+    layers that keep a pack's sequences apart (it splits packs)."""
     from packrl.models.ulysses import check_heads
 
-    size = cfg.trainer.sequence_parallel_size
     if size <= 1:
         return []
     out = []
@@ -275,18 +283,16 @@ def _sequence_parallel_problems(cfg: RunConfig, model_config: Any, packing: Any)
     return out
 
 
-def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: str) -> list[str]:
-    """For ``rollout.engine=vllm``: the settings packrl derives for the engine from the budgets,
-    with the KV cache they need (`packrl.rollout.vllm_settings.engine_args`)."""
-    if cfg.rollout.engine != "vllm":
-        return []
-    from packrl.rollout.engine import EngineOptions
+def _vllm_notes(options: EngineOptions, dtype: ModelDtype, shape: ModelShape, budgets: Budgets, device: str) -> list[str]:
+    """For ``rollout.engine=vllm``: the settings packrl derives for the engine from the budgets
+    (``options``: the engine's settings; ``dtype``: ``model.dtype``), with the KV cache they need
+    (`packrl.rollout.vllm_settings.engine_args`)."""
     from packrl.rollout.vllm_settings import engine_args
 
-    compute = resolve_for_device(cfg.model.dtype, device)
+    compute = resolve_for_device(dtype, device)
     kv_per_token = shape.kv_bytes_per_token(compute.num_bytes)
     context = budgets.max_context_tokens or budgets.max_sequence_tokens
-    args = engine_args(EngineOptions.from_config(cfg), model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token,
+    args = engine_args(options, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token,
                        cuda=device == "cuda", dtype=compute.name)
     kv = args.get("kv_cache_memory_bytes")
     sized = (f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv
@@ -297,18 +303,11 @@ def _engine_notes(cfg: RunConfig, shape: ModelShape, budgets: Budgets, device: s
             f"max_model_len tokens ({kv_per_token:,} bytes per token)"]
 
 
-def _without_rope(cfg: RunConfig) -> RunConfig:
-    from dataclasses import replace
-
-    from packrl.config.schema import RopeScalingConfig
-
-    return replace(cfg, model=replace(cfg.model, rope_scaling=RopeScalingConfig()))
-
-
-def _critic_path_problems(cfg: RunConfig) -> list[ConfigProblem]:
-    """``critic.model.path`` that does not resolve to a model config (the critic loads it at set-up)."""
-    path = cfg.critic.model.path
-    if path is None or not cfg.critic.enabled(cfg.algorithm.adv_estimator):
+def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[ConfigProblem]:
+    """``critic.model.path`` that does not resolve to a model config (the critic loads it at
+    set-up, when ``critic`` is on for ``algorithm.adv_estimator``)."""
+    path = critic.model.path
+    if path is None or not critic.enabled(adv_estimator):
         return []
     from packrl.models.model_config import ModelConfigFileError, load_model_config
 
@@ -322,10 +321,10 @@ def _critic_path_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return []
 
 
-def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
-    """The model config, or a problem naming ``model.path``. A ``config.json`` without
-    ``max_position_embeddings`` is a problem too: transformers would fill in its class default
-    (2,048 for Llama) and every context check would rest on a guess."""
+def _read_model_config(path: str) -> tuple[Any, list[ConfigProblem]]:
+    """The config of the model at ``path`` (``model.path``), or a problem naming it. A
+    ``config.json`` without ``max_position_embeddings`` is a problem too: transformers would fill
+    in its class default (2,048 for Llama) and every context check would rest on a guess."""
     import json
 
     from packrl.models.model_config import ModelConfigFileError, check_text_model, load_model_config
@@ -333,28 +332,29 @@ def _read_model_config(cfg: RunConfig) -> tuple[Any, list[ConfigProblem]]:
 
     fix = "set model.path to a model dir, .gguf file or hub id"
     try:
-        model_config = load_model_config(cfg.model.path)
-        check_text_model(model_config, cfg.model.path)
+        model_config = load_model_config(path)
+        check_text_model(model_config, path)
     except ModelConfigFileError as err:
-        return None, [ConfigProblem("model.path", cfg.model.path, err.problem, err.fix)]
+        return None, [ConfigProblem("model.path", path, err.problem, err.fix)]
     except KeyedValueError as err:  # a multimodal checkpoint of a family packrl does not train
-        return None, [err.problem(cfg.model.path)]
+        return None, [err.problem(path)]
     except ValueError as err:
-        return None, [ConfigProblem("model.path", cfg.model.path, str(err), fix)]
-    config_json = resolve_model(cfg.model.path, weights=False).model_dir / "config.json"
+        return None, [ConfigProblem("model.path", path, str(err), fix)]
+    config_json = resolve_model(path, weights=False).model_dir / "config.json"
     if config_json.is_file():
         raw = json.loads(config_json.read_text())
         if "max_position_embeddings" not in raw and "max_position_embeddings" not in (raw.get("text_config") or {}):
             return None, [ConfigProblem(
-                "model.path", cfg.model.path, f"{config_json} has no max_position_embeddings, so the model context is unknown",
+                "model.path", path, f"{config_json} has no max_position_embeddings, so the model context is unknown",
                 "add max_position_embeddings (the model's context in tokens) to that config.json",
             )]
     return model_config, []
 
 
-def _context(cfg: RunConfig, model_config: Any) -> tuple[int, float, int]:
+def _context(rope_scaling: RopeScalingConfig, model_config: Any) -> tuple[int, float, int]:
     """``(context, rope factor, context without packrl's scaling)`` in tokens, with
-    ``model.rope_scaling`` applied the way `load_policy` applies it (`apply_rope_scaling`).
+    ``rope_scaling`` (``model.rope_scaling``) applied the way `load_policy` applies it
+    (`apply_rope_scaling`).
 
     Raises:
         ValueError: no usable ``max_position_embeddings``, or a scaling that cannot apply.
@@ -362,7 +362,7 @@ def _context(cfg: RunConfig, model_config: Any) -> tuple[int, float, int]:
     from packrl.models.model_config import apply_rope_scaling
 
     base, _ = model_context_tokens(model_config)
-    context, factor = model_context_tokens(apply_rope_scaling(model_config, cfg.model.rope_scaling))
+    context, factor = model_context_tokens(apply_rope_scaling(model_config, rope_scaling))
     return context, factor, base
 
 
