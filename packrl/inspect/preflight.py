@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
-from packrl.config.schema import CriticConfig, ModelConfig, ModelDtype, RolloutConfig, RopeScalingConfig
+from packrl.config.schema import CriticConfig, ModelConfig, ModelDtype, RolloutConfig, RopeScalingConfig, TrainerConfig
 from packrl.errors import KeyedValueError
 from packrl.hardware import probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
@@ -179,7 +179,8 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
                 from packrl.rollout.engine import EngineOptions
 
                 notes += _vllm_notes(EngineOptions.from_config(cfg), cfg.model.dtype, shape, budgets, device)
-            notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg, shape, compute.param_bytes)
+            notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg.trainer, cfg.rollout, cfg.data.batch_size, shape,
+                                                                          compute.param_bytes)
             more = _modality_checks(cfg, model_config, PromptRoom.of(cfg, budgets.max_context_tokens))
             notes, problems = notes + more[0], problems + more[1]
             if memory_bytes is not None:
@@ -201,34 +202,34 @@ def _model_shape(model_cfg: ModelConfig, model_config: Any) -> tuple[ModelShape 
         return None, [ConfigProblem("model.path", model_cfg.path, str(err), "use a causal LM transformers can build from its config")]
 
 
-def _rollout_mode_notes(cfg: RunConfig, shape: Any, param_bytes: int) -> list[str]:
-    """The modes that carry groups across steps: how many sequences generate at once, and (with
-    rollout workers of their own, ``separate_async``) what those hold outside this estimate, which
-    covers a trainer rank (`packrl.config.rollout_modes.RolloutModeInfo`)."""
+def _rollout_mode_notes(trainer: TrainerConfig, rollout: RolloutConfig, batch: int, shape: Any, param_bytes: int) -> list[str]:
+    """The modes that carry groups across steps (the ``trainer`` and ``rollout`` sections;
+    ``batch``: ``data.batch_size``): how many sequences generate at once, and (with rollout
+    workers of their own, ``separate_async``) what those hold outside this estimate, which covers
+    a trainer rank (`packrl.config.rollout_modes.RolloutModeInfo`)."""
     from packrl.config.rollout_modes import default_over_provision, mode_info
     from packrl.rollout.engine import engine_capabilities
 
-    mode = cfg.trainer.rollout_mode
+    mode = trainer.rollout_mode
     info = mode_info(mode)
     if not info.carries_groups:
         return []
-    batch = cfg.data.batch_size
-    over = cfg.rollout.over_provision if cfg.rollout.over_provision is not None else default_over_provision(batch)
-    out = [f"trainer.rollout_mode={mode}: up to {(batch + over) * cfg.rollout.n} sequences generate per step "
-           f"((data.batch_size={batch} + rollout.over_provision={over}) x rollout.n={cfg.rollout.n}), in engine batches of "
-           f"rollout.max_num_seqs={cfg.rollout.max_num_seqs}; carried groups are re-prefilled when they resume"]
-    rows = (batch + over) * cfg.rollout.n
-    stops_one_call = (not info.rollout_workers and cfg.trainer.num_workers == 1
-                      and engine_capabilities(cfg.rollout).stop_on_condition)
-    if stops_one_call and rows > cfg.rollout.max_num_seqs:
-        lower = " or lower rollout.over_provision" if (batch + 1) * cfg.rollout.n <= cfg.rollout.max_num_seqs else ""
-        out.append(f"the {rows} sequences of a step do not fit one engine batch (rollout.max_num_seqs={cfg.rollout.max_num_seqs}): "
+    over = rollout.over_provision if rollout.over_provision is not None else default_over_provision(batch)
+    out = [f"trainer.rollout_mode={mode}: up to {(batch + over) * rollout.n} sequences generate per step "
+           f"((data.batch_size={batch} + rollout.over_provision={over}) x rollout.n={rollout.n}), in engine batches of "
+           f"rollout.max_num_seqs={rollout.max_num_seqs}; carried groups are re-prefilled when they resume"]
+    rows = (batch + over) * rollout.n
+    stops_one_call = (not info.rollout_workers and trainer.num_workers == 1
+                      and engine_capabilities(rollout).stop_on_condition)
+    if stops_one_call and rows > rollout.max_num_seqs:
+        lower = " or lower rollout.over_provision" if (batch + 1) * rollout.n <= rollout.max_num_seqs else ""
+        out.append(f"the {rows} sequences of a step do not fit one engine batch (rollout.max_num_seqs={rollout.max_num_seqs}): "
                    "the hf engine runs its batches one after another and a step stops once its groups are complete, so "
                    "members of later batches may not advance (carried groups then finish only at rollout.max_staleness); "
                    f"set rollout.max_num_seqs={rows}{lower}")
     if info.rollout_workers:
         copy = param_bytes * shape.num_params / 2**30
-        out.append(f"trainer.num_rollout_workers={cfg.trainer.num_rollout_workers}: each rollout worker holds its own policy "
+        out.append(f"trainer.num_rollout_workers={trainer.num_rollout_workers}: each rollout worker holds its own policy "
                    f"copy (about {copy:.2f} GiB of parameters) and its engine's KV cache in its own process (its own GPU on "
                    "CUDA), outside this estimate, which covers one trainer rank")
     return out
@@ -405,7 +406,7 @@ def _memory_problems(cfg: RunConfig, shape: ModelShape, memory: MemoryEstimate, 
     if memory.phases["update"] > memory_bytes:
         limit = f"the update needs about {memory.phases['update'] / GIB:.2f} GiB > {gib:.2f} GiB per device"
         out.append(ConfigProblem("train.max_tokens_per_microbatch", cfg.train.max_tokens_per_microbatch, limit,
-                                 _update_fix(cfg, memory, memory_bytes, recommended, budgets)))
+                                 _update_fix(cfg.model, cfg.trainer.num_workers, memory, memory_bytes, recommended, budgets)))
     if memory.phases["generation"] > memory_bytes:
         fits = _largest_fitting(lambda n: _replace(cfg, "rollout", max_num_seqs=n), shape, memory, memory_bytes, "generation",
                                 cfg.rollout.max_num_seqs)
@@ -427,20 +428,23 @@ def _memory_problems(cfg: RunConfig, shape: ModelShape, memory: MemoryEstimate, 
     return out
 
 
-def _update_fix(cfg: RunConfig, memory: MemoryEstimate, memory_bytes: int, recommended: int, budgets: Budgets) -> str:
+def _update_fix(model_cfg: ModelConfig, num_workers: int, memory: MemoryEstimate, memory_bytes: int, recommended: int,
+                budgets: Budgets) -> str:
+    """The fix of an update phase over ``memory_bytes``, for the ``model`` section ``model_cfg`` on
+    ``trainer.num_workers=num_workers``: the largest budget that fits, else what frees memory."""
     if recommended >= budgets.max_sequence_tokens:
         return f"set train.max_tokens_per_microbatch={recommended} (the largest that fits)"
     held = ("runtime", "parameters", "reference model", "rollout engine copy", "gathered parameters (FSDP2)")
     fixed = sum(memory.parts[k] for k in held)
     if fixed > memory_bytes:
-        drop_copy = resolve_for_device(cfg.model.dtype, memory.device).name == "bf16" and cfg.trainer.num_workers == 1
-        can_offload = cfg.trainer.num_workers > 1 and memory.device == "cuda" and not cfg.model.param_offload
+        drop_copy = resolve_for_device(model_cfg.dtype, memory.device).name == "bf16" and num_workers == 1
+        can_offload = num_workers > 1 and memory.device == "cuda" and not model_cfg.param_offload
         return (f"the weights and runtime alone need {fixed / GIB:.2f} GiB: use a device with more memory"
                 + (" (or model.dtype=fp32 to drop the bf16 rollout engine copy)" if drop_copy else "")
                 + (" (or model.param_offload=true to keep the parameter shards in host memory)" if can_offload else ""))
-    offload = cfg.model.param_offload or cfg.trainer.num_workers == 1 or memory.device != "cuda"  # FSDP2 on CUDA only
-    options = [o for o, on in (("model.gradient_checkpointing=true", cfg.model.gradient_checkpointing),
-                               ("model.lora.rank=16", cfg.model.lora.rank > 0),
+    offload = model_cfg.param_offload or num_workers == 1 or memory.device != "cuda"  # FSDP2 on CUDA only
+    options = [o for o, on in (("model.gradient_checkpointing=true", model_cfg.gradient_checkpointing),
+                               ("model.lora.rank=16", model_cfg.lora.rank > 0),
                                ("model.param_offload=true", offload)) if not on]
     return ("no micro-batch holding the longest sequence fits: " + ", ".join(
         [*(f"set {o}" for o in options), "lower data.max_prompt_tokens / rollout.max_response_tokens"]))
