@@ -81,9 +81,10 @@ class PromptRoom:
         return self.max_context_tokens - self.max_response_tokens
 
     @classmethod
-    def of(cls, cfg: RunConfig, max_context_tokens: int | None) -> PromptRoom | None:
-        """The room of ``cfg`` in a context of ``max_context_tokens``; None when the context is unknown."""
-        return None if max_context_tokens is None else cls(max_context_tokens, cfg.rollout.max_response_tokens)
+    def of(cls, rollout: RolloutConfig, max_context_tokens: int | None) -> PromptRoom | None:
+        """The room the ``rollout`` section's response budget leaves in a context of
+        ``max_context_tokens``; None when the context is unknown."""
+        return None if max_context_tokens is None else cls(max_context_tokens, rollout.max_response_tokens)
 
     def describe(self) -> str:
         return (f"the model context {self.max_context_tokens:,} - rollout.max_response_tokens={self.max_response_tokens:,} "

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from packrl.config.budgets import budget_problems, budgets_of
 from packrl.config.critic import CriticConfig
 from packrl.config.rollout_modes import mode_info
-from packrl.config.schema import RunConfig
+from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.errors import ConfigProblem
 
 Rule = Callable[[RunConfig], list[ConfigProblem]]
@@ -143,7 +143,7 @@ def critic(cfg: RunConfig) -> list[ConfigProblem]:
                               "set critic.enable=true (or null), or choose another algorithm.adv_estimator",
                               keys=("critic.enable", "algorithm.adv_estimator"))]
     if not section.enabled(estimator):
-        return _without_critic(cfg)
+        return _without_critic(section, cfg.algorithm)
     out = []
     if cfg.trainer.sequence_parallel_size > 1:
         out.append(ConfigProblem("critic.enable", True, "the critic does not run under sequence parallelism yet",
@@ -164,9 +164,10 @@ def critic(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
-def _without_critic(cfg: RunConfig) -> list[ConfigProblem]:
-    """Critic settings changed from their defaults, and GAE's knobs, in a run without a critic."""
-    section, estimator, default = cfg.critic, cfg.algorithm.adv_estimator, CriticConfig()
+def _without_critic(section: CriticConfig, algorithm: AlgorithmConfig) -> list[ConfigProblem]:
+    """Critic settings changed from their defaults (the ``critic`` section), and GAE's knobs (of
+    ``algorithm``), in a run without a critic."""
+    estimator, default = algorithm.adv_estimator, CriticConfig()
     changed = [f.name for f in dataclasses.fields(section) if f.name != "enable" and getattr(section, f.name) != getattr(default, f.name)]
     keys = ["model.path" if name == "model" else name for name in changed]
     out = [ConfigProblem(f"critic.{key}", section.model.path if key == "model.path" else getattr(section, key),
@@ -175,8 +176,8 @@ def _without_critic(cfg: RunConfig) -> list[ConfigProblem]:
     readers = {"gamma": "gae, reinforce_plus_plus", "lam": "gae"}  # the other built-in estimators read neither
     for name, ignoring in (("gamma", ("grpo", "rloo", "reinforce_plus_plus_baseline")),
                            ("lam", ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))):
-        if estimator in ignoring and getattr(cfg.algorithm, name) != 1.0:
-            out.append(ConfigProblem(f"algorithm.{name}", getattr(cfg.algorithm, name), f"has no effect with "
+        if estimator in ignoring and getattr(algorithm, name) != 1.0:
+            out.append(ConfigProblem(f"algorithm.{name}", getattr(algorithm, name), f"has no effect with "
                                      f"algorithm.adv_estimator={estimator} (read by {readers[name]})",
                                      f"set algorithm.adv_estimator to one that reads it or remove algorithm.{name}"))
     return out

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from packrl.errors import ConfigProblem
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.schema import RunConfig, TrainerConfig
 
 ASYNC_KEYS = ("over_provision", "max_staleness", "stale_groups", "partial_chunk_tokens")
 """The ``rollout`` keys of the partial-rollout modes: prompt groups carried across steps."""
@@ -57,7 +57,7 @@ def mode_info(name: str) -> RolloutModeInfo:
 def sync_problems(cfg: RunConfig) -> list[ConfigProblem]:
     """``trainer.rollout_mode=sync``: the partial-rollout keys and the behaviour-weight cap have no effect."""
     r, defaults = cfg.rollout, type(cfg.rollout)()
-    out = _rollout_workers(cfg)
+    out = _rollout_workers(cfg.trainer)
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is is None and rc.rollout_is_threshold != 2.0:
         key = "algorithm.rollout_correction.rollout_is_threshold"
@@ -75,7 +75,7 @@ def colocate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
     """``trainer.rollout_mode=colocate_async``: over-provisioning to cut the tail with (at most a
     batch, so the groups at the staleness bound always fit the next batch), one-turn rollouts and
     no dynamic sampling (not built for carried groups)."""
-    out = _rollout_workers(cfg) + _partial_problems(cfg)
+    out = _rollout_workers(cfg.trainer) + _partial_problems(cfg)
     r = cfg.rollout
     if r.engine == "hf" and cfg.trainer.num_workers == 1 and r.partial_chunk_tokens != 64:
         out.append(ConfigProblem("rollout.partial_chunk_tokens", r.partial_chunk_tokens,
@@ -101,12 +101,12 @@ def separate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
-def _rollout_workers(cfg: RunConfig) -> list[ConfigProblem]:
-    """``trainer.num_rollout_workers`` in a mode without rollout workers of its own."""
-    if cfg.trainer.num_rollout_workers == 1:
+def _rollout_workers(trainer: TrainerConfig) -> list[ConfigProblem]:
+    """``trainer.num_rollout_workers`` in a mode without rollout workers of its own (the ``trainer`` section)."""
+    if trainer.num_rollout_workers == 1:
         return []
-    mode = cfg.trainer.rollout_mode
-    return [ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers, f"has no effect: trainer.rollout_mode={mode} "
+    mode = trainer.rollout_mode
+    return [ConfigProblem("trainer.num_rollout_workers", trainer.num_rollout_workers, f"has no effect: trainer.rollout_mode={mode} "
                           "runs no rollout workers of its own", "set trainer.rollout_mode=separate_async or remove it",
                           keys=("trainer.num_rollout_workers", "trainer.rollout_mode"))]
 

@@ -214,7 +214,7 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
         problems=(), read_image_files=reads_image_files(loaded, tokenizer),
     )
     needs_vision = 0 if is_processor(tokenizer) else sum(1 for e in loaded.examples if e.images)
-    room = PromptRoom.of(cfg, max_context_tokens)
+    room = PromptRoom.of(cfg.rollout, max_context_tokens)
     report = replace(report, problems=_problems(report, cfg.data, cfg.model.path, num_need_vision=needs_vision, room=room))
     return report.timed(time.perf_counter() - start)
 

@@ -181,7 +181,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
                 notes += _vllm_notes(EngineOptions.from_config(cfg), cfg.model.dtype, shape, budgets, device)
             notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg.trainer, cfg.rollout, cfg.data.batch_size, shape,
                                                                           compute.param_bytes)
-            more = _modality_checks(cfg, model_config, PromptRoom.of(cfg, budgets.max_context_tokens))
+            more = _modality_checks(cfg, model_config, PromptRoom.of(cfg.rollout, budgets.max_context_tokens))
             notes, problems = notes + more[0], problems + more[1]
             if memory_bytes is not None:
                 recommended = max_fitting_tokens(cfg, shape, memory_bytes, device=device)

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
     caps, kwargs = grouped_cap_limits(cfg.train), template_kwargs(cfg.rollout.multi_turn)
     try:  # the model's context bounds the prompt budgets the data errors may propose (configs only, no weights)
-        room = PromptRoom.of(cfg, load_model_context(cfg.model))
+        room = PromptRoom.of(cfg.rollout, load_model_context(cfg.model))
     except ValueError:  # the same problem stops the run when the workers read the model
         room = None
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
