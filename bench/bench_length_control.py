@@ -2,8 +2,9 @@
 length objective and GFPO at equal steps and equal ``algorithm.loss_agg_mode``, every arm judged
 on the same held-out rows (docs/algorithms/length_control.md).
 
-The starting policy is `packrl sft char_count` (verbose traces: every line restated, filler lines),
-so it is mostly correct and says about 2.8x what a correct answer needs. Each arm trains
+The starting policy is `packrl sft char_count` (the preset's `sft` section: verbose traces, every
+line restated and filler lines; 16 steps at lr 1e-4), so it is mostly correct and says about 2.8x
+what a correct answer needs. Each arm trains
 ``--steps`` GRPO steps from it; then every arm (and the start) answers ``--eval-rows`` held-out
 questions greedily. The JSON reports per arm: held-out accuracy with its standard error, mean /
 p50 / p95 generated tokens of correct and of wrong answers, tokens per correct answer, the
@@ -16,7 +17,7 @@ Every arm writes ``OUT/<arm>.json`` as soon as it ends, so a run cut short keeps
 
 Command (hours on 2 CPU cores; ``--steps 20`` is the measured setting)::
 
-    python bench/bench_length_control.py --sft-steps 8 --steps 20 --eval-rows 512 --target-steps 20 --out bench/results/length
+    python bench/bench_length_control.py --sft-steps 16 --steps 20 --eval-rows 512 --target-steps 20 --out bench/results/length
 
 ``--start CHECKPOINT`` reuses a starting checkpoint instead of running the SFT steps.
 """
@@ -62,7 +63,7 @@ TARGET_TEMPLATE = " Answer in {target} tokens."
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sft-steps", type=int, default=8)
+    parser.add_argument("--sft-steps", type=int, default=16)
     parser.add_argument("--start", default=None, help="a starting checkpoint (skips the SFT steps)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-rows", type=int, default=512)
