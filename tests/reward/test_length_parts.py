@@ -131,3 +131,24 @@ def test_every_length_part_is_registered_with_its_check():
     for part in ("group_length", "efficiency", "shortest_correct", "target_length"):
         assert part in REWARD_SHAPING and REWARD_SHAPING.options_class(part) is not None
     assert torch.is_tensor(_score(_rollout([3, 4], [True, False], 2), "shortest_correct", {}).parts["shortest_correct"])
+
+
+def test_task_arithmetic_trains_with_every_length_part_gfpo_and_targets(tmp_path, smollm_tokenizer):
+    """The demo preset's task:arithmetic (not only task:char_count) runs with the four objectives,
+    GFPO and drawn targets at once: every part is reported, the filter keeps k of n, every value is finite."""
+    import json
+
+    from tests.diagnostics.tiny_run import tiny_run
+
+    run_dir, workers = tiny_run(tmp_path, smollm_tokenizer, [
+        "train.total_steps=2", "rollout.n=4", "algorithm.group_filter.keep=2", "reward.shaping.group_length.weight=0.5",
+        "reward.shaping.efficiency.alpha=0.2", "reward.shaping.shortest_correct.beta=0.01", "reward.shaping.target_length.mode=max",
+        "data.length_target.min_tokens=4", "data.length_target.max_tokens=12"])
+    workers.close()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    for line in lines:
+        for part in ("group_length", "efficiency", "shortest_correct", "target_length"):
+            assert math.isfinite(line[f"reward/{part}/mean"])
+        assert line["train/group_filter/kept_responses"] == 4 and line["train/group_filter/filtered_responses"] == 4
+        assert math.isfinite(line["length/target_error/mean"]) and math.isfinite(line["actor/pg_loss"])
