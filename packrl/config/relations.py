@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from packrl.config.budgets import budget_problems, budgets_of
 from packrl.config.critic import CriticConfig
+from packrl.config.curriculum import schedule_problems
 from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.errors import ConfigProblem
@@ -242,13 +243,25 @@ def thinking_budgets(cfg: RunConfig) -> list[ConfigProblem]:
 
 
 def length_targets(cfg: RunConfig) -> list[ConfigProblem]:
-    """A drawn target the response budget cannot hold."""
-    target, budget = cfg.data.length_target, cfg.rollout.max_response_tokens
-    if target.max_tokens is None or target.max_tokens <= budget:
+    """A drawn target the response budget cannot hold: under a length curriculum, the budget of
+    its smallest stage (a prompt of that stage would ask for a length its response cannot reach)."""
+    target, rollout = cfg.data.length_target, cfg.rollout
+    if target.max_tokens is None:
         return []
-    return [ConfigProblem("data.length_target.max_tokens", target.max_tokens, f"> rollout.max_response_tokens={budget:,}: a prompt "
-                          "would ask for a length its response cannot reach", f"set data.length_target.max_tokens <= {budget:,} or "
-                          "raise rollout.max_response_tokens", keys=("data.length_target.max_tokens", "rollout.max_response_tokens"))]
+    raw = rollout.max_response_tokens_schedule
+    stages = [] if not raw or schedule_problems(raw, rollout.max_response_tokens) else [(int(b), int(a)) for a, b in raw]
+    budget, start = min(stages, default=(rollout.max_response_tokens, None))
+    if target.max_tokens <= budget:
+        return []
+    if start is None:
+        return [ConfigProblem("data.length_target.max_tokens", target.max_tokens, f"> rollout.max_response_tokens={budget:,}: a "
+                              "prompt would ask for a length its response cannot reach", f"set data.length_target.max_tokens <= "
+                              f"{budget:,} or raise rollout.max_response_tokens", keys=("data.length_target.max_tokens",
+                                                                                        "rollout.max_response_tokens"))]
+    return [ConfigProblem("data.length_target.max_tokens", target.max_tokens, f"> {budget:,}, the response budget of the length "
+                          f"curriculum's stage from step {start} (rollout.max_response_tokens_schedule): a prompt of that stage "
+                          "would ask for a length its response cannot reach", f"set data.length_target.max_tokens <= {budget:,} "
+                          "or raise that stage's budget", keys=("data.length_target.max_tokens", "rollout.max_response_tokens_schedule"))]
 
 
 RULES: tuple[Rule, ...] = (

@@ -85,6 +85,7 @@ class PromptDataset:
         caps: Sequence[CapLimit] = (),
         chat_template_kwargs: dict[str, Any] | None = None,
         room: PromptRoom | None = None,
+        max_target_tokens: int | None = None,
     ) -> PromptDataset:
         """Load, normalise and budget every row of ``sources``.
 
@@ -101,6 +102,8 @@ class PromptDataset:
             chat_template_kwargs: extra ``apply_chat_template`` arguments (`budget_examples`).
             room: what the model context leaves for a prompt (`PromptRoom.of`); the fixes of
                 the errors below stay within it. None when the context is unknown.
+            max_target_tokens: the response budget a row's length target must not exceed
+                (`packrl.data.prompts.load_examples`), or None.
 
         Returns:
             The dataset; its accounting covers every row read.
@@ -111,7 +114,7 @@ class PromptDataset:
                 (one message names all of them, up to 10 of each kind); no usable prompt; for
                 ``train``, fewer usable prompts than ``data.batch_size``.
         """
-        rows = load_examples(sources, data_cfg, seed=seed, split=split, key=key)
+        rows = load_examples(sources, data_cfg, seed=seed, split=split, key=key, max_target_tokens=max_target_tokens)
         policy, budget = data_cfg.overlong_prompt, data_cfg.max_prompt_tokens
         # under `error` the budget is applied as `filter` first, so one message names every bad and overlong row
         prompts, outcomes = budget_examples(rows.examples, tokenizer, max_prompt_tokens=budget,

@@ -19,7 +19,8 @@ from packrl.config.length_control import LengthTargetConfig
 from packrl.data.examples import Example
 
 
-def with_length_target(example: Example, raw: Any, cfg: LengthTargetConfig, seed: int) -> Example | str:
+def with_length_target(example: Example, raw: Any, cfg: LengthTargetConfig, seed: int, *,
+                       max_tokens: int | None = None) -> Example | str:
     """``example`` asking for its target (module docstring), or the reason the row cannot be used.
 
     Args:
@@ -27,17 +28,27 @@ def with_length_target(example: Example, raw: Any, cfg: LengthTargetConfig, seed
         raw: the row as loaded (a mapping; ``column`` is read from it).
         cfg: ``data.length_target`` (off: ``example`` is returned as it is).
         seed: ``train.seed``.
+        max_tokens: the response budget a target must not exceed (the smallest stage of a length
+            curriculum), or None to take any; a drawn range is checked against it at load.
 
     Returns:
         The example with the template appended and ``length_target`` set, or a reason string
-        (the row's ``column`` is missing or not a positive integer), counted as a bad row.
+        (the row has no ``column`` field, or its value is not a positive integer or exceeds
+        ``max_tokens``), counted as a bad row.
     """
     if not cfg.enabled:
         return example
     if cfg.column is not None:
-        value = raw.get(cfg.column) if isinstance(raw, dict) else None
+        if not isinstance(raw, dict) or cfg.column not in raw:
+            fields = ", ".join(map(repr, raw)) if isinstance(raw, dict) else "none"
+            return f"no field {cfg.column!r} (data.length_target.column); the row's fields: {fields}"
+        value = raw[cfg.column]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             return f"field {cfg.column!r} (data.length_target.column) is {value!r}, not a positive integer of tokens"
+        if max_tokens is not None and value > max_tokens:
+            return (f"field {cfg.column!r} (data.length_target.column) is {value:,} > the response budget {max_tokens:,} "
+                    "(rollout.max_response_tokens; a length curriculum's smallest stage): the prompt would ask for a length "
+                    "its response cannot reach")
         target = value
     else:
         assert cfg.min_tokens is not None and cfg.max_tokens is not None, "checked at config load"

@@ -84,7 +84,8 @@ class LoadedRows:
         return len(self.raw_rows)
 
 
-def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split: str, key: str) -> LoadedRows:
+def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split: str, key: str,
+                  max_target_tokens: int | None = None) -> LoadedRows:
     """Read every source in order and normalise each row (`packrl.data.examples.to_example`).
 
     Args:
@@ -93,6 +94,8 @@ def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, sp
         seed: ``train.seed`` (picks the rows of ``task:arithmetic``).
         split: ``"train"`` or ``"val"``; for ``val`` only the first ``data.max_val_rows`` rows.
         key: the config key of ``sources``, for messages.
+        max_target_tokens: the response budget a row's ``data.length_target.column`` must not
+            exceed (`packrl.data.length_targets.with_length_target`), or None.
 
     Returns:
         `LoadedRows`; rows are numbered globally across the sources, from 0.
@@ -109,7 +112,7 @@ def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, sp
         result = to_example(raw, row=row, instruction=data_cfg.instruction,
                             system_prompt=data_cfg.system_prompt, data_source=data_source, base_dir=base_dir)
         if not isinstance(result, str):
-            result = with_length_target(result, raw, data_cfg.length_target, seed)
+            result = with_length_target(result, raw, data_cfg.length_target, seed, max_tokens=max_target_tokens)
         if isinstance(result, str):
             bad[row] = result
         else:

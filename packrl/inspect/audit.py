@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packrl.chat.tool_schemas import template_kwargs
-from packrl.config.budgets import PromptRoom, prompt_budget_fix
+from packrl.config.budgets import PromptRoom, prompt_budget_fix, response_schedule
 from packrl.config.grouped_caps import grouped_cap_limits
 from packrl.data.loaders import BadRow
 from packrl.data.prompts import account_rows, budget_examples, load_examples, rendered_prompt_lengths
@@ -390,6 +390,8 @@ def _config_values(cfg: RunConfig) -> dict[str, Any]:
         "data.arithmetic": [a.num_rows, a.digits, a.num_operands, a.operators], "train.seed": cfg.train.seed,
         "data.char_count": [getattr(d.char_count, f.name) for f in fields(d.char_count)],
         "rollout.max_response_tokens": cfg.rollout.max_response_tokens,
+        "rollout.max_response_tokens_schedule": cfg.rollout.max_response_tokens_schedule,
+        "data.length_target": [getattr(d.length_target, f.name) for f in fields(d.length_target)],
         "train.max_tokens_per_microbatch": cfg.train.max_tokens_per_microbatch,
         "data.max_image_tokens": d.max_image_tokens,
         "train.max_vision_patches_per_microbatch": cfg.train.max_vision_patches_per_microbatch,
@@ -515,7 +517,8 @@ def audit_sources(
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return cached.timed(time.perf_counter() - start)
-    loaded = load_examples(sources, cfg.data, seed=cfg.train.seed, split="train", key=DATA_KEY)
+    most = min(budget for _, budget in response_schedule(cfg.rollout).stages)  # a length target each stage can reach
+    loaded = load_examples(sources, cfg.data, seed=cfg.train.seed, split="train", key=DATA_KEY, max_target_tokens=most)
     _check_readable(loaded)
     report = audit_rows(loaded, tokenizer_loader(), cfg, progress=progress, max_context_tokens=max_context_tokens)
     report = replace(report, model=model, tokenizer=tokenizer_id, sources=_with_hashes(report.sources))

@@ -138,7 +138,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     if "model.path" not in bad:
         model_config, problem = _read_model_config(cfg.model.path)
         problems += problem
-    problems += _critic_path_problems(cfg.critic, cfg.algorithm.adv_estimator)
+    problems += _critic_path_problems(cfg.critic, cfg.algorithm.adv_estimator) + _thinking_problems(cfg.model, cfg.rollout, bad, problems)
     budgets = budgets_of(cfg, max_context_tokens=None)
     rope = None
     rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
@@ -319,6 +319,27 @@ def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[Conf
     except ValueError as err:
         return [ConfigProblem("critic.model.path", path, str(err), "set critic.model.path to a model dir, .gguf file or hub id, "
                               "or null for the policy's checkpoint")]
+    return []
+
+
+def _thinking_problems(model_cfg: ModelConfig, rollout: RolloutConfig, bad: set[str], found: list[ConfigProblem]) -> list[ConfigProblem]:
+    """Thinking budgets checked with the policy's tokenizer, as set-up checks them
+    (`packrl.rollout.thinking.check_thinking`: the end-of-thinking text found and round-tripped,
+    think + its exact tokens + answer within the response budget); not where a key it reads did
+    not parse or already has a problem (``bad``, ``found``)."""
+    said = bad.union(*(p.involved_keys for p in found))
+    if not rollout.thinking or said.intersection({"model.path", "rollout.think_budget_tokens", "rollout.answer_budget_tokens",
+                                                  "rollout.end_of_thinking", "rollout.max_response_tokens"}):
+        return []
+    from packrl.models.loading import load_policy_tokenizer
+    from packrl.rollout.thinking import check_thinking
+
+    try:
+        check_thinking(load_policy_tokenizer(model_cfg), rollout)
+    except KeyedValueError as err:
+        return [err.problem(getattr(rollout, err.key.removeprefix("rollout.")))]
+    except ValueError:  # the tokenizer itself: said by train and by the model checks
+        return []
     return []
 
 

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from packrl.config.schema import RolloutConfig
+from packrl.errors import KeyedValueError
 from packrl.rollout.engine import RolloutEngine, SamplingParams, single_sample_seed
 from packrl.types import Response
 
@@ -44,20 +45,46 @@ def end_of_thinking_ids(tokenizer: Any, text: str | None) -> tuple[str, tuple[in
     and its token ids.
 
     Raises:
-        ValueError: no text is set and the chat template writes none; or the tokenizer cannot
-            encode it (no ids, or ids that decode to other text): the message names the key and the fix.
+        KeyedValueError (a ValueError) about ``rollout.end_of_thinking``: no text is set and the
+            chat template writes none; or the tokenizer cannot encode it (no ids, or ids that
+            decode to other text).
     """
     if text is None:
         template = tokenizer.chat_template or ""
         if THINK_CLOSE not in template:
-            raise ValueError("rollout.end_of_thinking=null and the chat template writes no </think>: packrl cannot tell where "
-                             "thinking ends; set rollout.end_of_thinking to the text that ends it (e.g. '</think>')")
+            raise KeyedValueError("rollout.end_of_thinking", "rollout.end_of_thinking=null and the chat template writes no "
+                                  "</think>: packrl cannot tell where thinking ends",
+                                  "set rollout.end_of_thinking to the text that ends it (e.g. '</think>')")
         text = THINK_CLOSE
     ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not ids or tokenizer.decode(list(ids), skip_special_tokens=False) != text:
-        raise ValueError(f"rollout.end_of_thinking={text!r}: the tokenizer encodes it as {list(ids)}, which decodes to "
-                         f"{tokenizer.decode(list(ids), skip_special_tokens=False)!r}; set rollout.end_of_thinking to text "
-                         "it round-trips (e.g. '</think>')")
+    decoded = tokenizer.decode(list(ids), skip_special_tokens=False)
+    if not ids or decoded != text:
+        raise KeyedValueError("rollout.end_of_thinking", f"rollout.end_of_thinking={text!r}: the tokenizer encodes it as "
+                              f"{list(ids)}, which decodes to {decoded!r}",
+                              "set rollout.end_of_thinking to text it round-trips (e.g. '</think>')")
+    return text, ids
+
+
+def check_thinking(tokenizer: Any, rollout: RolloutConfig) -> tuple[str, tuple[int, ...]]:
+    """The end-of-thinking text and ids of the ``rollout`` section's thinking budgets, checked with
+    the policy's tokenizer: set-up (`thinking_engine`) and preflight call this one check.
+
+    Raises:
+        KeyedValueError (a ValueError): the end-of-thinking text cannot be found or encoded
+            (`end_of_thinking_ids`), or think + its tokens + answer exceed
+            ``rollout.max_response_tokens`` (the exact count of the relation `packrl.config.budgets`
+            checks at load with one forced token).
+    """
+    assert rollout.think_budget_tokens is not None and rollout.answer_budget_tokens is not None, "checked at config load"
+    text, ids = end_of_thinking_ids(tokenizer, rollout.end_of_thinking)
+    total = rollout.think_budget_tokens + len(ids) + rollout.answer_budget_tokens
+    if total > rollout.max_response_tokens:
+        think, answer = rollout.think_budget_tokens, rollout.answer_budget_tokens
+        raise KeyedValueError("rollout.think_budget_tokens",
+                              f"rollout.think_budget_tokens={think} + the end-of-thinking text {text!r} ({len(ids)} tokens) + "
+                              f"rollout.answer_budget_tokens={answer} = {total} > rollout.max_response_tokens="
+                              f"{rollout.max_response_tokens}: a forced answer would be cut",
+                              f"lower a budget or raise rollout.max_response_tokens to >= {total}")
     return text, ids
 
 
@@ -138,18 +165,10 @@ def thinking_engine(engine: RolloutEngine, tokenizer: Any, rollout: RolloutConfi
     """``engine`` under the thinking budgets of the ``rollout`` section (`ThinkingEngine`).
 
     Raises:
-        ValueError: the end-of-thinking text cannot be found or encoded (`end_of_thinking_ids`), or
-            think + its tokens + answer exceed ``rollout.max_response_tokens`` (the exact count of
-            the relation `packrl.config.budgets` checks at load with one forced token).
+        KeyedValueError (a ValueError): as `check_thinking`.
     """
+    text, ids = check_thinking(tokenizer, rollout)
     assert rollout.think_budget_tokens is not None and rollout.answer_budget_tokens is not None, "checked at config load"
-    text, ids = end_of_thinking_ids(tokenizer, rollout.end_of_thinking)
-    total = rollout.think_budget_tokens + len(ids) + rollout.answer_budget_tokens
-    if total > rollout.max_response_tokens:
-        raise ValueError(f"rollout.think_budget_tokens={rollout.think_budget_tokens} + the end-of-thinking text {text!r} "
-                         f"({len(ids)} tokens) + rollout.answer_budget_tokens={rollout.answer_budget_tokens} = {total} > "
-                         f"rollout.max_response_tokens={rollout.max_response_tokens}: a forced answer would be cut; lower a "
-                         f"budget or raise rollout.max_response_tokens to >= {total}")
     return ThinkingEngine(engine, tokenizer, think_budget_tokens=rollout.think_budget_tokens,
                           answer_budget_tokens=rollout.answer_budget_tokens, end_text=text, end_ids=ids)
 

@@ -51,12 +51,13 @@ def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset |
         room = PromptRoom.of(cfg.rollout, load_model_context(cfg.model))
     except ValueError:  # the same problem stops the run when the workers read the model
         room = None
+    most = min(budget for _, budget in response_schedule(cfg.rollout).stages)  # a length target each stage can reach
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
-                                caps=caps, chat_template_kwargs=kwargs, room=room)
+                                caps=caps, chat_template_kwargs=kwargs, room=room, max_target_tokens=most)
     val = None
     if cfg.data.val_files and cfg.train.val_every:
         val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files",
-                                  caps=caps, chat_template_kwargs=kwargs, room=room)
+                                  caps=caps, chat_template_kwargs=kwargs, room=room, max_target_tokens=most)
     return train, val
 
 

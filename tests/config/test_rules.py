@@ -43,6 +43,9 @@ CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo
      "rollout.think_budget_tokens", "does not apply to responses carried across steps"),
     ("length_targets", ["data.length_target.min_tokens=8", "data.length_target.max_tokens=65"], "data.length_target.max_tokens",
      "> rollout.max_response_tokens=64"),
+    ("length_targets", ["data.length_target.min_tokens=8", "data.length_target.max_tokens=40",
+                        "rollout.max_response_tokens_schedule=[[1,32],[3,64]]"], "data.length_target.max_tokens",
+     "> 32, the response budget of the length curriculum's stage from step 1"),
 ]
 
 PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's own config check (checks= in packrl.registry)

@@ -33,15 +33,22 @@ def test_drawn_targets_are_written_into_the_prompt_and_travel_with_it(smollm_tok
 def test_a_column_gives_each_row_its_target_and_a_bad_value_is_a_bad_row(tmp_path, smollm_tokenizer):
     path = tmp_path / "rows.jsonl"
     rows = [{"question": "What is 1 + 1?", "answer": "#### 2", "target_tokens": 30},
-            {"question": "What is 2 + 2?", "answer": "#### 4", "target_tokens": "many"}]
+            {"question": "What is 2 + 2?", "answer": "#### 4", "target_tokens": "many"},
+            {"question": "What is 3 + 3?", "answer": "#### 6", "target": 30},
+            {"question": "What is 4 + 4?", "answer": "#### 8", "target_tokens": 65}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     over = ["data.length_target.column=target_tokens", "data.length_target.template=Answer in {target} tokens.", "data.skip_bad_rows=true",
             "data.batch_size=1"]
-    _, ds = _dataset(smollm_tokenizer, over, files=path)
-    assert len(ds) == 1 and ds.batch([0]).length_targets == (30,)
+    cfg, ds = _dataset(smollm_tokenizer, over, files=path)
+    assert len(ds) == 2 and ds.batch([0]).length_targets == (30,)  # a target over the response budget: no budget given here
     assert "Answer in 30 tokens." in smollm_tokenizer.decode(ds.batch([0]).prompt_ids[0])
     reasons = json.dumps(ds.accounting_dict())
     assert "data.length_target.column" in reasons and "'many'" in reasons
+    assert "no field 'target_tokens' (data.length_target.column); the row's fields: 'question', 'answer', 'target'" in reasons
+    budgeted = PromptDataset.build(cfg.data.train_files, smollm_tokenizer, cfg.data, seed=0, split="train", key="data.train_files",
+                                   max_target_tokens=cfg.rollout.max_response_tokens)
+    reasons = json.dumps(budgeted.accounting_dict())
+    assert len(budgeted) == 1 and "is 65 > the response budget 64 (rollout.max_response_tokens" in reasons
 
 
 def test_length_target_config_checks():

@@ -155,3 +155,22 @@ def test_the_budgets_must_hold_the_forced_text_and_an_answer():
     exact = RolloutConfig(max_response_tokens=17, think_budget_tokens=10, answer_budget_tokens=6)  # 10 + 2 forced + 6 = 18
     with pytest.raises(ValueError, match=r"\(2 tokens\) \+ rollout.answer_budget_tokens=6 = 18 > rollout.max_response_tokens=17"):
         thinking_engine(_Scripted(set()), _Tok(), exact)
+
+
+def test_preflight_checks_the_end_of_thinking_with_the_policys_tokenizer(model_dir):
+    """What set-up would refuse with the tokenizer in hand, preflight says before the run: SmolLM2's
+    chat template writes no </think>, and a long end-of-thinking text's exact token count breaks
+    think + forced + answer <= the response budget where load's one-token count did not."""
+    from packrl.inspect.preflight import preflight
+
+    budgets = [f"model.path={model_dir}", "rollout.max_response_tokens=64", "rollout.think_budget_tokens=40",
+               "rollout.answer_budget_tokens=20"]
+    problems = {p.key: str(p) for p in preflight("demo", budgets).problems}
+    assert "chat template writes no </think>" in problems["rollout.end_of_thinking"]
+    text = "rollout.end_of_thinking=Okay, I have thought about it enough; the answer follows."
+    problems = {p.key: str(p) for p in preflight("demo", [*budgets, text]).problems}
+    assert "rollout.end_of_thinking" not in problems
+    assert "+ rollout.answer_budget_tokens=20 = " in problems["rollout.think_budget_tokens"]
+    assert "fix: lower a budget or raise rollout.max_response_tokens" in problems["rollout.think_budget_tokens"]
+    fits = [*budgets[:2], "rollout.think_budget_tokens=30", "rollout.answer_budget_tokens=20", text]
+    assert not {"rollout.end_of_thinking", "rollout.think_budget_tokens"} & {p.key for p in preflight("demo", fits).problems}
