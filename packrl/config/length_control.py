@@ -47,8 +47,9 @@ class LengthTargetConfig:
                                      f"set one: {prefix}.column=null or {prefix}.min_tokens=null and {prefix}.max_tokens=null",
                                      keys=(f"{prefix}.column", f"{prefix}.min_tokens", f"{prefix}.max_tokens")))
         elif ranged and (self.min_tokens is None or self.max_tokens is None):
-            out.append(ConfigProblem(f"{prefix}.min_tokens", self.min_tokens, f"and {prefix}.max_tokens={self.max_tokens} must both be "
-                                     "set to draw targets", f"set {prefix}.min_tokens and {prefix}.max_tokens (e.g. 16 and 96)",
+            given, missing = ("min_tokens", "max_tokens") if self.max_tokens is None else ("max_tokens", "min_tokens")
+            out.append(ConfigProblem(f"{prefix}.{given}", getattr(self, given), f"is set but {prefix}.{missing} is not: both "
+                                     "bound the drawn targets", f"set {prefix}.min_tokens and {prefix}.max_tokens (e.g. 16 and 96)",
                                      keys=(f"{prefix}.min_tokens", f"{prefix}.max_tokens")))
         elif ranged and self.min_tokens is not None and self.max_tokens is not None:
             if self.min_tokens < 1 or self.max_tokens < self.min_tokens:

@@ -212,7 +212,7 @@ def group_filter(cfg: RunConfig) -> list[ConfigProblem]:
     if keep is None or keep < 1:
         return []
     if keep > n:
-        return [ConfigProblem(key, keep, f"> rollout.n={n}: a group has only {n} responses to keep",
+        return [ConfigProblem(key, keep, f"> rollout.n={n}: a group has only {n} response{'s' if n != 1 else ''} to keep",
                               f"set {key} < rollout.n (GFPO samples more than it trains: raise rollout.n)", keys=(key, "rollout.n"))]
     if keep == n:
         return [ConfigProblem(key, keep, f"has no effect: it keeps all rollout.n={n} responses of a group",

@@ -56,7 +56,7 @@ def test_length_target_config_checks():
 
     with pytest.raises(ConfigError, match=r"data.length_target.column='t': is set together with data.length_target.min_tokens"):
         load_config("demo", ["data.length_target.column=t", "data.length_target.min_tokens=4", "data.length_target.max_tokens=8"])
-    with pytest.raises(ConfigError, match=r"data.length_target.min_tokens=4: and data.length_target.max_tokens=None must both be set"):
+    with pytest.raises(ConfigError, match=r"data.length_target.min_tokens=4: is set but data.length_target.max_tokens is not"):
         load_config("demo", ["data.length_target.min_tokens=4"])
     with pytest.raises(ConfigError, match=r"data.length_target.template='Answer briefly.': does not hold \{target\}"):
         load_config("demo", ["data.length_target.column=t", "data.length_target.template=Answer briefly."])
