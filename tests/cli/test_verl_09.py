@@ -307,3 +307,12 @@ def test_a_7b_lora_command_from_the_tuning_guides_passes_the_dry_run(tmp_path, c
     assert "the model context was not checked: model.path=Qwen/Qwen2.5-7B-Instruct is not a local path" in err
     if importlib.util.find_spec("wandb") is None:  # a package the training machine needs is a warning in a dry run, as vllm is
         assert "warning: train.loggers=['console', 'wandb']: names wandb but the wandb package is not installed" in err
+
+
+def test_a_key_given_twice_warns_and_the_last_is_used(caplog):
+    with caplog.at_level("WARNING", logger="packrl.compat.verl.translate"):
+        out = translate(["actor_rollout_ref.actor.clip_ratio_c=3.0", "actor_rollout_ref.actor.clip_ratio_c=2.5",
+                         "trainer.total_training_steps=10"])
+    assert ("actor_rollout_ref.actor.clip_ratio_c is given twice or more in the verl command (actor_rollout_ref.actor.clip_ratio_c=3.0, "
+            "then actor_rollout_ref.actor.clip_ratio_c=2.5); the last is used") in caplog.text
+    assert "algorithm.clip_ratio_c=2.5" in out.overrides

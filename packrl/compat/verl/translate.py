@@ -38,6 +38,7 @@ once the preset is read, so ``packrl verl --dry-run`` answers before any model c
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from packrl.compat.verl.context import PRESET, Context, same
@@ -46,6 +47,8 @@ from packrl.compat.verl.keys import ANY, DEFAULTS, VERL_KEYS, nearest_key, rule_
 from packrl.compat.verl.overrides import Translation, VerlOverride, format_value, parse_override
 from packrl.compat.verl.relational import STEPS
 from packrl.errors import ConfigError, ConfigProblem
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PRESET", "apply_table", "sources_of", "train_files_of", "translate"]
 
@@ -82,6 +85,9 @@ def translate(args: Sequence[str], *, num_train_rows: int | None = None) -> Tran
                 fix = f"{item.key} is a packrl key: add it to the `packrl train` command that `packrl verl --dry-run` prints"
             problems.append(ConfigProblem(item.key, item.value, "is not a verl config key", fix))
             continue
+        if item.key in given:
+            logger.warning("%s is given twice or more in the verl command (%s=%s, then %s=%s); the last is used",
+                           item.key, item.key, given[item.key].value, item.key, item.value)
         given[item.key] = item
     c = Context(given, num_train_rows=num_train_rows)
     apply_table(c)
