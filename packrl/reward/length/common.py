@@ -56,7 +56,8 @@ def correctness_problems(reward: RewardConfig, part: str) -> list[ConfigProblem]
     if info.correct_score is None:
         return [ConfigProblem(key, reward.shaping.get(part), f"reads which responses are correct, and reward.name={reward.name} "
                               "declares no notion of correct (a dense score)",
-                              f"use a reward registered with correct_score (gsm8k, math_verify), or set {key}=null",
+                              f"use a reward registered with correct_score (gsm8k, math_verify; a plugin reward declares it: "
+                              f"@register_reward(name, correct_score=1.0)), or set {key}=null",
                               keys=(key, "reward.name"))]
     if reward.format_score >= info.correct_score:
         return [ConfigProblem("reward.format_score", reward.format_score, f">= the correct score {info.correct_score:g} of "
