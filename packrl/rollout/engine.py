@@ -178,6 +178,26 @@ class RolloutEngine(Protocol):
         ...
 
 
+class EngineWrapper:
+    """The base of an engine that wraps another one (multi-turn trajectories, thinking budgets):
+    weights, sleep, wake-up and close go to the wrapped ``engine``; a subclass writes `generate`."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        self.engine.load_weights(weights)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 @runtime_checkable
 class ExtraInputsEngine(Protocol):
     """An engine that generates from prompts' extra inputs too (`EngineCapabilities.modalities`:

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from packrl.chat.render import ToolRenderer
 from packrl.chat.tool_schemas import renders_tools, template_kwargs
-from packrl.rollout.engine import RolloutEngine, SamplingParams
+from packrl.rollout.engine import EngineWrapper, RolloutEngine, SamplingParams
 from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
 from packrl.types import FinishReason, Response, Trajectory
@@ -169,7 +169,7 @@ def turn_seed(seed: int, sample: int, turn: int) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
-class MultiTurnEngine:
+class MultiTurnEngine(EngineWrapper):
     """An engine of the contract whose responses are whole tool-using trajectories.
 
     Args:
@@ -190,7 +190,8 @@ class MultiTurnEngine:
     def __init__(self, engine: RolloutEngine, tokenizer: Any, *, tools: Sequence[str], max_turns: int, limits: TurnLimits,
                  max_tool_response_tokens: int, truncation_side: str, renderer: ToolRenderer, tool_timeout_s: float | None = None,
                  rolling: bool = False):
-        self.engine, self.tokenizer, self.tools, self.tool_timeout_s = engine, tokenizer, frozenset(tools), tool_timeout_s
+        super().__init__(engine)
+        self.tokenizer, self.tools, self.tool_timeout_s = tokenizer, frozenset(tools), tool_timeout_s
         self.rolling = rolling
         self.max_turns, self.limits, self.renderer = max_turns, limits, renderer
         self.max_tool_response_tokens, self.truncation_side = max_tool_response_tokens, truncation_side
@@ -294,18 +295,6 @@ class MultiTurnEngine:
             return cut_text(ids, keep, "right", decode) + TRUNCATION_MARKER
         head, tail = keep - keep // 2, keep // 2
         return cut_text(ids, head, "right", decode) + TRUNCATION_MARKER + cut_text(ids, tail, "left", decode)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        self.engine.load_weights(weights)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, mt: MultiTurnConfig, *, max_prompt_tokens: int,

@@ -28,12 +28,12 @@ before the end-of-thinking text, or the model context). A forced end is not trun
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from packrl.config.schema import RolloutConfig
 from packrl.errors import KeyedValueError
-from packrl.rollout.engine import RolloutEngine, SamplingParams, single_sample_seed
+from packrl.rollout.engine import EngineWrapper, RolloutEngine, SamplingParams, single_sample_seed
 from packrl.types import Response
 
 THINK_CLOSE = "</think>"
@@ -88,7 +88,7 @@ def check_thinking(tokenizer: Any, rollout: RolloutConfig) -> tuple[str, tuple[i
     return text, ids
 
 
-class ThinkingEngine:
+class ThinkingEngine(EngineWrapper):
     """An engine of the contract whose responses think, then answer, each within its budget.
 
     Args:
@@ -100,7 +100,8 @@ class ThinkingEngine:
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, *, think_budget_tokens: int, answer_budget_tokens: int,
                  end_text: str, end_ids: Sequence[int]) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
+        super().__init__(engine)
+        self.tokenizer = tokenizer
         self.think, self.answer = think_budget_tokens, answer_budget_tokens
         self.end_text, self.end_ids = end_text, tuple(end_ids)
 
@@ -147,18 +148,6 @@ class ThinkingEngine:
         start = len(thinking.response_ids)
         return Response(ids, answer.finish_reason, rollout_logprobs=logprobs, response_mask=mask,
                         forced_span=(start, start + len(appended)) if forced else None)
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        self.engine.load_weights(weights)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def thinking_engine(engine: RolloutEngine, tokenizer: Any, rollout: RolloutConfig) -> ThinkingEngine:
