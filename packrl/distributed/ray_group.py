@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from packrl.config.plan import BatchPlan
+from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import RunConfig, TrainerConfig
 from packrl.distributed.group import WorkerGroup
 from packrl.distributed.health import (
@@ -92,8 +93,7 @@ def start_ray(trainer: TrainerConfig, run_dir: Path) -> bool:
     if ray.is_initialized():
         raise ValueError("Ray is already initialised in this process; call ray.shutdown() first or set trainer.ray_address")
     if local:
-        num_rollout = trainer.num_rollout_workers if trainer.rollout_mode == "separate_async" else 0
-        num_cpus = max(os.cpu_count() or 1, (trainer.num_workers + num_rollout) * trainer.num_cpus_per_worker)
+        num_cpus = max(os.cpu_count() or 1, (trainer.num_workers + _num_rollout_actors(trainer)) * trainer.num_cpus_per_worker)
         try:
             ray.init(address="local", num_cpus=num_cpus, num_gpus=torch.cuda.device_count(), include_dashboard=False,
                      object_store_memory=_OBJECT_STORE_BYTES, _temp_dir=str(_ray_temp_dir(run_dir)), log_to_driver=False,
@@ -145,12 +145,17 @@ def run_bundles(trainer: TrainerConfig) -> list[dict[str, float]]:
     """One `actor_bundle` per Ray actor of the run: the ranks (``trainer.num_workers > 1``) and the
     rollout workers (``separate_async``)."""
     ranks = trainer.num_workers if trainer.num_workers > 1 else 0
-    rollout = trainer.num_rollout_workers if trainer.rollout_mode == "separate_async" else 0
-    return [actor_bundle(trainer)] * (ranks + rollout)
+    return [actor_bundle(trainer)] * (ranks + _num_rollout_actors(trainer))
+
+
+def _num_rollout_actors(trainer: TrainerConfig) -> int:
+    """``trainer.num_rollout_workers`` where the rollout mode declares rollout workers of its own
+    (`packrl.config.rollout_modes.RolloutModeInfo.rollout_workers`), else 0."""
+    return trainer.num_rollout_workers if mode_info(trainer.rollout_mode).rollout_workers else 0
 
 
 def _room_fix(trainer: TrainerConfig) -> str:
-    knobs = "trainer.num_workers" + (", trainer.num_rollout_workers" if trainer.rollout_mode == "separate_async" else "")
+    knobs = "trainer.num_workers" + (", trainer.num_rollout_workers" if _num_rollout_actors(trainer) else "")
     return f"lower {knobs} or trainer.num_cpus_per_worker, or add nodes to the cluster (`ray start --address=HEAD:PORT` on each)"
 
 
@@ -166,7 +171,7 @@ def _check_room(trainer: TrainerConfig) -> None:
     missing = placement_shortfall(bundles, nodes)
     if missing:
         actors = f"trainer.num_workers={trainer.num_workers}" + (
-            f" + trainer.num_rollout_workers={trainer.num_rollout_workers}" if trainer.rollout_mode == "separate_async" else "")
+            f" + trainer.num_rollout_workers={trainer.num_rollout_workers}" if _num_rollout_actors(trainer) else "")
         raise ValueError(f"{actors} Ray actors of {bundles[0]} each do not fit the Ray cluster: {missing} of {len(bundles)} "
                          f"have no room ({describe_nodes(nodes)}); {_room_fix(trainer)}")
 
