@@ -54,8 +54,8 @@ class Registry(Mapping[str, Any]):
         kind: what a part is, for messages (``policy loss``).
         builtins: name -> module that registers it when imported.
         checks: name -> ``"module:function"`` of a config check for that part (imported only
-            when the config names it): ``function(inputs) -> list[ConfigProblem]``, ``inputs``
-            the config or what ``check_inputs`` makes of it.
+            when the config names it): ``function(...) -> list[ConfigProblem]`` taking the config
+            sections its parameters name, or what ``check_inputs`` makes of the config.
         args_key: the dotted config key of a mapping that holds the chosen part's own options
             (``algorithm.policy_loss_args``), or None when parts of this kind take none.
         infos: name -> ``"module:attribute"`` of what a built-in declares about itself (`info`),
@@ -134,9 +134,10 @@ class Registry(Mapping[str, Any]):
         return info
 
     def register_check(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``function(inputs) -> list[ConfigProblem]`` checks a config that names part
-        ``name`` (its settings among the others), at config load; ``inputs`` is the config, or
-        what the registry's ``check_inputs`` makes of it (a reward-shaping part's check reads
+        """Decorator: ``function(...) -> list[ConfigProblem]`` checks a config that names part
+        ``name`` (its settings among the others), at config load; its parameters name the config
+        sections it reads (``cfg``: the whole config; `packrl.config.sections`), or it takes what
+        the registry's ``check_inputs`` makes of the config (a reward-shaping part's check reads
         `packrl.config.shaping_checks.ShapingCheckInputs`)."""
 
         def decorate(check: T) -> T:
@@ -147,13 +148,18 @@ class Registry(Mapping[str, Any]):
 
     def config_problems(self, name: str, cfg: Any) -> list:
         """The problems the check of part ``name`` finds in ``cfg`` (none without a check), given
-        what ``check_inputs`` makes of ``cfg`` when the registry has one."""
+        the sections its parameters name, or what ``check_inputs`` makes of ``cfg`` when the
+        registry has one."""
         check = self._checks.get(name)
         if check is None:
             return []
         if isinstance(check, str):
             check = _resolve(check)
-        return list(check(cfg if self.check_inputs is None else _resolve(self.check_inputs)(cfg)))
+        if self.check_inputs is not None:
+            return list(check(_resolve(self.check_inputs)(cfg)))
+        from packrl.config.sections import call_with_sections
+
+        return list(call_with_sections(check, cfg))
 
     def names(self) -> list[str]:
         """Every name a config may use: the built-in ones and those registered so far, sorted."""

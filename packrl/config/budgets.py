@@ -19,7 +19,8 @@ from packrl.seqlen.budgets import Budgets, BudgetViolation, model_context_tokens
 from packrl.seqlen.curriculum import ResponseBudgetSchedule
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RolloutConfig, RunConfig
+    from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainerConfig
+    from packrl.config.train import TrainConfig
 KEYS = {
     "max_prompt_tokens": "data.max_prompt_tokens",
     "max_response_tokens": "rollout.max_response_tokens",
@@ -32,21 +33,28 @@ KEYS = {
 
 
 def budgets_of(cfg: RunConfig, max_context_tokens: int | None = None, rope_factor: float = 1.0, forced_tokens: int = 1) -> Budgets:
-    """The budgets of ``cfg``; ``max_context_tokens`` (RoPE scaling included) when the model config
-    has been read, else None (the context relation is then not checked); ``forced_tokens``: the
-    end-of-thinking text's tokens when the tokenizer has told (thinking budgets), else 1."""
-    mt, r = cfg.rollout.multi_turn, cfg.rollout
+    """The budgets of ``cfg`` (`budgets_of_sections` of its sections)."""
+    return budgets_of_sections(cfg.data, cfg.rollout, cfg.train, cfg.trainer, max_context_tokens, rope_factor, forced_tokens)
+
+
+def budgets_of_sections(data: DataConfig, rollout: RolloutConfig, train: TrainConfig, trainer: TrainerConfig,
+                        max_context_tokens: int | None = None, rope_factor: float = 1.0, forced_tokens: int = 1) -> Budgets:
+    """The budgets the ``data``, ``rollout``, ``train`` and ``trainer`` sections set;
+    ``max_context_tokens`` (RoPE scaling included) when the model config has been read, else None
+    (the context relation is then not checked); ``forced_tokens``: the end-of-thinking text's
+    tokens when the tokenizer has told (thinking budgets), else 1."""
+    mt, r = rollout.multi_turn, rollout
     return Budgets(
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        max_response_tokens=cfg.rollout.max_response_tokens,
+        max_prompt_tokens=data.max_prompt_tokens,
+        max_response_tokens=rollout.max_response_tokens,
         max_context_tokens=max_context_tokens,
-        max_tokens_per_microbatch=cfg.train.max_tokens_per_microbatch,
-        max_tokens_per_logprob_microbatch=cfg.train.max_tokens_per_logprob_microbatch,
+        max_tokens_per_microbatch=train.max_tokens_per_microbatch,
+        max_tokens_per_logprob_microbatch=train.max_tokens_per_logprob_microbatch,
         rope_factor=rope_factor,
-        sequence_parallel_size=cfg.trainer.sequence_parallel_size,
+        sequence_parallel_size=trainer.sequence_parallel_size,
         context_policy=mt.context_policy if mt.enabled else "error",
         multi_turn=(mt.max_turns, mt.max_tokens_per_turn, mt.max_trajectory_tokens, mt.max_tool_response_tokens) if mt.enabled else None,
-        response_stages=_response_stages(cfg.rollout),
+        response_stages=_response_stages(rollout),
         thinking=(r.think_budget_tokens, forced_tokens, r.answer_budget_tokens or 0) if r.think_budget_tokens is not None else None,
     )
 

@@ -1,6 +1,7 @@
 """Cross-field rules: the one home of every check that relates two or more config sections.
 
-A rule is a small named function ``rule(cfg) -> list[ConfigProblem]``, each problem naming the
+A rule is a small named function ``rule(<sections>) -> list[ConfigProblem]`` whose parameters name
+the config sections it reads (``def mini_batches(train, data)``: `packrl.config.sections`), each problem naming the
 key, the value seen, the limit and the fix, with every key it depends on in ``keys`` (so a
 problem is dropped when one of them did not parse). `RULES` lists them in the order their
 problems are reported; `config_problems` runs each section's own checks, then every rule.
@@ -15,25 +16,29 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from packrl.config.budgets import budget_problems, budgets_of
+from packrl.config.budgets import budget_problems, budgets_of_sections
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
+from packrl.config.model import ModelConfig
 from packrl.config.rollout_modes import mode_info
-from packrl.config.schema import AlgorithmConfig, RunConfig
+from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainerConfig
+from packrl.config.sections import call_with_sections
+from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
 
-Rule = Callable[[RunConfig], list[ConfigProblem]]
+Rule = Callable[..., list[ConfigProblem]]
+"""A rule: its parameters name the `RunConfig` sections it reads (`packrl.config.sections`)."""
 
 
-def token_budgets(cfg: RunConfig) -> list[ConfigProblem]:
+def token_budgets(data: DataConfig, rollout: RolloutConfig, train: TrainConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """The relations among the token budgets, without the model context (the model config gives
     it before step 1: `packrl.config.budgets.budgets_of_model`)."""
-    return budget_problems(budgets_of(cfg, max_context_tokens=None))
+    return budget_problems(budgets_of_sections(data, rollout, train, trainer, max_context_tokens=None))
 
 
-def multi_turn_off(cfg: RunConfig) -> list[ConfigProblem]:
+def multi_turn_off(rollout: RolloutConfig) -> list[ConfigProblem]:
     """Multi-turn settings while multi-turn is off (they would have no effect)."""
-    mt, key = cfg.rollout.multi_turn, "rollout.multi_turn"
+    mt, key = rollout.multi_turn, "rollout.multi_turn"
     if mt.enabled:
         return []  # the relations to the other budgets: `token_budgets`
     changed = [f.name for f in dataclasses.fields(mt) if f.name != "tools" and getattr(mt, f.name) != f.default]
@@ -41,36 +46,36 @@ def multi_turn_off(cfg: RunConfig) -> list[ConfigProblem]:
                           f"name a tool in {key}.tools (e.g. [calculator]) or remove {key}.{name}") for name in changed]
 
 
-def shared_prompts(cfg: RunConfig) -> list[ConfigProblem]:
+def shared_prompts(model: ModelConfig, train: TrainConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """``train.share_prompts=true`` where it cannot run (known from the config alone)."""
-    if cfg.train.share_prompts is not True:
+    if train.share_prompts is not True:
         return []
-    if cfg.model.packed_attention == "position_ids":
+    if model.packed_attention == "position_ids":
         return [ConfigProblem("train.share_prompts", True, "has no effect with model.packed_attention=position_ids (transformers' "
                               "position-id detection cannot let a response see its prompt segment)",
                               "set model.packed_attention=varlen (or block_mask), or train.share_prompts=false",
                               keys=("train.share_prompts", "model.packed_attention"))]
-    if cfg.trainer.sequence_parallel_size > 1:
+    if trainer.sequence_parallel_size > 1:
         return [ConfigProblem("train.share_prompts", True, "has no effect under sequence parallelism (a pack is split over ranks)",
                               "set train.share_prompts=false or trainer.sequence_parallel_size=1",
                               keys=("train.share_prompts", "trainer.sequence_parallel_size"))]
     return []
 
 
-def mini_batches(cfg: RunConfig) -> list[ConfigProblem]:
+def mini_batches(data: DataConfig, train: TrainConfig) -> list[ConfigProblem]:
     """``train.mini_batch_size`` divides ``data.batch_size``."""
-    mini, batch = cfg.train.mini_batch_size, cfg.data.batch_size
+    mini, batch = train.mini_batch_size, data.batch_size
     if mini is None or mini < 1 or batch < 1 or batch % mini == 0:
         return []
     return [ConfigProblem("train.mini_batch_size", mini, f"does not divide data.batch_size={batch}",
                           "set train.mini_batch_size to a divisor of data.batch_size", keys=("train.mini_batch_size", "data.batch_size"))]
 
 
-def ranks_have_work(cfg: RunConfig) -> list[ConfigProblem]:
+def ranks_have_work(data: DataConfig, rollout: RolloutConfig, train: TrainConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """Every data-parallel rank gets at least one sequence of each mini-batch."""
-    workers = cfg.trainer.num_workers
-    data_parallel = workers // max(1, cfg.trainer.sequence_parallel_size)
-    per_step = (cfg.train.mini_batch_size or cfg.data.batch_size) * cfg.rollout.n
+    workers = trainer.num_workers
+    data_parallel = workers // max(1, trainer.sequence_parallel_size)
+    per_step = (train.mini_batch_size or data.batch_size) * rollout.n
     if not (data_parallel > 1 and 1 <= per_step < data_parallel):
         return []
     return [ConfigProblem(
@@ -81,9 +86,9 @@ def ranks_have_work(cfg: RunConfig) -> list[ConfigProblem]:
     )]
 
 
-def sequence_parallel_attention(cfg: RunConfig) -> list[ConfigProblem]:
+def sequence_parallel_attention(model: ModelConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """Sequence parallelism splits packs through the varlen attention path only."""
-    size, attention = cfg.trainer.sequence_parallel_size, cfg.model.packed_attention
+    size, attention = trainer.sequence_parallel_size, model.packed_attention
     if size <= 1 or attention == "varlen":
         return []
     return [ConfigProblem("trainer.sequence_parallel_size", size, f"splits packs through the varlen attention path, not "
@@ -91,67 +96,68 @@ def sequence_parallel_attention(cfg: RunConfig) -> list[ConfigProblem]:
                           keys=("trainer.sequence_parallel_size", "model.packed_attention"))]
 
 
-def parameter_offload(cfg: RunConfig) -> list[ConfigProblem]:
+def parameter_offload(model: ModelConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """``model.param_offload`` offloads FSDP2 shards, which one process does not have."""
-    if not (cfg.model.param_offload and cfg.trainer.num_workers == 1):
+    if not (model.param_offload and trainer.num_workers == 1):
         return []
     return [ConfigProblem("model.param_offload", True, "offloads FSDP2 shards, but trainer.num_workers=1 runs one process without FSDP2",
                           "set trainer.num_workers >= 2 (one per GPU), or model.param_offload=false",
                           keys=("model.param_offload", "trainer.num_workers"))]
 
 
-def compiled_layers(cfg: RunConfig) -> list[ConfigProblem]:
+def compiled_layers(model: ModelConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """``model.compile=true`` where compiled layers cannot run (`ModelConfig.compile_blocker`)."""
-    blocker = cfg.model.compile_blocker(cfg.trainer.num_workers)
-    if cfg.model.compile is not True or not blocker:
+    blocker = model.compile_blocker(trainer.num_workers)
+    if model.compile is not True or not blocker:
         return []
     return [ConfigProblem("model.compile", True, f"cannot run with {blocker}", "set model.compile=null (on where it can run) or false",
                           keys=("model.compile", "trainer.num_workers", "model.gradient_checkpointing"))]
 
 
-def group_size(cfg: RunConfig) -> list[ConfigProblem]:
+def group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """Group-relative estimators need two responses per prompt, as does dynamic sampling."""
-    out = cfg.algorithm.filter_groups.relation_problems("algorithm.filter_groups", cfg.rollout.n)
-    estimator = cfg.algorithm.adv_estimator
-    if cfg.rollout.n == 1 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+    out = algorithm.filter_groups.relation_problems("algorithm.filter_groups", rollout.n)
+    estimator = algorithm.adv_estimator
+    if rollout.n == 1 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
         out.insert(0, ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {estimator} (one response per group)",
                                     "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
     return out
 
 
-def sft_loss(cfg: RunConfig) -> list[ConfigProblem]:
+def sft_loss(algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """The supervised loss reads no advantages: it is `packrl sft`'s, which sets it itself."""
-    if cfg.algorithm.policy_loss != "sft":
+    if algorithm.policy_loss != "sft":
         return []
     return [ConfigProblem("algorithm.policy_loss", "sft", "is the supervised loss of packrl sft and ignores rewards and advantages",
                           "run packrl sft for supervised fine-tuning, or set algorithm.policy_loss=ppo_clip for RL")]
 
 
-def kl_in_reward(cfg: RunConfig) -> list[ConfigProblem]:
+def kl_in_reward(algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """In-reward KL needs a KL coefficient."""
-    if not (cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef == 0):
+    if not (algorithm.kl_in_reward and algorithm.kl_coef == 0):
         return []
     return [ConfigProblem("algorithm.kl_in_reward", True, "has no effect with algorithm.kl_coef=0",
                           "set algorithm.kl_coef > 0 or algorithm.kl_in_reward=false",
                           keys=("algorithm.kl_in_reward", "algorithm.kl_coef"))]
 
 
-def critic(cfg: RunConfig) -> list[ConfigProblem]:
+def critic(critic: CriticConfig, algorithm: AlgorithmConfig, data: DataConfig, rollout: RolloutConfig, train: TrainConfig,
+           trainer: TrainerConfig) -> list[ConfigProblem]:
     """A critic the run cannot use, or critic settings without a critic."""
-    section, estimator = cfg.critic, cfg.algorithm.adv_estimator
+    section, estimator = critic, algorithm.adv_estimator
     if estimator == "gae" and section.enable is False:
         return [ConfigProblem("critic.enable", False, "algorithm.adv_estimator=gae needs the critic's values",
                               "set critic.enable=true (or null), or choose another algorithm.adv_estimator",
                               keys=("critic.enable", "algorithm.adv_estimator"))]
     if not section.enabled(estimator):
-        return _without_critic(section, cfg.algorithm)
+        return _without_critic(section, algorithm)
     out = []
-    if cfg.trainer.sequence_parallel_size > 1:
+    if trainer.sequence_parallel_size > 1:
         out.append(ConfigProblem("critic.enable", True, "the critic does not run under sequence parallelism yet",
                                  "set trainer.sequence_parallel_size=1 for PPO with a critic",
                                  keys=("critic.enable", "trainer.sequence_parallel_size")))
     budget = section.max_tokens_per_microbatch
-    budgets = budgets_of(cfg)
+    budgets = budgets_of_sections(data, rollout, train, trainer)
     if budget is not None and budget >= 1 and not budgets.context_bounded:  # the actor's update-budget relation, for the critic's
         longest = budgets.max_sequence_tokens
         if budget < longest:
@@ -159,9 +165,9 @@ def critic(cfg: RunConfig) -> list[ConfigProblem]:
                                      f"data.max_prompt_tokens + rollout.max_response_tokens = {longest:,}",
                                      f"raise critic.max_tokens_per_microbatch to >= {longest:,} or leave it null "
                                      "(train.max_tokens_per_microbatch)"))
-    if section.warmup_steps >= cfg.train.total_steps:
+    if section.warmup_steps >= train.total_steps:
         out.append(ConfigProblem("critic.warmup_steps", section.warmup_steps, f"leaves no step of train.total_steps="
-                                 f"{cfg.train.total_steps} for the actor", "lower critic.warmup_steps or raise train.total_steps"))
+                                 f"{train.total_steps} for the actor", "lower critic.warmup_steps or raise train.total_steps"))
     return out
 
 
@@ -184,19 +190,19 @@ def _without_critic(section: CriticConfig, algorithm: AlgorithmConfig) -> list[C
     return out
 
 
-def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def gspo_problems(rollout: RolloutConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """Settings under which GSPO's per-sequence mean log-ratio would not be local to one
     micro-batch on one rank (`packrl.algos.policy_losses.gspo`): sequence parallelism splits a
     sequence over ranks, and the rolling window trains one trajectory as several sequences.
     Registered as the config check of ``algorithm.policy_loss=gspo`` (`packrl.registry`)."""
     out = []
-    size = cfg.trainer.sequence_parallel_size
+    size = trainer.sequence_parallel_size
     if size > 1:
         out.append(ConfigProblem("algorithm.policy_loss", "gspo", f"needs each sequence on one rank; trainer.sequence_parallel_size={size} "
                                  "splits sequences over ranks, so the sequence's mean log-ratio is not local",
                                  "set trainer.sequence_parallel_size=1 or algorithm.policy_loss=ppo_clip",
                                  keys=("algorithm.policy_loss", "trainer.sequence_parallel_size")))
-    mt = cfg.rollout.multi_turn
+    mt = rollout.multi_turn
     if mt.enabled and mt.context_policy == "rolling":
         out.append(ConfigProblem("algorithm.policy_loss", "gspo", "needs one sequence per response; rollout.multi_turn.context_policy="
                                  "rolling trains a trajectory as several step-wise samples, so its mean log-ratio is not local",
@@ -205,9 +211,9 @@ def gspo_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
-def group_filter(cfg: RunConfig) -> list[ConfigProblem]:
+def group_filter(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """GFPO keeps fewer than ``rollout.n`` responses, and enough for a group-relative baseline."""
-    keep, n, estimator = cfg.algorithm.group_filter.keep, cfg.rollout.n, cfg.algorithm.adv_estimator
+    keep, n, estimator = algorithm.group_filter.keep, rollout.n, algorithm.adv_estimator
     key = "algorithm.group_filter.keep"
     if keep is None or keep < 1:
         return []
@@ -223,10 +229,10 @@ def group_filter(cfg: RunConfig) -> list[ConfigProblem]:
     return []
 
 
-def thinking_budgets(cfg: RunConfig) -> list[ConfigProblem]:
+def thinking_budgets(rollout: RolloutConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """Thinking budgets run on single-turn rollouts generated within a step (the budgets' sum is
     `packrl.config.budgets`'s relation)."""
-    r = cfg.rollout
+    r = rollout
     if not r.thinking:
         return []
     out = []
@@ -234,18 +240,18 @@ def thinking_budgets(cfg: RunConfig) -> list[ConfigProblem]:
         out.append(ConfigProblem("rollout.think_budget_tokens", r.think_budget_tokens, "does not apply per turn of multi-turn "
                                  "rollouts yet", "set rollout.think_budget_tokens=null or rollout.multi_turn.tools=[]",
                                  keys=("rollout.think_budget_tokens", "rollout.multi_turn.tools")))
-    if mode_info(cfg.trainer.rollout_mode).carries_groups:
+    if mode_info(trainer.rollout_mode).carries_groups:
         out.append(ConfigProblem("rollout.think_budget_tokens", r.think_budget_tokens, f"does not apply to responses carried "
-                                 f"across steps (trainer.rollout_mode={cfg.trainer.rollout_mode}): a thinking segment cut "
+                                 f"across steps (trainer.rollout_mode={trainer.rollout_mode}): a thinking segment cut "
                                  "between steps could not be told from one that ran out", "set trainer.rollout_mode=sync or "
                                  "rollout.think_budget_tokens=null", keys=("rollout.think_budget_tokens", "trainer.rollout_mode")))
     return out
 
 
-def length_targets(cfg: RunConfig) -> list[ConfigProblem]:
+def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProblem]:
     """A drawn target the response budget cannot hold: under a length curriculum, the budget of
     its smallest stage (a prompt of that stage would ask for a length its response cannot reach)."""
-    target, rollout = cfg.data.length_target, cfg.rollout
+    target, rollout = data.length_target, rollout
     if target.max_tokens is None:
         return []
     raw = rollout.max_response_tokens_schedule
@@ -276,4 +282,5 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
     a key it depends on already has a problem of its own (it would follow from that one)."""
     own = cfg.section_problems()
     invalid = {problem.key for problem in own}
-    return own + [problem for rule in RULES for problem in rule(cfg) if not invalid.intersection(problem.involved_keys)]
+    return own + [problem for rule in RULES for problem in call_with_sections(rule, cfg)
+                  if not invalid.intersection(problem.involved_keys)]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from packrl.errors import ConfigProblem
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig, TrainerConfig
+    from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
 
 ASYNC_KEYS = ("over_provision", "max_staleness", "stale_groups", "partial_chunk_tokens")
 """The ``rollout`` keys of the partial-rollout modes: prompt groups carried across steps."""
@@ -54,11 +54,11 @@ def mode_info(name: str) -> RolloutModeInfo:
     return info if isinstance(info, RolloutModeInfo) else SYNC
 
 
-def sync_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def sync_problems(rollout: RolloutConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """``trainer.rollout_mode=sync``: the partial-rollout keys and the behaviour-weight cap have no effect."""
-    r, defaults = cfg.rollout, type(cfg.rollout)()
-    out = _rollout_workers(cfg.trainer)
-    rc = cfg.algorithm.rollout_correction
+    r, defaults = rollout, type(rollout)()
+    out = _rollout_workers(trainer)
+    rc = algorithm.rollout_correction
     if rc.rollout_is is None and rc.rollout_is_threshold != 2.0:
         key = "algorithm.rollout_correction.rollout_is_threshold"
         out.append(ConfigProblem(key, rc.rollout_is_threshold, "has no effect: algorithm.rollout_correction.rollout_is is null "
@@ -71,13 +71,14 @@ def sync_problems(cfg: RunConfig) -> list[ConfigProblem]:
                   for k in ASYNC_KEYS if getattr(r, k) != getattr(defaults, k)]
 
 
-def colocate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def colocate_async_problems(rollout: RolloutConfig, trainer: TrainerConfig, data: DataConfig,
+                            algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """``trainer.rollout_mode=colocate_async``: over-provisioning to cut the tail with (at most a
     batch, so the groups at the staleness bound always fit the next batch), one-turn rollouts and
     no dynamic sampling (not built for carried groups)."""
-    out = _rollout_workers(cfg.trainer) + _partial_problems(cfg)
-    r = cfg.rollout
-    if r.engine == "hf" and cfg.trainer.num_workers == 1 and r.partial_chunk_tokens != 64:
+    out = _rollout_workers(trainer) + _partial_problems(data, rollout, algorithm, trainer)
+    r = rollout
+    if r.engine == "hf" and trainer.num_workers == 1 and r.partial_chunk_tokens != 64:
         out.append(ConfigProblem("rollout.partial_chunk_tokens", r.partial_chunk_tokens,
                                  "has no effect: the hf engine on one rank generates a step in one call stopped between decode "
                                  "rounds (chunks serve other engines, several ranks and separate_async)",
@@ -86,15 +87,16 @@ def colocate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
     return out
 
 
-def separate_async_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def separate_async_problems(rollout: RolloutConfig, trainer: TrainerConfig, data: DataConfig,
+                            algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """``trainer.rollout_mode=separate_async``: the partial-rollout rules, rollout workers to run
     and a staleness bound of at least 2 (every token is already one update old)."""
-    out = _partial_problems(cfg)
-    if cfg.trainer.num_rollout_workers < 1:
-        out.append(ConfigProblem("trainer.num_rollout_workers", cfg.trainer.num_rollout_workers, "must be >= 1",
+    out = _partial_problems(data, rollout, algorithm, trainer)
+    if trainer.num_rollout_workers < 1:
+        out.append(ConfigProblem("trainer.num_rollout_workers", trainer.num_rollout_workers, "must be >= 1",
                                  "set trainer.num_rollout_workers=1"))
-    if cfg.rollout.max_staleness < 2:
-        out.append(ConfigProblem("rollout.max_staleness", cfg.rollout.max_staleness,
+    if rollout.max_staleness < 2:
+        out.append(ConfigProblem("rollout.max_staleness", rollout.max_staleness,
                                  "must be >= 2 under trainer.rollout_mode=separate_async: every token is already one update old "
                                  "(generated during the previous update), so a carried group needs one step more",
                                  "set rollout.max_staleness=2", keys=("rollout.max_staleness", "trainer.rollout_mode")))
@@ -111,22 +113,22 @@ def _rollout_workers(trainer: TrainerConfig) -> list[ConfigProblem]:
                           keys=("trainer.num_rollout_workers", "trainer.rollout_mode"))]
 
 
-def _partial_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def _partial_problems(data: DataConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
     """What the partial-rollout modes share: over-provisioning within a batch, one-turn rollouts,
     no dynamic sampling."""
-    r, mode, out = cfg.rollout, cfg.trainer.rollout_mode, []
-    if r.over_provision is not None and not 1 <= r.over_provision <= cfg.data.batch_size:
+    r, mode, out = rollout, trainer.rollout_mode, []
+    if r.over_provision is not None and not 1 <= r.over_provision <= data.batch_size:
         out.append(ConfigProblem("rollout.over_provision", r.over_provision,
-                                 f"must be in [1, data.batch_size={cfg.data.batch_size}] under trainer.rollout_mode={mode} "
+                                 f"must be in [1, data.batch_size={data.batch_size}] under trainer.rollout_mode={mode} "
                                  "(0 cuts nothing; more than a batch could leave groups at the staleness bound that no batch holds)",
-                                 f"set rollout.over_provision={default_over_provision(cfg.data.batch_size)}, null (a quarter of the "
+                                 f"set rollout.over_provision={default_over_provision(data.batch_size)}, null (a quarter of the "
                                  "batch) or trainer.rollout_mode=sync",
                                  keys=("rollout.over_provision", "data.batch_size", "trainer.rollout_mode")))
     if r.multi_turn.tools:
         out.append(ConfigProblem("trainer.rollout_mode", mode, "does not carry multi-turn trajectories across steps yet",
                                  "set trainer.rollout_mode=sync or rollout.multi_turn.tools=[]",
                                  keys=("trainer.rollout_mode", "rollout.multi_turn.tools")))
-    if cfg.algorithm.filter_groups.enable:
+    if algorithm.filter_groups.enable:
         out.append(ConfigProblem("trainer.rollout_mode", mode, "does not combine with dynamic sampling yet",
                                  "set trainer.rollout_mode=sync or algorithm.filter_groups.enable=false",
                                  keys=("trainer.rollout_mode", "algorithm.filter_groups.enable")))

