@@ -246,7 +246,7 @@ def _validate(cfg, workers=None) -> dict[str, float]:
     """Greedy validation of ``cfg``'s model on its val set (a worker of its own unless given)."""
     workers = workers or local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    return validate(workers, val_set, cfg)
+    return validate(workers, val_set, cfg.rollout, cfg.reward)
 
 
 def _sft_arm(preset: str, steps: int, overrides: list[str], out: Path) -> dict:
@@ -274,7 +274,7 @@ def _arm(preset: str, steps: int, val_every: int, overrides: list[str], sft_step
     cfg = load_config(preset, [f"train.total_steps={steps}", f"train.out_dir={out}", f"train.val_every={val_every}", *overrides])
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    curve.append((elapsed, validate(workers, val_set, cfg)["val/accuracy"]))
+    curve.append((elapsed, validate(workers, val_set, cfg.rollout, cfg.reward)["val/accuracy"]))
     run_dir = train(cfg, workers)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for line in lines:
@@ -418,7 +418,7 @@ def _score(preset: str, overrides: list[str], model_dir: str) -> float:
     cfg = load_config(preset, [*overrides, f"model.path={model_dir}"])
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    return validate(workers, val_set, cfg)["val/accuracy"]
+    return validate(workers, val_set, cfg.rollout, cfg.reward)["val/accuracy"]
 
 
 def compare_trl(args: argparse.Namespace) -> None:

@@ -109,7 +109,7 @@ def _evaluate(overrides: list[str], name: str, out: Path) -> dict:
     cfg = load_config(PRESET, overrides)
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    metrics = validate(workers, val_set, cfg)
+    metrics = validate(workers, val_set, cfg.rollout, cfg.reward)
     workers.close()
     accuracy, rows = metrics["val/accuracy"], len(val_set)
     result = {"rows": rows, "accuracy": accuracy, "accuracy_se": math.sqrt(accuracy * (1 - accuracy) / max(1, rows)),

@@ -34,15 +34,51 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+WHOLE_CONFIG = "cfg"
+"""The parameter name of a config check that receives the whole `RunConfig` (`call_with_sections`)."""
+
+
+@functools.cache
+def _parameter_names(function: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(inspect.signature(function).parameters)
+
+
+def call_with_sections(function: Callable[..., T], cfg: Any) -> T:
+    """``function`` called with the sections of ``cfg`` (a `RunConfig`) its parameters name, by
+    keyword: a cross-field rule (`packrl.config.relations`, `packrl.config.sft_rules`) or a
+    registered part's config check names the sections it reads, e.g.
+    ``def mini_batches(train: TrainConfig, data: DataConfig)``, and gets those and nothing else,
+    so what it depends on is in its signature. A check that reads the whole config names its one
+    parameter ``cfg`` (`WHOLE_CONFIG`).
+
+    Raises:
+        TypeError: a parameter of ``function`` names neither a section of ``cfg`` nor ``cfg``
+            (a mistake in the check's code, reported with the sections there are).
+    """
+    sections = {field.name for field in dataclasses.fields(cfg)}
+    arguments: dict[str, Any] = {}
+    for name in _parameter_names(function):
+        if name == WHOLE_CONFIG:
+            arguments[name] = cfg
+        elif name in sections:
+            arguments[name] = getattr(cfg, name)
+        else:
+            raise TypeError(f"config check {function.__qualname__} takes parameter {name!r}, which is not a section of the "
+                            f"config: name sections ({', '.join(sorted(sections))}) or the whole config ({WHOLE_CONFIG})")
+    return function(**arguments)
 
 
 class Registry(Mapping[str, Any]):
@@ -136,7 +172,7 @@ class Registry(Mapping[str, Any]):
     def register_check(self, name: str) -> Callable[[T], T]:
         """Decorator: ``function(...) -> list[ConfigProblem]`` checks a config that names part
         ``name`` (its settings among the others), at config load; its parameters name the config
-        sections it reads (``cfg``: the whole config; `packrl.config.sections`), or it takes what
+        sections it reads (``cfg``: the whole config; `call_with_sections`), or it takes what
         the registry's ``check_inputs`` makes of the config (a reward-shaping part's check reads
         `packrl.config.shaping_checks.ShapingCheckInputs`)."""
 
@@ -157,8 +193,6 @@ class Registry(Mapping[str, Any]):
             check = _resolve(check)
         if self.check_inputs is not None:
             return list(check(_resolve(self.check_inputs)(cfg)))
-        from packrl.config.sections import call_with_sections
-
         return list(call_with_sections(check, cfg))
 
     def names(self) -> list[str]:

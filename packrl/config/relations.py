@@ -1,9 +1,10 @@
 """Cross-field rules: the one home of every check that relates two or more config sections.
 
-A rule is a small named function ``rule(<sections>) -> list[ConfigProblem]`` whose parameters name
-the config sections it reads (``def mini_batches(train, data)``: `packrl.config.sections`), each problem naming the
-key, the value seen, the limit and the fix, with every key it depends on in ``keys`` (so a
-problem is dropped when one of them did not parse). `RULES` lists them in the order their
+A rule is a small named function ``rule(<sections>) -> list[ConfigProblem]`` whose parameters
+name the config sections it reads (``def mini_batches(train, data)``, called by
+`packrl.registry.call_with_sections`), each problem naming the key, the value seen, the limit and
+the fix, with every key it depends on in ``keys`` (so a problem is dropped when one of them did
+not parse). `RULES` lists them in the order their
 problems are reported; `config_problems` runs each section's own checks, then every rule.
 
 Adding a rule: write the function below, add it to `RULES`, and test it through
@@ -22,12 +23,12 @@ from packrl.config.curriculum import schedule_problems
 from packrl.config.model import ModelConfig
 from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainerConfig
-from packrl.config.sections import call_with_sections
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
+from packrl.registry import call_with_sections
 
 Rule = Callable[..., list[ConfigProblem]]
-"""A rule: its parameters name the `RunConfig` sections it reads (`packrl.config.sections`)."""
+"""A rule: its parameters name the `RunConfig` sections it reads (`packrl.registry.call_with_sections`)."""
 
 
 def token_budgets(data: DataConfig, rollout: RolloutConfig, train: TrainConfig, trainer: TrainerConfig) -> list[ConfigProblem]:

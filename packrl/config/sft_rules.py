@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainerConfig
-from packrl.config.sections import call_with_sections
 from packrl.config.sft import SftConfig
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
+from packrl.registry import call_with_sections
 
 SftRule = Callable[..., list[ConfigProblem]]
-"""A rule: its parameters name the `RunConfig` sections it reads (`packrl.config.sections`)."""
+"""A rule: its parameters name the `RunConfig` sections it reads (`packrl.registry.call_with_sections`)."""
 
 
 def trace_budgets(data: DataConfig, rollout: RolloutConfig, sft: SftConfig) -> tuple[int, int]:

@@ -105,7 +105,7 @@ def _steps(cfg: RunConfig, run: Run, workers: WorkerGroup, sampler: PromptSample
         metrics |= bucket_metrics(batch, max_response) | rollout_mismatch_metrics(rollout, old_logprobs, max_response)
         metrics |= perf_metrics(rollout, timing) | train_set.accounting.metrics() | sample_metrics | length_metrics(batch.scored)
         if val_set is not None and due(step, cfg.train.val_every, total):
-            metrics |= validate(workers, val_set, cfg)
+            metrics |= validate(workers, val_set, cfg.rollout, cfg.reward)
         dump_rollouts(step, batch)
         tracer.end_step(step, spans, num_sequences=len(rollout), num_tokens=sum(rollout.sequence_lengths()))
         run.log_step(step, metrics)

@@ -11,8 +11,7 @@ import pytest
 from packrl.config import check_config, load_config
 from packrl.config.load import preset_names
 from packrl.config.relations import RULES
-from packrl.config.sections import call_with_sections
-from packrl.registry import CONFIG_REGISTRIES
+from packrl.registry import CONFIG_REGISTRIES, call_with_sections
 
 CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo preset, the problem's key, a fragment of it)
     ("critic", ["algorithm.adv_estimator=gae", "critic.enable=false"], "critic.enable", "needs the critic's values"),
