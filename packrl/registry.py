@@ -243,10 +243,14 @@ class Registry(Mapping[str, Any]):
         return f"Registry({self.key}: {', '.join(self.names())})"
 
 
-def _resolve(target: str) -> Any:
-    """The function ``"module:function"`` names (its module imported)."""
+def resolve_target(target: str) -> Any:
+    """The function ``"module:function"`` names (its module imported): a check, info or hook a
+    registration names without importing its module."""
     module, _, function = target.partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+_resolve = resolve_target
 
 
 def _origin(part: Any) -> tuple[str, str]:
@@ -273,7 +277,8 @@ POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss"
 
 ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",
                            {"hf": "packrl.rollout.hf_engine", "vllm": "packrl.rollout.vllm_engine"},
-                           checks={"vllm": "packrl.rollout.vllm_settings:config_problems"})
+                           checks={"vllm": "packrl.rollout.vllm_settings:config_problems"},
+                           infos={"hf": "packrl.rollout.engine:HF_ENGINE", "vllm": "packrl.rollout.engine:VLLM_ENGINE"})
 """``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`)."""
 
 TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"})

@@ -378,18 +378,23 @@ def check_config(
     problems: list[ConfigProblem] = []
     bad: set[str] = set()
     cfg = _build(RunConfig, data, "", problems, bad)
+    problems += _plugin_problems(cfg.trainer.plugins)  # first: a rule may ask what a plugin's part declares
     problems += [p for p in config_problems(cfg) if not bad.intersection(p.involved_keys)]
     problems += _registry_problems(cfg, bad)
     unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
     return cfg, list(unique.values()), bad
 
 
+def _plugin_problems(plugins: list[str]) -> list[ConfigProblem]:
+    """Import ``trainer.plugins`` (their parts register); one problem per plugin that cannot be imported."""
+    return [ConfigProblem("trainer.plugins", plugin, f"cannot be imported ({error})", "fix the plugin or remove it from trainer.plugins")
+            for plugin, error in import_plugins(plugins)]
+
+
 def _registry_problems(cfg: RunConfig, bad: set[str]) -> list[ConfigProblem]:
-    """Import ``trainer.plugins``, then check every key that names a registered part
-    (`packrl.registry.CONFIG_REGISTRIES`), naming the nearest registered name."""
-    problems = [ConfigProblem("trainer.plugins", plugin, f"cannot be imported ({error})",
-                              "fix the plugin or remove it from trainer.plugins")
-                for plugin, error in import_plugins(cfg.trainer.plugins)]
+    """Check every key that names a registered part (`packrl.registry.CONFIG_REGISTRIES`; the
+    plugins imported by `_plugin_problems`), naming the nearest registered name."""
+    problems: list[ConfigProblem] = []
     for key, registry in CONFIG_REGISTRIES.items():
         value: Any = cfg
         for part in key.split("."):

@@ -21,11 +21,11 @@ from packrl.config.budgets import budget_problems, budgets_of_sections
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
 from packrl.config.model import ModelConfig
-from packrl.config.rollout_modes import mode_info
+from packrl.config.rollout_modes import RolloutModeInfo, mode_info
 from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainerConfig
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
-from packrl.registry import call_with_sections
+from packrl.registry import ROLLOUT_MODES, call_with_sections
 
 Rule = Callable[..., list[ConfigProblem]]
 """A rule: its parameters name the `RunConfig` sections it reads (`packrl.registry.call_with_sections`)."""
@@ -241,12 +241,31 @@ def thinking_budgets(rollout: RolloutConfig, trainer: TrainerConfig) -> list[Con
         out.append(ConfigProblem("rollout.think_budget_tokens", r.think_budget_tokens, "does not apply per turn of multi-turn "
                                  "rollouts yet", "set rollout.think_budget_tokens=null or rollout.multi_turn.tools=[]",
                                  keys=("rollout.think_budget_tokens", "rollout.multi_turn.tools")))
-    if mode_info(trainer.rollout_mode).carries_groups:
+    if (info := _mode_info(trainer.rollout_mode)) is not None and info.carries_groups:
         out.append(ConfigProblem("rollout.think_budget_tokens", r.think_budget_tokens, f"does not apply to responses carried "
                                  f"across steps (trainer.rollout_mode={trainer.rollout_mode}): a thinking segment cut "
                                  "between steps could not be told from one that ran out", "set trainer.rollout_mode=sync or "
                                  "rollout.think_budget_tokens=null", keys=("rollout.think_budget_tokens", "trainer.rollout_mode")))
     return out
+
+
+def restarts(trainer: TrainerConfig) -> list[ConfigProblem]:
+    """``trainer.max_restarts`` restarts lost Ray actors: rank actors (``trainer.num_workers > 1``)
+    or the rollout workers of a mode that runs its own (`RolloutModeInfo.rollout_workers`)."""
+    info = _mode_info(trainer.rollout_mode)
+    if trainer.max_restarts <= 0 or trainer.num_workers > 1 or info is None or info.rollout_workers:
+        return []
+    return [ConfigProblem("trainer.max_restarts", trainer.max_restarts, f"restarts lost Ray actors, but trainer.num_workers=1 with "
+                          f"trainer.rollout_mode={trainer.rollout_mode} trains in this process with none (a lost process there is "
+                          "the run itself)", "set trainer.max_restarts=0, or trainer.num_workers > 1, or a rollout mode with rollout "
+                          "workers of its own (trainer.rollout_mode=separate_async)",
+                          keys=("trainer.max_restarts", "trainer.num_workers", "trainer.rollout_mode"))]
+
+
+def _mode_info(name: str) -> RolloutModeInfo | None:
+    """What rollout mode ``name`` declares (`mode_info`), or None when no mode of that name is
+    registered (the registry's check reports it; ``trainer.plugins`` are imported before the rules run)."""
+    return None if ROLLOUT_MODES.problem(name) is not None else mode_info(name)
 
 
 def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProblem]:
@@ -274,6 +293,7 @@ def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProbl
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
     parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, group_filter, thinking_budgets, length_targets,
+    restarts,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

@@ -78,11 +78,11 @@ def colocate_async_problems(rollout: RolloutConfig, trainer: TrainerConfig, data
     no dynamic sampling (not built for carried groups)."""
     out = _rollout_workers(trainer) + _partial_problems(data, rollout, algorithm, trainer)
     r = rollout
-    if r.engine == "hf" and trainer.num_workers == 1 and r.partial_chunk_tokens != 64:
+    if trainer.num_workers == 1 and r.partial_chunk_tokens != 64 and _stops_on_condition(r.engine):
         out.append(ConfigProblem("rollout.partial_chunk_tokens", r.partial_chunk_tokens,
-                                 "has no effect: the hf engine on one rank generates a step in one call stopped between decode "
-                                 "rounds (chunks serve other engines, several ranks and separate_async)",
-                                 "remove rollout.partial_chunk_tokens",
+                                 f"has no effect: rollout.engine={r.engine} on one rank generates a step in one call stopped "
+                                 "between decode rounds (its EngineCapabilities declare stop_on_condition; chunks serve other "
+                                 "engines, several ranks and separate_async)", "remove rollout.partial_chunk_tokens",
                                  keys=("rollout.partial_chunk_tokens", "rollout.engine", "trainer.num_workers", "trainer.rollout_mode")))
     return out
 
@@ -101,6 +101,18 @@ def separate_async_problems(rollout: RolloutConfig, trainer: TrainerConfig, data
                                  "(generated during the previous update), so a carried group needs one step more",
                                  "set rollout.max_staleness=2", keys=("rollout.max_staleness", "trainer.rollout_mode")))
     return out
+
+
+def _stops_on_condition(engine: str) -> bool:
+    """Whether ``rollout.engine=engine`` declares ``stop_on_condition`` with its registration
+    (`packrl.rollout.engine.EngineCapabilities`); False for a name not registered (the registry's
+    check reports it) or an engine that declared nothing."""
+    from packrl.registry import ROLLOUT_ENGINES
+
+    if ROLLOUT_ENGINES.problem(engine) is not None:
+        return False
+    declared = ROLLOUT_ENGINES.info(engine)
+    return bool(declared is not None and declared.stop_on_condition)
 
 
 def _rollout_workers(trainer: TrainerConfig) -> list[ConfigProblem]:

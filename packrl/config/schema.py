@@ -509,18 +509,12 @@ class TrainerConfig:
         return out + self._recovery_problems(prefix)
 
     def _recovery_problems(self, prefix: str) -> list[ConfigProblem]:
-        """``max_restarts``, ``restart_wait_s``, ``collective_timeout_s`` and ``placement``."""
+        """``max_restarts``, ``restart_wait_s``, ``collective_timeout_s`` and ``placement`` (whether
+        the run has Ray actors to restart depends on its rollout mode: `packrl.config.relations.restarts`)."""
         out: list[ConfigProblem] = []
         if self.max_restarts < 0:
             out.append(ConfigProblem(f"{prefix}.max_restarts", self.max_restarts, "is negative",
                                      f"set {prefix}.max_restarts=0 (fail on a lost actor) or a positive count of restarts"))
-        has_actors = self.num_workers > 1 or self.rollout_mode == "separate_async"
-        if self.max_restarts > 0 and not has_actors:
-            out.append(ConfigProblem(f"{prefix}.max_restarts", self.max_restarts,
-                                     f"restarts lost Ray actors, but {prefix}.num_workers=1 with {prefix}.rollout_mode={self.rollout_mode} "
-                                     "trains in this process with none (a lost process there is the run itself)",
-                                     f"set {prefix}.max_restarts=0, or {prefix}.num_workers > 1 or {prefix}.rollout_mode=separate_async",
-                                     keys=(f"{prefix}.max_restarts", f"{prefix}.num_workers", f"{prefix}.rollout_mode")))
         if self.restart_wait_s is not None:
             if not math.isfinite(self.restart_wait_s) or self.restart_wait_s < 0:
                 out.append(ConfigProblem(f"{prefix}.restart_wait_s", self.restart_wait_s, "must be a finite number of seconds >= 0",

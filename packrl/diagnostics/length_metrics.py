@@ -30,7 +30,8 @@ def _quantiles(prefix: str, values: Sequence[float]) -> dict[str, float]:
             f"{prefix}/p95": torch.quantile(t, 0.95).item()}
 
 
-def length_metrics(scored: ScoredBatch, prefix: str = "length") -> dict[str, float]:
+def length_metrics(scored: ScoredBatch, prefix: str = "length", *, forced_tokens_key: str = "seqlen/forced_tokens",
+                   warn_all_wrong: bool = True) -> dict[str, float]:
     """The length metrics of ``scored``.
 
     Returns:
@@ -41,8 +42,9 @@ def length_metrics(scored: ScoredBatch, prefix: str = "length") -> dict[str, flo
         ``<prefix>/all_cut_or_wrong`` (1.0 when no response is correct: the length objectives then
         reward nothing, logged as a warning), with targets ``<prefix>/target_error/mean`` and per
         target range ``<prefix>/target_error/<lo>-<hi>`` (``|len - N| / N``), and
-        ``<prefix>/forced_responses`` (fraction) and ``seqlen/forced_tokens`` (sum) where thinking
-        budgets forced an end.
+        ``<prefix>/forced_responses`` (fraction) and ``forced_tokens_key`` (sum; a training step's
+        ``seqlen/forced_tokens``) where thinking budgets forced an end. ``warn_all_wrong``: log a
+        warning when no response is correct (a training step: its rewards carry no signal).
     """
     responses = scored.rollout.responses
     lengths = [float(r.generated_mask().sum()) for r in responses]
@@ -55,7 +57,7 @@ def length_metrics(scored: ScoredBatch, prefix: str = "length") -> dict[str, flo
         if any(correct):
             out[f"{prefix}/tokens_per_correct"] = total / sum(correct)
         out[f"{prefix}/all_cut_or_wrong"] = float(not any(correct))
-        if not any(correct) and responses and prefix == "length":
+        if not any(correct) and responses and warn_all_wrong:
             logger.warning("no response of this step is correct (%d responses, %d cut by a budget): rewards that depend on "
                            "correctness (the task score, the length objectives) carry no signal this step", len(responses),
                            sum(r.truncated for r in responses))
@@ -63,7 +65,7 @@ def length_metrics(scored: ScoredBatch, prefix: str = "length") -> dict[str, flo
     forced = [r.forced_tokens() for r in responses]
     if any(forced):
         out[f"{prefix}/forced_responses"] = sum(f > 0 for f in forced) / len(forced)
-        out["seqlen/forced_tokens" if prefix == "length" else f"{prefix}/forced_tokens"] = float(sum(forced))
+        out[forced_tokens_key] = float(sum(forced))
     return out
 
 

@@ -82,6 +82,7 @@ from typing import Any
 from packrl.config.schema import RolloutConfig, RunConfig
 from packrl.hardware import ComputeDtype, resolve_for_device
 from packrl.models.model_config import ModelShape
+from packrl.rollout.engine import EngineCapabilities, declared_capabilities
 from packrl.worker.strategy import weight_layout
 
 GIB = 1 << 30
@@ -180,7 +181,8 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     weight_casts = 0 if c >= 4 else (c * shape.num_matmul_params // (shape.num_layers if m.gradient_checkpointing else 1))
     layout = weight_layout(cfg.trainer.num_workers, m.param_offload)
     shards = layout.num_shards
-    engine_copy = 2 if c == 2 else (c if layout.engine_copy_always or cfg.rollout.engine != "hf" else 0)
+    engine = declared_capabilities(cfg.rollout.engine)
+    engine_copy = 2 if c == 2 else (c if layout.engine_copy_always or not engine.shares_policy_weights else 0)
     layer_params = (shape.num_matmul_params + (shape.num_lora_params if lora else 0)) // shape.num_layers  # with its adapters
     parts = {
         "runtime": CPU_RUNTIME_BYTES if device == "cpu" else CUDA_RUNTIME_BYTES,
@@ -195,7 +197,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
         "weight casts for the backward": weight_casts,
         "logits chunk": 2 * max(c, 4) * min(cfg.train.logits_chunk_tokens, T) * shape.vocab_size,
         "rollout KV cache": _kv_cache_bytes(cfg.rollout, cfg.data.max_prompt_tokens, shape, c),
-        "packed rollout weights (CPU generation)": _packed_bytes(cfg.rollout.engine, shape, device, c),
+        "packed rollout weights (CPU generation)": _packed_bytes(engine, shape, device, c),
     }
     host = {}
     if layout.params_on_host and device == "cuda":
@@ -226,10 +228,10 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, *, device: str = "cpu", t
     return MemoryEstimate(device, T, parts, phases, host)
 
 
-def _packed_bytes(engine: str, shape: ModelShape, device: str, compute_bytes: int) -> int:
-    """The hf engine's packed bf16 Linear weights while it generates on the CPU (0 elsewhere;
-    ``engine``: ``rollout.engine``)."""
-    if device != "cpu" or compute_bytes != 2 or engine != "hf":
+def _packed_bytes(engine: EngineCapabilities, shape: ModelShape, device: str, compute_bytes: int) -> int:
+    """An engine's packed 2-byte Linear and LM head weights while it generates on the CPU (an
+    engine that declares ``packs_cpu_weights``, the hf engine; 0 elsewhere)."""
+    if device != "cpu" or compute_bytes != 2 or not engine.packs_cpu_weights:
         return 0
     return 2 * (shape.num_matmul_params + shape.vocab_size * shape.hidden_size)
 

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
-from packrl.config.schema import CriticConfig, ModelConfig, ModelDtype, RolloutConfig, RopeScalingConfig, TrainerConfig
+from packrl.config.schema import CriticConfig, ModelConfig, RolloutConfig, RopeScalingConfig, TrainerConfig
 from packrl.errors import KeyedValueError
-from packrl.hardware import probe_host, resolve_for_device
+from packrl.hardware import ComputeDtype, probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 from packrl.models.isolation import config_packing
+from packrl.registry import resolve_target
+from packrl.rollout.engine import EngineOptions, declared_capabilities, engine_capabilities
 from packrl.seqlen.budgets import Budgets, model_context_tokens
-
-if TYPE_CHECKING:
-    from packrl.rollout.engine import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -175,10 +174,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             packing = config_packing(model_config)
             notes.append(packing.describe())
             problems += _sequence_parallel_problems(cfg.trainer.sequence_parallel_size, model_config, packing)
-            if cfg.rollout.engine == "vllm":
-                from packrl.rollout.engine import EngineOptions
-
-                notes += _vllm_notes(EngineOptions.from_config(cfg), cfg.model.dtype, shape, budgets, device)
+            notes += _engine_notes(cfg.rollout.engine, EngineOptions.from_config(cfg), compute, shape, budgets, device)
             notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg.trainer, cfg.rollout, cfg.data.batch_size, shape,
                                                                           compute.param_bytes)
             more = _modality_checks(cfg, model_config, PromptRoom.of(cfg.rollout, budgets.max_context_tokens))
@@ -208,7 +204,6 @@ def _rollout_mode_notes(trainer: TrainerConfig, rollout: RolloutConfig, batch: i
     workers of their own, ``separate_async``) what those hold outside this estimate, which covers
     a trainer rank (`packrl.config.rollout_modes.RolloutModeInfo`)."""
     from packrl.config.rollout_modes import default_over_provision, mode_info
-    from packrl.rollout.engine import engine_capabilities
 
     mode = trainer.rollout_mode
     info = mode_info(mode)
@@ -249,21 +244,19 @@ def _multi_turn_notes(rollout: RolloutConfig) -> list[str]:
 def _modality_checks(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple[list[str], list[ConfigProblem]]:
     """For a multimodal model: what it cannot run with (its modality's
     `packrl.models.modality.Modality.run_problems`, with the engine's declared modalities, the
-    list worker set-up reads too) and its modality's own notes and budget checks (images:
-    `packrl.inspect.preflight_images.image_preflight`); a prompt budget it proposes stays within
+    list worker set-up reads too) and its modality's own notes and budget checks (its declared
+    `packrl.models.modality.Modality.preflight`; images: `packrl.inspect.preflight_images.image_preflight`);
+    a prompt budget it proposes stays within
     ``room`` (what the model context leaves for a prompt; None when unknown)."""
     from packrl.config.plan import BatchPlan
-    from packrl.inspect.preflight_images import image_preflight
     from packrl.models.modality import modality_of
-    from packrl.rollout.engine import engine_capabilities
 
     modality = modality_of(model_config)
     if modality is None:
         return [], []
     out = modality.run_problems(cfg, engine_modalities=engine_capabilities(cfg.rollout).modalities,
                                 has_critic=BatchPlan.from_config(cfg).has_critic)
-    notes, problems = (image_preflight(cfg.model, cfg.data, cfg.train.max_vision_patches_per_microbatch, room)
-                       if modality.name == "image" else ([], []))
+    notes, problems = resolve_target(modality.preflight)(cfg.model, cfg.data, cfg.train, room) if modality.preflight else ([], [])
     return notes, out + problems
 
 
@@ -284,24 +277,18 @@ def _sequence_parallel_problems(size: int, model_config: Any, packing: Any) -> l
     return out
 
 
-def _vllm_notes(options: EngineOptions, dtype: ModelDtype, shape: ModelShape, budgets: Budgets, device: str) -> list[str]:
-    """For ``rollout.engine=vllm``: the settings packrl derives for the engine from the budgets
-    (``options``: the engine's settings; ``dtype``: ``model.dtype``), with the KV cache they need
-    (`packrl.rollout.vllm_settings.engine_args`)."""
-    from packrl.rollout.vllm_settings import engine_args
-
-    compute = resolve_for_device(dtype, device)
-    kv_per_token = shape.kv_bytes_per_token(compute.num_bytes)
-    context = budgets.max_context_tokens or budgets.max_sequence_tokens
-    args = engine_args(options, model_dir="<policy>", max_context_tokens=context, kv_bytes_per_token=kv_per_token,
-                       cuda=device == "cuda", dtype=compute.name)
-    kv = args.get("kv_cache_memory_bytes")
-    sized = (f"KV cache {kv / GIB:.2f} GiB (kv_cache_memory_bytes)" if kv
-             else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE")
-    batched = args.get("max_num_batched_tokens", "vLLM's default (chunked prefill)")
-    return [f"vllm engine: max_model_len={args['max_model_len']:,}, max_num_seqs={args['max_num_seqs']}, "
-            f"max_num_batched_tokens={batched}, dtype={args['dtype']}, {sized} for {args['max_num_seqs']} sequences of "
-            f"max_model_len tokens ({kv_per_token:,} bytes per token)"]
+def _engine_notes(engine: str, options: EngineOptions, compute: ComputeDtype, shape: ModelShape, budgets: Budgets,
+                  device: str) -> list[str]:
+    """The notes ``rollout.engine`` (``engine``) declares on the settings it derives from the run
+    (`packrl.rollout.engine.EngineCapabilities.preflight_notes`; vllm: its KV cache), given its
+    ``options``, the model's KV bytes per token in the ``compute`` dtype and the context (the
+    model's, else the longest sequence)."""
+    target = declared_capabilities(engine).preflight_notes
+    if target is None:
+        return []
+    return list(resolve_target(target)(options, max_context_tokens=budgets.max_context_tokens or budgets.max_sequence_tokens,
+                                       kv_bytes_per_token=shape.kv_bytes_per_token(compute.num_bytes), dtype=compute.name,
+                                       cuda=device == "cuda"))
 
 
 def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[ConfigProblem]:

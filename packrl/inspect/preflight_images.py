@@ -9,16 +9,18 @@ from typing import Any
 from packrl.config import ConfigProblem
 from packrl.config.budgets import PromptRoom
 from packrl.config.schema import DataConfig, ModelConfig
+from packrl.config.train import TrainConfig
 
 VISION_SIZES = ((224, 224), (448, 448), (1024, 768), (1920, 1080))
 """Image sizes (width, height) preflight reports for a vision-language model."""
 
 
-def image_preflight(model_cfg: ModelConfig, data: DataConfig, patch_cap: int | None,
+def image_preflight(model_cfg: ModelConfig, data: DataConfig, train: TrainConfig,
                     room: PromptRoom | None) -> tuple[list[str], list[ConfigProblem]]:
-    """For a vision-language model (``model_cfg``: the ``model`` section): the image tokens of
+    """The image modality's preflight (`packrl.models.vision.QwenVL.preflight`): for a
+    vision-language model (``model_cfg``: the ``model`` section), the image tokens of
     `VISION_SIZES` as its processor (with the ``data`` section's ``data.image.*`` and
-    ``data.max_image_tokens``, and ``patch_cap``: ``train.max_vision_patches_per_microbatch``)
+    ``data.max_image_tokens``, and ``train.max_vision_patches_per_microbatch``)
     sizes them and the prompt budget each leaves for text (a note), and the image budgets no image
     fits (problems); a prompt budget it proposes stays within ``room`` (what the model context
     leaves for a prompt; None when unknown). The model's rules are its modality's
@@ -27,6 +29,7 @@ def image_preflight(model_cfg: ModelConfig, data: DataConfig, patch_cap: int | N
     from packrl.data.vision_prompts import image_token_cap
     from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
 
+    patch_cap = train.max_vision_patches_per_microbatch
     out: list[ConfigProblem] = []
     try:
         processor = load_prompt_encoder(model_cfg, load_policy_tokenizer(model_cfg))

@@ -52,6 +52,11 @@ class Modality(Protocol):
             (`packrl.types.ExtraInputs.grouped_loads`; ``vision_patches``).
         shared_prompts_blocker: why its packs cannot share prompts (`packrl.worker.parts.shares_prompts`);
             "" where they can.
+        preflight: ``"module:function"`` of its own pre-run notes and budget checks, imported only
+            when preflight runs (`packrl.inspect.preflight`): ``function(model, data, train, room)
+            -> (notes, problems)`` with the ``model``, ``data`` and ``train`` sections and the
+            `packrl.config.budgets.PromptRoom` the model context leaves (None when unknown);
+            "" for none.
     """
 
     name: str
@@ -59,6 +64,7 @@ class Modality(Protocol):
     processor_files: tuple[str, ...]
     load_names: tuple[str, ...]
     shared_prompts_blocker: str
+    preflight: str
 
     def auto_class(self) -> Any:
         """The transformers auto class its checkpoints load with (``AutoModelForImageTextToText``)."""

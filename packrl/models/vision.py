@@ -63,6 +63,7 @@ class QwenVL:
     processor_files: tuple[str, ...] = ("preprocessor_config.json", "processor_config.json")
     load_names: tuple[str, ...] = (PATCH_LOAD,)
     shared_prompts_blocker: str = "a vision-language model's M-RoPE positions continue each sequence's own prompt"
+    preflight: str = "packrl.inspect.preflight_images:image_preflight"
 
     def auto_class(self) -> Any:
         from transformers import AutoModelForImageTextToText

@@ -246,6 +246,28 @@ class EngineCapabilities:
     """It has `InterruptibleEngine.generate_until`: a partial-rollout step can stop generating once
     its batch is complete instead of generating in chunks."""
 
+    shares_policy_weights: bool = False
+    """It generates on the policy's own parameters where the context allows
+    (`EngineContext.may_share_policy`: one process, parameters in the compute dtype), holding no
+    copy of the weights (preflight's memory estimate counts none)."""
+
+    packs_cpu_weights: bool = False
+    """Generating on the CPU in a 2-byte compute dtype, it holds packed copies of its Linear and LM
+    head weights (`packrl.rollout.packed_linear`; preflight's memory estimate counts them)."""
+
+    preflight_notes: str | None = None
+    """``"module:function"`` that preflight (`packrl.inspect.preflight`) calls for notes on the
+    settings the engine derives from the run, e.g. its KV cache: ``function(options: EngineOptions,
+    *, max_context_tokens: int, kv_bytes_per_token: int, dtype: str, cuda: bool) -> list[str]``
+    (``dtype``: the compute dtype's torch name; imported only when preflight runs). None: no notes."""
+
+
+HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
+"""What ``rollout.engine=hf`` declares (`packrl.rollout.hf_engine`), readable without importing it."""
+
+VLLM_ENGINE = EngineCapabilities(preflight_notes="packrl.rollout.vllm_settings:preflight_notes")
+"""What ``rollout.engine=vllm`` declares (`packrl.rollout.vllm_engine`), readable without importing it."""
+
 
 def declared_capabilities(engine: str) -> EngineCapabilities:
     """What ``rollout.engine=engine`` declared with its registration (none: `EngineCapabilities()`).

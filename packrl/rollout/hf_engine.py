@@ -77,7 +77,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from packrl.models.modality import modality_of
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineCapabilities, EngineContext, SamplingParams, eos_ids, pad_id, request_seed
+from packrl.rollout.engine import HF_ENGINE, EngineContext, SamplingParams, eos_ids, pad_id, request_seed
 from packrl.rollout.kv_cache import CACHE_ARGUMENT, AppendingLayer, appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler
@@ -658,7 +658,7 @@ def _token_logprobs(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, t
     return torch.stack(steps, dim=1).cpu()
 
 
-@ROLLOUT_ENGINES.register("hf", info=EngineCapabilities(modalities=("image",), stop_on_condition=True))
+@ROLLOUT_ENGINES.register("hf", info=HF_ENGINE)
 def build_hf_engine(context: EngineContext) -> HFEngine:
     """The ``hf`` engine (`packrl.registry.ROLLOUT_ENGINES`): `HFEngine` on the policy's own
     parameters when it may share them and the compute dtype is the parameters' own (fp32, fp64),

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineCapabilities, EngineContext, SamplingParams, eos_ids, request_seed
+from packrl.rollout.engine import VLLM_ENGINE, EngineContext, SamplingParams, eos_ids, request_seed
 from packrl.rollout.vllm_settings import INSTALL_HINT, engine_args
 from packrl.types import FinishReason, Response
 
@@ -183,7 +183,7 @@ def _repack_tied_head(model: torch.nn.Module) -> None:
         method.process_weights_after_loading(head)
 
 
-@ROLLOUT_ENGINES.register("vllm", info=EngineCapabilities())
+@ROLLOUT_ENGINES.register("vllm", info=VLLM_ENGINE)
 def build_vllm_engine(context: EngineContext) -> VLLMEngine:
     """The ``vllm`` engine for ``context``'s policy (see the module docstring).
 

@@ -159,3 +159,18 @@ def _engine_arg_names() -> set[str]:
     from vllm.engine.arg_utils import EngineArgs
 
     return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def preflight_notes(options: EngineOptions, *, max_context_tokens: int, kv_bytes_per_token: int, dtype: str, cuda: bool) -> list[str]:
+    """What preflight says of ``rollout.engine=vllm`` (`packrl.rollout.engine.VLLM_ENGINE`): the
+    settings packrl derives for the engine from the budgets (`engine_args`), with the KV cache they
+    need (``kv_bytes_per_token``: the model's, bytes, in the compute dtype ``dtype``)."""
+    args = engine_args(options, model_dir="<policy>", max_context_tokens=max_context_tokens, kv_bytes_per_token=kv_bytes_per_token,
+                       cuda=cuda, dtype=dtype)
+    kv = args.get("kv_cache_memory_bytes")
+    sized = (f"KV cache {kv / 2**30:.2f} GiB (kv_cache_memory_bytes)" if kv
+             else "KV cache sized by rollout.engine_kwargs or VLLM_CPU_KVCACHE_SPACE")
+    batched = args.get("max_num_batched_tokens", "vLLM's default (chunked prefill)")
+    return [f"vllm engine: max_model_len={args['max_model_len']:,}, max_num_seqs={args['max_num_seqs']}, "
+            f"max_num_batched_tokens={batched}, dtype={args['dtype']}, {sized} for {args['max_num_seqs']} sequences of "
+            f"max_model_len tokens ({kv_bytes_per_token:,} bytes per token)"]

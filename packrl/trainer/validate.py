@@ -39,4 +39,5 @@ def validate(workers: WorkerGroup, dataset: Any, rollout_cfg: RolloutConfig, rew
         "val/response_length/mean": sum(lengths) / count,
         "val/response_length/clip_ratio": truncated / count,
     } | ({"val/multi_turn/tool_use_rate": sum(tool_users) / len(tool_users)} if tool_users else {}) | (
-        length_metrics(concat_scored(batches), prefix="val/length") if batches else {})
+        length_metrics(concat_scored(batches), prefix="val/length", forced_tokens_key="val/length/forced_tokens",
+                       warn_all_wrong=False) if batches else {})

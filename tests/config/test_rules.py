@@ -38,6 +38,7 @@ CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo
      "algorithm.filter_groups.enable", "rollout.n"),
     ("sft_loss", ["algorithm.policy_loss=sft"], "algorithm.policy_loss", "supervised loss of packrl sft"),
     ("kl_in_reward", ["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "has no effect with algorithm.kl_coef=0"),
+    ("restarts", ["trainer.max_restarts=2"], "trainer.max_restarts", "trains in this process with none"),
     ("group_filter", ["algorithm.group_filter.keep=5"], "algorithm.group_filter.keep", "> rollout.n=4"),
     ("group_filter", ["algorithm.group_filter.keep=4"], "algorithm.group_filter.keep", "has no effect: it keeps all"),
     ("group_filter", ["algorithm.group_filter.keep=1"], "algorithm.group_filter.keep", "leaves a group of one"),

@@ -44,6 +44,14 @@ IMAGES = EngineCapabilities(modalities=("image",))
 ROLLOUT_ENGINES.register("test_images", info=IMAGES)(build_hf_engine)
 ROLLOUT_ENGINES.register("test_text")(lambda context: TextOnly(build_hf_engine(context)))
 ROLLOUT_ENGINES.register("test_claims_images", info=IMAGES)(lambda context: TextOnly(build_hf_engine(context)))
+
+
+def kv_notes(options, *, max_context_tokens, kv_bytes_per_token, dtype, cuda):
+    return [f"test_noted engine: {options.max_num_seqs} x {max_context_tokens:,} tokens x {kv_bytes_per_token:,} bytes in {dtype}"]
+
+
+ROLLOUT_ENGINES.register("test_noted", info=EngineCapabilities(preflight_notes=f"{__name__}:kv_notes"))(build_hf_engine)
+ROLLOUT_ENGINES.register("test_stops", info=EngineCapabilities(stop_on_condition=True))(build_hf_engine)
 '''
 
 
@@ -63,8 +71,11 @@ def vlm_dir(tmp_path_factory, smollm_tokenizer):
 def test_the_built_in_engines_declare_what_they_can_do():
     from packrl.config.schema import MultiTurnConfig, RolloutConfig
 
-    assert engine_capabilities(RolloutConfig(engine="hf")) == EngineCapabilities(modalities=("image",), stop_on_condition=True)
-    assert engine_capabilities(RolloutConfig(engine="vllm")) == EngineCapabilities()
+    assert engine_capabilities(RolloutConfig(engine="hf")) == EngineCapabilities(
+        modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
+    vllm = engine_capabilities(RolloutConfig(engine="vllm"))
+    assert (vllm.modalities, vllm.stop_on_condition, vllm.shares_policy_weights) == ((), False, False)
+    assert vllm.preflight_notes == "packrl.rollout.vllm_settings:preflight_notes"
     tools = RolloutConfig(engine="hf", multi_turn=MultiTurnConfig(tools=["calculator"]))
     assert engine_capabilities(tools) == EngineCapabilities()  # trajectories are generated from text, turn by turn
     assert ROLLOUT_ENGINES.info("hf").modalities == ("image",)
@@ -106,3 +117,19 @@ def test_an_engine_that_lacks_what_it_declares_is_named_at_set_up(tmp_path, plug
     with pytest.raises(ValueError, match=r"rollout.engine='test_claims_images' declares EngineCapabilities\(modalities=\('image',\)\) "
                                          r"but its generate\(\) takes no extra_inputs="):
         local_group(cfg, tiny_llama(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
+
+
+def test_preflight_and_the_rules_read_what_a_plugin_engine_declares(plugin):
+    """An engine's own preflight notes (`EngineCapabilities.preflight_notes`) are preflight's, and a
+    rule about generating in one stopped call reads ``stop_on_condition``, not the engine's name."""
+    from packrl.inspect.preflight import preflight
+    from tests.conftest import SMOLLM_DIR, skip_without_shared
+
+    skip_without_shared(SMOLLM_DIR / "config.json")
+    base = ["demo", f"model.path={SMOLLM_DIR}", f"trainer.plugins=[{plugin}]"]
+    report = preflight(base[0], [*base[1:], "rollout.engine=test_noted", "model.dtype=fp32"])
+    assert any(note.startswith("test_noted engine: ") and "bytes in float32" in note for note in report.notes), report.notes
+    chunked = ["trainer.rollout_mode=colocate_async", "rollout.partial_chunk_tokens=32"]
+    with pytest.raises(ConfigError, match=r"rollout.partial_chunk_tokens=32: has no effect: rollout.engine=test_stops on one rank"):
+        load_config(base[0], [*base[1:], "rollout.engine=test_stops", *chunked])
+    load_config(base[0], [*base[1:], "rollout.engine=test_noted", *chunked])  # chunks serve an engine that cannot stop a call

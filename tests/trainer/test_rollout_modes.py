@@ -70,3 +70,38 @@ def test_a_plugin_mode_is_checked_at_load_and_runs_in_the_loop(tmp_path, plugin,
     run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, ["train.total_steps=2", "reward.name=test_letter_e", *base])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["train/test_mode_prompts"] for line in lines] == [2.0, 2.0]
+
+
+CARRYING_PLUGIN = '''
+from packrl.config.rollout_modes import RolloutModeInfo
+from packrl.registry import ROLLOUT_MODES
+
+
+@ROLLOUT_MODES.register("test_carrying", info=RolloutModeInfo(carries_groups=True, rollout_workers=True))
+def carrying(context):
+    raise NotImplementedError
+'''
+
+
+def test_the_rules_read_what_a_plugin_mode_declares_in_a_fresh_process(tmp_path):
+    """The plugins are imported before the cross-field rules run, so a rule that asks a mode what
+    it declares sees a plugin's mode (here: thinking budgets refused for carried groups, restarts
+    allowed for its rollout workers) in a process that has not imported the plugin before."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "carrying.py"
+    path.write_text(CARRYING_PLUGIN)
+    code = ("from packrl.config import check_config\n"
+            f"_, problems, _ = check_config('demo', ['trainer.plugins=[{path}]', 'trainer.rollout_mode=test_carrying', "
+            "'rollout.think_budget_tokens=16', 'trainer.max_restarts=1'])\n"
+            "print('|'.join(str(p) for p in problems))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "does not apply to responses carried across steps (trainer.rollout_mode=test_carrying)" in out, out
+    assert "trainer.max_restarts" not in out and "not a registered" not in out, out
+
+
+def test_an_unknown_mode_with_a_rule_that_reads_the_mode_is_one_clear_problem():
+    with pytest.raises(ConfigError, match=r"trainer.rollout_mode='bogus': is not a registered rollout mode") as caught:
+        load_config("demo", ["trainer.rollout_mode=bogus", "rollout.think_budget_tokens=16", "trainer.max_restarts=1"])
+    assert "think_budget_tokens" not in str(caught.value)
