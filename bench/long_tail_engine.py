@@ -24,7 +24,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import EngineContext, SamplingParams
+from packrl.rollout.engine import HF_ENGINE, EngineContext, SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.rollout.weights import rollout_copy
 
@@ -64,7 +64,7 @@ class LongTailEngine(HFEngine):
         return kwargs
 
 
-@ROLLOUT_ENGINES.register("hf_long_tail")
+@ROLLOUT_ENGINES.register("hf_long_tail", info=HF_ENGINE)
 def build_long_tail_engine(context: EngineContext) -> LongTailEngine:
     """As the ``hf`` engine (`packrl.rollout.hf_engine.build_hf_engine`), with the scripted tail."""
     compute = context.compute_dtype

@@ -27,6 +27,7 @@ can build sampling parameters.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from packrl.config.train import TrainConfig
     from packrl.types import ExtraInputs, Response
 
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -299,6 +301,9 @@ def engine_capabilities(rollout: RolloutConfig) -> EngineCapabilities:
 def check_capabilities(engine: Any, name: str, capabilities: EngineCapabilities) -> None:
     """Hold a built engine to what its registration declared.
 
+    Logs a warning when it has ``generate_until`` but does not declare ``stop_on_condition`` (a
+    subclass of the hf engine registered without its declaration: partial rollouts then chunk).
+
     Raises:
         ValueError: it declares modalities but its ``generate`` takes no ``extra_inputs``, or
             declares stop-on-condition without ``generate_until``; the message names the engine and the method.
@@ -310,6 +315,11 @@ def check_capabilities(engine: Any, name: str, capabilities: EngineCapabilities)
     if capabilities.stop_on_condition and not isinstance(engine, InterruptibleEngine):
         raise ValueError(f"rollout.engine={name!r} declares EngineCapabilities(stop_on_condition=True) but has no generate_until(); "
                          "add it (packrl.rollout.engine.InterruptibleEngine) or declare stop_on_condition=False")
+    if not capabilities.stop_on_condition and isinstance(engine, InterruptibleEngine):
+        logger.warning("rollout.engine=%s has generate_until() but its registration does not declare stop_on_condition: partial "
+                       "rollouts generate in chunks of rollout.partial_chunk_tokens instead of one call stopped between decode "
+                       "rounds; register it with info=EngineCapabilities(stop_on_condition=True) (as packrl.rollout.engine."
+                       "HF_ENGINE) to use it", name)
 
 
 @dataclass(frozen=True)

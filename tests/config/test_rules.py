@@ -62,7 +62,7 @@ PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's ow
     ("trainer.rollout_mode=colocate_async", ["rollout.over_provision=0"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
     ("trainer.rollout_mode=colocate_async", ["rollout.over_provision=9"], "rollout.over_provision", "must be in [1, data.batch_size=8]"),
     ("trainer.rollout_mode=colocate_async", ["rollout.partial_chunk_tokens=32"], "rollout.partial_chunk_tokens",
-     "has no effect: the hf engine on one rank"),
+     "has no effect: rollout.engine=hf on one rank"),
     ("trainer.rollout_mode=colocate_async", ["rollout.multi_turn.tools=[calculator]"], "trainer.rollout_mode",
      "does not carry multi-turn"),
     ("trainer.rollout_mode=colocate_async", ["algorithm.filter_groups.enable=true"], "trainer.rollout_mode",

@@ -128,8 +128,31 @@ def test_preflight_and_the_rules_read_what_a_plugin_engine_declares(plugin):
     skip_without_shared(SMOLLM_DIR / "config.json")
     base = ["demo", f"model.path={SMOLLM_DIR}", f"trainer.plugins=[{plugin}]"]
     report = preflight(base[0], [*base[1:], "rollout.engine=test_noted", "model.dtype=fp32"])
-    assert any(note.startswith("test_noted engine: ") and "bytes in float32" in note for note in report.notes), report.notes
+    assert any(note.startswith("test_noted engine: ") and "bytes in fp32" in note for note in report.notes), report.notes
     chunked = ["trainer.rollout_mode=colocate_async", "rollout.partial_chunk_tokens=32"]
     with pytest.raises(ConfigError, match=r"rollout.partial_chunk_tokens=32: has no effect: rollout.engine=test_stops on one rank"):
         load_config(base[0], [*base[1:], "rollout.engine=test_stops", *chunked])
     load_config(base[0], [*base[1:], "rollout.engine=test_noted", *chunked])  # chunks serve an engine that cannot stop a call
+
+
+def test_an_engine_with_generate_until_that_does_not_declare_it_is_warned(caplog):
+    """A subclass of the hf engine registered without its declaration keeps working (partial
+    rollouts chunk) and the log says how to declare what it has."""
+    import logging
+
+    from packrl.rollout.engine import check_capabilities
+
+    class Stoppable:
+        def generate(self, prompt_ids, params, seeds):
+            return []
+
+        def generate_until(self, prompt_ids, params, seeds, caps, enough):
+            return []
+
+    with caplog.at_level(logging.WARNING, logger="packrl.rollout.engine"):
+        check_capabilities(Stoppable(), "test_stoppable", EngineCapabilities())
+    assert "rollout.engine=test_stoppable has generate_until() but its registration does not declare stop_on_condition" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="packrl.rollout.engine"):
+        check_capabilities(Stoppable(), "test_stoppable", EngineCapabilities(stop_on_condition=True))
+    assert caplog.text == ""
