@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from packrl.capabilities import HF_ENGINE
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import HF_ENGINE, EngineContext, SamplingParams
+from packrl.rollout.engine import EngineContext, SamplingParams
 from packrl.rollout.hf_engine import HFEngine
 from packrl.rollout.weights import rollout_copy
 

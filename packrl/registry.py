@@ -119,7 +119,7 @@ class Registry(Mapping[str, Any]):
                 against it at load (unknown keys, types, and its ``problems(prefix)`` method when
                 it has one, `packrl.config.load.build_options`) and the part receives the built value.
             info: what the part declares about itself for set-up and pre-run checks to read
-                without building it (a rollout engine's `packrl.rollout.engine.EngineCapabilities`).
+                without building it (a rollout engine's `packrl.capabilities.EngineCapabilities`).
 
         Raises:
             ValueError: ``name`` is empty, or already registered to another object; ``options`` is
@@ -278,7 +278,7 @@ POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss"
 ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",
                            {"hf": "packrl.rollout.hf_engine", "vllm": "packrl.rollout.vllm_engine"},
                            checks={"vllm": "packrl.rollout.vllm_settings:config_problems"},
-                           infos={"hf": "packrl.rollout.engine:HF_ENGINE", "vllm": "packrl.rollout.engine:VLLM_ENGINE"})
+                           infos={"hf": "packrl.capabilities:HF_ENGINE", "vllm": "packrl.capabilities:VLLM_ENGINE"})
 """``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`)."""
 
 TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"})

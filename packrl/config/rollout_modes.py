@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from packrl.capabilities import EngineCapabilities
 from packrl.errors import ConfigProblem
 
 if TYPE_CHECKING:
@@ -105,14 +106,14 @@ def separate_async_problems(rollout: RolloutConfig, trainer: TrainerConfig, data
 
 def _stops_on_condition(engine: str) -> bool:
     """Whether ``rollout.engine=engine`` declares ``stop_on_condition`` with its registration
-    (`packrl.rollout.engine.EngineCapabilities`); False for a name not registered (the registry's
+    (`packrl.capabilities.EngineCapabilities`); False for a name not registered (the registry's
     check reports it) or an engine that declared nothing."""
     from packrl.registry import ROLLOUT_ENGINES
 
     if ROLLOUT_ENGINES.problem(engine) is not None:
         return False
-    declared = ROLLOUT_ENGINES.info(engine)
-    return bool(declared is not None and declared.stop_on_condition)
+    declared = ROLLOUT_ENGINES.info(engine)  # anything but EngineCapabilities is refused at set-up (declared_capabilities)
+    return isinstance(declared, EngineCapabilities) and declared.stop_on_condition
 
 
 def _rollout_workers(trainer: TrainerConfig) -> list[ConfigProblem]:

@@ -280,7 +280,7 @@ def _sequence_parallel_problems(size: int, model_config: Any, packing: Any) -> l
 def _engine_notes(engine: str, options: EngineOptions, compute: ComputeDtype, shape: ModelShape, budgets: Budgets,
                   device: str) -> list[str]:
     """The notes ``rollout.engine`` (``engine``) declares on the settings it derives from the run
-    (`packrl.rollout.engine.EngineCapabilities.preflight_notes`; vllm: its KV cache), given its
+    (`packrl.capabilities.EngineCapabilities.preflight_notes`; vllm: its KV cache), given its
     ``options``, the model's KV bytes per token in the ``compute`` dtype and the context (the
     model's, else the longest sequence)."""
     target = declared_capabilities(engine).preflight_notes

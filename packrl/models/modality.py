@@ -44,7 +44,7 @@ class Modality(Protocol):
 
     Attributes:
         name: the inputs it adds (``image``), as an engine declares taking them
-            (`packrl.rollout.engine.EngineCapabilities.modalities`).
+            (`packrl.capabilities.EngineCapabilities.modalities`).
         encoder_module: the module name of its encoder inside the model (``visual``): LoRA's
             adapters leave it alone (`packrl.models.lora.apply_lora`).
         processor_files: its processor's config files, copied into every checkpoint.

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from packrl.capabilities import EngineCapabilities
 from packrl.hardware import ComputeDtype
 from packrl.registry import ROLLOUT_ENGINES
 
@@ -235,42 +236,6 @@ class DescribedEngine(Protocol):
     def describe(self) -> str: ...
 
 
-@dataclass(frozen=True)
-class EngineCapabilities:
-    """What a registered engine can do beyond the `RolloutEngine` contract; declared with its
-    registration (``ROLLOUT_ENGINES.register("name", info=EngineCapabilities(...))``)."""
-
-    modalities: tuple[str, ...] = ()
-    """The modalities whose extra inputs `generate` takes (``extra_inputs=``, `ExtraInputsEngine`),
-    by `packrl.models.modality.Modality.name`: ``("image",)`` serves a vision-language policy."""
-
-    stop_on_condition: bool = False
-    """It has `InterruptibleEngine.generate_until`: a partial-rollout step can stop generating once
-    its batch is complete instead of generating in chunks."""
-
-    shares_policy_weights: bool = False
-    """It generates on the policy's own parameters where the context allows
-    (`EngineContext.may_share_policy`: one process, parameters in the compute dtype), holding no
-    copy of the weights (preflight's memory estimate counts none)."""
-
-    packs_cpu_weights: bool = False
-    """Generating on the CPU in a 2-byte compute dtype, it holds packed copies of its Linear and LM
-    head weights (`packrl.rollout.packed_linear`; preflight's memory estimate counts them)."""
-
-    preflight_notes: str | None = None
-    """``"module:function"`` that preflight (`packrl.inspect.preflight`) calls for notes on the
-    settings the engine derives from the run, e.g. its KV cache: ``function(options: EngineOptions,
-    *, max_context_tokens: int, kv_bytes_per_token: int, dtype: str, cuda: bool) -> list[str]``
-    (``dtype``: the compute dtype's torch name; imported only when preflight runs). None: no notes."""
-
-
-HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
-"""What ``rollout.engine=hf`` declares (`packrl.rollout.hf_engine`), readable without importing it."""
-
-VLLM_ENGINE = EngineCapabilities(preflight_notes="packrl.rollout.vllm_settings:preflight_notes")
-"""What ``rollout.engine=vllm`` declares (`packrl.rollout.vllm_engine`), readable without importing it."""
-
-
 def declared_capabilities(engine: str) -> EngineCapabilities:
     """What ``rollout.engine=engine`` declared with its registration (none: `EngineCapabilities()`).
 
@@ -318,7 +283,7 @@ def check_capabilities(engine: Any, name: str, capabilities: EngineCapabilities)
     if not capabilities.stop_on_condition and isinstance(engine, InterruptibleEngine):
         logger.warning("rollout.engine=%s has generate_until() but its registration does not declare stop_on_condition: partial "
                        "rollouts generate in chunks of rollout.partial_chunk_tokens instead of one call stopped between decode "
-                       "rounds; register it with info=EngineCapabilities(stop_on_condition=True) (as packrl.rollout.engine."
+                       "rounds; register it with info=EngineCapabilities(stop_on_condition=True) (as packrl.capabilities."
                        "HF_ENGINE) to use it", name)
 
 

@@ -75,9 +75,10 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from packrl.capabilities import HF_ENGINE
 from packrl.models.modality import modality_of
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import HF_ENGINE, EngineContext, SamplingParams, eos_ids, pad_id, request_seed
+from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, pad_id, request_seed
 from packrl.rollout.kv_cache import CACHE_ARGUMENT, AppendingLayer, appending_cache, cache_reuse, select_rows
 from packrl.rollout.packed_linear import packed_linears
 from packrl.rollout.sampling import GumbelMaxSampler

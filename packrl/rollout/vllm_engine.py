@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from packrl.capabilities import VLLM_ENGINE
 from packrl.registry import ROLLOUT_ENGINES
-from packrl.rollout.engine import VLLM_ENGINE, EngineContext, SamplingParams, eos_ids, request_seed
+from packrl.rollout.engine import EngineContext, SamplingParams, eos_ids, request_seed
 from packrl.rollout.vllm_settings import INSTALL_HINT, engine_args
 from packrl.types import FinishReason, Response
 

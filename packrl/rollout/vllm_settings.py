@@ -162,7 +162,7 @@ def _engine_arg_names() -> set[str]:
 
 
 def preflight_notes(options: EngineOptions, *, max_context_tokens: int, kv_bytes_per_token: int, dtype: str, cuda: bool) -> list[str]:
-    """What preflight says of ``rollout.engine=vllm`` (`packrl.rollout.engine.VLLM_ENGINE`): the
+    """What preflight says of ``rollout.engine=vllm`` (`packrl.capabilities.VLLM_ENGINE`): the
     settings packrl derives for the engine from the budgets (`engine_args`), with the KV cache they
     need (``kv_bytes_per_token``: the model's, bytes, in the compute dtype ``dtype``)."""
     args = engine_args(options, model_dir="<policy>", max_context_tokens=max_context_tokens, kv_bytes_per_token=kv_bytes_per_token,

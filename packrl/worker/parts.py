@@ -53,7 +53,7 @@ class WorkerParts:
         reference: the frozen reference policy (the policy itself under LoRA), or None.
         engine: the rollout engine (wrapped by `MultiTurnEngine` with tools), or None where the
             plan generates nothing (`packrl.config.plan.BatchPlan.generates`).
-        capabilities: what the run's rollouts can do (`packrl.rollout.engine.EngineCapabilities`).
+        capabilities: what the run's rollouts can do (`packrl.capabilities.EngineCapabilities`).
         opt: the actor's optimization (`packrl.worker.optim.Optimization`).
         compiled: compiled decoder layers of the actor and the reference (``model.compile``), None where off.
         loss: how a micro-batch's policy loss is formed.

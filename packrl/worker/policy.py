@@ -265,7 +265,7 @@ class PolicyWorker:
                        caps: Sequence[int], enough: Any) -> list[Response]:
         """The engine's ``generate_until`` (`packrl.rollout.engine.InterruptibleEngine`: one response
         per prompt, stopped between decode rounds once ``enough(finished)``); called only where the
-        run's rollouts declare it (`packrl.rollout.engine.EngineCapabilities.stop_on_condition`)."""
+        run's rollouts declare it (`packrl.capabilities.EngineCapabilities.stop_on_condition`)."""
         assert self.parts.capabilities.stop_on_condition, "the group calls generate_until only where the rollouts can stop"
         return awake(self.engine, cast(InterruptibleEngine, self.engine).generate_until, prompt_ids, params, seeds, caps, enough)
 

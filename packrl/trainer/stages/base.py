@@ -7,7 +7,7 @@ by a factory registered under a ``trainer.rollout_mode`` name (`packrl.registry.
 from a `StageContext`, and it generates through a `Generator`: the worker group's engines, or the
 rollout workers of ``separate_async`` (`packrl.distributed.rollout_pool.RolloutPool`). Stopping a
 generation call on a condition of the whole call is a capability a generator declares
-(`Generator.capabilities`, `packrl.rollout.engine.EngineCapabilities.stop_on_condition`), with
+(`Generator.capabilities`, `packrl.capabilities.EngineCapabilities.stop_on_condition`), with
 the method in `InterruptibleGenerator`.
 """
 
