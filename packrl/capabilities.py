@@ -38,6 +38,15 @@ class EngineCapabilities:
     (``dtype``: the compute dtype's torch name; imported only when preflight runs). None: no notes."""
 
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.modalities, tuple) and all(isinstance(m, str) for m in self.modalities)):
+            raise ValueError(f"EngineCapabilities(modalities={self.modalities!r}): a tuple of modality names, e.g. ('image',)")
+        for name in ("stop_on_condition", "shares_policy_weights", "packs_cpu_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineCapabilities({name}={getattr(self, name)!r}): True or False")
+        if self.preflight_notes is not None and (not isinstance(self.preflight_notes, str) or ":" not in self.preflight_notes):
+            raise ValueError(f"EngineCapabilities(preflight_notes={self.preflight_notes!r}): a 'module:function' string, or None")
+
 HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
 """What ``rollout.engine=hf`` declares (`packrl.rollout.hf_engine`), readable without importing it."""
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import hashlib
 import importlib
 import importlib.util
@@ -51,34 +50,49 @@ WHOLE_CONFIG = "cfg"
 """The parameter name of a config check that receives the whole `RunConfig` (`call_with_sections`)."""
 
 
-@functools.cache
-def _parameter_names(function: Callable[..., Any]) -> tuple[str, ...]:
-    return tuple(inspect.signature(function).parameters)
-
-
 def call_with_sections(function: Callable[..., T], cfg: Any) -> T:
-    """``function`` called with the sections of ``cfg`` (a `RunConfig`) its parameters name, by
-    keyword: a cross-field rule (`packrl.config.relations`, `packrl.config.sft_rules`) or a
-    registered part's config check names the sections it reads, e.g.
-    ``def mini_batches(train: TrainConfig, data: DataConfig)``, and gets those and nothing else,
-    so what it depends on is in its signature. A check that reads the whole config names its one
-    parameter ``cfg`` (`WHOLE_CONFIG`).
+    """``function`` called with the sections of ``cfg`` (a `RunConfig`) its parameters name: a
+    cross-field rule (`packrl.config.relations`, `packrl.config.sft_rules`) or a registered part's
+    config check names the sections it reads, e.g. ``def mini_batches(train: TrainConfig, data:
+    DataConfig)``, and gets those and nothing else, so what it depends on is in its signature. A
+    check that reads the whole config names its parameter ``cfg`` (`WHOLE_CONFIG`); a parameter
+    with a default that names neither keeps its default.
 
     Raises:
-        TypeError: a parameter of ``function`` names neither a section of ``cfg`` nor ``cfg``
-            (a mistake in the check's code, reported with the sections there are).
+        ValueError: a parameter names neither a section nor ``cfg`` and has no default, or is
+            ``*args`` / ``**kwargs`` (a mistake in the check's code; the message names the
+            function, where it is defined, the parameter and the sections there are).
     """
     sections = {field.name for field in dataclasses.fields(cfg)}
-    arguments: dict[str, Any] = {}
-    for name in _parameter_names(function):
-        if name == WHOLE_CONFIG:
-            arguments[name] = cfg
-        elif name in sections:
-            arguments[name] = getattr(cfg, name)
-        else:
-            raise TypeError(f"config check {function.__qualname__} takes parameter {name!r}, which is not a section of the "
-                            f"config: name sections ({', '.join(sorted(sections))}) or the whole config ({WHOLE_CONFIG})")
-    return function(**arguments)
+    positional: list[Any] = []
+    keywords: dict[str, Any] = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        value = cfg if name == WHOLE_CONFIG else getattr(cfg, name) if name in sections else None
+        if value is None and (parameter.default is inspect.Parameter.empty or parameter.kind in (parameter.VAR_POSITIONAL,
+                                                                                                parameter.VAR_KEYWORD)):
+            where = getattr(function, "__module__", "?")  # for the message only
+            raise ValueError(f"config check {getattr(function, '__qualname__', function)!r} ({where}) takes parameter {name!r}, "
+                             f"which is not a section of the config; name sections ({', '.join(sorted(sections))}) or the "
+                             f"whole config ({WHOLE_CONFIG}) as its parameters")
+        if value is not None and parameter.kind is parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        elif value is not None:
+            keywords[name] = value
+    return function(*positional, **keywords)
+
+
+def _problem_list(found: Any, source: str) -> list[Any]:
+    """``found``, a config check's result, as a list of `packrl.errors.ConfigProblem`.
+
+    Raises:
+        ValueError: it is not a list or tuple of them (``source`` names the check).
+    """
+    from packrl.errors import ConfigProblem
+
+    if not isinstance(found, list | tuple) or not all(isinstance(problem, ConfigProblem) for problem in found):
+        raise ValueError(f"{source} returned {type(found).__name__} {str(found)[:80]!r}; a config check returns a list of "
+                         "packrl.errors.ConfigProblem (empty when nothing is wrong)")
+    return list(found)
 
 
 class Registry(Mapping[str, Any]):
@@ -177,6 +191,10 @@ class Registry(Mapping[str, Any]):
         `packrl.config.shaping_checks.ShapingCheckInputs`)."""
 
         def decorate(check: T) -> T:
+            held = self._checks.get(name)
+            if held is not None and held is not check and (isinstance(held, str) or _origin(held) != _origin(check)):
+                raise ValueError(f"{self.kind} {name!r} already has a config check ({held!r}); a second one would replace it: "
+                                 f"register your part under a name of its own, or put both checks in one function")
             self._checks[name] = check
             return check
 
@@ -191,9 +209,10 @@ class Registry(Mapping[str, Any]):
             return []
         if isinstance(check, str):
             check = _resolve(check)
+        source = f"the config check of {self.key}={name} ({getattr(check, '__qualname__', check)!r})"  # for the message only
         if self.check_inputs is not None:
-            return list(check(_resolve(self.check_inputs)(cfg)))
-        return list(call_with_sections(check, cfg))
+            return _problem_list(check(_resolve(self.check_inputs)(cfg)), source)
+        return _problem_list(call_with_sections(check, cfg), source)
 
     def names(self) -> list[str]:
         """Every name a config may use: the built-in ones and those registered so far, sorted."""

@@ -42,9 +42,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from packrl.cli.training import train_and_report
+    from packrl.config.sft_rules import sft_load_problems
     from packrl.trainer.sft import sft
 
-    return train_and_report(load_config(args.preset, args.overrides), "packrl sft", run=sft)
+    return train_and_report(load_config(args.preset, args.overrides, rules=sft_load_problems), "packrl sft", run=sft)
 
 
 def _add_preset_args(p: argparse.ArgumentParser) -> None:

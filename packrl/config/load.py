@@ -20,6 +20,7 @@ import json
 import logging
 import types
 import typing
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -338,7 +339,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                rules: Callable[[RunConfig], list[ConfigProblem]] = config_problems) -> RunConfig:
     """Resolve a run config.
 
     Args:
@@ -346,6 +348,9 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
             None means ``demo``.
         overrides: ``dotted.key=value`` strings applied after the preset, e.g.
             ``["data.max_prompt_tokens=1024", "algorithm.loss_agg_mode=seq-mean-token-mean"]``.
+        rules: the recipe's checks after parsing: RL's (`packrl.config.relations.config_problems`:
+            every section's own checks and every cross-field rule) by default; `packrl sft` passes
+            `packrl.config.sft_rules.sft_load_problems` (RL's cross-field rules do not apply to it).
 
     Returns:
         The frozen, validated `RunConfig`.
@@ -355,16 +360,17 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
             key, wrong types, invalid choices, values out of range and broken budget relations,
             each with its dotted key, the value seen and the fix.
     """
-    cfg, problems, _ = check_config(preset, overrides)
+    cfg, problems, _ = check_config(preset, overrides, rules=rules)
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
 def check_config(
-    preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()
+    preset: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+    rules: Callable[[RunConfig], list[ConfigProblem]] = config_problems,
 ) -> tuple[RunConfig, list[ConfigProblem], set[str]]:
-    """Like `load_config`, but return the problems instead of raising them.
+    """Like `load_config` (``rules`` as there), but return the problems instead of raising them.
 
     Returns:
         ``(cfg, problems, bad_keys)``: the config with defaults in place of values that did not
@@ -379,7 +385,7 @@ def check_config(
     bad: set[str] = set()
     cfg = _build(RunConfig, data, "", problems, bad)
     problems += _plugin_problems(cfg.trainer.plugins)  # first: a rule may ask what a plugin's part declares
-    problems += [p for p in config_problems(cfg) if not bad.intersection(p.involved_keys)]
+    problems += [p for p in rules(cfg) if not bad.intersection(p.involved_keys)]
     problems += _registry_problems(cfg, bad)
     unique = {str(p): p for p in problems}  # a field check and a relation check may say the same
     return cfg, list(unique.values()), bad

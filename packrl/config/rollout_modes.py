@@ -47,12 +47,17 @@ def mode_info(name: str) -> RolloutModeInfo:
     """The `RolloutModeInfo` of ``trainer.rollout_mode=name`` (a mode that declared none: `SYNC`'s).
 
     Raises:
-        ValueError: ``name`` is not a registered rollout mode.
+        ValueError: ``name`` is not a registered rollout mode, or it declared something else.
     """
     from packrl.registry import ROLLOUT_MODES
 
     info = ROLLOUT_MODES.info(name)
-    return info if isinstance(info, RolloutModeInfo) else SYNC
+    if info is None:
+        return SYNC
+    if not isinstance(info, RolloutModeInfo):
+        raise ValueError(f"trainer.rollout_mode={name!r} registered info={info!r}; declare a RolloutModeInfo "
+                         "(ROLLOUT_MODES.register(name, info=RolloutModeInfo(...)))")
+    return info
 
 
 def sync_problems(rollout: RolloutConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigProblem]:

@@ -76,6 +76,14 @@ SFT_RULES: tuple[SftRule, ...] = (sft_steps, sft_microbatch_budget, sft_ranks_ha
 """Every rule of `packrl sft`, in the order their problems are reported."""
 
 
+def sft_load_problems(cfg: RunConfig) -> list[ConfigProblem]:
+    """What `packrl.config.load_config` checks for `packrl sft` (its ``rules=``): every section's own
+    problems. RL's cross-field rules (`packrl.config.relations.RULES`) do not apply to the
+    supervised recipe; its own (`sft_problems`) run in `packrl.trainer.sft.sft`, before anything
+    is written."""
+    return cfg.section_problems()
+
+
 def sft_problems(cfg: RunConfig) -> list[ConfigProblem]:
     """The ``sft`` section's own problems, then every rule of `SFT_RULES` (a rule's problem is left
     out when a key it depends on has a problem of its own)."""

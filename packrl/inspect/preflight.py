@@ -286,9 +286,17 @@ def _engine_notes(engine: str, options: EngineOptions, compute: ComputeDtype, sh
     target = declared_capabilities(engine).preflight_notes
     if target is None:
         return []
-    return list(resolve_target(target)(options, max_context_tokens=budgets.max_context_tokens or budgets.max_sequence_tokens,
+    hook = f"rollout.engine={engine}: its EngineCapabilities.preflight_notes={target!r}"
+    try:
+        notes = resolve_target(target)(options, max_context_tokens=budgets.max_context_tokens or budgets.max_sequence_tokens,
                                        kv_bytes_per_token=shape.kv_bytes_per_token(compute.num_bytes), dtype=compute.name,
-                                       cuda=device == "cuda"))
+                                       cuda=device == "cuda")
+    except Exception as err:  # a plugin's hook: named, with what it raised, instead of a bare traceback
+        raise ValueError(f"{hook} failed ({type(err).__name__}: {err}); it must name an importable 'module:function' taking "
+                         "(options, *, max_context_tokens, kv_bytes_per_token, dtype, cuda)") from err
+    if not isinstance(notes, list | tuple) or not all(isinstance(note, str) for note in notes):
+        raise ValueError(f"{hook} returned {type(notes).__name__}; it must return a list of str")
+    return list(notes)
 
 
 def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[ConfigProblem]:

@@ -98,3 +98,13 @@ def test_an_interrupt_outside_a_run_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_cmd_config", interrupted)
     assert main(["config", "rollout.n=2"]) == 130
     assert capsys.readouterr().err == "packrl config: interrupted\n"
+
+
+def test_sft_is_checked_by_its_own_rules_not_rls(tmp_path, capsys):
+    """`packrl sft` loads the config without RL's cross-field rules: a setting RL refuses with RL's
+    fix (restarts need separate_async) gets the supervised recipe's reason and fix instead."""
+    argv = ["sft", "arithmetic_tool", "sft.total_steps=1", "trainer.max_restarts=1", f"train.out_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "has no effect in packrl sft with trainer.num_workers=1" in err and "separate_async" not in err, err
+    assert not (tmp_path / "run").exists(), "refused before anything is written"

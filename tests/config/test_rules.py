@@ -113,7 +113,7 @@ def test_a_registered_parts_check_runs_when_the_part_is_chosen(selector, overrid
 
 def test_every_registry_with_checks_is_covered():
     checked = {f"{registry.key}={name}" if registry.args_key != registry.key else f"{registry.key}.{name}"
-               for registry in CONFIG_REGISTRIES.values() for name in registry._checks}
+               for registry in CONFIG_REGISTRIES.values() for name in registry._checks if not name.startswith("test_")}  # plugins of other tests
     covered = {selector for selector, *_ in PART_CHECKS}
     missing_optional = {"rollout.engine=vllm", "reward.name=math_verify"}  # their checks are about installed packages
     assert checked - missing_optional <= covered, checked - covered
@@ -146,7 +146,34 @@ def test_a_check_naming_no_section_is_a_clear_error():
     def check(rollout, steps):
         return []
 
-    with pytest.raises(TypeError, match=r"takes parameter 'steps', which is not a section of the config: name sections"):
+    with pytest.raises(ValueError, match=r"takes parameter 'steps', which is not a section of the config; name sections"):
         call_with_sections(check, cfg)
+    with pytest.raises(ValueError, match=r"takes parameter 'extra', which is not a section"):
+        call_with_sections(lambda train, **extra: [], cfg)
+    assert call_with_sections(lambda train, /, limit=3: (train.seed, limit), cfg) == (cfg.train.seed, 3)
     assert call_with_sections(lambda cfg: [cfg.rollout.n], cfg) == [cfg.rollout.n]
     assert call_with_sections(lambda train, data: (train.seed, data.batch_size), cfg) == (cfg.train.seed, cfg.data.batch_size)
+
+
+def test_a_plugin_check_that_returns_no_problem_list_or_replaces_a_built_in_is_refused_by_name():
+    from packrl.registry import POLICY_LOSSES, ROLLOUT_MODES
+
+    with pytest.raises(ValueError, match=r"trainer.rollout_mode='colocate_async' already has a config check|rollout mode "
+                                         r"'colocate_async' already has a config check"):
+        ROLLOUT_MODES.register_check("colocate_async")(lambda cfg: [])
+
+    @POLICY_LOSSES.register_check("test_returns_text")
+    def returns_text(algorithm):
+        return "not a list"
+
+    POLICY_LOSSES._checks["ppo_clip"], saved = returns_text, POLICY_LOSSES._checks.get("ppo_clip")
+    try:
+        with pytest.raises(ValueError, match=r"the config check of algorithm.policy_loss=ppo_clip \('test_a_plugin_check.*returns_text'\) "
+                                             r"returned str 'not a list'; a config check returns a list of packrl.errors.ConfigProblem"):
+            load_config("demo")
+    finally:
+        if saved is None:
+            POLICY_LOSSES._checks.pop("ppo_clip")
+        else:
+            POLICY_LOSSES._checks["ppo_clip"] = saved
+        POLICY_LOSSES._checks.pop("test_returns_text")

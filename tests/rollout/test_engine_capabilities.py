@@ -53,6 +53,7 @@ def kv_notes(options, *, max_context_tokens, kv_bytes_per_token, dtype, cuda):
 ROLLOUT_ENGINES.register("test_noted", info=EngineCapabilities(preflight_notes=f"{__name__}:kv_notes"))(build_hf_engine)
 ROLLOUT_ENGINES.register("test_stops", info=EngineCapabilities(stop_on_condition=True))(build_hf_engine)
 ROLLOUT_ENGINES.register("test_bad_info", info={"stop_on_condition": True})(build_hf_engine)
+ROLLOUT_ENGINES.register("test_broken_notes", info=EngineCapabilities(preflight_notes="no_such_module_here:notes"))(build_hf_engine)
 '''
 
 
@@ -130,6 +131,9 @@ def test_preflight_and_the_rules_read_what_a_plugin_engine_declares(plugin):
     base = ["demo", f"model.path={SMOLLM_DIR}", f"trainer.plugins=[{plugin}]"]
     report = preflight(base[0], [*base[1:], "rollout.engine=test_noted", "model.dtype=fp32"])
     assert any(note.startswith("test_noted engine: ") and "bytes in fp32" in note for note in report.notes), report.notes
+    with pytest.raises(ValueError, match=r"rollout.engine=test_broken_notes: its EngineCapabilities.preflight_notes="
+                                         r"'no_such_module_here:notes' failed \(ModuleNotFoundError"):
+        preflight(base[0], [*base[1:], "rollout.engine=test_broken_notes", "model.dtype=fp32"])
     chunked = ["trainer.rollout_mode=colocate_async", "rollout.partial_chunk_tokens=32"]
     with pytest.raises(ConfigError, match=r"rollout.partial_chunk_tokens=32: has no effect: rollout.engine=test_stops on one rank"):
         load_config(base[0], [*base[1:], "rollout.engine=test_stops", *chunked])
@@ -161,3 +165,13 @@ def test_an_engine_with_generate_until_that_does_not_declare_it_is_warned(caplog
     with caplog.at_level(logging.WARNING, logger="packrl.rollout.engine"):
         check_capabilities(Stoppable(), "test_stoppable", EngineCapabilities(stop_on_condition=True))
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize(("declared", "message"), [
+    ({"modalities": "image"}, r"modalities='image'\): a tuple of modality names"),
+    ({"stop_on_condition": "no"}, r"stop_on_condition='no'\): True or False"),
+    ({"preflight_notes": "notes"}, r"preflight_notes='notes'\): a 'module:function' string"),
+])
+def test_a_malformed_declaration_is_refused_where_it_is_written(declared, message):
+    with pytest.raises(ValueError, match=message):
+        EngineCapabilities(**declared)
