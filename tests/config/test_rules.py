@@ -113,7 +113,8 @@ def test_a_registered_parts_check_runs_when_the_part_is_chosen(selector, overrid
 
 def test_every_registry_with_checks_is_covered():
     checked = {f"{registry.key}={name}" if registry.args_key != registry.key else f"{registry.key}.{name}"
-               for registry in CONFIG_REGISTRIES.values() for name in registry._checks if not name.startswith("test_")}  # plugins of other tests
+               for registry in CONFIG_REGISTRIES.values() for name in registry._checks
+               if not name.startswith("test_")}  # not the plugins other tests register
     covered = {selector for selector, *_ in PART_CHECKS}
     missing_optional = {"rollout.engine=vllm", "reward.name=math_verify"}  # their checks are about installed packages
     assert checked - missing_optional <= covered, checked - covered
