@@ -176,8 +176,7 @@ class Registry(Mapping[str, Any]):
         """
         info = self._info.get(name)
         if isinstance(info, str):
-            module, _, attribute = info.partition(":")
-            return getattr(importlib.import_module(module), attribute)
+            return resolve_target(info)
         if info is None:
             self.lookup(name)
             info = self._info.get(name)
@@ -208,10 +207,10 @@ class Registry(Mapping[str, Any]):
         if check is None:
             return []
         if isinstance(check, str):
-            check = _resolve(check)
+            check = resolve_target(check)
         source = f"the config check of {self.key}={name} ({getattr(check, '__qualname__', check)!r})"  # for the message only
         if self.check_inputs is not None:
-            return _problem_list(check(_resolve(self.check_inputs)(cfg)), source)
+            return _problem_list(check(resolve_target(self.check_inputs)(cfg)), source)
         return _problem_list(call_with_sections(check, cfg), source)
 
     def names(self) -> list[str]:
@@ -268,8 +267,6 @@ def resolve_target(target: str) -> Any:
     module, _, function = target.partition(":")
     return getattr(importlib.import_module(module), function)
 
-
-_resolve = resolve_target
 
 
 def _origin(part: Any) -> tuple[str, str]:

@@ -4,8 +4,8 @@ A rule is a small named function ``rule(<sections>) -> list[ConfigProblem]`` who
 name the config sections it reads (``def mini_batches(train, data)``, called by
 `packrl.registry.call_with_sections`), each problem naming the key, the value seen, the limit and
 the fix, with every key it depends on in ``keys`` (so a problem is dropped when one of them did
-not parse). `RULES` lists them in the order their
-problems are reported; `config_problems` runs each section's own checks, then every rule.
+not parse). `RULES` lists them in the order their problems are reported; `config_problems` runs
+each section's own checks, then every rule.
 
 Adding a rule: write the function below, add it to `RULES`, and test it through
 `packrl.config.check_config`. A registered part's own config check (``checks=`` in

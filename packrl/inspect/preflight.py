@@ -245,8 +245,8 @@ def _modality_checks(cfg: RunConfig, model_config: Any, room: PromptRoom | None)
     """For a multimodal model: what it cannot run with (its modality's
     `packrl.models.modality.Modality.run_problems`, with the engine's declared modalities, the
     list worker set-up reads too) and its modality's own notes and budget checks (its declared
-    `packrl.models.modality.Modality.preflight`; images: `packrl.inspect.preflight_images.image_preflight`);
-    a prompt budget it proposes stays within
+    `packrl.models.modality.Modality.preflight`; images:
+    `packrl.inspect.preflight_images.image_preflight`); a prompt budget it proposes stays within
     ``room`` (what the model context leaves for a prompt; None when unknown)."""
     from packrl.config.plan import BatchPlan
     from packrl.models.modality import modality_of
@@ -256,7 +256,10 @@ def _modality_checks(cfg: RunConfig, model_config: Any, room: PromptRoom | None)
         return [], []
     out = modality.run_problems(cfg, engine_modalities=engine_capabilities(cfg.rollout).modalities,
                                 has_critic=BatchPlan.from_config(cfg).has_critic)
-    notes, problems = resolve_target(modality.preflight)(cfg.model, cfg.data, cfg.train, room) if modality.preflight else ([], [])
+    if not modality.preflight:
+        return [], out
+    notes, problems = _call_hook(f"model.path={cfg.model.path}: its Modality.preflight", modality.preflight,
+                                 "(model, data, train, room)", cfg.model, cfg.data, cfg.train, room)
     return notes, out + problems
 
 
@@ -286,17 +289,27 @@ def _engine_notes(engine: str, options: EngineOptions, compute: ComputeDtype, sh
     target = declared_capabilities(engine).preflight_notes
     if target is None:
         return []
-    hook = f"rollout.engine={engine}: its EngineCapabilities.preflight_notes={target!r}"
-    try:
-        notes = resolve_target(target)(options, max_context_tokens=budgets.max_context_tokens or budgets.max_sequence_tokens,
-                                       kv_bytes_per_token=shape.kv_bytes_per_token(compute.num_bytes), dtype=compute.name,
-                                       cuda=device == "cuda")
-    except Exception as err:  # a plugin's hook: named, with what it raised, instead of a bare traceback
-        raise ValueError(f"{hook} failed ({type(err).__name__}: {err}); it must name an importable 'module:function' taking "
-                         "(options, *, max_context_tokens, kv_bytes_per_token, dtype, cuda)") from err
+    owner = f"rollout.engine={engine}: its EngineCapabilities.preflight_notes"
+    notes = _call_hook(owner, target, "(options, *, max_context_tokens, kv_bytes_per_token, dtype, cuda)", options,
+                       max_context_tokens=budgets.max_context_tokens or budgets.max_sequence_tokens,
+                       kv_bytes_per_token=shape.kv_bytes_per_token(compute.num_bytes), dtype=compute.name, cuda=device == "cuda")
     if not isinstance(notes, list | tuple) or not all(isinstance(note, str) for note in notes):
-        raise ValueError(f"{hook} returned {type(notes).__name__}; it must return a list of str")
+        raise ValueError(f"{owner}={target!r} returned {type(notes).__name__}; it must return a list of str")
     return list(notes)
+
+
+def _call_hook(owner: str, target: str, signature: str, *args: Any, **kwargs: Any) -> Any:
+    """The ``"module:function"`` a part declares for preflight (``owner`` names where), called.
+
+    Raises:
+        ValueError: it cannot be imported, or the call fails; names the part, the target, the
+            error and the ``signature`` it must take (a plugin's hook, instead of a bare traceback).
+    """
+    try:
+        return resolve_target(target)(*args, **kwargs)
+    except Exception as err:
+        raise ValueError(f"{owner}={target!r} failed ({type(err).__name__}: {err}); it must name an importable "
+                         f"'module:function' taking {signature}") from err
 
 
 def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[ConfigProblem]:

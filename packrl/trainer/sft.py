@@ -108,7 +108,8 @@ def sft(cfg: RunConfig) -> Path:
     seed_everything(cfg.train.seed)
     if cfg.train.resume not in (None, "auto"):
         resume_candidates(Path("."), cfg.train.resume)  # a wrong path fails before anything is written or loaded
-    plan = BatchPlan.supervised(cfg, update_spec(cfg.sft, cfg.train), max_response_tokens=trace_budgets(cfg.data, cfg.rollout, cfg.sft)[1])
+    budgets = trace_budgets(cfg.data, cfg.rollout, cfg.sft)
+    plan = BatchPlan.supervised(cfg, update_spec(cfg.sft, cfg.train), max_response_tokens=budgets[1])
     with Run(cfg, total_steps=cfg.sft.total_steps) as run:
         traces = sft_traces(cfg, load_policy_tokenizer(cfg.model))
         run.write_accounting("sft_accounting.txt", {"sft": traces}, f"{traces.num_loss_tokens:,} assistant tokens")
@@ -118,7 +119,7 @@ def sft(cfg: RunConfig) -> Path:
         def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
             current = replace(cfg, train=replace(cfg.train, resume=resume_from))
             with open_worker_group(current, run.dir, plan=plan) as workers:
-                if problems := sft_context_problems(trace_budgets(current.data, current.rollout, current.sft), workers.max_context_tokens):
+                if problems := sft_context_problems(budgets, workers.max_context_tokens):
                     raise ConfigError(problems)
                 run.note("model.txt", workers.model_summary)
                 run.note("budgets.txt", workers.plan.summary())

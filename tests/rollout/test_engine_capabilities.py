@@ -175,3 +175,13 @@ def test_an_engine_with_generate_until_that_does_not_declare_it_is_warned(caplog
 def test_a_malformed_declaration_is_refused_where_it_is_written(declared, message):
     with pytest.raises(ValueError, match=message):
         EngineCapabilities(**declared)
+
+
+def test_a_declared_preflight_hook_that_fails_is_named_with_its_signature():
+    """The one call of a part's declared preflight hook (an engine's notes, a modality's checks)."""
+    from packrl.inspect.preflight import _call_hook
+
+    with pytest.raises(ValueError, match=r"model.path=m: its Modality.preflight='packrl.capabilities:nothing' failed \(AttributeError.*"
+                                         r"taking \(model, data, train, room\)"):
+        _call_hook("model.path=m: its Modality.preflight", "packrl.capabilities:nothing", "(model, data, train, room)")
+    assert _call_hook("x", "packrl.capabilities:EngineCapabilities", "()") == EngineCapabilities()
