@@ -68,9 +68,26 @@ def test_efficiency_is_arora_and_zanettes_sigmoid_of_the_correct_z_score():
 
 def test_shortest_correct_is_shorterbetters_distance_to_the_sample_optimal_length():
     scored = _score(_rollout([12, 8, 20, 4], [True, True, False, False], 4), "shortest_correct", {"beta": 0.01})
-    assert scored.parts["shortest_correct"].tolist() == pytest.approx([-0.04, 0.0, -0.12, -0.04])  # target 8, the shortest correct
+    assert scored.parts["shortest_correct/length"].tolist() == pytest.approx([-0.04, 0.0, -0.12, -0.04])  # target 8, the shortest correct
+    assert scored.parts["shortest_correct"].tolist() == pytest.approx([0.96, 1.0, -0.12, -0.04])  # + (alpha - 1) on correct
     none = _score(_rollout([10, 20], [False, False], 2), "shortest_correct", {"beta": 0.01})
     assert none.parts["shortest_correct"].tolist() == pytest.approx([-0.05, -0.05])  # none correct: the group's mean, 15
+    task_score = _score(_rollout([12, 8], [True, True], 2), "shortest_correct", {"beta": 0.01, "alpha": 1.0})
+    assert task_score.rewards.tolist() == pytest.approx([0.96, 1.0])  # alpha = 1: the task score as the correctness term
+
+
+def test_shortest_correct_gives_the_papers_rewards_and_advantages():
+    """ShorterBetter's code (naive.py): reward = alpha 1[correct] - beta |len - SOL|, alpha 2, beta 0.001."""
+    from packrl.config.schema import AlgorithmConfig
+    from packrl.trainer.batch import build_train_batch
+
+    scored = _score(_rollout([40, 25, 60, 15], [True, True, False, False], 4), "shortest_correct", {"beta": 0.001})
+    paper = [1.985, 2.0, -0.035, -0.010]  # SOL = 25
+    assert scored.rewards.tolist() == pytest.approx(paper)
+    batch, _ = build_train_batch(scored, None, None, AlgorithmConfig(adv_estimator="grpo"))
+    mean, std = sum(paper) / 4, torch.tensor(paper).std().item()
+    assert [float(a[0]) for a in batch.advantages] == pytest.approx([(r - mean) / (std + 1e-6) for r in paper], abs=1e-5)
+    assert [float(a[0]) for a in batch.advantages] == pytest.approx([0.85953, 0.87243, -0.87672, -0.85524], abs=1e-4)
 
 
 def test_a_response_a_budget_cut_is_not_correct():

@@ -5,13 +5,19 @@ Each prompt asks for a length ``N`` (``data.length_target``: a data column, or d
 range, written into the prompt by an instruction template; `packrl.types.PromptBatch.length_targets`):
 
 - ``exact`` (L1-Exact): ``value = -alpha * |N - len|`` on every response;
-- ``max`` (L1-Max): a correct response's reward becomes ``score * clip(alpha * (N - len) + delta,
-  0, 1)``, so the value is ``score * (clip(...) - 1)`` on correct responses (0 on wrong ones):
-  within budget it keeps its score, a little over it (``delta=0.5``) still beats a wrong answer.
+- ``max`` (L1-Max, the paper's formula): a correct response's reward becomes ``score *
+  clip(alpha * (N - len) + delta, 0, 1)``, so the value is ``score * (clip(...) - 1)`` on correct
+  responses (0 on wrong ones). A correct answer exactly at its target keeps ``delta`` of its score
+  (0.5), one ``(1 - delta) / alpha`` tokens under it keeps all of it (1,667 tokens at the
+  defaults), one ``delta / alpha`` tokens over it keeps nothing and scores as a wrong one. L1's
+  released code rewards ``(clip(alpha * (N - len), -1, 1) + 1) / 2 + correct`` instead
+  (cmu-l3/l1 ``math_reward.py``): the paper's form is the one here.
 
 ``alpha=0.0003`` is the paper's (for targets of 100-4,000 tokens); small models with targets of
 tens of tokens need a larger one (the `char_count` preset's arm uses more). ``|len - N| / N``
-is reported as ``target_error`` and as the metric ``length/target_error/*``.
+is reported as ``target_error`` and as the metric ``length/target_error/*``. The accuracy gate
+shared by the length parts (`packrl.reward.length.common.LengthGateOptions`) applies to the whole
+value.
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ from typing import TYPE_CHECKING, Literal
 
 from packrl.errors import ConfigProblem
 from packrl.registry import REWARD_SHAPING
-from packrl.reward.length.common import correct_of, correctness_problems, finite_positive, policy_lengths
+from packrl.reward.length.common import (
+    LengthGateOptions,
+    correct_of,
+    correctness_problems,
+    finite_positive,
+    gate_config_problems,
+    gated,
+    policy_lengths,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +47,9 @@ PART = "target_length"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TargetLengthOptions:
+class TargetLengthOptions(LengthGateOptions):
+    """``mode``, ``alpha``, ``delta``, and the gate (`LengthGateOptions`)."""
+
     mode: Literal["exact", "max"] = "exact"
     """``exact``: hit the target; ``max``: stay within it (module docstring)."""
 
@@ -41,14 +57,15 @@ class TargetLengthOptions:
     """Reward per token of distance (``exact``) or the slope of the clip (``max``), finite > 0."""
 
     delta: float = 0.5
-    """``max`` only: the clip's offset; a correct answer ``delta / alpha`` tokens over its target
-    keeps half its score (in [0, 1])."""
+    """``max`` only: the share of its score a correct answer exactly at its target keeps (in
+    [0, 1]); it keeps all of it ``(1 - delta) / alpha`` tokens under the target and none
+    ``delta / alpha`` tokens over it."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = finite_positive(prefix, "alpha", self.alpha, f"set {prefix}.alpha=0.0003")
         if not 0 <= self.delta <= 1:
             out.append(ConfigProblem(f"{prefix}.delta", self.delta, "must be in [0, 1]", f"set {prefix}.delta=0.5"))
-        return out
+        return out + self.gate_problems(prefix)
 
 
 def targets_of(inputs: ShapingInputs) -> torch.Tensor:
@@ -69,7 +86,8 @@ def targets_of(inputs: ShapingInputs) -> torch.Tensor:
 
 @REWARD_SHAPING.register(PART, options=TargetLengthOptions)
 def target_length(inputs: ShapingInputs) -> ShapingOutput:
-    """The L1 term of every response; ``target_error`` = ``|len - N| / N`` reported. Shape [N], float32."""
+    """The L1 term of every response, gated; ``target_error`` = ``|len - N| / N`` reported (and
+    ``gated`` with a gate option set). Shape [N], float32."""
     import torch
 
     from packrl.reward.shaping import ShapingOutput
@@ -82,11 +100,12 @@ def target_length(inputs: ShapingInputs) -> ShapingOutput:
     else:
         kept = (opts.alpha * (targets - lengths) + opts.delta).clamp(0.0, 1.0)
         value = torch.where(correct_of(inputs, PART), inputs.scores * (kept - 1.0), torch.zeros_like(kept))
-    return ShapingOutput(value, {"target_error": error})
+    value, gate = gated(inputs, value, PART)
+    return ShapingOutput(value, {"target_error": error, **gate})
 
 
 def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
-    """Prompts that carry targets; ``max`` mode reads correctness."""
+    """Prompts that carry targets; ``max`` mode reads correctness; the gate's checks."""
     out = []
     if not inputs.data.length_target.enabled:
         out.append(ConfigProblem(f"reward.shaping.{PART}", inputs.reward.shaping.get(PART), "needs each prompt to ask for a length, "
@@ -94,4 +113,4 @@ def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
                                  "data.length_target.column) and its template", keys=(f"reward.shaping.{PART}", "data.length_target")))
     if (inputs.reward.shaping.get(PART) or {}).get("mode", "exact") == "max":
         out += correctness_problems(inputs.reward, PART)
-    return out
+    return out + gate_config_problems(inputs, PART)
