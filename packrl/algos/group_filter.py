@@ -4,9 +4,17 @@ Optimization", arXiv 2508.09726): of each group's ``G = rollout.n`` responses ke
 
 Shapes: ``N = B*G`` responses (groups contiguous) · ``K = B*k`` kept.
 
-- ``shortest``: the k responses with the fewest generated tokens;
-- ``reward_per_token``: the k with the highest reward / generated tokens (token efficiency).
-Ties go to the earlier response. The advantages are computed over the kept set only (the
+- ``shortest``: the k responses with the fewest generated tokens (ties: the earlier response);
+- ``reward_per_token``: the k with the highest ``(reward - the group's lowest reward) / generated
+  tokens`` (token efficiency; ties: the shorter, then the earlier response).
+
+The paper ranks on ``reward / tokens``, which reverses for negative rewards: at rewards -0.2,
+-0.2, 0, 0 and lengths 20, 200, 50, 60 it ranks the 200-token response above the 20-token one
+(-0.001 > -0.01 per token). Negative rewards are common here: the length parts, the overlong ramp
+and in-reward KL all subtract. Shifted by the group's lowest reward, the ranking is the paper's in
+a group whose lowest reward is 0 (a wrong answer's score), and of two equal rewards the shorter
+response always ranks higher: the responses at the group's lowest reward tie at 0 and the shorter
+are kept (a group of equal rewards keeps its k shortest). That case: kept 0, 2, 3. The advantages are computed over the kept set only (the
 estimator sees groups of k, `kept_groups`), and a filtered response gets no loss tokens and
 advantage 0, so it leaves the update's denominators. Filtered responses stay in the rollout: they
 are scored, dumped (``filtered`` in ``rollouts/step_N.jsonl``) and counted
@@ -39,11 +47,13 @@ def kept_indices(scored: ScoredBatch, cfg: GroupFilterConfig) -> list[int]:
     if cfg.keep is None or cfg.keep >= size:
         return list(range(len(scored.rollout.responses)))
     lengths = torch.tensor([float(r.generated_mask().sum()) for r in scored.rollout.responses]).view(-1, size)  # [B, G]
+    by_length = torch.argsort(lengths, dim=1, stable=True)  # [B, G]: ties go to the earlier response
     if cfg.metric == "shortest":
-        key = lengths
-    else:  # reward_per_token, highest first: sort by its negation
-        key = -(scored.rewards.float().view(-1, size) / lengths.clamp(min=1.0))
-    order = torch.argsort(key, dim=1, stable=True)[:, : cfg.keep]  # [B, k]: ties go to the earlier response
+        order = by_length[:, : cfg.keep]
+    else:  # reward_per_token, highest first; a stable sort of the length order breaks ties by length
+        rewards = scored.rewards.float().view(-1, size)
+        per_token = (rewards - rewards.amin(dim=1, keepdim=True)) / lengths.clamp(min=1.0)
+        order = by_length.gather(1, torch.argsort(-per_token.gather(1, by_length), dim=1, stable=True))[:, : cfg.keep]  # [B, k]
     chosen = torch.sort(order, dim=1).values + torch.arange(order.shape[0]).unsqueeze(1) * size
     return chosen.reshape(-1).tolist()
 

@@ -73,8 +73,10 @@ class GroupFilterConfig:
     """k: responses per group trained (2 <= k < rollout.n; GFPO keeps 4-8 of 8-24)."""
 
     metric: GroupFilterMetric = "shortest"
-    """`shortest`: the k fewest generated tokens; `reward_per_token`: the k highest reward / tokens
-    (GFPO's token efficiency). Ties go to the earlier response."""
+    """`shortest`: the k fewest generated tokens (ties: the earlier response); `reward_per_token`:
+    the k highest (reward - the group's lowest reward) / tokens (GFPO's token efficiency, shifted so
+    that negative rewards do not favour long responses; ties: the shorter, then the earlier
+    response; `packrl.algos.group_filter`)."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         if self.keep is not None and self.keep < 1:

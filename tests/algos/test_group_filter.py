@@ -32,6 +32,14 @@ def test_the_kept_responses_by_each_metric():
     assert kept_indices(scored, GroupFilterConfig()) == list(range(8))
 
 
+def test_reward_per_token_does_not_prefer_long_responses_under_negative_rewards():
+    # reward / tokens would rank the 200-token response first (-0.001 > -0.01); (reward - min) / tokens: 0, 0, 0.004, 0.0033
+    scored = _scored([20, 200, 50, 60], [-0.2, -0.2, 0.0, 0.0], 4)
+    assert kept_indices(scored, GroupFilterConfig(keep=3, metric="reward_per_token")) == [0, 2, 3]
+    ties = _scored([30, 10, 20, 40], [0.5, 0.5, 0.5, 0.5], 4)  # equal rewards: the shortest
+    assert kept_indices(ties, GroupFilterConfig(keep=2, metric="reward_per_token")) == [1, 2]
+
+
 def test_advantages_are_computed_over_the_kept_set_and_the_rest_leave_the_loss():
     scored = _scored([30, 10, 20, 12], [1.0, 0.0, 1.0, 1.0], 4)
     cfg = AlgorithmConfig(adv_estimator="grpo", group_filter=GroupFilterConfig(keep=3, metric="shortest"))
