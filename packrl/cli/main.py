@@ -45,7 +45,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from packrl.config.sft_rules import sft_load_problems
     from packrl.trainer.sft import sft
 
-    return train_and_report(load_config(args.preset, args.overrides, rules=sft_load_problems), "packrl sft", run=sft)
+    return train_and_report(load_config(args.preset, args.overrides, rules=sft_load_problems, warnings=None), "packrl sft", run=sft)
 
 
 def _add_preset_args(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,9 @@ from packrl.errors import ConfigProblem
 
 GroupFilterMetric = Literal["shortest", "reward_per_token"]
 
+LENGTH_PARTS = ("group_length", "efficiency", "shortest_correct", "target_length")
+"""The length objectives among the reward-shaping parts (`packrl.reward.length`, one module each)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LengthTargetConfig:

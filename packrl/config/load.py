@@ -29,7 +29,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from packrl.config.relations import config_problems
+from packrl.config.relations import config_problems, config_warnings
 from packrl.config.schema import NOT_OFFERED, RunConfig
 from packrl.errors import ConfigError, ConfigProblem
 from packrl.registry import CONFIG_REGISTRIES, Registry, import_plugins
@@ -340,7 +340,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                rules: Callable[[RunConfig], list[ConfigProblem]] = config_problems) -> RunConfig:
+                rules: Callable[[RunConfig], list[ConfigProblem]] = config_problems,
+                warnings: Callable[[RunConfig], list[ConfigProblem]] | None = config_warnings) -> RunConfig:
     """Resolve a run config.
 
     Args:
@@ -351,6 +352,8 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
         rules: the recipe's checks after parsing: RL's (`packrl.config.relations.config_problems`:
             every section's own checks and every cross-field rule) by default; `packrl sft` passes
             `packrl.config.sft_rules.sft_load_problems` (RL's cross-field rules do not apply to it).
+        warnings: the recipe's warnings, each logged once the config loaded: RL's
+            (`packrl.config.relations.config_warnings`) by default; None for none (`packrl sft`).
 
     Returns:
         The frozen, validated `RunConfig`.
@@ -363,6 +366,8 @@ def load_config(preset: str | None = None, overrides: list[str] | tuple[str, ...
     cfg, problems, _ = check_config(preset, overrides, rules=rules)
     if problems:
         raise ConfigError(problems)
+    for warning in warnings(cfg) if warnings is not None else []:
+        logger.warning("%s", warning)
     return cfg
 
 

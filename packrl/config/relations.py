@@ -5,7 +5,8 @@ name the config sections it reads (``def mini_batches(train, data)``, called by
 `packrl.registry.call_with_sections`), each problem naming the key, the value seen, the limit and
 the fix, with every key it depends on in ``keys`` (so a problem is dropped when one of them did
 not parse). `RULES` lists them in the order their problems are reported; `config_problems` runs
-each section's own checks, then every rule.
+each section's own checks, then every rule. `WARNINGS` lists the rules whose findings are warnings
+(a setting that runs but defeats another: logged at load, listed by preflight; `config_warnings`).
 
 Adding a rule: write the function below, add it to `RULES`, and test it through
 `packrl.config.check_config`. A registered part's own config check (``checks=`` in
@@ -20,9 +21,10 @@ from collections.abc import Callable
 from packrl.config.budgets import budget_problems, budgets_of_sections
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
+from packrl.config.length_control import LENGTH_PARTS
 from packrl.config.model import ModelConfig
 from packrl.config.rollout_modes import RolloutModeInfo, mode_info
-from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainerConfig
+from packrl.config.schema import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig, RunConfig, TrainerConfig
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
 from packrl.registry import ROLLOUT_MODES, call_with_sections
@@ -290,12 +292,37 @@ def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProbl
                           "or raise that stage's budget", keys=("data.length_target.max_tokens", "rollout.max_response_tokens_schedule"))]
 
 
+def length_signal_filtered(algorithm: AlgorithmConfig, reward: RewardConfig) -> list[ConfigProblem]:
+    """A warning (`WARNINGS`): dynamic sampling on the task score drops the groups whose scores are
+    all equal, the all-correct groups included, whose only signal is a length part's (on an easy
+    task, most of it). ``metric=reward`` compares the scores plus shaping and keeps them."""
+    parts = [p for p in LENGTH_PARTS if reward.shaping.get(p) is not None]
+    fg = algorithm.filter_groups
+    if not (parts and fg.enable and fg.metric == "score"):
+        return []
+    keys = [f"reward.shaping.{p}" for p in parts]
+    return [ConfigProblem("algorithm.filter_groups.metric", "score", f"drops every group whose task scores are all equal, the "
+                          f"all-correct ones included, whose rewards differ only by the length term of {', '.join(keys)}",
+                          "set algorithm.filter_groups.metric=reward (the score plus shaping) to train on them",
+                          keys=("algorithm.filter_groups.metric", "algorithm.filter_groups.enable", *keys))]
+
+
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
     parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, group_filter, thinking_budgets, length_targets,
     restarts,
 )
 """Every cross-field rule, in the order their problems are reported."""
+
+WARNINGS: tuple[Rule, ...] = (length_signal_filtered,)
+"""Rules whose findings are warnings, not errors: settings that run but most likely lose what
+another setting asks for (supported but wrong: a warning with the fix). `load_config` logs them,
+preflight lists them among its notes."""
+
+
+def config_warnings(cfg: RunConfig) -> list[ConfigProblem]:
+    """What every rule of `WARNINGS` finds in ``cfg`` (a config that loaded)."""
+    return [problem for rule in WARNINGS for problem in call_with_sections(rule, cfg)]
 
 
 def config_problems(cfg: RunConfig) -> list[ConfigProblem]:

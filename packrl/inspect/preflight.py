@@ -25,6 +25,7 @@ from typing import Any
 
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
+from packrl.config.relations import config_warnings
 from packrl.config.schema import CriticConfig, ModelConfig, RolloutConfig, RopeScalingConfig, TrainerConfig
 from packrl.errors import KeyedValueError
 from packrl.hardware import ComputeDtype, probe_host, resolve_for_device
@@ -131,7 +132,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device={device!r} must be cpu or cuda")
     cfg, problems, bad = check_config(preset, overrides)
-    notes: list[str] = []
+    notes = [f"warning: {p}" for p in config_warnings(cfg) if not bad.intersection(p.involved_keys)]
     memory_bytes = None if device_memory_gib is None else int(device_memory_gib * GIB)
     model_config = None
     if "model.path" not in bad:

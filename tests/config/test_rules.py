@@ -178,3 +178,29 @@ def test_a_plugin_check_that_returns_no_problem_list_or_replaces_a_built_in_is_r
         else:
             POLICY_LOSSES._checks["ppo_clip"] = saved
         POLICY_LOSSES._checks.pop("test_returns_text")
+
+
+def test_dynamic_sampling_on_the_score_with_a_length_part_is_a_warning_naming_metric_reward(caplog):
+    """The all-correct groups carry only the length signal; ``metric=score`` drops them (a warning,
+    not an error: the run is valid), ``metric=reward`` keeps them. Every warning rule is covered here."""
+    from packrl.config.length_control import LENGTH_PARTS
+    from packrl.config.relations import WARNINGS, config_warnings
+    from packrl.registry import REWARD_SHAPING
+    from packrl.reward.length.common import LengthGateOptions
+
+    assert [rule.__name__ for rule in WARNINGS] == ["length_signal_filtered"]
+    assert {n for n in REWARD_SHAPING.names() if issubclass(REWARD_SHAPING.options_class(n) or object, LengthGateOptions)} \
+        == set(LENGTH_PARTS)
+    over = ["algorithm.filter_groups.enable=true", "reward.shaping.shortest_correct.beta=0.001"]
+    with caplog.at_level("WARNING", logger="packrl.config"):
+        cfg = load_config("demo", over)
+    assert ("algorithm.filter_groups.metric='score': drops every group whose task scores are all equal, the all-correct ones "
+            "included, whose rewards differ only by the length term of reward.shaping.shortest_correct; fix: set "
+            "algorithm.filter_groups.metric=reward") in caplog.text
+    assert [w.keys for w in config_warnings(cfg)] == [("algorithm.filter_groups.metric", "algorithm.filter_groups.enable",
+                                                       "reward.shaping.shortest_correct")]
+    assert config_warnings(load_config("demo", [*over, "algorithm.filter_groups.metric=reward"])) == []
+    assert config_warnings(load_config("demo", over[:1])) == []  # no length part
+    assert config_warnings(load_config("demo", over[1:])) == []  # no dynamic sampling
+    for preset in preset_names():
+        assert config_warnings(check_config(preset)[0]) == [], preset

@@ -324,3 +324,9 @@ def test_no_rope_factor_above_four_is_proposed(model_dir):
         "512 tokens, more than the factor 4 packrl proposes (the YaRN extension Qwen2.5 and Qwen3 document)")
     four = preflight("demo", [*over[:1], "rollout.max_response_tokens=1900", *over[2:]])  # 2,028 tokens: factor 4 fits
     assert four.rope_scaling == {"type": "yarn", "factor": 4.0, "max_context_tokens": 2048}
+
+
+def test_preflight_lists_the_config_warnings_among_its_notes(model_dir):
+    report = preflight("demo", [f"model.path={model_dir}", "algorithm.filter_groups.enable=true",
+                                "reward.shaping.group_length.weight=0.5"])
+    assert any(n.startswith("warning: algorithm.filter_groups.metric='score': drops every group") for n in report.notes)
