@@ -14,8 +14,10 @@ The paper ranks on ``reward / tokens``, which reverses for negative rewards: at 
 and in-reward KL all subtract. Shifted by the group's lowest reward, the ranking is the paper's in
 a group whose lowest reward is 0 (a wrong answer's score), and of two equal rewards the shorter
 response always ranks higher: the responses at the group's lowest reward tie at 0 and the shorter
-are kept (a group of equal rewards keeps its k shortest). That case: kept 0, 2, 3. The advantages are computed over the kept set only (the
-estimator sees groups of k, `kept_groups`), and a filtered response gets no loss tokens and
+are kept (a group of equal rewards keeps its k shortest). That case: kept 0, 2, 3.
+
+The advantages are computed over the kept set only (the estimator sees groups of k,
+`kept_groups`), and a filtered response gets no loss tokens and
 advantage 0, so it leaves the update's denominators. Filtered responses stay in the rollout: they
 are scored, dumped (``filtered`` in ``rollouts/step_N.jsonl``) and counted
 (``train/group_filter/*``), never lost.
