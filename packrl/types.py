@@ -71,6 +71,9 @@ class PromptBatch:
             (`packrl.trainer.stages.pool.RolloutGroup.dispatch_budget`); None = the step's budget.
         length_targets: the response length each prompt asks for, in tokens (``data.length_target``:
             written into the prompt, read by the ``target_length`` objective); None = no targets.
+        length_modes: how each prompt asks for it, ``exact`` or ``max``
+            (``data.length_target.mode_column``; the objective scores each by its own); None = as
+            the objective's ``mode`` option says.
     """
 
     prompt_ids: tuple[tuple[int, ...], ...]
@@ -81,6 +84,7 @@ class PromptBatch:
     extra_inputs: tuple[ExtraInputs | None, ...] | None = None
     response_budgets: tuple[int, ...] | None = None
     length_targets: tuple[int, ...] | None = None
+    length_modes: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -96,9 +100,9 @@ class PromptBatch:
         """``parts`` one after the other; extra inputs are kept when any part has them.
 
         Raises:
-            ValueError: some parts have response budgets (or length targets) and others do not.
+            ValueError: some parts have response budgets (or length targets, or modes) and others do not.
         """
-        optional = ("extra_inputs", "response_budgets", "length_targets")
+        optional = ("extra_inputs", "response_budgets", "length_targets", "length_modes")
         values: dict[str, Any] = {f.name: tuple(v for p in parts for v in getattr(p, f.name)) for f in fields(PromptBatch)
                                   if f.name not in optional}
         has_extra = any(p.extra_inputs is not None for p in parts)

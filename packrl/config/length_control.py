@@ -38,6 +38,16 @@ class LengthTargetConfig:
     """Appended to the last user message, ``{target}`` replaced by N (L1-Exact's wording; L1-Max's
     is " Think for maximum {target} tokens.")."""
 
+    mode_column: str | None = None
+    """A row field holding each row's mode, ``exact`` or ``max``: a ``max`` row is asked with
+    `max_template` and scored by the ``target_length`` objective's ``max`` formula, an ``exact``
+    row with `template` and the ``exact`` one, whatever ``reward.shaping.target_length.mode`` says.
+    L1-Max trains on both kinds (its data asks about half the rows for a maximum). Null = every
+    row asks with `template` and is scored by that option."""
+
+    max_template: str = " Think for maximum {target} tokens."
+    """With `mode_column`: appended instead of `template` to a ``max`` row (L1-Max's wording)."""
+
     @property
     def enabled(self) -> bool:
         return self.column is not None or self.min_tokens is not None or self.max_tokens is not None
@@ -62,7 +72,19 @@ class LengthTargetConfig:
         if self.enabled and "{target}" not in self.template:
             out.append(ConfigProblem(f"{prefix}.template", self.template, "does not hold {target}: the prompt would not say its length",
                                      f"set {prefix}.template=' Think for {{target}} tokens.'"))
-        return out
+        return out + self._mode_problems(prefix)
+
+    def _mode_problems(self, prefix: str) -> list[ConfigProblem]:
+        if self.mode_column is None:
+            return []
+        if not self.enabled:
+            return [ConfigProblem(f"{prefix}.mode_column", self.mode_column, f"has no effect: {prefix} sets no target",
+                                  f"set {prefix}.column or {prefix}.min_tokens and max_tokens, or {prefix}.mode_column=null",
+                                  keys=(f"{prefix}.mode_column", f"{prefix}.column", f"{prefix}.min_tokens"))]
+        if "{target}" not in self.max_template:
+            return [ConfigProblem(f"{prefix}.max_template", self.max_template, "does not hold {target}: a max row's prompt would "
+                                  "not say its length", f"set {prefix}.max_template=' Think for maximum {{target}} tokens.'")]
+        return []
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

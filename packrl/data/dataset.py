@@ -196,6 +196,8 @@ class PromptDataset:
             extra_inputs=inputs,
             length_targets=(tuple(p.example.length_target or 0 for p in chosen)
                             if any(p.example.length_target is not None for p in chosen) else None),
+            length_modes=(tuple(p.example.length_mode or "exact" for p in chosen)
+                          if any(p.example.length_mode is not None for p in chosen) else None),
         )
 
     def iter_batches(self, batch_size: int) -> Iterator[PromptBatch]:

@@ -45,6 +45,8 @@ class Example:
             (``{"type": "text", "text": str}`` for the text around it). Empty for a text row.
         length_target: the response length the prompt asks for, in tokens (``data.length_target``,
             `packrl.data.length_targets`); None = none.
+        length_mode: how it asks, ``exact`` or ``max`` (``data.length_target.mode_column``); None =
+            as the ``target_length`` objective's ``mode`` says.
     """
 
     chat: list[dict[str, Any]]
@@ -54,6 +56,7 @@ class Example:
     extra_info: dict[str, Any] | None = field(default=None, compare=False)
     images: tuple[ImageRef, ...] = field(default=(), compare=False)
     length_target: int | None = field(default=None, compare=False)
+    length_mode: str | None = field(default=None, compare=False)
 
 
 def clean_number(text: str) -> str | None:

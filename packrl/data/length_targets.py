@@ -7,6 +7,12 @@ rank). The template, ``{target}`` replaced by N, is appended to the row's last u
 one space; it then goes through the chat template, the prompt budget and the prompt policy like any
 prompt text. The target travels with the prompt (`packrl.types.PromptBatch.length_targets`) to the
 ``target_length`` objective and the ``length/target_error/*`` metrics.
+
+With ``mode_column`` each row also says how it asks: ``exact`` rows take ``template``, ``max`` rows
+``max_template`` (L1-Max's " Think for maximum N tokens."), and the mode travels with the prompt
+(`packrl.types.PromptBatch.length_modes`) to the objective, which scores each row by its own mode.
+L1 trains L1-Max on such a mix (cmu-l3/l1 ``scripts/data/deepscaler_dataset.py`` asks about half
+the rows for a maximum).
 """
 
 from __future__ import annotations
@@ -32,12 +38,16 @@ def with_length_target(example: Example, raw: Any, cfg: LengthTargetConfig, seed
             curriculum), or None to take any; a drawn range is checked against it at load.
 
     Returns:
-        The example with the template appended and ``length_target`` set, or a reason string
-        (the row has no ``column`` field, or its value is not a positive integer or exceeds
-        ``max_tokens``), counted as a bad row.
+        The example with its mode's template appended and ``length_target`` (and with
+        ``mode_column`` ``length_mode``) set, or a reason string (the row has no ``column`` or
+        ``mode_column`` field, its target is not a positive integer or exceeds ``max_tokens``, its
+        mode is neither ``exact`` nor ``max``), counted as a bad row.
     """
     if not cfg.enabled:
         return example
+    mode = _row_mode(raw, cfg)
+    if mode not in (None, "exact", "max"):
+        return mode
     if cfg.column is not None:
         if not isinstance(raw, dict) or cfg.column not in raw:
             fields = ", ".join(map(repr, raw)) if isinstance(raw, dict) else "none"
@@ -53,7 +63,23 @@ def with_length_target(example: Example, raw: Any, cfg: LengthTargetConfig, seed
     else:
         assert cfg.min_tokens is not None and cfg.max_tokens is not None, "checked at config load"
         target = random.Random(f"{seed}:{example.row}:length_target").randint(cfg.min_tokens, cfg.max_tokens)
-    return replace(example, chat=_asking(example.chat, cfg.template.strip().replace("{target}", str(target))), length_target=target)
+    template = cfg.max_template if mode == "max" else cfg.template
+    return replace(example, chat=_asking(example.chat, template.strip().replace("{target}", str(target))), length_target=target,
+                   length_mode=mode)
+
+
+def _row_mode(raw: Any, cfg: LengthTargetConfig) -> str | None:
+    """The row's mode (``exact`` or ``max``), None without ``cfg.mode_column``, or why the row has
+    none (any other string)."""
+    if cfg.mode_column is None:
+        return None
+    if not isinstance(raw, dict) or cfg.mode_column not in raw:
+        fields = ", ".join(map(repr, raw)) if isinstance(raw, dict) else "none"
+        return f"no field {cfg.mode_column!r} (data.length_target.mode_column); the row's fields: {fields}"
+    value = raw[cfg.mode_column]
+    if value in ("exact", "max"):
+        return value
+    return f"field {cfg.mode_column!r} (data.length_target.mode_column) is {value!r}, not 'exact' or 'max'"
 
 
 def _asking(chat: list[dict[str, Any]], request: str) -> list[dict[str, Any]]:

@@ -51,7 +51,8 @@ def rollout_rows(step: int, batch: TrainBatch, tokenizer: Any) -> list[dict[str,
 
 def _length_fields(batch: TrainBatch, i: int, b: int, response: Any, tokenizer: Any) -> dict[str, Any]:
     """Length control's fields, where they apply: ``filtered`` (GFPO left it out of the update),
-    ``length_target`` (the length its prompt asked for), ``forced_tokens`` and ``forced`` (the
+    ``length_target`` (the length its prompt asked for) and ``length_mode`` (how: ``exact`` or
+    ``max``, with ``data.length_target.mode_column``), ``forced_tokens`` and ``forced`` (the
     end-of-thinking tokens appended when the thinking budget ran out, in the response but not sampled
     by the policy, and the response's text split around them: ``thinking``, ``forced``, ``answer``)."""
     out: dict[str, Any] = {}
@@ -60,6 +61,9 @@ def _length_fields(batch: TrainBatch, i: int, b: int, response: Any, tokenizer: 
     targets = batch.rollout.prompts.length_targets
     if targets is not None:
         out["length_target"] = int(targets[b])
+    modes = batch.rollout.prompts.length_modes
+    if modes is not None:
+        out["length_mode"] = modes[b]
     forced = response.forced_tokens()
     if forced:
         start, stop = response.forced_span

@@ -4,6 +4,7 @@ budget, drawn per row (seeded) or read from a column; a bad column value is a ba
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -60,3 +61,33 @@ def test_length_target_config_checks():
         load_config("demo", ["data.length_target.min_tokens=4"])
     with pytest.raises(ConfigError, match=r"data.length_target.template='Answer briefly.': does not hold \{target\}"):
         load_config("demo", ["data.length_target.column=t", "data.length_target.template=Answer briefly."])
+    with pytest.raises(ConfigError, match=r"data.length_target.mode_column='mode': has no effect: data.length_target sets no target"):
+        load_config("demo", ["data.length_target.mode_column=mode"])
+    with pytest.raises(ConfigError, match=r"data.length_target.max_template='Be brief.': does not hold \{target\}"):
+        load_config("demo", ["data.length_target.column=t", "data.length_target.mode_column=mode",
+                             "data.length_target.max_template=Be brief."])
+
+
+def test_a_mode_column_asks_each_row_its_way_and_the_mode_travels_with_the_prompt(tmp_path, smollm_tokenizer):
+    """L1-Max's mix: a max row is asked "Think for maximum N tokens.", an exact row "Think for N tokens."."""
+    from packrl.types import PromptBatch
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": "What is 1 + 1?", "answer": "#### 2", "n": 30, "mode": "max"},
+            {"question": "What is 2 + 2?", "answer": "#### 4", "n": 20, "mode": "exact"},
+            {"question": "What is 3 + 3?", "answer": "#### 6", "n": 20, "mode": "short"},
+            {"question": "What is 4 + 4?", "answer": "#### 8", "n": 20}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    over = ["data.length_target.column=n", "data.length_target.mode_column=mode", "data.skip_bad_rows=true", "data.batch_size=1"]
+    _, ds = _dataset(smollm_tokenizer, over, files=path)
+    batch = ds.batch([0, 1])
+    assert len(ds) == 2 and batch.length_targets == (30, 20) and batch.length_modes == ("max", "exact")
+    texts = [smollm_tokenizer.decode(ids) for ids in batch.prompt_ids]
+    assert "Think for maximum 30 tokens." in texts[0] and "Think for 20 tokens." in texts[1] and "maximum" not in texts[1]
+    reasons = json.dumps(ds.accounting_dict())
+    assert "field 'mode' (data.length_target.mode_column) is 'short', not 'exact' or 'max'" in reasons
+    assert "no field 'mode' (data.length_target.mode_column); the row's fields: 'question', 'answer', 'n'" in reasons
+    both = PromptBatch.concat([batch.select([1]), batch.select([0])])
+    assert both.length_modes == ("exact", "max") and both.length_targets == (20, 30)
+    with pytest.raises(ValueError, match=r"some parts carry length_modes and others do not"):
+        PromptBatch.concat([batch, replace(batch, length_modes=None)])

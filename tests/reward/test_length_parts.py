@@ -108,6 +108,18 @@ def test_target_length_exact_and_max_follow_l1():
     assert metrics["length/target_error/mean"] == pytest.approx(0.225)
 
 
+def test_target_length_scores_each_row_by_its_own_mode():
+    """data.length_target.mode_column: an exact row and a max row in one batch (L1-Max's mix), whatever the option says."""
+    from dataclasses import replace
+
+    rollout = _rollout([40, 60, 40, 60], [True, True, True, False], 2, targets=(50, 50))
+    rollout = replace(rollout, prompts=replace(rollout.prompts, length_modes=("exact", "max")))
+    for option in ("exact", "max"):
+        mixed = _score(rollout, "target_length", {"mode": option, "alpha": 0.01, "delta": 0.5})
+        # exact row: -0.01 |50 - len|; max row: clip(0.01 (50 - len) + 0.5, 0, 1) - 1 on the correct one, 0 on the wrong one
+        assert mixed.parts["target_length"].tolist() == pytest.approx([-0.1, -0.1, 0.6 - 1, 0.0])
+
+
 def test_length_metrics_of_correct_and_wrong_responses():
     scored = _score(_rollout([10, 20, 30, 40], [True, True, False, False], 4), "group_length", {})
     m = length_metrics(scored)
@@ -129,6 +141,9 @@ def test_refusals_name_the_key_the_value_and_the_fix():
         load_config("demo", ["reward.shaping.efficiency.alpha=2"])
     with pytest.raises(ConfigError, match=r"reward.shaping.target_length=.*data.length_target sets none"):
         load_config("demo", ["reward.shaping.target_length={}"])
+    with pytest.raises(ConfigError, match=r"reward.shaping.target_length=.*reward.name=test_dense declares no notion of correct"):
+        load_config("demo", ["reward.shaping.target_length={}", "reward.name=test_dense", "data.length_target.column=n",
+                             "data.length_target.mode_column=mode"])  # exact by option, but a row may ask for a maximum
     with pytest.raises(ConfigError, match=r"data.length_target.max_tokens=100: > rollout.max_response_tokens=64"):
         load_config("demo", ["data.length_target.min_tokens=10", "data.length_target.max_tokens=100"])
     assert load_config("demo", ["reward.shaping.shortest_correct.beta=0.01"]).reward.shaping == {"shortest_correct": {"beta": 0.01}}

@@ -5,6 +5,7 @@ anywhere and continued from prompt + prefix under the same weights is the uninte
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -56,6 +57,10 @@ def test_group_state_round_trips_through_json():
                          members=(member, Member()))
     again = RolloutGroup.from_dict(json.loads(json.dumps(group.to_dict())))
     assert again == group
+    asking = replace(group, length_target=30, length_mode="max")  # data.length_target with a mode column
+    assert RolloutGroup.from_dict(json.loads(json.dumps(asking.to_dict()))) == asking
+    older = {k: v for k, v in asking.to_dict().items() if k != "length_mode"}  # a checkpoint from before modes
+    assert RolloutGroup.from_dict(older).length_mode is None
     ledger = Ledger()
     uids = [ledger.draw() for _ in range(4)]
     ledger.mark(uids[0], "in_flight")

@@ -13,6 +13,9 @@ range, written into the prompt by an instruction template; `packrl.types.PromptB
   released code rewards ``(clip(alpha * (N - len), -1, 1) + 1) / 2 + correct`` instead
   (cmu-l3/l1 ``math_reward.py``): the paper's form is the one here.
 
+The ``mode`` option applies to every row, unless ``data.length_target.mode_column`` gives each row
+its own (`packrl.types.PromptBatch.length_modes`): L1-Max trains on a mix of exact and max rows.
+
 ``alpha=0.0003`` is the paper's (for targets of 100-4,000 tokens); small models with targets of
 tens of tokens need a larger one (the `char_count` preset's arm uses more). ``|len - N| / N``
 is reported as ``target_error`` and as the metric ``length/target_error/*``. The accuracy gate
@@ -51,7 +54,8 @@ class TargetLengthOptions(LengthGateOptions):
     """``mode``, ``alpha``, ``delta``, and the gate (`LengthGateOptions`)."""
 
     mode: Literal["exact", "max"] = "exact"
-    """``exact``: hit the target; ``max``: stay within it (module docstring)."""
+    """``exact``: hit the target; ``max``: stay within it (module docstring). Every row's, unless
+    ``data.length_target.mode_column`` gives each row its own."""
 
     alpha: float = 0.0003
     """Reward per token of distance (``exact``) or the slope of the clip (``max``), finite > 0."""
@@ -84,6 +88,18 @@ def targets_of(inputs: ShapingInputs) -> torch.Tensor:
     return torch.tensor([float(targets[i // size]) for i in range(len(inputs.rollout.responses))])
 
 
+def max_rows(inputs: ShapingInputs) -> torch.Tensor:
+    """True where a response is scored by the ``max`` formula: its prompt's mode
+    (`packrl.types.PromptBatch.length_modes`), else the ``mode`` option. Shape [N], bool."""
+    import torch
+
+    modes, size = inputs.rollout.prompts.length_modes, inputs.rollout.group_size
+    num = len(inputs.rollout.responses)
+    if modes is None:
+        return torch.full((num,), inputs.options.mode == "max")
+    return torch.tensor([modes[i // size] == "max" for i in range(num)])
+
+
 @REWARD_SHAPING.register(PART, options=TargetLengthOptions)
 def target_length(inputs: ShapingInputs) -> ShapingOutput:
     """The L1 term of every response, gated; ``target_error`` = ``|len - N| / N`` reported (and
@@ -93,24 +109,24 @@ def target_length(inputs: ShapingInputs) -> ShapingOutput:
     from packrl.reward.shaping import ShapingOutput
 
     opts: TargetLengthOptions = inputs.options
-    lengths, targets = policy_lengths(inputs), targets_of(inputs)
+    lengths, targets, is_max = policy_lengths(inputs), targets_of(inputs), max_rows(inputs)
     error = (lengths - targets).abs() / targets
-    if opts.mode == "exact":
-        value = -opts.alpha * (lengths - targets).abs()
-    else:
+    value = -opts.alpha * (lengths - targets).abs()  # exact
+    if is_max.any():
         kept = (opts.alpha * (targets - lengths) + opts.delta).clamp(0.0, 1.0)
-        value = torch.where(correct_of(inputs, PART), inputs.scores * (kept - 1.0), torch.zeros_like(kept))
+        capped = torch.where(correct_of(inputs, PART), inputs.scores * (kept - 1.0), torch.zeros_like(kept))
+        value = torch.where(is_max, capped, value)
     value, gate = gated(inputs, value, PART)
     return ShapingOutput(value, {"target_error": error, **gate})
 
 
 def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
-    """Prompts that carry targets; ``max`` mode reads correctness; the gate's checks."""
+    """Prompts that carry targets; ``max`` mode (or per-row modes) reads correctness; the gate's checks."""
     out = []
     if not inputs.data.length_target.enabled:
         out.append(ConfigProblem(f"reward.shaping.{PART}", inputs.reward.shaping.get(PART), "needs each prompt to ask for a length, "
                                  "and data.length_target sets none", "set data.length_target.min_tokens and max_tokens (or "
                                  "data.length_target.column) and its template", keys=(f"reward.shaping.{PART}", "data.length_target")))
-    if (inputs.reward.shaping.get(PART) or {}).get("mode", "exact") == "max":
+    if (inputs.reward.shaping.get(PART) or {}).get("mode", "exact") == "max" or inputs.data.length_target.mode_column is not None:
         out += correctness_problems(inputs.reward, PART)
     return out + gate_config_problems(inputs, PART)

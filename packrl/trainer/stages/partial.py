@@ -113,7 +113,8 @@ class PartialRollouts:
                 batch = self.sampler.next_batch()
                 self.queue = [{"uid": self.ledger.draw(), "prompt_ids": tuple(batch.prompt_ids[i]), "ground_truth": batch.ground_truths[i],
                                "data_source": batch.data_sources[i], "row": batch.rows[i], "prompt_truncated": batch.prompt_truncated[i],
-                               "length_target": None if batch.length_targets is None else batch.length_targets[i]}
+                               "length_target": None if batch.length_targets is None else batch.length_targets[i],
+                               "length_mode": None if batch.length_modes is None else batch.length_modes[i]}
                               for i in range(len(batch))]
             draws.append(self.queue.pop(0))
         budget = sampling.max_response_tokens
@@ -262,7 +263,9 @@ def _rollout_of(groups: Sequence[RolloutGroup], group_size: int, step: int) -> R
                           tuple(g.data_source for g in groups), tuple(g.row for g in groups), tuple(g.prompt_truncated for g in groups),
                           response_budgets=tuple(g.dispatch_budget for g in groups),
                           length_targets=(tuple(g.length_target or 0 for g in groups)
-                                          if any(g.length_target is not None for g in groups) else None))
+                                          if any(g.length_target is not None for g in groups) else None),
+                          length_modes=(tuple(g.length_mode or "exact" for g in groups)
+                                        if any(g.length_mode is not None for g in groups) else None))
     responses = tuple(m.response() for g in groups for m in g.members)
     return RolloutBatch(prompts, group_size, responses, policy_version=step)
 

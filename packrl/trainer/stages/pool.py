@@ -128,6 +128,7 @@ class RolloutGroup:
             context was the smaller.
         members: G members.
         length_target: the response length its prompt asks for (``data.length_target``), or None.
+        length_mode: how it asks (``exact`` or ``max``, ``data.length_target.mode_column``), or None.
     """
 
     uid: int
@@ -143,6 +144,7 @@ class RolloutGroup:
     cap_reason: FinishReason
     members: tuple[Member, ...] = field(default=())
     length_target: int | None = None
+    length_mode: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -169,7 +171,7 @@ class RolloutGroup:
         """JSON-serialisable form (`from_dict` restores it exactly)."""
         out = {name: getattr(self, name) for name in ("uid", "ground_truth", "data_source", "row", "prompt_truncated", "seed",
                                                       "dispatch_step", "dispatch_budget", "dispatch_cap", "cap_reason",
-                                                      "length_target")}
+                                                      "length_target", "length_mode")}
         out["prompt_ids"] = list(self.prompt_ids)
         out["members"] = [{"finish_reason": m.finish_reason,
                            "segments": [[list(s.token_ids), None if s.logprobs is None else list(s.logprobs), s.version]
