@@ -31,6 +31,7 @@ StaleGroups = Literal["wait", "drop"]
 KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
+CharCountReading = Literal["strict", "lenient"]
 FilterMetric = Literal["score", "reward"]
 
 
@@ -228,6 +229,15 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CharCountRewardConfig:
+    reading: CharCountReading = "strict"
+    """How `reward.name=char_count` reads a response (`packrl.reward.char_count`): `strict` = right
+    only when every worked line of the reference (one per letter, with its running count) is there
+    in order and the final `#### N` is right (other lines may stay); `lenient` = the final `#### N`
+    alone, as `gsm8k` reads it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     name: str = "gsm8k"
     """Registered reward function (see `packrl.reward.REWARDS`)."""
@@ -244,6 +254,9 @@ class RewardConfig:
     null = the reward's own rule (`gsm8k` and `math_verify`: no, they score 0, so an answer the
     budget cut short is never credited as if it had ended on its own); true = scored like any
     other (what verl and TRL do); false = score 0."""
+
+    char_count: CharCountRewardConfig = field(default_factory=CharCountRewardConfig)
+    """The `char_count` reward's reading (`packrl.reward.char_count`)."""
 
     shaping: dict[str, Any] = field(default_factory=dict)
     """Reward-shaping parts added to the task score, each a name in

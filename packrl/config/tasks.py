@@ -46,9 +46,10 @@ class CharCountConfig:
     """Most letters of a word; the worked answer has one line per letter, so this bounds the
     response a correct answer needs (`packrl.data.char_count.shortest_correct_response`)."""
 
-    absent_fraction: float = 0.2
-    """Fraction of the questions that ask for a letter the word does not hold (answer 0); the
-    others ask for the letter at a random position of the word."""
+    max_count: int = 3
+    """The answers (counts) are drawn first, uniformly over ``0 .. max_count``, then a word and a
+    letter with that count, so a constant guess of the count is right for about
+    ``1 / (max_count + 1)`` of the rows (`packrl.data.char_count`)."""
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out = check_positive(f"{prefix}.num_rows", self.num_rows) + check_positive(f"{prefix}.min_letters", self.min_letters)
@@ -57,9 +58,12 @@ class CharCountConfig:
             out.append(ConfigProblem(f"{prefix}.max_letters", self.max_letters, f"is below {prefix}.min_letters={self.min_letters}",
                                      f"set {prefix}.max_letters >= {self.min_letters}",
                                      keys=(f"{prefix}.max_letters", f"{prefix}.min_letters")))
-        if not 0.0 <= self.absent_fraction <= 1.0:
-            out.append(ConfigProblem(f"{prefix}.absent_fraction", self.absent_fraction, "must be in [0, 1]",
-                                     f"set {prefix}.absent_fraction=0.2"))
+        if isinstance(self.max_count, bool) or not isinstance(self.max_count, int) or self.max_count < 0:
+            out.append(ConfigProblem(f"{prefix}.max_count", self.max_count, "must be an integer >= 0", f"set {prefix}.max_count=3"))
+        elif not out and self.max_count > self.max_letters:
+            out.append(ConfigProblem(f"{prefix}.max_count", self.max_count, f"is above {prefix}.max_letters={self.max_letters}: "
+                                     "no word that long holds a letter that often", f"set {prefix}.max_count <= {self.max_letters}",
+                                     keys=(f"{prefix}.max_count", f"{prefix}.max_letters")))
         return out
 
 

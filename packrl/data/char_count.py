@@ -1,8 +1,7 @@
 """The built-in task `task:char_count`: how many times a letter occurs in a word spelt with dashes.
 
-A row is a GSM8K-format dict ``{"question", "answer", "data_source"}``; the answer is the concise
-worked answer, one line per letter with the running count, ending in ``#### <count>``, so the
-``gsm8k`` reward scores it::
+A row is a GSM8K-format dict ``{"question", "answer", "data_source", "reward_model"}``; the answer is
+the concise worked answer, one line per letter with the running count, ending in ``#### <count>``::
 
     question                                      answer
     "How many r are in s-t-r-a-w-b-e-r-r-y?"      "s - no (0)\\nt - no (0)\\nr - yes (1)\\n ... y - no (3)\\n#### 3"
@@ -15,9 +14,15 @@ Words are pronounceable pseudo-words, not dictionary words: syllables of an onse
 a cluster such as ``st``, ``ch``), a vowel (sometimes two) and sometimes a closing consonant, cut
 to a length drawn uniformly from ``data.char_count.min_letters .. max_letters``. They need no
 word list, give an unbounded space of distinct rows, and repeat letters (vowels above all) as
-words do. The letter asked for is the letter at a uniformly drawn position of the word (so
-frequent letters are asked for more often and counts above 1 are common), or, for a fraction
-``data.char_count.absent_fraction`` of the rows, a letter the word does not hold (count 0).
+words do. The answer is drawn first, uniformly over ``0 .. data.char_count.max_count``; then words
+are drawn until one holds a letter exactly that often (or, for 0, lacks one), and the letter is
+drawn from those. So a constant guess of the count is right for about ``1 / (max_count + 1)`` of
+the rows (`guess_floor` gives the exact share of a set of rows). High counts need long words, so
+they come from the longer words of the range.
+
+A row also states its reference worked answer as its ground truth (verl's
+``reward_model.ground_truth``): the ``char_count`` reward (`packrl.reward.char_count`) checks a
+response's worked lines against it, and the ``gsm8k`` reward reads its final ``#### N``.
 
 Rows are drawn from ``random.Random(seed)``, distinct while the space allows; the validation
 split uses ``seed + VAL_SEED_OFFSET`` and excludes every training question (`split_rows`).
@@ -39,6 +44,7 @@ import logging
 import random
 import re
 import zlib
+from collections import Counter
 from collections.abc import Collection
 from typing import Any, get_args
 
@@ -60,6 +66,8 @@ _CODAS = ("n", "r", "s", "t", "l", "m", "k", "ng", "ck", "x")
 _FILLERS = ("Let me check the next letter carefully.", "I should not skip any letter.",
             "So far so good, on to the next letter.", "I will keep going one letter at a time.")
 _FILLER_EVERY = 4  # a filler line follows every 4th letter (but the last) from a position the row draws
+_DRAWS_PER_COUNT = 200  # words drawn for one count before the letter is placed by hand
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 _DRAWS_PER_ROW = 20  # rejection-sampling cap: a space too small to fill the rows stops after this many draws per row
 _QUESTION = re.compile(r"How many ([a-z]) are in ([a-z](?:-[a-z])*)\?")
 
@@ -145,11 +153,35 @@ def shortest_correct_response(question: str, tokenizer: Any) -> tuple[str, int]:
     return text, len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
 
 
-def _draw(rng: random.Random, cfg: CharCountConfig) -> dict[str, str]:
-    word = pseudo_word(rng, rng.randint(cfg.min_letters, cfg.max_letters))
-    absent = sorted(set("abcdefghijklmnopqrstuvwxyz") - set(word))
-    letter = rng.choice(absent) if absent and rng.random() < cfg.absent_fraction else rng.choice(word)
-    return {"question": question_of(word, letter), "answer": worked_answer(word, letter), "data_source": CHAR_COUNT_SOURCE}
+def _draw(rng: random.Random, cfg: CharCountConfig) -> dict[str, Any]:
+    count = rng.randint(0, cfg.max_count)
+    for _ in range(_DRAWS_PER_COUNT):
+        word = pseudo_word(rng, rng.randint(max(cfg.min_letters, count), cfg.max_letters))
+        letters = sorted({c for c in word if word.count(c) == count}) if count else sorted(set(_ALPHABET) - set(word))
+        if letters:
+            return row_of(word, rng.choice(letters))
+    word, letter = pseudo_word(rng, cfg.max_letters), rng.choice(_ALPHABET)  # rare settings (e.g. 3 of 3 letters): place it
+    spare = next(c for c in _ALPHABET if c != letter)
+    chars = [spare if c == letter else c for c in word]
+    for k in rng.sample(range(len(chars)), count):
+        chars[k] = letter
+    return row_of("".join(chars), letter)
+
+
+def row_of(word: str, letter: str) -> dict[str, Any]:
+    """The `task:char_count` row asking how many ``letter`` are in ``word``: GSM8K fields (the
+    question, the concise worked answer) and the answer again as ``reward_model.ground_truth``."""
+    answer = worked_answer(word, letter)
+    return {"question": question_of(word, letter), "answer": answer, "data_source": CHAR_COUNT_SOURCE,
+            "reward_model": {"ground_truth": answer}}
+
+
+def guess_floor(rows: Collection[dict[str, Any]]) -> float:
+    """The accuracy of the best constant guess of the count over ``rows`` (the share of the most
+    common count): what a policy scores on the final ``#### N`` alone without reading the word.
+    0.0 for no rows."""
+    counts = Counter(int(r["answer"].rsplit("####", 1)[-1]) for r in rows)
+    return max(counts.values()) / len(rows) if rows else 0.0
 
 
 def _check(cfg: CharCountConfig) -> None:
@@ -159,18 +191,18 @@ def _check(cfg: CharCountConfig) -> None:
         raise ValueError(f"{p.key}={p.value!r} {p.message}; {p.fix}")
 
 
-def char_count_rows(num_rows: int, cfg: CharCountConfig, seed: int, *, exclude: Collection[str] = ()) -> list[dict[str, str]]:
+def char_count_rows(num_rows: int, cfg: CharCountConfig, seed: int, *, exclude: Collection[str] = ()) -> list[dict[str, Any]]:
     """Generate ``num_rows`` `task:char_count` rows (module docstring) from ``random.Random(seed)``.
 
     Args:
         num_rows: rows to return.
-        cfg: ``data.char_count`` (word lengths, ``absent_fraction``; its ``num_rows`` is not read here).
+        cfg: ``data.char_count`` (word lengths, ``max_count``; its ``num_rows`` is not read here).
         seed: seeds the draw; the same arguments always give the same rows.
         exclude: questions not to generate while other questions remain (the validation split
             passes the training questions).
 
     Returns:
-        ``num_rows`` dicts ``{"question", "answer", "data_source"}``, distinct while the space of
+        ``num_rows`` dicts ``{"question", "answer", "data_source", "reward_model"}`` (`row_of`), distinct while the space of
         questions allows (a smaller space repeats rows, logged).
 
     Raises:
@@ -181,7 +213,7 @@ def char_count_rows(num_rows: int, cfg: CharCountConfig, seed: int, *, exclude: 
     _check(cfg)
     rng = random.Random(seed)
     excluded = set(exclude)
-    rows: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for _ in range(_DRAWS_PER_ROW * num_rows + 1000):
         if len(rows) == num_rows:
@@ -195,7 +227,7 @@ def char_count_rows(num_rows: int, cfg: CharCountConfig, seed: int, *, exclude: 
     return rows + [dict(rng.choice(rows)) if rows else _draw(rng, cfg) for _ in range(num_rows - len(rows))]
 
 
-def split_rows(cfg: CharCountConfig, seed: int, split: str) -> list[dict[str, str]]:
+def split_rows(cfg: CharCountConfig, seed: int, split: str) -> list[dict[str, Any]]:
     """The ``data.char_count.num_rows`` rows of ``split``: ``train`` from ``seed``; ``val`` from
     ``seed + VAL_SEED_OFFSET`` without any training question, each question once."""
     if split == "train":

@@ -7,7 +7,9 @@ Two schemas, detected per row:
     GSM8K    `question`/`answer`     [system], user: question + " " + instr.  text after the last `####`
 
 GSM8K ground truths are cleaned (stripped; `,` and `$` removed) and must be numbers, as
-`"72"`, `"-3"`, `"0.5"`; verl ground truths are kept as text (MATH answers such as
+`"72"`, `"-3"`, `"0.5"`, unless the row states its own as text in `reward_model.ground_truth` (as
+`task:char_count` rows do: the reference worked answer, whose worked lines its reward checks; the
+answer's final number must still be a number); verl ground truths are kept as text (MATH answers such as
 `\\frac{1}{2}` are valid there). verl's preprocessing already wrote the instruction into the
 prompt, so verl rows get no instruction appended; `data.system_prompt` is prepended to a verl
 chat only when it has no system message of its own.
@@ -131,6 +133,11 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
     ground_truth = clean_number(answer.rsplit("####", 1)[-1])
     if ground_truth is None:
         return f"non-numeric answer: {_clip(answer.rsplit('####', 1)[-1].strip())!r}"
+    if "reward_model" in raw:  # the row states its ground truth as text
+        stated, problem = _stated_ground_truth(raw["reward_model"])
+        if problem:
+            return problem
+        ground_truth = stated
     own_source = raw.get("data_source")
     content = f"{question} {instruction}" if instruction else question
     return Example(
@@ -139,6 +146,17 @@ def _gsm8k_example(raw: dict, *, row: int, instruction: str, system_prompt: str 
         data_source=own_source if isinstance(own_source, str) and own_source else data_source,
         row=row,
     )
+
+
+def _stated_ground_truth(reward_model: Any) -> tuple[str, str]:
+    """A GSM8K row's own ``reward_model.ground_truth`` (text, e.g. a reference worked answer that a
+    reward reads beyond its final number) and ``""``, or ``("", reason)`` when it is malformed."""
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    if not isinstance(truth, str) or not truth.strip():
+        return "", "field 'reward_model.ground_truth' of a GSM8K row must be a non-empty string"
+    if (broken := _invalid_unicode(truth)) is not None:
+        return "", f"field 'reward_model.ground_truth' {broken}"
+    return truth.strip(), ""
 
 
 def _verl_example(raw: dict, *, row: int, system_prompt: str | None, base_dir: Path | None) -> Example | str:

@@ -79,9 +79,17 @@ def answers_match(answer: str, ground_truth: str) -> bool:
 def gsm8k_reward(response_text: str, ground_truth: str, *, data_source: str, cfg: RewardConfig) -> float:
     """1.0 for the right final answer, ``cfg.format_score`` for a wrong one, 0.0 for none.
 
-    ``cfg.extraction`` picks the method (see `extract_answer`); ``data_source`` is not used.
+    ``cfg.extraction`` picks the method (see `extract_answer`); a ground truth that is a worked
+    answer is compared by its final answer (`final_answer`); ``data_source`` is not used.
     """
     answer = extract_answer(response_text, cfg.extraction)
     if answer is None:
         return 0.0
-    return 1.0 if answers_match(answer, ground_truth) else float(cfg.format_score)
+    return 1.0 if answers_match(answer, final_answer(ground_truth)) else float(cfg.format_score)
+
+
+def final_answer(ground_truth: str) -> str:
+    """The final answer of a ground truth: the text after its last ``####`` when it is a worked
+    answer in GSM8K's format (``task:char_count`` rows state their reference worked answer), else
+    the whole text."""
+    return ground_truth.rsplit("####", 1)[-1].strip() if "####" in ground_truth else ground_truth

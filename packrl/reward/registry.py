@@ -44,13 +44,19 @@ class RewardInfo:
             ``math_verify``, whose wrong answers score ``reward.format_score`` < 1); None = the
             reward has no notion of correct (a dense score), which the length objectives that
             reward correct responses need (`packrl.reward.length`).
+        ground_truth_problem: why a row's ground truth is not one this reward can read (a
+            message), or None when it can; checked on every row of the data when the prompts are
+            built, before the model loads (`packrl.reward.score.check_ground_truths`). None = any
+            ground truth.
     """
 
     scores_truncated: bool = False
     correct_score: float | None = None
+    ground_truth_problem: Callable[[str], str | None] | None = None
 
 
-def register_reward(name: str, *, scores_truncated: bool = False, correct_score: float | None = None) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, scores_truncated: bool = False, correct_score: float | None = None,
+                    ground_truth_problem: Callable[[str], str | None] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Register the decorated function as reward ``name`` (`packrl.registry.Registry.register`),
     with what it declares (`RewardInfo`).
 
@@ -58,7 +64,8 @@ def register_reward(name: str, *, scores_truncated: bool = False, correct_score:
         ValueError: ``name`` is already registered to another function.
     """
     def decorate(fn: RewardFn) -> RewardFn:
-        return REWARDS.register(name, info=RewardInfo(scores_truncated=scores_truncated, correct_score=correct_score))(fn)
+        info = RewardInfo(scores_truncated=scores_truncated, correct_score=correct_score, ground_truth_problem=ground_truth_problem)
+        return REWARDS.register(name, info=info)(fn)
 
     return decorate
 

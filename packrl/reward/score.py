@@ -94,6 +94,24 @@ def check_reward(cfg: RewardConfig) -> None:
         raise ValueError(f"reward.name={cfg.name!r} cannot score a response: {type(err).__name__}: {err}") from err
 
 
+def check_ground_truths(cfg: RewardConfig, dataset: Any, key: str) -> None:
+    """Fail before the model loads when ``reward.name`` declares which ground truths it can read
+    (`packrl.reward.registry.RewardInfo.ground_truth_problem`) and a prompt of ``dataset`` has
+    another. ``dataset``: a `packrl.data.dataset.PromptDataset`; ``key``: its config key.
+
+    Raises:
+        ValueError: names the first such row, how many there are, and the fix.
+    """
+    problem = reward_info(cfg.name).ground_truth_problem
+    if problem is None:
+        return
+    bad = [(p.example.row, why) for p in dataset.prompts if (why := problem(p.example.ground_truth)) is not None]
+    if bad:
+        row, why = bad[0]
+        raise ValueError(f"reward.name={cfg.name!r} cannot read the ground truth of {len(bad)} of {len(dataset.prompts)} rows of "
+                         f"{key} (row {row}: {why}); give it data made for it or choose another reward.name")
+
+
 def _score_with_retry(reward_fn: Any, text: str, truth: str, source: str, cfg: RewardConfig, index: int) -> float:
     """One response's score; a raising reward function is retried once (a flaky verifier or
     sandbox), then the failure names the response and the cause."""

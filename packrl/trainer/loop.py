@@ -31,7 +31,7 @@ from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
 from packrl.models.model_config import load_model_context
-from packrl.reward.score import check_reward
+from packrl.reward.score import check_ground_truths, check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
 from packrl.trainer.recovery import run_with_recovery
@@ -58,6 +58,9 @@ def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset |
     if cfg.data.val_files and cfg.train.val_every:
         val = PromptDataset.build(cfg.data.val_files, tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files",
                                   caps=caps, chat_template_kwargs=kwargs, room=room, max_target_tokens=most)
+    for key, dataset in (("data.train_files", train), ("data.val_files", val)):
+        if dataset is not None:
+            check_ground_truths(cfg.reward, dataset, key)
     return train, val
 
 

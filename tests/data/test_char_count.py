@@ -5,6 +5,7 @@ reward on its answers and the config checks of its knobs."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 
@@ -15,6 +16,7 @@ from packrl.data.char_count import (
     CHAR_COUNT_SOURCE,
     STYLES,
     char_count_rows,
+    guess_floor,
     parse_question,
     pseudo_word,
     shortest_correct_response,
@@ -51,14 +53,15 @@ def test_rows_are_distinct_and_their_counts_right():
     assert len({r["question"] for r in rows}) == 1500
     counts = set()
     for row in rows:
-        assert set(row) == {"question", "answer", "data_source"} and row["data_source"] == CHAR_COUNT_SOURCE
+        assert set(row) == {"question", "answer", "data_source", "reward_model"} and row["data_source"] == CHAR_COUNT_SOURCE
+        assert row["reward_model"] == {"ground_truth": row["answer"]}
         word, letter = _word_letter(row)
         assert 5 <= len(word) <= 20 and word.isalpha() and word.islower()
         *lines, final = row["answer"].split("\n")
         assert final == f"#### {word.count(letter)}"
         _check_lines(lines, word, letter)
         counts.add(word.count(letter))
-    assert {0, 1, 2, 3} <= counts  # absent letters and repeated ones both occur
+    assert counts == {0, 1, 2, 3}  # data.char_count.max_count=3
     assert {len(_word_letter(r)[0]) for r in rows} == set(range(5, 21))
 
 
@@ -66,10 +69,9 @@ def test_deterministic_for_a_seed_and_knobs_respected():
     cfg = CharCountConfig(min_letters=7, max_letters=9)
     assert char_count_rows(50, cfg, seed=1) == char_count_rows(50, cfg, seed=1) != char_count_rows(50, cfg, seed=2)
     assert {len(_word_letter(r)[0]) for r in char_count_rows(200, cfg, seed=1)} == {7, 8, 9}
-    present = char_count_rows(300, CharCountConfig(absent_fraction=0.0), seed=0)
-    absent = char_count_rows(300, CharCountConfig(absent_fraction=1.0), seed=0)
-    assert all(w.count(c) >= 1 for w, c in map(_word_letter, present))
+    absent = char_count_rows(300, CharCountConfig(max_count=0), seed=0)
     assert all(w.count(c) == 0 for w, c in map(_word_letter, absent))
+    assert {w.count(c) for w, c in map(_word_letter, char_count_rows(300, CharCountConfig(max_count=1), seed=0))} == {0, 1}
     assert len(pseudo_word(__import__("random").Random(0), 13)) == 13
 
 
@@ -82,10 +84,25 @@ def test_validation_uses_its_own_seed_and_no_training_question():
     assert not {r["question"] for r in train} & {r["question"] for r in val}
 
 
+def test_the_counts_are_drawn_first_near_uniform_and_the_guess_floor_says_so():
+    rows = char_count_rows(2000, CharCountConfig(min_letters=5, max_letters=12), seed=0)
+    shares = Counter(int(r["answer"].rsplit("#### ", 1)[1]) for r in rows)
+    assert set(shares) == {0, 1, 2, 3} and all(0.2 < n / len(rows) < 0.3 for n in shares.values())
+    assert guess_floor(rows) == max(shares.values()) / len(rows) and guess_floor([]) == 0.0
+
+
+def test_a_count_no_drawn_word_holds_is_placed_by_hand():
+    rows = char_count_rows(40, CharCountConfig(min_letters=3, max_letters=3, max_count=3), seed=0)
+    assert {w.count(c) for w, c in map(_word_letter, rows)} == {0, 1, 2, 3}
+    for row in rows:
+        word, letter = _word_letter(row)
+        assert row["answer"] == worked_answer(word, letter)
+
+
 def test_a_tiny_space_repeats_rows_and_says_so(caplog):
-    cfg = CharCountConfig(min_letters=1, max_letters=1, absent_fraction=0.0)  # 26 one-letter words at most
-    rows = char_count_rows(60, cfg, seed=0)
-    assert len(rows) == 60 and len({r["question"] for r in rows}) <= 26
+    cfg = CharCountConfig(min_letters=1, max_letters=1, max_count=1)  # 26 * 25 + 26 = 676 questions at most
+    rows = char_count_rows(700, cfg, seed=0)
+    assert len(rows) == 700 and len({r["question"] for r in rows}) <= 676
     assert "rows repeat" in caplog.text and "data.char_count.max_letters" in caplog.text
 
 
@@ -148,7 +165,7 @@ def test_the_gsm8k_reward_scores_right_answers_1_and_wrong_counts_0(extraction):
     for row in char_count_rows(100, CharCountConfig(), seed=6):
         word, letter = _word_letter(row)
         example = to_example(row, row=0, instruction="", system_prompt=None)
-        assert example.ground_truth == str(word.count(letter)) and example.data_source == CHAR_COUNT_SOURCE
+        assert example.ground_truth == row["answer"] and example.data_source == CHAR_COUNT_SOURCE  # the reference worked answer
         for style in STYLES:
             text = worked_answer(word, letter, style)
             assert gsm8k_reward(text, example.ground_truth, data_source=CHAR_COUNT_SOURCE, cfg=cfg) == 1.0
@@ -185,16 +202,18 @@ def test_the_preset_fits_the_longest_verbose_answer(smollm_tokenizer):
     cfg = load_config("char_count", ["sft.num_rows=512"])
     traces = sft_traces(cfg, smollm_tokenizer)
     assert len(traces) == 512 and max(map(len, traces.response_ids)) <= cfg.rollout.max_response_tokens
-    # the worst case: 20 letters, all the letter asked for (two-digit counts), the longest filler after every 4th letter
-    lines = [line for line in worked_answer("a" * 20, "a", "verbose").split("\n") if line not in _FILLERS]
-    worst = length("\n".join(lines)) + 5 * max(length(f + "\n") for f in _FILLERS) + 1
+    # the worst case: 12 letters, the longest filler after every 4th letter, each letter's line as long as it gets
+    worst = 1 + 3 * max(length(f + "\n") for f in _FILLERS) + max(
+        length("\n".join(line for line in worked_answer(word, "a", "verbose").split("\n") if line not in _FILLERS))
+        for word in ("aaabbbbbbbbb", "bbbbbbbbbaaa", "abababbbbbbb"))
     assert worst + 16 <= cfg.rollout.max_response_tokens, worst
 
 
 @pytest.mark.parametrize(("overrides", "key", "message"), [
     (["data.char_count.max_letters=4"], "data.char_count.max_letters", "is below data.char_count.min_letters=5"),
     (["data.char_count.min_letters=0"], "data.char_count.min_letters", "must be"),
-    (["data.char_count.absent_fraction=1.5"], "data.char_count.absent_fraction", "must be in [0, 1]"),
+    (["data.char_count.max_count=-1"], "data.char_count.max_count", "must be an integer >= 0"),
+    (["data.char_count.max_count=13"], "data.char_count.max_count", "is above data.char_count.max_letters=12"),
     (["sft.train_files=[task:tool_traces]"], "sft.trace_style", "has no effect"),
     (["sft.trace_style=terse"], "sft.trace_style", "terse"),
 ])
@@ -210,4 +229,4 @@ def test_the_audit_cache_key_follows_the_knobs():
     def key(*overrides):
         return cache_key(["task:char_count"], "tok", load_config("char_count", list(overrides)))
 
-    assert key() == key() != key("data.char_count.max_letters=12") != key("data.char_count.absent_fraction=0.5")
+    assert key() == key() != key("data.char_count.max_letters=11") != key("data.char_count.max_count=2")
