@@ -114,10 +114,12 @@ def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
     return score_of(model, rollout, cfg, context)[0]
 
 
-def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False) -> float:
+def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False,
+                    keep_masked: bool = False) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
     (`packrl.worker.actor.actor_microbatches`) as the controller's planner plans it
-    (`packrl.seqlen.update_plan.PassPlanner.update`) for ``num_ranks`` simulated ranks (each
+    (`packrl.seqlen.update_plan.PassPlanner.update`; with ``keep_masked`` sequences without a loss
+    token stay in the micro-batches) for ``num_ranks`` simulated ranks (each
     rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
     Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
     import contextlib
@@ -132,7 +134,7 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
     groups = groups_of(len(rollout), rollout.group_size) if groups is None else groups
     update = planner.update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
                             [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=groups, units=units,
-                            caps=planner.grouped_caps(*rollout.grouped_loads()))
+                            caps=planner.grouped_caps(*rollout.grouped_loads()), keep_masked=keep_masked)
     loss = MicrobatchLoss.from_config(cfg, share_prompts)
     minibatch = update.minibatches[0]
     sums = ResponseSums.zeros(len(batch.rollout))

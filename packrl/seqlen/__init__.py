@@ -33,6 +33,7 @@ _EXPORTS = {
     "UpdatePlan": "update_plan",
     "plan_ranks": "update_plan",
     "plan_update": "update_plan",
+    "trained_sequences": "update_plan",
     "length_percentiles": "stats",
     "chunked_logprobs": "chunked",
     "full_logprobs": "chunked",

@@ -12,6 +12,13 @@ number of micro-batches, so
 collectives stay in step; one rank plans with `plan_microbatches` directly), and its denominators
 count the loss tokens and sequences of the whole mini-batch, so every ``loss_agg_mode`` gives the
 same loss and gradient however the mini-batch is split (invariant 4).
+
+A sequence with no loss token (GFPO's filtered responses, responses cut under
+``algorithm.truncated=mask``, rejected by rollout correction or the entropy filter) adds exactly 0
+to every loss term and update metric, each of which reads loss tokens only: the update leaves it
+out of the micro-batches (`trained_sequences`), while the denominators, counted over the whole
+mini-batch, stay what they were. GFPO with ``rollout.n=2k`` thus updates on the k kept
+responses of each group alone.
 """
 
 from __future__ import annotations
@@ -129,14 +136,22 @@ class MinibatchPlan:
     """One optimizer step's work.
 
     Attributes:
-        sequences: the mini-batch's sequence indices (whole groups, ascending).
-        ranks: each rank's micro-batches, as indices of the step's batch.
+        sequences: the mini-batch's sequence indices (whole groups, ascending), the sequences
+            its micro-batches leave out included (what a loss that chooses tokens over the
+            mini-batch reads, `packrl.algos.policy_losses.prepare_update`).
+        ranks: each rank's micro-batches, as indices of the step's batch: the sequences
+            `trained_sequences` keeps.
         denominators: loss tokens and sequences of the whole mini-batch.
     """
 
     sequences: tuple[int, ...]
     ranks: RankPlan
     denominators: LossDenominators
+
+    def left_out(self) -> tuple[int, ...]:
+        """The mini-batch's sequences in no micro-batch of any rank (no loss token), ascending."""
+        planned = {i for rank in self.ranks.ranks for mb in rank.microbatches for i in mb}
+        return tuple(i for i in self.sequences if i not in planned)
 
     def microbatches(self, rank: int) -> tuple[tuple[int, ...], ...]:
         """Rank ``rank``'s micro-batches (batch indices); some may be empty on a rank with few sequences."""
@@ -163,6 +178,10 @@ class UpdatePlan:
         """Costliest rank over the mean rank, averaged over mini-batches (``seqlen/rank_imbalance``)."""
         return sum(mb.ranks.imbalance() for mb in self.minibatches) / len(self.minibatches)
 
+    def left_out(self) -> tuple[int, ...]:
+        """The sequences no micro-batch holds (`MinibatchPlan.left_out`), of every mini-batch, ascending."""
+        return tuple(i for mb in self.minibatches for i in mb.left_out())
+
 
 def plan_update(
     lengths: Sequence[int],
@@ -179,8 +198,10 @@ def plan_update(
     units: Sequence[int] | None = None,
     sharing: PromptSharing | None = None,
     caps: Sequence[GroupedCap] = (),
+    keep_masked: bool = False,
 ) -> UpdatePlan:
-    """Plan a step's update.
+    """Plan a step's update: per mini-batch, the micro-batches of the sequences with a loss token
+    (`trained_sequences`) on each rank, and the denominators of all its sequences.
 
     Args:
         lengths: prompt + response tokens of each of the N sequences.
@@ -198,10 +219,12 @@ def plan_update(
             the denominators (`packrl.seqlen.stepwise`); default: each sequence is its own.
         sharing: plan packs that write a group's prompt once (`plan_ranks`).
         caps: further budgets per micro-batch, each a load and sharing key per sequence (`GroupedCap`).
+        keep_masked: plan every sequence, those without a loss token too (they add 0: the same
+            loss and gradient at a higher cost; what the invariance tests compare with).
 
     Raises:
         ValueError: a sequence over ``max_tokens`` or a grouped cap (named by its index in the
-            batch), or a mini-batch with fewer sequences than ranks.
+            batch, whether or not it is trained), or a mini-batch with fewer sequences than ranks.
     """
     lengths, _ = validate_lengths(lengths, max_tokens, UPDATE_BUDGET_KEY)
     for grouped in caps:
@@ -213,10 +236,11 @@ def plan_update(
     minibatches = []
     for start in range(0, len(firsts) - 1, mini_batch_prompts):
         indices = tuple(range(firsts[start], firsts[min(start + mini_batch_prompts, len(firsts) - 1)]))
-        local = plan_ranks([lengths[i] for i in indices], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY,
-                           packed=packed, sharing=None if sharing is None else sharing.subset(indices),
-                           caps=[c.subset(indices) for c in caps])
-        ranks = RankPlan(tuple(MicrobatchPlan(tuple(tuple(indices[j] for j in mb) for mb in rank.microbatches), tuple(lengths),
+        planned = indices if keep_masked else trained_sequences(indices, loss_tokens, lengths, num_ranks)
+        local = plan_ranks([lengths[i] for i in planned], num_ranks, max_tokens, balance=balance, budget_key=UPDATE_BUDGET_KEY,
+                           packed=packed, sharing=None if sharing is None else sharing.subset(planned),
+                           caps=[c.subset(planned) for c in caps])
+        ranks = RankPlan(tuple(MicrobatchPlan(tuple(tuple(planned[j] for j in mb) for mb in rank.microbatches), tuple(lengths),
                                               max_tokens) for rank in local.ranks), local.linear_coef)
         per_unit: dict[int, int] = {}
         for i in indices:
@@ -224,6 +248,39 @@ def plan_update(
         denominators = LossDenominators(sum(per_unit.values()), sum(1 for c in per_unit.values() if c > 0), loss_scale_factor)
         minibatches.append(MinibatchPlan(indices, ranks, denominators))
     return UpdatePlan(tuple(minibatches), num_epochs)
+
+
+def trained_sequences(indices: Sequence[int], loss_tokens: Sequence[int], lengths: Sequence[int], num_ranks: int) -> tuple[int, ...]:
+    """The sequences of a mini-batch (``indices``) its micro-batches hold: those with a loss token.
+
+    Every loss term (`packrl.algos.loss_agg.aggregate_loss`, the KL and entropy terms, the
+    critic's value loss) and every update metric (`LossDenominators.token_share`, the per-response
+    sums) reads loss tokens only, so a sequence without one adds exactly 0 (masked positions are
+    never read, even NaN): leaving it out changes neither the loss nor the gradient. Where fewer
+    than ``num_ranks`` remain, the shortest of the others (ties: the lower index) make up the
+    count, so that every rank still holds a sequence (`balance_ranks` gives each one) and runs
+    the same passes as the others; they too add 0. With fewer sequences than ranks in all, every
+    one is kept (and `plan_ranks` refuses the mini-batch).
+
+    ================  ===========  ==============  =====  =========
+    indices           loss_tokens  lengths         ranks  result
+    ================  ===========  ==============  =====  =========
+    (0, 1, 2, 3)      3 0 5 0      9 4 9 6         1      (0, 2)
+    (0, 1, 2, 3)      3 0 0 0      9 8 4 6         2      (0, 2)
+    (0, 1, 2, 3)      0 0 0 0      9 8 4 6         1      (2,)
+    ================  ===========  ==============  =====  =========
+
+    Args:
+        indices: the mini-batch's sequences (batch indices).
+        loss_tokens / lengths: per sequence of the batch, loss tokens and prompt + response tokens.
+        num_ranks: D data-parallel ranks.
+
+    Returns:
+        Batch indices, ascending.
+    """
+    with_loss = [i for i in indices if loss_tokens[i] > 0]
+    spare = sorted((i for i in indices if loss_tokens[i] <= 0), key=lambda i: (lengths[i], i))
+    return tuple(sorted(with_loss + spare[: max(0, num_ranks - len(with_loss))]))
 
 
 def groups_of(num_sequences: int, group_size: int) -> list[int]:
@@ -290,8 +347,11 @@ class PassPlanner:
                           budget_key=self.LOGPROB_KEY, packed=self.packed, sharing=self.sharing(prompts), caps=caps)
 
     def update(self, lengths: Sequence[int], loss_tokens: Sequence[int], prompts: Sequence[Sequence[int]], *, groups: Sequence[int],
-               units: Sequence[int] | None = None, critic: bool = False, caps: Sequence[GroupedCap] = ()) -> UpdatePlan:
-        """The actor's update (or with ``critic`` the critic's): `plan_update` under its budget.
+               units: Sequence[int] | None = None, critic: bool = False, caps: Sequence[GroupedCap] = (),
+               keep_masked: bool = False) -> UpdatePlan:
+        """The actor's update (or with ``critic`` the critic's, whose value loss reads the same
+        loss masks): `plan_update` under its budget, sequences without a loss token left out
+        unless ``keep_masked``.
 
         Raises:
             ValueError: a sequence over the micro-batch budget (named by index).
@@ -300,4 +360,4 @@ class PassPlanner:
         return plan_update(lengths, loss_tokens, groups=groups, mini_batch_prompts=self.mini_batch_prompts, num_epochs=self.num_epochs,
                            num_ranks=self.num_ranks, max_tokens=tokens * self.sequence_parallel_size, balance=self.balance,
                            loss_scale_factor=self.loss_scale_factor, packed=self.packed, units=units, sharing=self.sharing(prompts),
-                           caps=caps)
+                           caps=caps, keep_masked=keep_masked)

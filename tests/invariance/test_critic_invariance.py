@@ -1,8 +1,10 @@
 """Invariant 4 for the critic: the value loss and its gradient do not depend on how a mini-batch
 is split into micro-batches or ranks, for every loss aggregation mode (the critic's own
 micro-batch path, `packrl.worker.critic.critic_microbatches`, ranks simulated one after the other
-with their gradients summed as an all-reduce SUM does). Float64, as the actor's test. The values
-the value pass returns are the ones a plain unpacked forward gives."""
+with their gradients summed as an all-reduce SUM does). Float64, as the actor's test. The
+reference plan keeps the masked response in its micro-batch (``keep_masked``); every split leaves
+it out, as the update does. The values the value pass returns are the ones a plain unpacked
+forward gives."""
 
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ def _critic_batch():
     return replace(batch, values=values, returns=returns)
 
 
-def _loss_and_grads(mode: str, budget: int, num_ranks: int) -> tuple[float, torch.Tensor]:
+def _loss_and_grads(mode: str, budget: int, num_ranks: int, keep_masked: bool = False) -> tuple[float, torch.Tensor]:
     batch = _critic_batch()
     critic = _critic()
     plan = plan_update(batch.rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
                        groups=groups_of(len(batch.rollout), 2), mini_batch_prompts=4, num_epochs=1, num_ranks=num_ranks,
-                       max_tokens=budget, balance=True, loss_scale_factor=24)
+                       max_tokens=budget, balance=True, loss_scale_factor=24, keep_masked=keep_masked)
     minibatch = plan.minibatches[0]
     loss = sum(critic_microbatches(critic, batch, minibatch.microbatches(r), den=minibatch.denominators,
                                    context=contextlib.nullcontext, cliprange=CLIP, mode=mode,
@@ -52,9 +54,9 @@ def _loss_and_grads(mode: str, budget: int, num_ranks: int) -> tuple[float, torc
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_value_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(mode):
-    loss_ref, grad_ref = _loss_and_grads(mode, WHOLE, 1)
+    loss_ref, grad_ref = _loss_and_grads(mode, WHOLE, 1, keep_masked=True)
     assert grad_ref.abs().max() > 0 and loss_ref > 0
-    for budget in BUDGETS:
+    for budget in (WHOLE, *BUDGETS):
         for num_ranks in (1, 2):
             loss, grads = _loss_and_grads(mode, budget, num_ranks)
             where = f"{mode}: budget {budget}, {num_ranks} rank(s)"

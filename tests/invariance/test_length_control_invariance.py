@@ -6,9 +6,16 @@ end-of-thinking tokens (``Response.forced_span``: out of the loss mask).
 The oracle for the filter is independent of packrl's masking: the same update on a batch that
 holds only the kept responses (groups of k, their advantages from the estimator over those k)
 must give the same loss and gradient, for every aggregation mode, split and rank count.
+
+The update leaves the filtered responses out of its micro-batches (no loss token,
+`packrl.seqlen.update_plan.trained_sequences`); with them packed and masked (``keep_masked``,
+what the update did before) the loss and the gradient are the same, also where a rank is left
+with no loss token at all.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,10 +66,10 @@ def _cfg(mode: str, budget: int, keep: int | None):
                        clip_ratio_low=0.1, clip_ratio_high=0.1, group_filter=GroupFilterConfig(keep=keep, metric="shortest"))
 
 
-def _loss_and_grads(batch, cfg, num_ranks: int) -> tuple[float, torch.Tensor]:
+def _loss_and_grads(batch, cfg, num_ranks: int, keep_masked: bool = False) -> tuple[float, torch.Tensor]:
     torch.manual_seed(0)
     model = tiny_llama(dtype=torch.float64)
-    loss = minibatch_grads(model, batch, cfg, num_ranks=num_ranks)
+    loss = minibatch_grads(model, batch, cfg, num_ranks=num_ranks, keep_masked=keep_masked)
     return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
@@ -106,3 +113,33 @@ def test_filtered_responses_weigh_as_if_they_were_never_in_the_batch(mode):
             where = f"{mode}: budget {budget}, {num_ranks} rank(s)"
             assert loss_f == pytest.approx(loss_a, rel=RTOL), where
             torch.testing.assert_close(grad_f, grad_a, rtol=RTOL, atol=1e-12, msg=where)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_filtered_responses_left_out_of_the_update_give_the_loss_and_gradient_of_them_masked(mode):
+    every = list(range(len(RESPONSE_LENS)))
+    batch, _ = build_train_batch(_scored(), _old_logprobs(every), None, _cfg(mode, WHOLE, KEEP).algorithm)
+    loss_ref, grad_ref = _loss_and_grads(batch, _cfg(mode, WHOLE, KEEP), 1, keep_masked=True)  # packed, forwarded, masked
+    assert grad_ref.abs().max() > 0
+    for budget in (WHOLE, *BUDGETS):
+        for num_ranks in (1, 2):
+            loss, grads = _loss_and_grads(batch, _cfg(mode, budget, KEEP), num_ranks)
+            where = f"{mode}: budget {budget}, {num_ranks} rank(s)"
+            assert loss == pytest.approx(loss_ref, rel=RTOL), where
+            torch.testing.assert_close(grads, grad_ref, rtol=RTOL, atol=1e-12, msg=where)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_a_rank_left_without_loss_tokens_keeps_a_sequence_and_the_loss(mode):
+    """One response with loss tokens in the mini-batch and two ranks: the other rank holds the
+    shortest masked sequence (it adds 0), and the loss and gradient are those of the whole batch masked."""
+    every = list(range(len(RESPONSE_LENS)))
+    batch, _ = build_train_batch(_scored(), _old_logprobs(every), None, _cfg(mode, WHOLE, KEEP).algorithm)
+    only = 3
+    batch = replace(batch, loss_masks=tuple(m if i == only else torch.zeros_like(m) for i, m in enumerate(batch.loss_masks)))
+    loss_ref, grad_ref = _loss_and_grads(batch, _cfg(mode, WHOLE, KEEP), 1, keep_masked=True)
+    assert grad_ref.abs().max() > 0
+    for budget in (WHOLE, BUDGETS[0]):
+        loss, grads = _loss_and_grads(batch, _cfg(mode, budget, KEEP), 2)
+        assert loss == pytest.approx(loss_ref, rel=RTOL), f"{mode}: budget {budget}"
+        torch.testing.assert_close(grads, grad_ref, rtol=RTOL, atol=1e-12, msg=f"{mode}: budget {budget}")

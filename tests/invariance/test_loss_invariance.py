@@ -7,6 +7,8 @@ ranks under two micro-batch budgets, run through the update's own micro-batch pa
 bonus), ranks simulated one after the other with their gradients summed as an all-reduce SUM does.
 The model runs in float64 so that a 1e-6 relative check tests the aggregation, not float32
 summation order (float32 packs of different widths differ by ~1e-7 before any loss is taken).
+The reference keeps the masked (truncated) response in its micro-batch (``keep_masked``); the
+splits leave it out, as the update does (`packrl.seqlen.update_plan.trained_sequences`).
 """
 
 from __future__ import annotations
@@ -25,17 +27,17 @@ def _cfg(mode: str, budget: int):
                        kl_coef=0.1, entropy_coeff=0.01, clip_ratio_low=0.1, clip_ratio_high=0.1)
 
 
-def _loss_and_grads(mode: str, budget: int, num_ranks: int) -> tuple[float, torch.Tensor]:
+def _loss_and_grads(mode: str, budget: int, num_ranks: int, keep_masked: bool = False) -> tuple[float, torch.Tensor]:
     model = tiny_llama(dtype=torch.float64)
-    loss = minibatch_grads(model, loss_batch(), _cfg(mode, budget), num_ranks=num_ranks)
+    loss = minibatch_grads(model, loss_batch(), _cfg(mode, budget), num_ranks=num_ranks, keep_masked=keep_masked)
     return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_loss_and_grads_do_not_depend_on_micro_batches_or_ranks(mode):
-    loss_ref, grad_ref = _loss_and_grads(mode, WHOLE, 1)
+    loss_ref, grad_ref = _loss_and_grads(mode, WHOLE, 1, keep_masked=True)
     assert grad_ref.abs().max() > 0
-    for budget in BUDGETS:
+    for budget in (WHOLE, *BUDGETS):
         for num_ranks in (1, 2):
             loss, grads = _loss_and_grads(mode, budget, num_ranks)
             where = f"{mode}: budget {budget}, {num_ranks} rank(s)"
