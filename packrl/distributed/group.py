@@ -238,6 +238,7 @@ class WorkerGroup:
         an update with ``rl_metrics``, ``bucket/*`` metrics (`update_metrics`), with several ranks
         ``seqlen/rank_imbalance`` (costliest rank over the mean, averaged over mini-batches), and
         for a rollout trained as step-wise samples ``seqlen/num_step_samples`` (sequences trained),
+        where sequences without a loss token stayed out of the micro-batches `_left_out_metrics`,
         and the metrics of the policy loss's ``prepare`` (`packrl.algos.policy_losses.prepare_update`).
         At a ``step`` within ``critic.warmup_steps`` the actor does not train: ``{"critic/warmup": 1.0}``.
         ``tracer`` times each update micro-batch (`NullTracer`: nothing)."""
@@ -264,6 +265,7 @@ class WorkerGroup:
                                  buckets=self.plan.update.rl_metrics) | prepared
         metrics |= {"seqlen/rank_imbalance": plan.imbalance()} if self.num_ranks > 1 else {}
         metrics |= {"seqlen/num_step_samples": float(len(trained.rollout))} if steps is not None else {}
+        metrics |= _left_out_metrics(plan, trained)
         return metrics | ({"seqlen/sequence_parallel_size": float(self.plan.sequence_parallel_size)}
                           if self.plan.sequence_parallel_size > 1 else {})
 
@@ -289,6 +291,19 @@ class WorkerGroup:
 def _prompts(rollout: RolloutBatch) -> list[tuple[int, ...]]:
     """Each sequence's prompt ids (what `PassPlanner` shares)."""
     return [rollout.prompt_ids_of(i) for i in range(len(rollout))]
+
+
+def _left_out_metrics(plan: UpdatePlan, trained: TrainBatch) -> dict[str, float]:
+    """``seqlen/update_left_out_sequences`` and ``seqlen/update_left_out_tokens``: the sequences
+    the update did not pack, forward or back-propagate (no loss token: GFPO's filtered responses,
+    masked truncations, rejected responses; `packrl.seqlen.update_plan.trained_sequences`) and
+    their prompt + response tokens, per step (not per epoch); none when every sequence trained."""
+    left_out = plan.left_out()
+    if not left_out:
+        return {}
+    lengths = trained.rollout.sequence_lengths()
+    return {"seqlen/update_left_out_sequences": float(len(left_out)),
+            "seqlen/update_left_out_tokens": float(sum(lengths[i] for i in left_out))}
 
 
 def _folded(stats: UpdateStats, fold: Callable) -> UpdateStats:

@@ -66,6 +66,24 @@ def test_filtered_responses_are_dumped(tmp_path, smollm_tokenizer):
     assert [row["filtered"] for row in rows] == [True, False, True, False] and len(rows) == 4
 
 
+def test_the_update_leaves_the_filtered_responses_out_and_reports_them():
+    from types import SimpleNamespace
+
+    from packrl.distributed.local import local_group
+    from tests.conftest import tiny_llama
+
+    cfg = load_config("demo", ["model.dtype=fp32", "data.batch_size=2", "rollout.n=4", "algorithm.group_filter.keep=2",
+                             "algorithm.group_filter.metric=shortest"])
+    workers = local_group(cfg, tiny_llama(), SimpleNamespace(eos_token_id=2, pad_token_id=0))
+    scored = _scored([6, 2, 4, 3, 5, 5, 2, 7], [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0], 4)
+    batch, _ = build_train_batch(scored, None, None, cfg.algorithm)
+    assert batch.filtered == (True, False, True, False, False, True, False, True)
+    metrics = workers.update(batch)
+    # filtered: 6, 4, 5 and 7 response tokens, each after a 2-token prompt; kept: 2, 3, 5, 2
+    assert metrics["seqlen/update_left_out_sequences"] == 4 and metrics["seqlen/update_left_out_tokens"] == 30
+    assert metrics["seqlen/pad_fraction"] == 0.0 and metrics["seqlen/microbatch_tokens_max"] <= 4 * 2 + 2 + 3 + 5 + 2
+
+
 def test_refusals():
     with pytest.raises(ConfigError, match=r"algorithm.group_filter.keep=5: > rollout.n=4"):
         load_config("demo", ["algorithm.group_filter.keep=5"])
