@@ -18,7 +18,9 @@ are kept (a group of equal rewards keeps its k shortest). That case: kept 0, 2, 
 
 The advantages are computed over the kept set only (the estimator sees groups of k,
 `kept_groups`), and a filtered response gets no loss tokens and
-advantage 0, so it leaves the update's denominators. Filtered responses stay in the rollout: they
+advantage 0, so it leaves the update's denominators and its micro-batches (not packed, forwarded
+or back-propagated: `packrl.seqlen.update_plan.trained_sequences`); it still takes part in the
+log-prob passes, which run before the filter. Filtered responses stay in the rollout: they
 are scored, dumped (``filtered`` in ``rollouts/step_N.jsonl``) and counted
 (``train/group_filter/*``), never lost.
 

@@ -56,7 +56,8 @@ def build_train_batch(
     carries them with the critic's targets, the GAE returns (`packrl.algos.gae`).
 
     With ``algorithm.group_filter`` (GFPO) the estimator sees each group's kept responses alone
-    (`packrl.algos.group_filter`); the others get advantage 0 and no loss tokens. After the
+    (`packrl.algos.group_filter`); the others get advantage 0 and no loss tokens (the update
+    plan leaves such sequences out of its micro-batches). After the
     truncation policy, `response_filters` may take whole responses out of the loss
     (rollout-correction rejection, the entropy filter; ``old_entropy``: the old-log-prob pass's
     entropy, ``N`` x Shape [R_i] float32 nats) and add per-token extras for the loss.
