@@ -1,187 +1,355 @@
-"""Length control on `task:char_count`: from one verbose starting policy, plain GRPO against each
-length objective and GFPO at equal steps and equal ``algorithm.loss_agg_mode``, every arm judged
-on the same held-out rows (docs/algorithms/length_control.md).
+"""Length control on `task:char_count`, decided by paired tests: from one verbose starting policy,
+plain GRPO against GFPO and the length objectives at equal steps, every arm answering the same
+held-out rows (docs/algorithms/length_control.md).
 
-The starting policy is `packrl sft char_count` (the preset's `sft` section: verbose traces, every
-line restated and filler lines; 16 steps at lr 1e-4), so it is mostly correct and says about 2.8x
-what a correct answer needs. Each arm trains
-``--steps`` GRPO steps from it; then every arm (and the start) answers ``--eval-rows`` held-out
-questions greedily. The JSON reports per arm: held-out accuracy with its standard error, mean /
-p50 / p95 generated tokens of correct and of wrong answers, tokens per correct answer, the
-truncation ratio, the mean step time of the last steps, and each arm's length and accuracy
-against plain GRPO's. With ``--target-steps`` a `target_length` arm trains on prompts that ask for
-a length (each row's target drawn from its feasible range: 1.0-2.5x its shortest correct answer)
-and reports ``|len - N| / N`` on held-out prompts before and after training.
+The task cannot be guessed: the count is drawn first (uniform over 0-3, so a constant guess of the
+count is right for about a quarter of the rows: the lenient reading's guess floor, computed from
+the rows and reported), and the `char_count` reward's strict reading is right only when every
+worked line is there, in order, with its running count (`packrl.reward.char_count`), so a length
+objective can only remove redundant lines. Both readings are kept per row.
 
-Every arm writes ``OUT/<arm>.json`` as soon as it ends, so a run cut short keeps what it measured.
+1. The start: `packrl sft char_count` (verbose traces: every line restated, filler lines; the
+   preset's ``sft`` section), then its greedy answers to ``--eval-rows`` held-out rows. Both are
+   cached under ``--cache`` (keyed by the SFT settings, the evaluation settings and the code that
+   makes them), so a rerun skips both; ``--start CHECKPOINT`` uses a checkpoint instead.
+2. Each arm of ``--arms`` in order trains ``--steps`` steps from the start with `TRAINING` and its
+   own overrides (`ARMS`), then answers the same rows greedily. An arm whose estimated time would
+   take the run past ``--budget-minutes`` is dropped (and said so) instead of run.
+3. Per-row results of every arm (``arms.<name>.rows``: ``{"row", "count", "correct_strict",
+   "correct_lenient", "tokens", "truncated"}``, the start as ``arms.start``), each arm's summary
+   (`bench.length_stats.summary`: both readings, accuracy by count, tokens mean/p50/p95, the guess
+   floor), its training (step, generation and update times; train score and length), and the
+   paired comparisons (`bench.length_stats.compare`): grpo against the start and every arm against
+   grpo, with McNemar's exact test, the bootstrap 95% interval of the accuracy difference and its
+   one-sided lower end (non-inferiority at ``--margin``), and the interval of the mean-length
+   ratio. Every arm's JSON is written to ``--out`` as it ends; the whole report (``wall_s``: the
+   run's seconds, the host, the dtype) is printed and written to ``--report``.
 
-Command (hours on 2 CPU cores: the SFT about 25 min, each arm's 10 steps 20-25 min, each
-evaluation of 512 rows 11-15 min, on an AVX2-only host in float32; on a host with AVX512_BF16 in bf16 the SFT
-took 7.6 min and an evaluation about 16; every arm with ``--target-steps`` is about five hours)::
+Command (the defaults; the committed report ``bench/results/length_control.json`` is its output)::
 
-    python bench/bench_length_control.py --steps 10 --eval-rows 512 --arms grpo,shortest_correct,gfpo \
-        model.path=../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf train.lr=3e-5
+    python bench/bench_length_control.py
 
-Measured (that command, AMD EPYC with AVX2 only, float32, 2 cores; stopped during the gfpo arm):
-start 78.5% +- 1.8 held-out accuracy at a mean of 227 tokens; grpo 67.0% +- 2.1, mean 198,
-correct p95 325, 145 s a step; shortest_correct 54.3% +- 2.2, mean 145, correct p95 215, 102 s a
-step: 26.6% shorter (p95 of correct answers 33.8%) and 29.6% faster steps than grpo, at 12.7
-points lower accuracy (docs/algorithms/length_control.md has the table).
-
-``--start CHECKPOINT`` reuses a starting checkpoint instead of running the SFT steps.
+Options: ``--steps``, ``--eval-rows``, ``--arms`` (of `ARMS`), ``--budget-minutes``, ``--margin``,
+``--start``, ``--cache``, ``--out``, ``--report``, ``--target-steps`` (a `target_length` arm, off by
+default) and config overrides after them (``train.lr=...``), which every run of the bench takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import math
-import random
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
+from bench.length_stats import compare, rows_needed, summary  # noqa: E402
 from packrl.config import load_config  # noqa: E402
-from packrl.data.char_count import shortest_correct_response, split_rows  # noqa: E402
-from packrl.data.dataset import PromptDataset  # noqa: E402
-from packrl.distributed.local import local_group  # noqa: E402
-from packrl.trainer.loop import train  # noqa: E402
-from packrl.trainer.sft import sft  # noqa: E402
-from packrl.trainer.validate import validate  # noqa: E402
 
 PRESET = "char_count"
-COMMON = ["algorithm.loss_agg_mode=token-mean", "train.save_every=0", "train.val_every=0", "train.dump_rollouts=false"]
-"""Every arm: one aggregation mode (Dr. GRPO: per-sequence normalisation alone moves length)."""
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["algorithm.loss_agg_mode=token-mean", "train.save_every=0", "train.val_every=0", "train.dump_rollouts=true"]
+"""Every run: one aggregation mode (Dr. GRPO: per-sequence normalisation alone moves length)."""
+TRAINING = ["train.lr=1e-5", "train.warmup_steps=2"]
+"""Every arm's optimizer (chosen by a pilot so plain GRPO keeps the start's accuracy; docs)."""
 
 ARMS: dict[str, list[str]] = {
     "grpo": [],
+    "gfpo": ["rollout.n=8", "algorithm.group_filter.keep=4", "algorithm.group_filter.metric=shortest"],
+    "shortest_correct": ["reward.shaping.shortest_correct={}"],
+    "shortest_correct_gated": ["reward.shaping.shortest_correct.min_group_accuracy=0.5"],
     "group_length": ["reward.shaping.group_length.weight=0.5"],
     "efficiency": ["reward.shaping.efficiency.alpha=0.2"],
-    "shortest_correct": ["reward.shaping.shortest_correct.beta=0.002"],
-    "gfpo": ["rollout.n=8", "algorithm.group_filter.keep=4", "algorithm.group_filter.metric=shortest"],
 }
-"""Each arm's overrides on top of the preset and `COMMON`."""
+"""Each arm's overrides on top of the preset, `COMMON` and `TRAINING`: GFPO keeps the 4 shortest of
+8 (the same reward as GRPO); shortest_correct at the paper's pressure (alpha 2, beta 0.001); its
+gated variant applies the length term only in groups at least half right (GRPO-lambda's switch)."""
+DEFAULT_ARMS = "grpo,gfpo,shortest_correct,shortest_correct_gated,group_length,efficiency"
 
-TARGET_TEMPLATE = " Answer in {target} tokens."
+# What one unit of work took on a 2-core AVX2 host in float32 (docs/algorithms/length_control.md), for
+# the estimates made before anything is measured; once measured, the run's own figures replace them.
+EST_SFT_S_PER_STEP = 60.0
+EST_EVAL_S_PER_ROW = 1.6
+EST_STEP_S = {"n4": 110.0, "n8": 170.0}
+CODE = ["packrl/data/char_count.py", "packrl/data/char_count_traces.py", "packrl/data/traces.py", "packrl/trainer/sft.py",
+        "packrl/config/presets/char_count.yaml", "packrl/reward/char_count.py"]
+"""The files whose text the start's cache key holds (with the settings, library versions and `START_VERSION`)."""
+START_VERSION = 1
+"""Raised when this file changes how the start is made or evaluated (`_sft`, `_evaluate`)."""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sft-steps", type=int, default=16)
-    parser.add_argument("--start", default=None, help="a starting checkpoint (skips the SFT steps)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--eval-rows", type=int, default=512)
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    parser.add_argument("--target-steps", type=int, default=0, help="train a target_length arm this many steps (0: none)")
-    parser.add_argument("--out", default="bench/results/length_control")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    args = _parse()
+    wall = time.perf_counter()
+    deadline = wall + 60 * args.budget_minutes
     base = [*COMMON, f"data.max_val_rows={args.eval_rows}", *args.overrides]
-    checkpoint = args.start or _sft_start(base, args.sft_steps, out)
-    report: dict = {"start": _evaluate([*base, f"model.path={checkpoint}"], "start", out), "checkpoint": checkpoint, "arms": {}}
-    for name in args.arms.split(","):
-        report["arms"][name] = _arm(name, [*base, *ARMS[name], f"model.path={checkpoint}"], args.steps, out)
+    arms = args.arms.split(",")
+    _refuse_bad_input(args, base, arms)
+    start = _start(args, base, deadline)
+    report: dict[str, Any] = {"settings": _settings(args, base), "start": start["meta"], "arms": {"start": start["eval"]},
+                              "dropped": {}, "comparisons": {}}
+    out = Path(args.out)
+    for name in arms:
+        estimate = _arm_estimate(name, args, report["arms"])
+        if time.perf_counter() + estimate > deadline:
+            left = (deadline - time.perf_counter()) / 60
+            report["dropped"][name] = f"estimated {estimate / 60:.1f} min, {left:.1f} min of --budget-minutes left"
+            print(f"[length bench] dropping {name}: {report['dropped'][name]}", flush=True)
+            continue
+        report["arms"][name] = _arm(name, [*base, *TRAINING, *ARMS[name], f"model.path={start['checkpoint']}"], args.steps, out)
+        (out / f"{name}.json").write_text(json.dumps(report["arms"][name], indent=1))
     if args.target_steps:
-        report["target_length"] = _target_arm(base, checkpoint, args.target_steps, out)
-    report["vs_grpo"] = _against_grpo(report["arms"])
-    command = (f"python bench/bench_length_control.py --sft-steps {args.sft_steps} --steps {args.steps} --eval-rows {args.eval_rows} "
-               f"--arms {args.arms} --target-steps {args.target_steps}" + (f" --start {args.start}" if args.start else "")
-               + "".join(f" {o}" for o in args.overrides))
-    emit({"command": command, "wall_s": round(time.perf_counter() - start, 1), **report})
+        from bench.length_target_arm import target_arm
+
+        report["target_length"] = target_arm([*base, *TRAINING], start["checkpoint"], args.target_steps, out, PRESET, _arm)
+    report["comparisons"] = _comparisons(report["arms"], args.margin)
+    report["verdict"] = _verdict(report, args.margin)
+    report = {"command": _command(args), "wall_s": round(time.perf_counter() - wall, 1), **report}
+    _write(report, args)
 
 
-def _sft_start(overrides: list[str], steps: int, out: Path) -> str:
-    """The verbose starting policy: `packrl sft char_count` for ``steps`` steps."""
-    cfg = load_config(PRESET, [*overrides, f"sft.total_steps={steps}", f"train.out_dir={out / 'sft'}"])
-    run_dir = sft(cfg)
-    return str(run_dir / "checkpoints" / f"step_{steps}")
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the start (default: the preset's sft.total_steps)")
+    parser.add_argument("--start", default=None, help="a starting checkpoint (skips the SFT and its cache)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--eval-rows", type=int, default=256)
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, in order, of {', '.join(ARMS)}")
+    parser.add_argument("--budget-minutes", type=float, default=90.0, help="drop the arms that would run past it")
+    parser.add_argument("--margin", type=float, default=0.05, help="non-inferiority margin (fraction)")
+    parser.add_argument("--target-steps", type=int, default=0, help="train a target_length arm this many steps (0: none)")
+    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "packrl" / "bench_length_control"))
+    parser.add_argument("--out", default="bench/results/length_control")
+    parser.add_argument("--report", default="bench/results/length_control.json")
+    parser.add_argument("overrides", nargs="*")
+    return parser.parse_args()
 
 
-def _evaluate(overrides: list[str], name: str, out: Path) -> dict:
-    """Greedy answers to the held-out rows: accuracy (with its standard error) and the length metrics."""
+def _refuse_bad_input(args: argparse.Namespace, base: list[str], arms: list[str]) -> None:
+    """Everything that would fail or mean nothing, before anything trains (each a ValueError)."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise ValueError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    for name, value in (("--steps", args.steps), ("--eval-rows", args.eval_rows)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if not 0 < args.margin < 1:
+        raise ValueError(f"--margin={args.margin} must be a fraction in (0, 1), e.g. 0.05")
+    for name in arms:  # every arm's config loads (a bad override or option is named now, not an hour in)
+        load_config(PRESET, [*base, *TRAINING, *ARMS[name]])
+    first = _arm_estimate(arms[0], args, {})
+    start = 0.0 if args.start else EST_EVAL_S_PER_ROW * args.eval_rows + (0.0 if _cached_start(args, base) else
+                                                                          EST_SFT_S_PER_STEP * _sft_steps(args))
+    if 60 * args.budget_minutes < start + first:
+        raise ValueError(f"--budget-minutes={args.budget_minutes:g} is too small for the start and one arm (estimated "
+                         f"{(start + first) / 60:.0f} min on 2 CPU cores: --steps {args.steps}, --eval-rows {args.eval_rows}); "
+                         f"raise --budget-minutes to {(start + first) / 60 + 5:.0f} or lower --steps / --eval-rows")
+
+
+def _sft_steps(args: argparse.Namespace) -> int:
+    return args.sft_steps if args.sft_steps is not None else load_config(PRESET).sft.total_steps
+
+
+def _sft_config(args: argparse.Namespace, base: list[str], out_dir: Path | str):
+    return load_config(PRESET, [*base, f"sft.total_steps={_sft_steps(args)}", f"train.out_dir={out_dir}"])
+
+
+def _start_key(args: argparse.Namespace, base: list[str]) -> str:
+    """The start's cache key: the SFT run's whole config, the code that makes it and the versions."""
+    from importlib import metadata
+
+    cfg = _sft_config(args, base, "key")
+    blob = {"config": asdict(cfg) | {"train": asdict(cfg.train) | {"out_dir": None}},
+            "code": {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in CODE},
+            "versions": [metadata.version("torch"), metadata.version("transformers")], "start_version": START_VERSION}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cached_start(args: argparse.Namespace, base: list[str]) -> Path | None:
+    path = Path(args.cache) / _start_key(args, base)
+    return path if (path / "eval.json").is_file() and (path / "checkpoint").is_dir() else None
+
+
+def _start(args: argparse.Namespace, base: list[str], deadline: float) -> dict[str, Any]:
+    """The starting checkpoint and its evaluation: from the cache, from ``--start``, or made now
+    (the SFT, then the evaluation) and cached."""
+    if args.start:
+        evaluation = _evaluate([*base, f"model.path={args.start}"])
+        return {"checkpoint": args.start, "eval": evaluation, "meta": {"checkpoint": args.start, "cached": False}}
+    cached = _cached_start(args, base)
+    if cached is not None:
+        print(f"[length bench] start from the cache: {cached}", flush=True)
+        meta = json.loads((cached / "meta.json").read_text()) | {"cached": True}
+        return {"checkpoint": str(cached / "checkpoint"), "eval": json.loads((cached / "eval.json").read_text()), "meta": meta}
+    path = Path(args.cache) / _start_key(args, base)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    begun = time.perf_counter()
+    checkpoint = _sft(args, base, path)
+    sft_s = time.perf_counter() - begun
+    evaluation = _evaluate([*base, f"model.path={checkpoint}"])
+    meta = {"checkpoint": str(checkpoint), "key": path.name, "sft_steps": _sft_steps(args), "sft_s": round(sft_s, 1)}
+    (path / "meta.json").write_text(json.dumps(meta, indent=1))
+    (path / "eval.json").write_text(json.dumps(evaluation, indent=1))
+    return {"checkpoint": str(checkpoint), "eval": evaluation, "meta": meta | {"cached": False}}
+
+
+def _sft(args: argparse.Namespace, base: list[str], path: Path) -> Path:
+    """`packrl sft char_count` into the cache; refused first when a verbose trace is over the RL
+    response budget (the start would learn answers RL cuts)."""
+    from packrl.models.loading import load_policy_tokenizer
+    from packrl.trainer.sft import sft, sft_traces
+
+    with tempfile.TemporaryDirectory(prefix="packrl-length-sft-") as run:
+        cfg = _sft_config(args, base, run)
+        longest = max(map(len, sft_traces(cfg, load_policy_tokenizer(cfg.model)).response_ids))
+        if longest > cfg.rollout.max_response_tokens:
+            raise ValueError(f"rollout.max_response_tokens={cfg.rollout.max_response_tokens} is below the longest verbose trace "
+                             f"of the start ({longest} tokens): RL would cut the answers it starts from; raise "
+                             f"rollout.max_response_tokens to {longest + 16} or lower data.char_count.max_letters")
+        run_dir = sft(cfg)
+        shutil.move(str(run_dir / "checkpoints" / f"step_{cfg.sft.total_steps}"), path / "checkpoint")
+    return path / "checkpoint"
+
+
+def _evaluate(overrides: list[str]) -> dict[str, Any]:
+    """Greedy answers to the held-out rows: per-row results under both readings and the summary."""
+    from packrl.data.dataset import PromptDataset
+    from packrl.distributed.local import local_group
+    from packrl.reward.char_count import final_count, reads_right
+    from packrl.reward.score import check_ground_truths, policy_texts
+    from packrl.rollout.engine import SamplingParams
+
     cfg = load_config(PRESET, overrides)
+    begun = time.perf_counter()
     workers = local_group(cfg)
     val_set = PromptDataset.build(cfg.data.val_files, workers.tokenizer, cfg.data, seed=cfg.train.seed, split="val", key="data.val_files")
-    metrics = validate(workers, val_set, cfg.rollout, cfg.reward)
+    check_ground_truths(cfg.reward, val_set, "data.val_files")
+    params = SamplingParams.from_config(cfg.rollout, validation=True)
+    rows = []
+    for prompts in val_set.iter_batches(cfg.rollout.max_num_seqs):
+        rollout = workers.generate(prompts, params)
+        for k, (text, response) in enumerate(zip(policy_texts(rollout.responses, workers.tokenizer), rollout.responses)):
+            truth = prompts.ground_truths[k]
+            rows.append({"row": prompts.rows[k], "count": int(final_count(truth) or 0),
+                         "correct_strict": not response.truncated and reads_right(text, truth, "strict"),
+                         "correct_lenient": not response.truncated and reads_right(text, truth, "lenient"),
+                         "tokens": int(response.generated_mask().sum()), "truncated": bool(response.truncated)})
     workers.close()
-    accuracy, rows = metrics["val/accuracy"], len(val_set)
-    result = {"rows": rows, "accuracy": accuracy, "accuracy_se": math.sqrt(accuracy * (1 - accuracy) / max(1, rows)),
-              "truncation_ratio": metrics["val/response_length/clip_ratio"], "response_length_mean": metrics["val/response_length/mean"]}
-    result |= {key.removeprefix("val/length/"): value for key, value in metrics.items() if key.startswith("val/length/")}
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    return result
+    eval_s = time.perf_counter() - begun
+    print(f"[length bench] evaluated {len(rows)} rows in {eval_s:.0f} s", flush=True)
+    return {"eval_s": round(eval_s, 1), "summary": summary(rows), "rows": rows}
 
 
-def _arm(name: str, overrides: list[str], steps: int, out: Path) -> dict:
-    """``steps`` GRPO steps from the start with the arm's overrides, then the held-out evaluation."""
-    run = Path(tempfile.mkdtemp(prefix=f"packrl-length-{name}-"))
+def _arm(name: str, overrides: list[str], steps: int, out: Path) -> dict[str, Any]:
+    """``steps`` RL steps from the start with the arm's overrides, then the held-out evaluation."""
+    from packrl.trainer.loop import train
+
+    print(f"[length bench] arm {name}: {steps} steps", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    run = out / "runs" / name
+    shutil.rmtree(run, ignore_errors=True)
     cfg = load_config(PRESET, [*overrides, f"train.total_steps={steps}", f"train.out_dir={run}"])
     run_dir = train(cfg)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = lines[-5:]
-    training = {"steps": len(lines), "step_s_last5": statistics.mean(line["timing_s/step"] for line in last),
-                "train_s": sum(line["timing_s/step"] for line in lines),
-                "train_length_first5": statistics.mean(line["response_length/mean"] for line in lines[:5]),
-                "train_length_last5": statistics.mean(line["response_length/mean"] for line in last),
-                "train_score_last5": statistics.mean(line["critic/score/mean"] for line in last)}
     final = run_dir / "checkpoints" / f"step_{steps}"
-    result = {"overrides": overrides[len(COMMON):], "training": training,
-              "eval": _evaluate([*overrides, f"model.path={final}"], f"{name}_eval", out)}
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    return result
+    evaluation = _evaluate([*overrides, f"model.path={final}"])
+    shutil.rmtree(final)  # 1.6 GB of weights and optimizer states; the rollout dumps and metrics stay
+    return {"overrides": overrides[len(COMMON):], "training": _training(lines), **evaluation}
 
 
-def _against_grpo(arms: dict) -> dict:
-    """Each arm's held-out length and accuracy against plain GRPO's (length change as a fraction)."""
-    if "grpo" not in arms:
-        return {}
-    base = arms["grpo"]["eval"]
+def _training(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per step and in the mean: step, generation and update seconds; train score and length."""
+    def mean(key: str) -> float:
+        values = [line[key] for line in lines if key in line]
+        return round(statistics.mean(values), 3) if values else float("nan")
+
+    keys = ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "critic/score/mean", "response_length/mean")
+    return {"steps": len(lines), **{f"{k}_mean": mean(k) for k in keys},
+            "per_step": [{k: line.get(k) for k in keys} for line in lines]}
+
+
+def _arm_estimate(name: str, args: argparse.Namespace, done: dict[str, Any]) -> float:
+    """Seconds an arm is expected to take: its steps at the step time measured so far (grpo's,
+    scaled for a larger group) or the host estimate, plus the start's measured evaluation time."""
+    wide = any(o.startswith("rollout.n=") for o in ARMS[name])
+    eval_s = done["start"]["eval_s"] if "start" in done else EST_EVAL_S_PER_ROW * args.eval_rows
+    measured = [a["training"]["timing_s/step_mean"] for n, a in done.items() if n != "start" and
+                any(o.startswith("rollout.n=") for o in ARMS[n]) == wide]
+    if measured:
+        return args.steps * max(measured) + eval_s
+    grpo = done.get("grpo")
+    step = EST_STEP_S["n8" if wide else "n4"] if grpo is None else grpo["training"]["timing_s/step_mean"] * (1.6 if wide else 1.0)
+    return args.steps * step + eval_s
+
+
+def _comparisons(arms: dict[str, Any], margin: float) -> dict[str, Any]:
     out = {}
-    for name, arm in arms.items():
-        ev = arm["eval"]
-        out[name] = {"accuracy_points": round(100 * (ev["accuracy"] - base["accuracy"]), 2)}
-        for key in ("response_length_mean", "correct/mean", "correct/p95"):
-            if key in ev and key in base and base[key]:
-                out[name][f"{key}_change"] = round(ev[key] / base[key] - 1, 4)
-        out[name]["step_s_change"] = round(arm["training"]["step_s_last5"] / arms["grpo"]["training"]["step_s_last5"] - 1, 4)
+    if "grpo" in arms:
+        out["grpo_vs_start"] = compare(arms["grpo"]["rows"], arms["start"]["rows"], margin=margin)
+        for name in arms:
+            if name not in ("start", "grpo"):
+                out[f"{name}_vs_grpo"] = compare(arms[name]["rows"], arms["grpo"]["rows"], margin=margin)
     return out
 
 
-def _target_rows(seed: int, split: str, tokenizer, path: Path) -> None:
-    """``task:char_count`` rows of ``split`` with a ``target_tokens`` column: each row's target drawn
-    from 1.0-2.5x the tokens of its shortest correct answer (a length a correct answer can have)."""
-    cfg = load_config(PRESET).data.char_count
-    rng = random.Random(seed)
-    rows = split_rows(cfg, seed, split)
-    with path.open("w") as f:
-        for row in rows:
-            _, shortest = shortest_correct_response(row["question"], tokenizer)
-            f.write(json.dumps(row | {"target_tokens": int(shortest * rng.uniform(1.0, 2.5))}) + "\n")
+def _verdict(report: dict[str, Any], margin: float) -> dict[str, Any]:
+    """The acceptance read off the comparisons: grpo non-inferior to the start; each length arm's
+    mean and p95 cut against grpo, strict accuracy non-inferior to grpo; the update-time ratio of
+    GFPO to GRPO; the rows a 2-point margin would need at the measured discordance."""
+    comps, arms = report["comparisons"], report["arms"]
+    out: dict[str, Any] = {}
+    if "grpo_vs_start" in comps:
+        out["grpo_non_inferior_to_start"] = comps["grpo_vs_start"]["accuracy_strict"]["non_inferior"]
+    for name, comp in comps.items():
+        if name.endswith("_vs_grpo"):
+            arm = name.removesuffix("_vs_grpo")
+            out[arm] = {"mean_cut": comp["tokens_mean_cut"], "p95_cut": comp["tokens_p95_cut"],
+                        "non_inferior_strict": comp["accuracy_strict"]["non_inferior"],
+                        "meets_target": comp["tokens_mean_cut"] >= 0.35 and comp["tokens_p95_cut"] >= 0.35
+                        and comp["accuracy_strict"]["non_inferior"]}
+    if "gfpo" in arms and "grpo" in arms:
+        out["gfpo_update_over_grpo"] = round(arms["gfpo"]["training"]["timing_s/update_actor_mean"]
+                                             / arms["grpo"]["training"]["timing_s/update_actor_mean"], 3)
+    discordant = [c["accuracy_strict"]["only_arm_right"] + c["accuracy_strict"]["only_base_right"] for c in comps.values()]
+    if discordant:
+        share = max(discordant) / max(1, next(iter(comps.values()))["num_rows"])
+        out["rows_needed"] = {"discordant_share": round(share, 4), "margin_5_points": rows_needed(max(share, 1e-3), margin),
+                              "margin_2_points": rows_needed(max(share, 1e-3), 0.02)}
+    return out
 
 
-def _target_arm(base: list[str], checkpoint: str, steps: int, out: Path) -> dict:
-    """``target_length`` (L1-Exact): prompts that ask for a length, adherence before and after training."""
-    from transformers import AutoTokenizer
+def _settings(args: argparse.Namespace, base: list[str]) -> dict[str, Any]:
+    return {"preset": PRESET, "common": base, "training": TRAINING, "arms": {a: ARMS[a] for a in args.arms.split(",")},
+            "steps": args.steps, "eval_rows": args.eval_rows, "budget_minutes": args.budget_minutes, "margin": args.margin}
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    data = out / "target_data"
-    data.mkdir(exist_ok=True)
-    seed = load_config(PRESET).train.seed
-    _target_rows(seed, "train", tokenizer, data / "train.jsonl")
-    _target_rows(seed, "val", tokenizer, data / "val.jsonl")
-    targets = [f"data.train_files=[{data / 'train.jsonl'}]", f"data.val_files=[{data / 'val.jsonl'}]",
-               "data.length_target.column=target_tokens", f"data.length_target.template={TARGET_TEMPLATE}"]
-    before = _evaluate([*base, *targets, f"model.path={checkpoint}"], "target_before", out)
-    arm = _arm("target_length", [*base, *targets, "reward.shaping.target_length.alpha=0.005", f"model.path={checkpoint}"], steps, out)
-    return {"before": before, **arm}
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["python bench/bench_length_control.py", f"--steps {args.steps}", f"--eval-rows {args.eval_rows}", f"--arms {args.arms}",
+             f"--budget-minutes {args.budget_minutes:g}"]
+    parts += [f"--start {args.start}"] if args.start else []
+    parts += [f"--target-steps {args.target_steps}"] if args.target_steps else []
+    return " ".join(parts + list(args.overrides))
+
+
+def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
+    from bench.common import machine
+
+    dtype = load_config(PRESET, args.overrides).model.dtype
+    full = report | machine(dtype)
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.report).write_text(json.dumps(full, indent=1) + "\n")
+    printed = {k: v for k, v in report.items() if k != "arms"} | {
+        "arms": {n: {k: v for k, v in a.items() if k != "rows"} for n, a in report["arms"].items()}}
+    emit(printed, dtype=dtype)
 
 
 if __name__ == "__main__":

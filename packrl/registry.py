@@ -275,7 +275,8 @@ def _origin(part: Any) -> tuple[str, str]:
     return getattr(part, "__module__", "") or "", getattr(part, "__qualname__", "") or ""
 
 
-REWARDS = Registry("REWARDS", "reward.name", "reward", {"gsm8k": "packrl.reward.gsm8k", "math_verify": "packrl.reward.math_verify"},
+REWARDS = Registry("REWARDS", "reward.name", "reward", {"gsm8k": "packrl.reward.gsm8k", "math_verify": "packrl.reward.math_verify",
+                                                      "char_count": "packrl.reward.char_count"},
                    checks={"math_verify": "packrl.reward.math_verify:config_problems"})
 """``fn(response_text, ground_truth, *, data_source, cfg: RewardConfig) -> float`` (`packrl.reward.registry.RewardFn`)."""
 

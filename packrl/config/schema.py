@@ -273,8 +273,13 @@ class RewardConfig:
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         bad = [(name, args) for name, args in self.shaping.items() if args is not None and not isinstance(args, dict)]
-        return [ConfigProblem(f"{prefix}.shaping.{name}", args, "must be a mapping of the part's knobs (or {} for its defaults, "
-                              "null for off)", f"write {prefix}.shaping.{name}.<knob>=value") for name, args in bad]
+        out = [ConfigProblem(f"{prefix}.shaping.{name}", args, "must be a mapping of the part's knobs (or {} for its defaults, "
+                             "null for off)", f"write {prefix}.shaping.{name}.<knob>=value") for name, args in bad]
+        if self.char_count.reading != "strict" and self.name != "char_count":
+            out.append(ConfigProblem(f"{prefix}.char_count.reading", self.char_count.reading, f"has no effect: {prefix}.name="
+                                     f"{self.name} does not read it", f"set {prefix}.name=char_count or drop {prefix}.char_count.reading",
+                                     keys=(f"{prefix}.char_count.reading", f"{prefix}.name")))
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
