@@ -57,6 +57,7 @@ def _has_tensorboard() -> bool:
 
 def test_trace_is_valid_and_micro_batches_nest_in_update(observed_run):
     events = check_trace(json.loads((observed_run / "trace.json").read_text()))
+    metrics = [json.loads(line) for line in (observed_run / "metrics.jsonl").read_text().splitlines()]
     for step in (1, 2):
         mine = [e for e in events if e["args"].get("step") == step]
         stages = {e["name"]: e for e in mine if e["cat"] == "stage"}
@@ -73,8 +74,10 @@ def test_trace_is_valid_and_micro_batches_nest_in_update(observed_run):
         for e in micro:
             args = e["args"]
             assert 1 <= args["num_sequences"] <= 6 and 0 < args["num_tokens"] <= 150 and args["num_positions"] >= args["num_tokens"]
-        # mini-batch of 1 prompt: 2 mini-batches, each planned on its own; every sequence once
-        assert sum(e["args"]["num_sequences"] for e in micro) == 6
+        # mini-batch of 1 prompt: 2 mini-batches, each planned on its own; every sequence with a loss token once (a
+        # response cut under algorithm.truncated=mask has none and leaves the micro-batches, reported as left out)
+        left_out = metrics[step - 1].get("seqlen/update_left_out_sequences", 0)
+        assert sum(e["args"]["num_sequences"] for e in micro) == 6 - left_out
     assert not list(observed_run.glob(".trace.json*"))
 
 
