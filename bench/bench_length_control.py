@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -95,7 +96,11 @@ def main() -> None:
     deadline = wall + 60 * args.budget_minutes
     base = [*COMMON, f"data.max_val_rows={args.eval_rows}", *args.overrides]
     arms = args.arms.split(",")
-    _refuse_bad_input(args, base, arms)
+    try:
+        _refuse_bad_input(args, base, arms)
+    except ValueError as err:  # bad arguments or overrides (ConfigError included): one line, as packrl's own commands
+        print(f"bench_length_control: error: {err}", file=sys.stderr)
+        sys.exit(2)
     start = _start(args, base, deadline)
     report: dict[str, Any] = {"settings": _settings(args, base), "start": start["meta"], "arms": {"start": start["eval"]},
                               "dropped": {}, "comparisons": {}}
@@ -112,7 +117,11 @@ def main() -> None:
     if args.target_steps:
         from bench.length_target_arm import target_arm
 
-        report["target_length"] = target_arm([*base, *TRAINING], start["checkpoint"], args.target_steps, out, PRESET, _arm)
+        estimate = args.target_steps * EST_STEP_S["n4"] + 2 * report["arms"]["start"]["eval_s"]
+        if time.perf_counter() + estimate > deadline:
+            report["dropped"]["target_length"] = f"estimated {estimate / 60:.1f} min, past --budget-minutes"
+        else:
+            report["target_length"] = target_arm([*base, *TRAINING], start["checkpoint"], args.target_steps, out, PRESET, _arm)
     report["comparisons"] = _comparisons(report["arms"], args.margin)
     report["verdict"] = _verdict(report, args.margin)
     report = {"command": _command(args), "wall_s": round(time.perf_counter() - wall, 1), **report}
@@ -141,11 +150,19 @@ def _refuse_bad_input(args: argparse.Namespace, base: list[str], arms: list[str]
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise ValueError(f"--arms {args.arms!r}: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
-    for name, value in (("--steps", args.steps), ("--eval-rows", args.eval_rows)):
-        if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
+    if len(set(arms)) < len(arms):
+        raise ValueError(f"--arms {args.arms!r} names an arm twice (the second run would replace the first); name each once")
+    for name, value, least in (("--steps", args.steps, 1), ("--eval-rows", args.eval_rows, 1), ("--sft-steps", _sft_steps(args), 1),
+                               ("--target-steps", args.target_steps, 0)):
+        if value < least:
+            raise ValueError(f"{name}={value} must be at least {least}")
     if not 0 < args.margin < 1:
         raise ValueError(f"--margin={args.margin} must be a fraction in (0, 1), e.g. 0.05")
+    if not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
+        raise ValueError(f"--budget-minutes={args.budget_minutes} must be a finite number of minutes > 0, e.g. 90")
+    if args.start and not (Path(args.start) / "config.json").is_file():
+        raise ValueError(f"--start {args.start}: no model directory there (no config.json); give a checkpoint directory "
+                         "(RUN_DIR/checkpoints/step_N) or leave --start out to make the start")
     for name in arms:  # every arm's config loads (a bad override or option is named now, not an hour in)
         load_config(PRESET, [*base, *TRAINING, *ARMS[name]])
     first = _arm_estimate(arms[0], args, {})
