@@ -206,7 +206,8 @@ def char_count_rows(num_rows: int, cfg: CharCountConfig, seed: int, *, exclude: 
         questions allows (a smaller space repeats rows, logged).
 
     Raises:
-        ValueError: a non-positive ``num_rows`` or a ``cfg`` that fails its checks.
+        ValueError: a non-positive ``num_rows``, a ``cfg`` that fails its checks, or no question
+            drawn outside ``exclude``.
     """
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
         raise ValueError(f"num_rows={num_rows!r} must be a positive integer; set data.char_count.num_rows=1 or more")
@@ -217,14 +218,25 @@ def char_count_rows(num_rows: int, cfg: CharCountConfig, seed: int, *, exclude: 
     seen: set[str] = set()
     for _ in range(_DRAWS_PER_ROW * num_rows + 1000):
         if len(rows) == num_rows:
-            return rows
+            break
         row = _draw(rng, cfg)
         if row["question"] not in seen and row["question"] not in excluded:
             seen.add(row["question"])
             rows.append(row)
-    logger.warning("task:char_count has only %d distinct questions left for these settings; %d rows repeat (raise "
-                   "data.char_count.max_letters for more)", len(rows), num_rows - len(rows))
-    return rows + [dict(rng.choice(rows)) if rows else _draw(rng, cfg) for _ in range(num_rows - len(rows))]
+    if not rows:
+        raise ValueError(f"task:char_count drew no question outside the {len(excluded)} excluded (the training split's) for "
+                         f"words of {cfg.min_letters}-{cfg.max_letters} letters: the validation rows would be training rows; "
+                         "raise data.char_count.max_letters or lower data.char_count.num_rows")
+    if len(rows) < num_rows:
+        logger.warning("task:char_count has only %d distinct questions left for these settings; %d rows repeat (raise "
+                       "data.char_count.max_letters for more)", len(rows), num_rows - len(rows))
+        rows += [dict(rng.choice(rows)) for _ in range(num_rows - len(rows))]
+    floor = guess_floor(rows)
+    if floor > 1 / (cfg.max_count + 1) + 0.1:
+        logger.warning("task:char_count: a constant guess of the count is right for %.0f%% of these rows (uniform counts would "
+                       "give %.0f%%): too few distinct words hold each count; raise data.char_count.max_letters",
+                       100 * floor, 100 / (cfg.max_count + 1))
+    return rows
 
 
 def split_rows(cfg: CharCountConfig, seed: int, split: str) -> list[dict[str, Any]]:

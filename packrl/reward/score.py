@@ -109,7 +109,8 @@ def check_ground_truths(cfg: RewardConfig, dataset: Any, key: str) -> None:
     if bad:
         row, why = bad[0]
         raise ValueError(f"reward.name={cfg.name!r} cannot read the ground truth of {len(bad)} of {len(dataset.prompts)} rows of "
-                         f"{key} (row {row}: {why}); give it data made for it or choose another reward.name")
+                         f"{key} (input row {row}, counted from 0 over the split's files: {why}); give it data made for it or "
+                         "choose a reward that reads these rows (reward.name=gsm8k reads a final number)")
 
 
 def _score_with_retry(reward_fn: Any, text: str, truth: str, source: str, cfg: RewardConfig, index: int) -> float:

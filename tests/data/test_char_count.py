@@ -104,6 +104,9 @@ def test_a_tiny_space_repeats_rows_and_says_so(caplog):
     rows = char_count_rows(700, cfg, seed=0)
     assert len(rows) == 700 and len({r["question"] for r in rows}) <= 676
     assert "rows repeat" in caplog.text and "data.char_count.max_letters" in caplog.text
+    assert "a constant guess of the count is right for" in caplog.text  # 26 of the 676 questions have count 1
+    with pytest.raises(ValueError, match="drew no question outside the 6.. excluded"):
+        char_count_rows(10, cfg, seed=1, exclude={r["question"] for r in rows})
 
 
 @pytest.mark.parametrize("style", STYLES)
