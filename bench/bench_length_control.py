@@ -31,7 +31,9 @@ Command (the defaults; the committed report ``bench/results/length_control.json`
 
 Options: ``--steps``, ``--eval-rows``, ``--arms`` (of `ARMS`), ``--budget-minutes``, ``--margin``,
 ``--start``, ``--cache``, ``--out``, ``--report``, ``--target-steps`` (a `target_length` arm, off by
-default) and config overrides after them (``train.lr=...``), which every run of the bench takes.
+default), ``--baseline REPORT`` (the trained arms of an earlier report of the same start join this
+run's comparisons, row by row: later arms without rerunning grpo) and config overrides after them
+(``train.lr=...``), which every run of the bench takes.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def main() -> None:
     report: dict[str, Any] = {"settings": _settings(args, base), "start": start["meta"], "arms": {"start": start["eval"]},
                               "dropped": {}, "comparisons": {}}
     out = Path(args.out)
+    report["arms"] |= _baseline_arms(args.baseline, start["meta"])
     for name in arms:
         estimate = _arm_estimate(name, args, report["arms"])
         if time.perf_counter() + estimate > deadline:
@@ -128,6 +131,22 @@ def main() -> None:
     _write(report, args)
 
 
+def _baseline_arms(path: str | None, start: dict[str, Any]) -> dict[str, Any]:
+    """The trained arms of an earlier report (``--baseline``) of the same start, each marked with
+    the report it comes from, so a run of further arms compares with them row by row.
+
+    Raises:
+        ValueError: the report comes from another start (its cache key differs).
+    """
+    if not path:
+        return {}
+    earlier = json.loads(Path(path).read_text())
+    if earlier["start"].get("key") != start.get("key"):
+        raise ValueError(f"--baseline {path} comes from the start {earlier['start'].get('key')}, not this run's {start.get('key')}; "
+                         "compare arms of one start only")
+    return {name: arm | {"from_report": path} for name, arm in earlier["arms"].items() if name != "start"}
+
+
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the start (default: the preset's sft.total_steps)")
@@ -138,6 +157,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--budget-minutes", type=float, default=90.0, help="drop the arms that would run past it")
     parser.add_argument("--margin", type=float, default=0.05, help="non-inferiority margin (fraction)")
     parser.add_argument("--target-steps", type=int, default=0, help="train a target_length arm this many steps (0: none)")
+    parser.add_argument("--baseline", default=None, help="an earlier report of the same start whose arms this run compares with")
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "packrl" / "bench_length_control"))
     parser.add_argument("--out", default="bench/results/length_control")
     parser.add_argument("--report", default="bench/results/length_control.json")
@@ -357,6 +377,7 @@ def _command(args: argparse.Namespace) -> str:
              f"--budget-minutes {args.budget_minutes:g}"]
     parts += [f"--start {args.start}"] if args.start else []
     parts += [f"--target-steps {args.target_steps}"] if args.target_steps else []
+    parts += [f"--baseline {args.baseline}"] if args.baseline else []
     return " ".join(parts + list(args.overrides))
 
 
