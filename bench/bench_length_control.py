@@ -88,7 +88,7 @@ EST_STEP_S = {"n4": 165.0, "n8": 230.0}
 CODE = ["packrl/data/char_count.py", "packrl/data/char_count_traces.py", "packrl/data/traces.py", "packrl/trainer/sft.py",
         "packrl/config/presets/char_count.yaml", "packrl/reward/char_count.py"]
 """The files whose text the start's cache key holds (with the settings, library versions and `START_VERSION`)."""
-START_VERSION = 1
+START_VERSION = 2
 """Raised when this file changes how the start is made or evaluated (`_sft`, `_evaluate`)."""
 
 
@@ -282,11 +282,20 @@ def _evaluate(overrides: list[str]) -> dict[str, Any]:
             rows.append({"row": prompts.rows[k], "count": int(final_count(truth) or 0),
                          "correct_strict": not response.truncated and reads_right(text, truth, "strict"),
                          "correct_lenient": not response.truncated and reads_right(text, truth, "lenient"),
-                         "tokens": int(response.generated_mask().sum()), "truncated": bool(response.truncated)})
+                         "tokens": int(response.generated_mask().sum()), "truncated": bool(response.truncated),
+                         "redundant_lines": _redundant_lines(text)})
     workers.close()
     eval_s = time.perf_counter() - begun
     print(f"[length bench] evaluated {len(rows)} rows in {eval_s:.0f} s", flush=True)
     return {"eval_s": round(eval_s, 1), "summary": summary(rows), "rows": rows}
+
+
+def _redundant_lines(text: str) -> int:
+    """Lines of an answer that are neither a worked line (``r - yes (1)``) nor the final ``#### N``:
+    restatements, fillers, openings and closings, what a length objective may remove."""
+    from packrl.reward.char_count import WORKED_LINE
+
+    return sum(1 for line in text.splitlines() if line.strip() and not WORKED_LINE.match(line) and not line.strip().startswith("####"))
 
 
 def _arm(name: str, overrides: list[str], steps: int, out: Path) -> dict[str, Any]:

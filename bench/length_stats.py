@@ -66,11 +66,15 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                          "accuracy_strict": _share([r["correct_strict"] for r in rows if r["count"] == c]),
                          "accuracy_lenient": _share([r["correct_lenient"] for r in rows if r["count"] == c])} for c in counts}
     floor = max((sum(r["count"] == c for r in rows) for c in counts), default=0) / max(1, n)
-    return {"num_rows": n, "accuracy_strict": _share([r["correct_strict"] for r in rows]),
-            "accuracy_lenient": _share([r["correct_lenient"] for r in rows]), "guess_floor_lenient": floor,
-            "guess_floor_strict": 0.0, "tokens_mean": _mean(tokens), "tokens_p50": percentile(tokens, 50),
-            "tokens_p95": percentile(tokens, 95), "correct_tokens_mean": _mean(right), "correct_tokens_p95": percentile(right, 95),
-            "truncated": sum(bool(r.get("truncated")) for r in rows), "by_count": by_count}
+    out = {"num_rows": n, "accuracy_strict": _share([r["correct_strict"] for r in rows]),
+           "accuracy_lenient": _share([r["correct_lenient"] for r in rows]), "guess_floor_lenient": floor,
+           "guess_floor_strict": 0.0, "tokens_mean": _mean(tokens), "tokens_p50": percentile(tokens, 50),
+           "tokens_p95": percentile(tokens, 95), "correct_tokens_mean": _mean(right), "correct_tokens_p95": percentile(right, 95),
+           "truncated": sum(bool(r.get("truncated")) for r in rows), "by_count": by_count}
+    if all("redundant_lines" in r for r in rows):  # reports before the field have none
+        out["redundant_lines_mean"] = _mean([r["redundant_lines"] for r in rows])
+        out["with_redundant_lines"] = _share([r["redundant_lines"] > 0 for r in rows])
+    return out
 
 
 def compare(arm: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]], *, margin: float = 0.05, seed: int = 0) -> dict[str, Any]:

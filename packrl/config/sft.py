@@ -46,6 +46,13 @@ class SftConfig:
     that says more than it needs) or `thinking` (the concise lines inside `<think>` ... `</think>`,
     then `#### N`)."""
 
+    concise_fraction: float = 0.0
+    """Fraction of `task:char_count_traces` answered `concise` whatever `trace_style` (each trace
+    drawn on its own, reproducibly from `train.seed`). A start trained on such a mix is verbose most
+    of the time but not always, so the samples of one question differ in length by their redundant
+    lines, not only by their mistakes: the spread a length objective selects on (reasoning models
+    vary their verbosity the same way). 0 (default): every trace in `trace_style`."""
+
     max_prompt_tokens: int | None = None
     """Prompt budget of a trace (tokens: the system and user messages rendered with the chat
     template and the generation prompt, as RL renders its prompts). A trace whose prompt is longer
@@ -78,4 +85,13 @@ class SftConfig:
                                      f"has no effect: {prefix}.train_files={self.train_files} has no {CHAR_COUNT_TRACES}",
                                      f"add {CHAR_COUNT_TRACES} to {prefix}.train_files or set {prefix}.trace_style=concise (the default)",
                                      keys=(f"{prefix}.trace_style", f"{prefix}.train_files")))
+        if not 0 <= self.concise_fraction <= 1:
+            out.append(ConfigProblem(f"{prefix}.concise_fraction", self.concise_fraction, "must be in [0, 1]",
+                                     f"set {prefix}.concise_fraction=0.25"))
+        elif self.concise_fraction and (self.trace_style == "concise" or CHAR_COUNT_TRACES not in self.train_files):
+            out.append(ConfigProblem(f"{prefix}.concise_fraction", self.concise_fraction,
+                                     f"has no effect with {prefix}.trace_style={self.trace_style} "
+                                     f"and {prefix}.train_files={self.train_files}",
+                                     f"set {prefix}.concise_fraction=0, or use {CHAR_COUNT_TRACES} with {prefix}.trace_style=verbose",
+                                     keys=(f"{prefix}.concise_fraction", f"{prefix}.trace_style", f"{prefix}.train_files")))
         return out

@@ -196,6 +196,21 @@ def test_traces_render_as_rl_prompts_and_end_in_the_count(smollm_tokenizer, styl
         assert whole.startswith(smollm_tokenizer.apply_chat_template(row["messages"], tokenize=False).rstrip("\n"))
 
 
+def test_a_concise_fraction_mixes_the_styles_reproducibly():
+    cfg = load_config("char_count", ["sft.num_rows=200", "sft.concise_fraction=0.3"])
+    rows = char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)
+    styles = []
+    for row in rows:
+        word, letter = _word_letter({"question": row["messages"][-2]["content"].split("?")[0] + "?"})
+        answer = row["messages"][-1]["content"]
+        assert answer in (worked_answer(word, letter, "concise"), worked_answer(word, letter, "verbose"))
+        styles.append(answer == worked_answer(word, letter, "concise"))
+    assert 0.2 < sum(styles) / len(styles) < 0.4  # 200 draws of 0.3
+    assert rows == char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)  # the same traces every time
+    plain = char_count_trace_rows(cfg.data, load_config("char_count", ["sft.num_rows=200", "sft.concise_fraction=0"]).sft, cfg.train.seed)
+    assert [r["messages"][:-1] for r in plain] == [r["messages"][:-1] for r in rows]  # the same questions
+
+
 def test_the_preset_fits_the_longest_verbose_answer(smollm_tokenizer):
     from packrl.data.char_count import _FILLERS
 
@@ -219,6 +234,8 @@ def test_the_preset_fits_the_longest_verbose_answer(smollm_tokenizer):
     (["data.char_count.max_count=13"], "data.char_count.max_count", "is above data.char_count.max_letters=12"),
     (["sft.train_files=[task:tool_traces]"], "sft.trace_style", "has no effect"),
     (["sft.trace_style=terse"], "sft.trace_style", "terse"),
+    (["sft.concise_fraction=1.5"], "sft.concise_fraction", "must be in [0, 1]"),
+    (["sft.concise_fraction=0.3", "sft.trace_style=concise"], "sft.concise_fraction", "has no effect"),
 ])
 def test_bad_knobs_are_refused_with_the_key(overrides, key, message):
     with pytest.raises(ConfigError) as err:
