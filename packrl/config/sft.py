@@ -88,10 +88,9 @@ class SftConfig:
         if not 0 <= self.concise_fraction <= 1:
             out.append(ConfigProblem(f"{prefix}.concise_fraction", self.concise_fraction, "must be in [0, 1]",
                                      f"set {prefix}.concise_fraction=0.25"))
-        elif self.concise_fraction and (self.trace_style == "concise" or CHAR_COUNT_TRACES not in self.train_files):
+        elif self.concise_fraction and CHAR_COUNT_TRACES not in self.train_files:
             out.append(ConfigProblem(f"{prefix}.concise_fraction", self.concise_fraction,
-                                     f"has no effect with {prefix}.trace_style={self.trace_style} "
-                                     f"and {prefix}.train_files={self.train_files}",
-                                     f"set {prefix}.concise_fraction=0, or use {CHAR_COUNT_TRACES} with {prefix}.trace_style=verbose",
-                                     keys=(f"{prefix}.concise_fraction", f"{prefix}.trace_style", f"{prefix}.train_files")))
+                                     f"has no effect: {prefix}.train_files={self.train_files} has no {CHAR_COUNT_TRACES}",
+                                     f"add {CHAR_COUNT_TRACES} to {prefix}.train_files or set {prefix}.concise_fraction=0",
+                                     keys=(f"{prefix}.concise_fraction", f"{prefix}.train_files")))
         return out

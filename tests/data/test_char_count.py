@@ -178,7 +178,7 @@ def test_the_gsm8k_reward_scores_right_answers_1_and_wrong_counts_0(extraction):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_traces_render_as_rl_prompts_and_end_in_the_count(smollm_tokenizer, style):
-    cfg = load_config("char_count", ["sft.num_rows=24", f"sft.trace_style={style}"])
+    cfg = load_config("char_count", ["sft.num_rows=24", f"sft.trace_style={style}", "sft.concise_fraction=0"])
     traces = sft_traces(cfg, smollm_tokenizer)
     assert len(traces) == 24 and traces.accounting.num_rejected == traces.accounting.num_filtered == 0
     build = dict(tokenizer=smollm_tokenizer, data_cfg=cfg.data, seed=cfg.train.seed)
@@ -235,7 +235,7 @@ def test_the_preset_fits_the_longest_verbose_answer(smollm_tokenizer):
     (["sft.train_files=[task:tool_traces]"], "sft.trace_style", "has no effect"),
     (["sft.trace_style=terse"], "sft.trace_style", "terse"),
     (["sft.concise_fraction=1.5"], "sft.concise_fraction", "must be in [0, 1]"),
-    (["sft.concise_fraction=0.3", "sft.trace_style=concise"], "sft.concise_fraction", "has no effect"),
+    (["sft.train_files=[task:tool_traces]", "sft.trace_style=concise"], "sft.concise_fraction", "has no effect"),
 ])
 def test_bad_knobs_are_refused_with_the_key(overrides, key, message):
     with pytest.raises(ConfigError) as err:
