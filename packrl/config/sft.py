@@ -46,12 +46,13 @@ class SftConfig:
     that says more than it needs) or `thinking` (the concise lines inside `<think>` ... `</think>`,
     then `#### N`)."""
 
-    concise_fraction: float = 0.0
-    """Fraction of `task:char_count_traces` answered `concise` whatever `trace_style` (each trace
-    drawn on its own, reproducibly from `train.seed`). A start trained on such a mix is verbose most
-    of the time but not always, so the samples of one question differ in length by their redundant
-    lines, not only by their mistakes: the spread a length objective selects on (reasoning models
-    vary their verbosity the same way). 0 (default): every trace in `trace_style`."""
+    redundancy: float = 1.0
+    """Chance that each redundant line of a `verbose` trace of `task:char_count_traces` is written
+    (the opening, each restatement, each filler, the closing; drawn per line, reproducibly from
+    `train.seed`); the worked lines and the final count always are. Below 1 the start is verbose
+    but not always equally so: its samples of one question differ in length by redundant lines,
+    not only by mistakes, which is the spread a length objective selects on (reasoning models vary
+    their verbosity the same way). 1 (default): every redundant line."""
 
     max_prompt_tokens: int | None = None
     """Prompt budget of a trace (tokens: the system and user messages rendered with the chat
@@ -85,12 +86,12 @@ class SftConfig:
                                      f"has no effect: {prefix}.train_files={self.train_files} has no {CHAR_COUNT_TRACES}",
                                      f"add {CHAR_COUNT_TRACES} to {prefix}.train_files or set {prefix}.trace_style=concise (the default)",
                                      keys=(f"{prefix}.trace_style", f"{prefix}.train_files")))
-        if not 0 <= self.concise_fraction <= 1:
-            out.append(ConfigProblem(f"{prefix}.concise_fraction", self.concise_fraction, "must be in [0, 1]",
-                                     f"set {prefix}.concise_fraction=0.25"))
-        elif self.concise_fraction and CHAR_COUNT_TRACES not in self.train_files:
-            out.append(ConfigProblem(f"{prefix}.concise_fraction", self.concise_fraction,
-                                     f"has no effect: {prefix}.train_files={self.train_files} has no {CHAR_COUNT_TRACES}",
-                                     f"add {CHAR_COUNT_TRACES} to {prefix}.train_files or set {prefix}.concise_fraction=0",
-                                     keys=(f"{prefix}.concise_fraction", f"{prefix}.train_files")))
+        if not 0 <= self.redundancy <= 1:
+            out.append(ConfigProblem(f"{prefix}.redundancy", self.redundancy, "must be in [0, 1]", f"set {prefix}.redundancy=0.85"))
+        elif self.redundancy < 1 and (self.trace_style != "verbose" or CHAR_COUNT_TRACES not in self.train_files):
+            out.append(ConfigProblem(f"{prefix}.redundancy", self.redundancy,
+                                     f"has no effect: only the verbose {CHAR_COUNT_TRACES} have redundant lines "
+                                     f"({prefix}.trace_style={self.trace_style}, {prefix}.train_files={self.train_files})",
+                                     f"set {prefix}.redundancy=1, or train {CHAR_COUNT_TRACES} with {prefix}.trace_style=verbose",
+                                     keys=(f"{prefix}.redundancy", f"{prefix}.trace_style", f"{prefix}.train_files")))
         return out

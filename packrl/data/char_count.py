@@ -101,9 +101,14 @@ def parse_question(text: str) -> tuple[str, str]:
     return found.group(2).replace("-", ""), found.group(1)
 
 
-def worked_answer(word: str, letter: str, style: str = "concise") -> str:
+def worked_answer(word: str, letter: str, style: str = "concise", *, redundancy: float = 1.0,
+                  draw: random.Random | None = None) -> str:
     """The worked answer to "how many ``letter`` in ``word``" in ``style`` (module docstring), ending
     in ``#### <count>``; every line of it is correct.
+
+    ``redundancy`` < 1 (``verbose`` only): each redundant line (the opening, a restatement, a filler,
+    the closing) is written with that chance, drawn per line from ``draw``; the worked lines and the
+    final count always are, so the answer stays correct under the strict reading.
 
     Raises:
         ValueError: an unknown style (the choices are `STYLES`, ``sft.trace_style``).
@@ -127,7 +132,11 @@ def worked_answer(word: str, letter: str, style: str = "concise") -> str:
         return "\n".join([THINK_OPEN, *lines, THINK_CLOSE, final])
     opening = f"I will check each letter for {letter}."
     closing = f"So {letter} appears {'once' if count == 1 else f'{count} times'}." if count else f"So {letter} does not appear."
-    return "\n".join([opening, *verbose, closing, final])
+    assert redundancy >= 1 or draw is not None, "a redundancy below 1 draws each line from draw"
+    worked = set(lines)
+    kept = [line for line in [opening, *verbose, closing]
+            if redundancy >= 1 or line in worked or (draw is not None and draw.random() < redundancy)]
+    return "\n".join([*kept, final])
 
 
 def shortest_correct_response(question: str, tokenizer: Any) -> tuple[str, int]:

@@ -21,8 +21,8 @@ from packrl.data.examples import to_example
 def char_count_trace_rows(data: DataConfig, sft: SftConfig, seed: int) -> list[dict[str, Any]]:
     """``sft.num_rows`` traces of `task:char_count` questions drawn as the training split draws
     them (``data.char_count``, ``seed`` = ``train.seed``; the first ones are the training rows of
-    RL) without any validation question, answered in ``sft.trace_style``, or concise for a share
-    ``sft.concise_fraction`` of them (drawn per trace with ``seed``).
+    RL) without any validation question, answered in ``sft.trace_style`` (a verbose one writing each
+    redundant line with the chance ``sft.redundancy``, drawn with ``seed``).
 
     Returns:
         One ``{"messages": [system?, user, assistant]}`` per trace.
@@ -31,11 +31,10 @@ def char_count_trace_rows(data: DataConfig, sft: SftConfig, seed: int) -> list[d
         ValueError: ``data.char_count`` fails its checks (`char_count_rows`).
     """
     val = [r["question"] for r in split_rows(data.char_count, seed, "val")]
-    out, draw = [], random.Random(f"concise:{seed}")
+    out, draw = [], random.Random(f"redundancy:{seed}")
     for k, row in enumerate(char_count_rows(sft.num_rows, data.char_count, seed, exclude=val)):
         example = to_example(row, row=k, instruction=data.instruction, system_prompt=data.system_prompt)
         assert not isinstance(example, str), "task:char_count rows are well-formed"
-        style = "concise" if draw.random() < sft.concise_fraction else sft.trace_style
-        answer = worked_answer(*parse_question(row["question"]), style)
+        answer = worked_answer(*parse_question(row["question"]), sft.trace_style, redundancy=sft.redundancy, draw=draw)
         out.append({"messages": [*example.chat, {"role": "assistant", "content": answer}]})
     return out

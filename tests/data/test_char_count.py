@@ -178,7 +178,7 @@ def test_the_gsm8k_reward_scores_right_answers_1_and_wrong_counts_0(extraction):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_traces_render_as_rl_prompts_and_end_in_the_count(smollm_tokenizer, style):
-    cfg = load_config("char_count", ["sft.num_rows=24", f"sft.trace_style={style}", "sft.concise_fraction=0"])
+    cfg = load_config("char_count", ["sft.num_rows=24", f"sft.trace_style={style}", "sft.redundancy=1"])
     traces = sft_traces(cfg, smollm_tokenizer)
     assert len(traces) == 24 and traces.accounting.num_rejected == traces.accounting.num_filtered == 0
     build = dict(tokenizer=smollm_tokenizer, data_cfg=cfg.data, seed=cfg.train.seed)
@@ -196,18 +196,24 @@ def test_traces_render_as_rl_prompts_and_end_in_the_count(smollm_tokenizer, styl
         assert whole.startswith(smollm_tokenizer.apply_chat_template(row["messages"], tokenize=False).rstrip("\n"))
 
 
-def test_a_concise_fraction_mixes_the_styles_reproducibly():
-    cfg = load_config("char_count", ["sft.num_rows=200", "sft.concise_fraction=0.3"])
+def test_redundancy_drops_redundant_lines_only_and_reproducibly():
+    from packrl.reward.char_count import reads_right
+
+    cfg = load_config("char_count", ["sft.num_rows=100", "sft.redundancy=0.85"])
     rows = char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)
-    styles = []
+    kept = total = 0
     for row in rows:
         word, letter = _word_letter({"question": row["messages"][-2]["content"].split("?")[0] + "?"})
-        answer = row["messages"][-1]["content"]
-        assert answer in (worked_answer(word, letter, "concise"), worked_answer(word, letter, "verbose"))
-        styles.append(answer == worked_answer(word, letter, "concise"))
-    assert 0.2 < sum(styles) / len(styles) < 0.4  # 200 draws of 0.3
+        answer, full = row["messages"][-1]["content"].split("\n"), worked_answer(word, letter, "verbose").split("\n")
+        position = iter(full)
+        assert all(line in position for line in answer)  # the full verbose answer's lines, in order
+        concise = worked_answer(word, letter, "concise").split("\n")
+        assert [line for line in answer if line in concise] == concise  # every worked line and the final count
+        assert reads_right("\n".join(answer), worked_answer(word, letter, "concise"), "strict")
+        kept, total = kept + len(answer) - len(concise), total + len(full) - len(concise)
+    assert 0.8 < kept / total < 0.9  # about 1,000 redundant lines, each kept with 0.85
     assert rows == char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)  # the same traces every time
-    plain = char_count_trace_rows(cfg.data, load_config("char_count", ["sft.num_rows=200", "sft.concise_fraction=0"]).sft, cfg.train.seed)
+    plain = char_count_trace_rows(cfg.data, load_config("char_count", ["sft.num_rows=100", "sft.redundancy=1"]).sft, cfg.train.seed)
     assert [r["messages"][:-1] for r in plain] == [r["messages"][:-1] for r in rows]  # the same questions
 
 
@@ -234,8 +240,8 @@ def test_the_preset_fits_the_longest_verbose_answer(smollm_tokenizer):
     (["data.char_count.max_count=13"], "data.char_count.max_count", "is above data.char_count.max_letters=12"),
     (["sft.train_files=[task:tool_traces]"], "sft.trace_style", "has no effect"),
     (["sft.trace_style=terse"], "sft.trace_style", "terse"),
-    (["sft.concise_fraction=1.5"], "sft.concise_fraction", "must be in [0, 1]"),
-    (["sft.train_files=[task:tool_traces]", "sft.trace_style=concise"], "sft.concise_fraction", "has no effect"),
+    (["sft.redundancy=1.5"], "sft.redundancy", "must be in [0, 1]"),
+    (["sft.trace_style=concise"], "sft.redundancy", "has no effect"),
 ])
 def test_bad_knobs_are_refused_with_the_key(overrides, key, message):
     with pytest.raises(ConfigError) as err:
