@@ -254,10 +254,11 @@ def _pass_config(budget: int) -> Any:
 
 
 def _loss_and_grads(device: str, smoke: bool, budget: int) -> tuple[float, torch.Tensor, int]:
-    """tests/conftest.py's ``minibatch_grads`` for one rank: the first mini-batch's forward and
+    """`packrl.testing.minibatch_grads` for one rank: the first mini-batch's forward and
     backward as the controller plans it; returns (loss, gradients, micro-batches)."""
     from packrl.config.plan import BatchPlan
     from packrl.seqlen.update_plan import groups_of
+    from packrl.testing import minibatch_objective
     from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches
 
     model = _small_policy(device, smoke, torch.float64).train()
@@ -270,8 +271,7 @@ def _loss_and_grads(device: str, smoke: bool, budget: int) -> tuple[float, torch
     micro = [mb for mb in minibatch.microbatches(0) if mb]
     totals = actor_microbatches(model, batch, micro, den=minibatch.denominators, loss=MicrobatchLoss.from_config(cfg),
                                 context=contextlib.nullcontext, sums=ResponseSums.zeros(len(rollout)))
-    m, algo = totals.metrics, cfg.algorithm
-    loss = m["actor/pg_loss"] + algo.kl_coef * m["actor/kl_loss"] - algo.entropy_coeff * m["actor/entropy"]
+    loss = minibatch_objective(totals.metrics, cfg.algorithm)
     return loss, torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu(), len(micro)
 
 

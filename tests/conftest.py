@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from packrl.models.attention import use_packed_attention
+from packrl.testing import minibatch_grads, tiny_llama  # noqa: F401  (the tests import them from here too)
 
 SHARED = Path(os.environ.get("PACKRL_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 SMOLLM_DIR = SHARED / "models" / "smollm2-135m-instruct"
@@ -61,21 +61,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def tiny_llama(*, attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = 97) -> LlamaForCausalLM:
-    """A 2-layer random Llama with GQA. Its config keeps transformers' default use_cache=True,
-    the setting under which naive packing leaks across sequences."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )
-    config._attn_implementation = attn
-    model = LlamaForCausalLM(config).to(dtype)
-    if attn == "sdpa":
-        use_packed_attention(model)
-    return model
-
-
 @pytest.fixture
 def model() -> LlamaForCausalLM:
     return tiny_llama()
@@ -112,40 +97,6 @@ def score_of(model, rollout, cfg, context=None, share_prompts: bool = False) -> 
 def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
     """The log-probs of `score_of`."""
     return score_of(model, rollout, cfg, context)[0]
-
-
-def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False,
-                    keep_masked: bool = False) -> float:
-    """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
-    (`packrl.worker.actor.actor_microbatches`) as the controller's planner plans it
-    (`packrl.seqlen.update_plan.PassPlanner.update`; with ``keep_masked`` sequences without a loss
-    token stay in the micro-batches) for ``num_ranks`` simulated ranks (each
-    rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
-    Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
-    import contextlib
-    from dataclasses import replace
-
-    from packrl.config.plan import BatchPlan
-    from packrl.seqlen.update_plan import groups_of
-    from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches
-
-    planner = replace(BatchPlan.from_config(cfg).planner(packed=True, share_prompts=share_prompts), num_ranks=num_ranks, num_epochs=1)
-    rollout = batch.rollout
-    groups = groups_of(len(rollout), rollout.group_size) if groups is None else groups
-    update = planner.update(rollout.sequence_lengths(), [int(m.sum()) for m in batch.loss_masks],
-                            [rollout.prompt_ids_of(i) for i in range(len(rollout))], groups=groups, units=units,
-                            caps=planner.grouped_caps(*rollout.grouped_loads()), keep_masked=keep_masked)
-    loss = MicrobatchLoss.from_config(cfg, share_prompts)
-    minibatch = update.minibatches[0]
-    sums = ResponseSums.zeros(len(batch.rollout))
-    total = 0.0
-    for rank in range(num_ranks):
-        totals = actor_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
-                                  context=context or contextlib.nullcontext, sums=sums)
-        metrics = totals.metrics
-        algo = cfg.algorithm
-        total += metrics["actor/pg_loss"] + algo.kl_coef * metrics["actor/kl_loss"] - algo.entropy_coeff * metrics["actor/entropy"]
-    return total
 
 
 @pytest.fixture(scope="module")

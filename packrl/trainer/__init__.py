@@ -1,2 +1,4 @@
-"""The controller: the training loop (one RL step top to bottom), the advantage stage, the run
-directory and validation."""
+"""The controller and its recipes: the RL training loop (`loop`, one step top to bottom), its
+sampling stages (`stages`, one per ``trainer.rollout_mode``), the advantage stage (`batch`), the
+run directory and its logs (`run`), validation (`validate`), resume (`resume`), automatic recovery
+(`recovery`) and the supervised recipe `packrl sft` (`sft`)."""

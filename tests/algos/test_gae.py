@@ -79,12 +79,10 @@ def test_critic_config_checks():
 
 
 def test_the_memory_estimate_counts_the_critic():
-    from transformers import LlamaConfig
-
     from packrl.inspect.memory import ModelShape, estimate_memory
+    from packrl.testing import tiny_llama_config
 
-    shape = ModelShape.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                               num_key_value_heads=2, vocab_size=1000))
+    shape = ModelShape.from_config(tiny_llama_config(1000, hidden_size=64, intermediate_size=128, max_position_embeddings=2048))
     plain = estimate_memory(load_config("demo", []), shape)
     with_critic = estimate_memory(load_config("demo", ["algorithm.adv_estimator=gae"]), shape)
     part = "critic (weights + AdamW states)"

@@ -9,14 +9,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from packrl.config import load_config
 from packrl.distributed.group import WorkerGroup
 from packrl.distributed.local import local_group
-from packrl.models.attention import use_packed_attention
 from packrl.reward import REWARDS, register_reward
+from packrl.testing import tiny_llama
 from packrl.trainer.loop import train
 from tests.conftest import SMOLLM_DIR
 
@@ -35,16 +34,7 @@ BASE = [
 
 
 def tiny_policy(tokenizer) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    use_packed_attention(model)
-    return model
+    return tiny_llama(tokenizer=tokenizer)
 
 
 def tiny_run(out_dir: Path, tokenizer, overrides: list[str]) -> tuple[Path, WorkerGroup]:

@@ -21,17 +21,9 @@ CASES = {"odd single": ([13], 2), "several": ([5, 8, 4], 2), "kv replicated": ([
 
 
 def _model(kv_heads: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from packrl.testing import tiny_llama
 
-    from packrl.models.attention import use_packed_attention
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=kv_heads, max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    use_packed_attention(model)
-    return model
+    return tiny_llama(num_key_value_heads=kv_heads)
 
 
 def _inputs(lengths):

@@ -9,13 +9,14 @@ import math
 import shutil
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import tests.diagnostics.tiny_run  # noqa: F401  (registers the reward test_letter_e these runs train with)
 from packrl.config import load_config
 from packrl.config.schema import ModelConfig
 from packrl.distributed.local import local_group
 from packrl.models.loading import load_policy
+from packrl.testing import tiny_llama_config
 from packrl.trainer.loop import train
 from packrl.types import PromptBatch, Response, RolloutBatch
 from tests.conftest import SMOLLM_DIR, score_of
@@ -23,12 +24,7 @@ from tests.conftest import SMOLLM_DIR, score_of
 
 def _tiny_dir(d, tokenizer):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(d)
+    LlamaForCausalLM(tiny_llama_config(tokenizer=tokenizer)).save_pretrained(d)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(SMOLLM_DIR / name, d / name)
     return d

@@ -13,12 +13,11 @@ from packrl.config import load_config
 from packrl.config.schema import LoraConfig
 from packrl.inspect.memory import GIB, ModelShape, activation_bytes_per_token_layer, estimate_memory, max_fitting_tokens
 from packrl.inspect.preflight import preflight
+from packrl.testing import tiny_llama_config
 
 
 def _config(**kw) -> LlamaConfig:
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaConfig(**(base | kw))
+    return tiny_llama_config(**kw)
 
 
 @pytest.fixture

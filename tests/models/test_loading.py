@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from packrl.config.schema import ModelConfig
 from packrl.models import resolve
 from packrl.models.loading import load_policy, load_reference
 from packrl.models.model_config import load_model_config
 from packrl.models.resolve import MARKER, extract_gguf, resolve_model
+from packrl.testing import tiny_llama_config
 from tests.conftest import SMOLLM_DIR, needs_shared, skip_without_shared
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,11 +57,7 @@ def smollm_dir():
 def _tiny_model_dir(d: Path, smollm_dir: Path, tokenizer_files=("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")) -> Path:
     """A loadable HF dir: a random 2-layer Llama with SmolLM2's vocabulary and tokenizer files."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )
-    LlamaForCausalLM(config).save_pretrained(d)
+    LlamaForCausalLM(tiny_llama_config(49152)).save_pretrained(d)
     for name in tokenizer_files:
         shutil.copy(smollm_dir / name, d / name)
     return d

@@ -16,12 +16,12 @@ from packrl.models.logprobs import pack_logprobs
 from packrl.models.model_config import apply_rope_scaling, load_model_config
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 from packrl.seqlen.packing import pack_sequences
+from packrl.testing import tiny_llama_config
 from tests.conftest import SMOLLM_DIR, skip_without_shared
 
 
 def _config(vocab_size: int = 97, **kw) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+    return tiny_llama_config(vocab_size, max_position_embeddings=64, **kw)
 
 
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])

@@ -33,7 +33,7 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 @needs_bf16
 def test_packed_layers_give_the_plain_products_up_to_bf16_rounding_and_leave_no_trace():
-    policy = tiny_llama(vocab=512)
+    policy = tiny_llama(vocab_size=512)
     twin = rollout_copy(policy, torch.bfloat16)
     ids = torch.randint(3, 512, (5, 9))
     plain, exact = _logits(twin, ids), _logits(policy, ids)
@@ -49,7 +49,7 @@ def test_packed_layers_give_the_plain_products_up_to_bf16_rounding_and_leave_no_
 
 @needs_bf16
 def test_each_call_packs_the_weights_it_finds():
-    twin = rollout_copy(tiny_llama(vocab=512), torch.bfloat16)
+    twin = rollout_copy(tiny_llama(vocab_size=512), torch.bfloat16)
     ids = torch.randint(3, 512, (3, 7))
     with packed_linears(twin, num_rows=3):
         before = _logits(twin, ids)
@@ -83,7 +83,7 @@ def test_a_float32_input_meets_the_plain_layer_and_its_dtype_error():
 @needs_bf16
 @pytest.mark.parametrize(("pack", "min_tokens", "used"), [(True, 4, True), (False, 4, False), (True, 5, False)])
 def test_the_engine_generates_on_packed_layers_when_asked_and_long_enough(pack, min_tokens, used):
-    policy = tiny_llama(vocab=512)
+    policy = tiny_llama(vocab_size=512)
     engine = HFEngine(rollout_copy(policy, torch.bfloat16), TOKENIZER, max_context_tokens=64, max_num_seqs=4)
     engine.options = replace(engine.options, pack_linears=pack, pack_min_tokens=min_tokens)
     with profile() as prof:

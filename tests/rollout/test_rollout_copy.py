@@ -52,7 +52,7 @@ def test_an_engine_on_the_policy_itself_reads_no_weights():
 def test_prefill_lm_head_never_expands_the_weight():
     # Frozen weights send the LM head on strided hidden states through a bmm over a copy of
     # the weight expanded per row; the copy must keep the plain matmul.
-    model = tiny_llama(vocab=4096)
+    model = tiny_llama(vocab_size=4096)
     twin = rollout_copy(model, torch.bfloat16)
     ids = torch.randint(4, 4096, (8, 12))
     with torch.no_grad(), profile(record_shapes=True) as prof:

@@ -113,10 +113,10 @@ def test_the_forced_tokens_are_out_of_the_loss_and_its_gradient():
     masks = tuple(r.generated_mask() for r in rollout.responses)
     batch = TrainBatch(ScoredBatch(rollout, torch.zeros(2), torch.zeros(2)), advantages, masks, None, None)
     cfg = pass_config(batch_size=2, n=1, max_prompt_tokens=4, max_response_tokens=32, update_tokens=64, dtype="fp64")
-    model = tiny_llama(dtype=torch.float64, vocab=97)
+    model = tiny_llama(dtype=torch.float64, vocab_size=97)
     loss = minibatch_grads(model, batch, cfg)
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    reference = tiny_llama(dtype=torch.float64, vocab=97)
+    reference = tiny_llama(dtype=torch.float64, vocab_size=97)
     total, count = 0.0, 0
     for prompt, response, adv, mask in zip(prompts.prompt_ids, rollout.responses, advantages, masks):
         ids = torch.tensor([list(prompt) + list(response.response_ids)])

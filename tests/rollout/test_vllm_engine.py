@@ -27,19 +27,9 @@ PROMPTS = [[1, 17, 250, 4000, 5], list(range(300, 320)), [42] * 7]
 def tiny_policy(tokenizer, seed: int = 0):
     """A 2-layer random Llama vLLM's CPU attention runs (head dim 32), with tied embeddings and
     weights large enough that greedy choices are not near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from packrl.testing import tiny_llama
 
-    from packrl.models.attention import use_packed_attention
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-                         initializer_range=0.1, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    use_packed_attention(model)
-    return model
+    return tiny_llama(tokenizer=tokenizer, seed=seed, hidden_size=128, intermediate_size=256, initializer_range=0.1)
 
 
 def test_config_without_vllm_installed_names_the_install(monkeypatch):

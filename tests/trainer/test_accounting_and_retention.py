@@ -97,14 +97,12 @@ def test_disk_too_small_for_one_checkpoint_fails_before_the_model_loads(tmp_path
     import shutil
     from collections import namedtuple
 
-    from transformers import LlamaConfig
-
     from packrl.distributed import open_worker_group
+    from packrl.testing import tiny_llama_config
     from packrl.worker import policy
     from packrl.worker.checkpoint import checkpoint_bytes
 
-    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    tiny_llama_config().save_pretrained(tmp_path / "model")
     cfg = load_config("demo", [f"model.path={tmp_path / 'model'}"])
     needed = checkpoint_bytes(cfg)
     lora = checkpoint_bytes(load_config("demo", [f"model.path={tmp_path / 'model'}", "model.lora.rank=2"]))

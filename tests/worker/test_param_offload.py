@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from packrl.config import ConfigError, load_config
 from packrl.config.plan import BatchPlan
 from packrl.inspect.memory import GIB, ModelShape, estimate_memory
 from packrl.inspect.preflight import preflight
+from packrl.testing import tiny_llama_config
 from packrl.worker.optim import Optimization, SkipCounter, adamw, clip_grad_norm, optimizer_step
 from packrl.worker.policy import PolicyWorker
 from packrl.worker.strategy import FSDP2, weight_layout
@@ -20,8 +20,7 @@ OFFLOADED = ("parameters", "gradients", "optimizer states (AdamW)")
 
 
 def _shape() -> ModelShape:
-    return ModelShape.from_config(LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
+    return ModelShape.from_config(tiny_llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=4))
 
 
 def test_one_process_is_refused_at_config_time_with_the_fix():
@@ -63,8 +62,7 @@ def test_the_estimate_moves_shards_gradients_and_states_to_host_memory(workers):
 
 
 def test_preflight_proposes_offload_when_fsdp2_weights_do_not_fit(tmp_path):
-    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512).save_pretrained(tmp_path)
+    tiny_llama_config().save_pretrained(tmp_path)
     over = [f"model.path={tmp_path}", "trainer.num_workers=2"]
     report = preflight("demo", over, device_memory_gib=0.01, device="cuda")
     problem = next(p for p in report.problems if p.key == "train.max_tokens_per_microbatch")
