@@ -559,6 +559,10 @@ _TRAINER = {
                                "set distillation.enabled=False"),
     **{f"skip.{part}.enable": _i("verl's rollout cache for debugging; packrl generates every step", (False,),
                                  f"set skip.{part}.enable=False") for part in ("rollout", "rollout_tq", "async_rollout")},
+    "model_engine": _i("verl's training backend (the model_engine group of ppo_trainer.yaml's defaults): packrl's workers are "
+                       "its dp engine (FSDP); packrl has no Megatron, TorchTitan or VeOmni backend", ("dp",),
+                       "leave model_engine out or set model_engine=dp (verl's default): packrl trains with FSDP2 over "
+                       "trainer.num_workers ranks"),
     "actor_rollout_ref.hybrid_engine": _i("packrl's policy and engine always share the worker", (True,), "remove hybrid_engine"),
     "actor_rollout_ref.nccl_timeout": _x("trainer.collective_timeout_s", cv.as_float,
                                          "seconds a rank waits in one collective before it fails (verl's default 600, as packrl's)"),
