@@ -236,8 +236,10 @@ _ACTOR = {
                                            "(verl's bf16 parameters save memory and round every update)"),
     f"{ACTOR}.optim.lr": _x("train.lr", cv.as_float),
     f"{ACTOR}.optim.lr_warmup_steps": _r("train.warmup_steps", "_warmup", "<= 0 = use lr_warmup_steps_ratio (verl 0.9's engine); "
-                                         "training steps x optimizer steps per step"),
-    f"{ACTOR}.optim.lr_warmup_steps_ratio": _r("train.warmup_steps", "_warmup", "int(ratio x total steps) x optimizer steps per step"),
+                                         "training steps x optimizer steps per step; verl ramps once per training step (LR 0 in "
+                                         "the first), packrl once per optimizer step"),
+    f"{ACTOR}.optim.lr_warmup_steps_ratio": _r("train.warmup_steps", "_warmup", "int(ratio x total steps) x optimizer steps per step; "
+                                               "the ramp as for lr_warmup_steps"),
     f"{ACTOR}.optim.weight_decay": _x("train.weight_decay", cv.as_float, "verl's default is 0.01 (packrl's 0.0)"),
     f"{ACTOR}.optim.warmup_style": _i(_SCHEDULE, (None, "constant"), "set optim.warmup_style=constant (cosine decay is not offered)"),
     f"{ACTOR}.optim.lr_scheduler_type": _i(_SCHEDULE, ("constant",), "set optim.lr_scheduler_type=constant"),
@@ -565,7 +567,9 @@ _TRAINER = {
                        "trainer.num_workers ranks"),
     "actor_rollout_ref.hybrid_engine": _i("packrl's policy and engine always share the worker", (True,), "remove hybrid_engine"),
     "actor_rollout_ref.nccl_timeout": _x("trainer.collective_timeout_s", cv.as_float,
-                                         "seconds a rank waits in one collective before it fails (verl's default 600, as packrl's)"),
+                                         "seconds a rank waits in one collective before it fails, as the script asks (default 600 "
+                                         "in both); verl 0.9.1 declares it but never reads it: its workers start the process "
+                                         "group with timeout_second=None (verl/workers/engine_workers.py:89)"),
 }
 
 VERL_KEYS: dict[str, KeyRule] = {**_DATA, **_MODEL, **_ACTOR, **_REF, **_ROLLOUT, **_CRITIC, **_REWARD, **_ALGORITHM, **_TRAINER}
