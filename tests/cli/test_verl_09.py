@@ -239,6 +239,16 @@ def test_warmup_in_training_steps_becomes_optimizer_steps():
     assert overrides(ratio)["train.warmup_steps"] == str(5 * 4 * 2)
 
 
+def test_greedy_validation_names_what_made_it_greedy():
+    def val_temperature(do_sample: bool, temperature: float) -> tuple[float, str]:
+        args = [*GRPO_09, *SMALL, f"{AR}.rollout.val_kwargs.do_sample={do_sample}", f"{AR}.rollout.val_kwargs.temperature={temperature}"]
+        return next((m.value, m.conversion) for m in translate(args, num_train_rows=ROWS).mappings if m.key == "rollout.val_temperature")
+
+    assert val_temperature(False, 0.6) == (0.0, "do_sample=False: greedy (0)")
+    assert val_temperature(True, 0) == (0.0, "temperature=0: greedy (0)")  # do_sample=True: the temperature made it greedy
+    assert val_temperature(True, 0.6) == (0.6, "")
+
+
 def test_verl_0_9_reward_spelling_maps_the_dapo_overlong_buffer():
     kwargs = "reward.reward_kwargs"
     out = overrides([*GRPO_09, *SMALL, "reward.reward_manager.name=dapo", f"+{kwargs}.overlong_buffer_cfg.enable=True",

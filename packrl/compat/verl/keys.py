@@ -318,7 +318,7 @@ _ROLLOUT = {
     f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "sequences -> tokens"),
     f"{ROLLOUT}.log_prob_use_dynamic_bsz": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "picks the token or sequence budget"),
     f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets"),
-    f"{ROLLOUT}.val_kwargs.temperature": _r("rollout.val_temperature", "_val_temperature"),
+    f"{ROLLOUT}.val_kwargs.temperature": _r("rollout.val_temperature", "_val_temperature", "with do_sample=True; 0 -> greedy (0)"),
     f"{ROLLOUT}.val_kwargs.do_sample": _r("rollout.val_temperature", "_val_temperature", "False -> 0 (greedy)"),
     f"{ROLLOUT}.val_kwargs.n": _i("packrl validates one response per prompt", (1,), "set val_kwargs.n=1"),
     f"{ROLLOUT}.val_kwargs.top_p": _i("packrl validates greedily or at rollout.val_temperature"),
