@@ -22,17 +22,18 @@ both                  ``convert`` maps the first ``packrl`` key; ``by`` reads th
 ====================  =====================================================================
 
 `FAMILIES` covers free-form sub-trees (``engine_kwargs.vllm.*``, profilers, FSDP settings).
-A key in neither is not a verl key: `nearest_key` names the closest one for the error, since
-guides circulate misspelled keys. `BEHAVIOUR` names the packrl keys set with no verl key
-behind them. The module is data and pure functions; it imports no torch.
+A key in neither is not a verl key: `nearest_key` names the nearest one for the error, since
+guides circulate misspelled keys (nearest by the sections and name parts shared, then by spelling:
+`packrl.compat.verl.nearest`). `BEHAVIOUR` names the packrl keys set with no verl key behind
+them. The module is data and pure functions; it imports no torch.
 """
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import packrl.compat.verl.convert as cv
+from packrl.compat.verl.nearest import nearest
 from packrl.compat.verl.rules import ACTOR, ANY, AR, REF, ROLLOUT, KeyRule
 from packrl.compat.verl.rules import ignored_rule as _i
 from packrl.compat.verl.rules import relational_rule as _r
@@ -661,11 +662,6 @@ def rule_of(key: str) -> KeyRule | None:
 
 
 def nearest_key(key: str) -> str | None:
-    """The known verl key closest to ``key`` (difflib), for the error on a misspelled key."""
-    names = list(VERL_KEYS) + [p.rstrip(".") for p in FAMILIES]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    tail = key.rsplit(".", 1)[-1]  # a right leaf under a wrong section: data.ppo_mini_batch_size
-    same_leaf = [n for n in names if n.rsplit(".", 1)[-1] == tail]
-    return same_leaf[0] if same_leaf else None
+    """The known verl key (or family) nearest to ``key`` by meaning, then spelling
+    (`packrl.compat.verl.nearest.nearest`), for the error on a misspelled key; None when none is near."""
+    return nearest(key, [*VERL_KEYS, *(p.rstrip(".") for p in FAMILIES)])
