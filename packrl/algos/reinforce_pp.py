@@ -19,8 +19,9 @@ Shapes: ``N`` responses (groups of ``G`` contiguous) · ``R_i`` tokens of respon
 
 Both are computed on the controller over the whole batch before the update is planned, so they
 do not depend on micro-batching or ranks. The time steps are the policy's tokens: a return looks
-through a multi-turn trajectory's tool answers to the next policy token (verl resets the running
-return at every masked token, so there a reward does not reach the turns before a tool answer).
+through a multi-turn trajectory's tool answers to the next policy token, discounted once per
+policy token, as verl 0.9.1's running return passes a masked token unchanged
+(``verl/trainer/ppo/core_algos.py:721-726``).
 """
 
 from __future__ import annotations

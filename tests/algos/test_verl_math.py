@@ -1,6 +1,7 @@
 """The math where verl 0.9.1 is right, against independent oracles written here from the formulas
 (never from packrl's own functions): the in-reward KL as a per-token reward under GAE, dual-clip
-PPO, verl's whitening on a near-constant batch, REINFORCE++ and REINFORCE++-baseline."""
+PPO, verl's whitening on a near-constant batch, REINFORCE++ (through a multi-turn trajectory's tool
+answers as verl 0.9.1 carries it) and REINFORCE++-baseline."""
 
 from __future__ import annotations
 
@@ -149,6 +150,22 @@ def test_reinforce_plus_plus_reads_the_per_token_kl_and_looks_through_tool_answe
     a, b = batch.advantages
     torch.testing.assert_close(torch.stack([a[0], a[2], b[0]]), torch.tensor([(g - mean) / math.sqrt(var + 1e-8) for g in returns]))
     assert a[1] == 0
+
+
+def test_reinforce_plus_plus_discounts_per_policy_token_through_tool_answers():
+    """verl 0.9.1 carries its running return through a masked token unchanged
+    (verl/trainer/ppo/core_algos.py:721-726): a tool answer neither resets nor discounts it, so
+    gamma acts once per policy token. A reset would give token 0 a return of 0; a discount per
+    token of the answer, 0.5^3 x 2.0 = 0.25."""
+    responses = [Response((3, 4, 5, 6, 7), "eos", response_mask=(True, False, False, True, True)), Response((3,), "eos")]
+    cfg = AlgorithmConfig(adv_estimator="reinforce_plus_plus", gamma=0.5)
+    batch, _ = build_train_batch(_scored([4.0, 0.0], responses, 1), None, None, cfg)
+    returns = [0.5 * 0.5 * 4.0, 0.5 * 4.0, 4.0, 0.0]  # policy tokens 0, 3, 4 of A (answer at 1-2), then B's one token
+    mean = sum(returns) / 4
+    var = sum((g - mean) ** 2 for g in returns) / 3  # unbiased, as masked_whiten
+    a, b = batch.advantages
+    torch.testing.assert_close(torch.stack([a[0], a[3], a[4], b[0]]), torch.tensor([(g - mean) / math.sqrt(var + 1e-8) for g in returns]))
+    assert a[1] == 0 and a[2] == 0
 
 
 def test_reinforce_plus_plus_baseline_by_hand():

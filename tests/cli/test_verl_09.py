@@ -99,7 +99,7 @@ def problems(args: list[str]) -> dict[str, Any]:
 def test_every_key_of_verls_config_has_a_rule():
     missing = [f"{key} (verl {version})" for key, version, _ in KEYS if rule_of(key) is None]
     assert not missing, missing
-    assert sum(version == "0.9.1" for _, version, _ in KEYS) == 829
+    assert sum(version == "0.9.1" for _, version, _ in KEYS) == 830
 
 
 def test_verls_own_default_of_every_unused_key_is_accepted():
@@ -239,6 +239,16 @@ def test_warmup_in_training_steps_becomes_optimizer_steps():
     assert overrides(ratio)["train.warmup_steps"] == str(5 * 4 * 2)
 
 
+def test_greedy_validation_names_what_made_it_greedy():
+    def val_temperature(do_sample: bool, temperature: float) -> tuple[float, str]:
+        args = [*GRPO_09, *SMALL, f"{AR}.rollout.val_kwargs.do_sample={do_sample}", f"{AR}.rollout.val_kwargs.temperature={temperature}"]
+        return next((m.value, m.conversion) for m in translate(args, num_train_rows=ROWS).mappings if m.key == "rollout.val_temperature")
+
+    assert val_temperature(False, 0.6) == (0.0, "do_sample=False: greedy (0)")
+    assert val_temperature(True, 0) == (0.0, "temperature=0: greedy (0)")  # do_sample=True: the temperature made it greedy
+    assert val_temperature(True, 0.6) == (0.6, "")
+
+
 def test_verl_0_9_reward_spelling_maps_the_dapo_overlong_buffer():
     kwargs = "reward.reward_kwargs"
     out = overrides([*GRPO_09, *SMALL, "reward.reward_manager.name=dapo", f"+{kwargs}.overlong_buffer_cfg.enable=True",
@@ -256,6 +266,17 @@ def test_dynamic_sampling_filters_on_verls_default_metric():
 def test_asynchronous_verl_trainer_modes_are_refused_with_packrls_mode_named():
     problem = problems([*GRPO_09, "trainer.v1.trainer_mode=separate_async"])["trainer.v1.trainer_mode"]
     assert "trainer.rollout_mode=colocate_async (or separate_async)" in problem.fix
+
+
+def test_verls_dp_model_engine_passes_the_dry_run_and_the_other_backends_are_refused(capsys):
+    """``model_engine`` picks verl 0.9.1's training backend (ppo_trainer.yaml's defaults list:
+    ``- model_engine: dp``): dp, verl's FSDP engine, is packrl's; Megatron, TorchTitan and VeOmni are not."""
+    assert main(["verl", "--dry-run", "model_engine=dp", "trainer.total_training_steps=3"]) == 0
+    assert "model_engine=dp: verl's training backend" in capsys.readouterr().out
+    for backend in ("megatron", "torchtitan", "veomni"):
+        problem = problems([*GRPO_09, f"model_engine={backend}"])["model_engine"]
+        assert problem.value == backend and "packrl has no Megatron, TorchTitan or VeOmni backend" in problem.message
+        assert "set model_engine=dp" in problem.fix
 
 
 def _local_model(tmp_path: Path, text: str | None = None) -> Path:

@@ -1,10 +1,12 @@
-"""The trainer's AdamW: fused where torch has the kernel, the same update rule as torch's default."""
+"""The trainer's AdamW: fused where torch has the kernel, the same update rule as torch's default;
+its warm-up ramps once per optimizer step."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from packrl.worker.optim import adamw
+from packrl.worker.optim import Optimization, adamw, optimizer_step
 
 
 def test_adamw_is_fused_on_cpu_and_steps_as_the_default_implementation():
@@ -42,3 +44,17 @@ def test_a_checkpoint_from_another_implementation_resumes_on_the_fused_one():
     load_full_optimizer_state(model, new, old.state_dict())
     assert [(g["fused"], g["foreach"]) for g in new.param_groups] == [(True, None)]
     assert torch.equal(new.state[model.weight]["exp_avg"], old.state[model.weight]["exp_avg"])
+
+
+def test_the_warmup_ramps_once_per_optimizer_step_from_lr_over_w():
+    """Optimizer step s trains at lr x min(1, (s + 1) / W): the first step already moves (verl 0.9.1
+    steps its schedule once per training step and trains the first at lr x 0 / W: docs/verl.md,
+    Deliberate differences)."""
+    model = torch.nn.Linear(3, 1)
+    opt = Optimization.build(list(model.parameters()), lr=0.8, weight_decay=0.0, warmup_steps=4, max_consecutive_skips=0,
+                             grad_clip=0.0)
+    lrs = []
+    for _ in range(6):
+        model(torch.ones(1, 3)).sum().backward()
+        lrs.append(optimizer_step(model, opt)[1])
+    assert lrs == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])

@@ -8,6 +8,8 @@ module             holds
                    older spellings) and the packrl keys it reaches, executable (``convert``)
                    or relational (``by``); verl's defaults
 ``convert``        the one-value conversions the executable rules apply
+``nearest``        the known key nearest a misspelled one (shared sections and name parts,
+                   then spelling), for the error's fix
 ``overrides``      Hydra override parsing; `Translation` and its parts
 ``context``        the state of one translation (`Context`)
 ``relational``     the conversions that need several verl keys at once

@@ -22,17 +22,18 @@ both                  ``convert`` maps the first ``packrl`` key; ``by`` reads th
 ====================  =====================================================================
 
 `FAMILIES` covers free-form sub-trees (``engine_kwargs.vllm.*``, profilers, FSDP settings).
-A key in neither is not a verl key: `nearest_key` names the closest one for the error, since
-guides circulate misspelled keys. `BEHAVIOUR` names the packrl keys set with no verl key
-behind them. The module is data and pure functions; it imports no torch.
+A key in neither is not a verl key: `nearest_key` names the nearest one for the error, since
+guides circulate misspelled keys (nearest by the sections and name parts shared, then by spelling:
+`packrl.compat.verl.nearest`). `BEHAVIOUR` names the packrl keys set with no verl key behind
+them. The module is data and pure functions; it imports no torch.
 """
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import packrl.compat.verl.convert as cv
+from packrl.compat.verl.nearest import nearest
 from packrl.compat.verl.rules import ACTOR, ANY, AR, REF, ROLLOUT, KeyRule
 from packrl.compat.verl.rules import ignored_rule as _i
 from packrl.compat.verl.rules import relational_rule as _r
@@ -236,8 +237,10 @@ _ACTOR = {
                                            "(verl's bf16 parameters save memory and round every update)"),
     f"{ACTOR}.optim.lr": _x("train.lr", cv.as_float),
     f"{ACTOR}.optim.lr_warmup_steps": _r("train.warmup_steps", "_warmup", "<= 0 = use lr_warmup_steps_ratio (verl 0.9's engine); "
-                                         "training steps x optimizer steps per step"),
-    f"{ACTOR}.optim.lr_warmup_steps_ratio": _r("train.warmup_steps", "_warmup", "int(ratio x total steps) x optimizer steps per step"),
+                                         "training steps x optimizer steps per step; verl ramps once per training step (LR 0 in "
+                                         "the first), packrl once per optimizer step"),
+    f"{ACTOR}.optim.lr_warmup_steps_ratio": _r("train.warmup_steps", "_warmup", "int(ratio x total steps) x optimizer steps per step; "
+                                               "the ramp as for lr_warmup_steps"),
     f"{ACTOR}.optim.weight_decay": _x("train.weight_decay", cv.as_float, "verl's default is 0.01 (packrl's 0.0)"),
     f"{ACTOR}.optim.warmup_style": _i(_SCHEDULE, (None, "constant"), "set optim.warmup_style=constant (cosine decay is not offered)"),
     f"{ACTOR}.optim.lr_scheduler_type": _i(_SCHEDULE, ("constant",), "set optim.lr_scheduler_type=constant"),
@@ -316,7 +319,7 @@ _ROLLOUT = {
     f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "sequences -> tokens"),
     f"{ROLLOUT}.log_prob_use_dynamic_bsz": _r("train.max_tokens_per_logprob_microbatch", "_budgets", "picks the token or sequence budget"),
     f"{ROLLOUT}.log_prob_max_token_len_per_gpu": _r("train.max_tokens_per_logprob_microbatch", "_budgets"),
-    f"{ROLLOUT}.val_kwargs.temperature": _r("rollout.val_temperature", "_val_temperature"),
+    f"{ROLLOUT}.val_kwargs.temperature": _r("rollout.val_temperature", "_val_temperature", "with do_sample=True; 0 -> greedy (0)"),
     f"{ROLLOUT}.val_kwargs.do_sample": _r("rollout.val_temperature", "_val_temperature", "False -> 0 (greedy)"),
     f"{ROLLOUT}.val_kwargs.n": _i("packrl validates one response per prompt", (1,), "set val_kwargs.n=1"),
     f"{ROLLOUT}.val_kwargs.top_p": _i("packrl validates greedily or at rollout.val_temperature"),
@@ -559,9 +562,15 @@ _TRAINER = {
                                "set distillation.enabled=False"),
     **{f"skip.{part}.enable": _i("verl's rollout cache for debugging; packrl generates every step", (False,),
                                  f"set skip.{part}.enable=False") for part in ("rollout", "rollout_tq", "async_rollout")},
+    "model_engine": _i("verl's training backend (the model_engine group of ppo_trainer.yaml's defaults): packrl's workers are "
+                       "its dp engine (FSDP); packrl has no Megatron, TorchTitan or VeOmni backend", ("dp",),
+                       "leave model_engine out or set model_engine=dp (verl's default): packrl trains with FSDP2 over "
+                       "trainer.num_workers ranks"),
     "actor_rollout_ref.hybrid_engine": _i("packrl's policy and engine always share the worker", (True,), "remove hybrid_engine"),
     "actor_rollout_ref.nccl_timeout": _x("trainer.collective_timeout_s", cv.as_float,
-                                         "seconds a rank waits in one collective before it fails (verl's default 600, as packrl's)"),
+                                         "seconds a rank waits in one collective before it fails, as the script asks (default 600 "
+                                         "in both); verl 0.9.1 declares it but never reads it: its workers start the process "
+                                         "group with timeout_second=None (verl/workers/engine_workers.py:89)"),
 }
 
 VERL_KEYS: dict[str, KeyRule] = {**_DATA, **_MODEL, **_ACTOR, **_REF, **_ROLLOUT, **_CRITIC, **_REWARD, **_ALGORITHM, **_TRAINER}
@@ -653,11 +662,6 @@ def rule_of(key: str) -> KeyRule | None:
 
 
 def nearest_key(key: str) -> str | None:
-    """The known verl key closest to ``key`` (difflib), for the error on a misspelled key."""
-    names = list(VERL_KEYS) + [p.rstrip(".") for p in FAMILIES]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    tail = key.rsplit(".", 1)[-1]  # a right leaf under a wrong section: data.ppo_mini_batch_size
-    same_leaf = [n for n in names if n.rsplit(".", 1)[-1] == tail]
-    return same_leaf[0] if same_leaf else None
+    """The known verl key (or family) nearest to ``key`` by meaning, then spelling
+    (`packrl.compat.verl.nearest.nearest`), for the error on a misspelled key; None when none is near."""
+    return nearest(key, [*VERL_KEYS, *(p.rstrip(".") for p in FAMILIES)])

@@ -442,11 +442,15 @@ def _warmup(c: Context) -> None:
 
 
 def _val_temperature(c: Context) -> None:
-    """Validation samples at ``val_kwargs.temperature`` only with ``do_sample=True``; else greedy."""
+    """Validation samples at ``val_kwargs.temperature`` only with ``do_sample=True`` and a
+    temperature > 0; else greedy, and the conversion names which of the two made it greedy."""
     sample, temp = f"{ROLLOUT}.val_kwargs.do_sample", f"{ROLLOUT}.val_kwargs.temperature"
-    sampled = bool(c.get(sample)) and c.float(temp) > 0
-    c.set("rollout.val_temperature", c.float(temp) if sampled else 0.0, sample, temp,
-          conversion="" if sampled else "do_sample=False: greedy (0)")
+    do_sample, temperature = bool(c.get(sample)), c.float(temp)
+    if do_sample and temperature > 0:
+        c.set("rollout.val_temperature", temperature, sample, temp)
+        return
+    why = "do_sample=False" if not do_sample else f"temperature={format_value(c.get(temp))}"
+    c.set("rollout.val_temperature", 0.0, sample, temp, conversion=f"{why}: greedy (0)")
 
 
 def _vllm_args(c: Context) -> None:
