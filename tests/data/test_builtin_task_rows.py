@@ -18,7 +18,7 @@ from packrl.data import load_examples
 from packrl.data.char_count_traces import char_count_trace_rows
 from packrl.data.shapes import shapes_rows
 from packrl.data.tasks import VAL_SEED_OFFSET
-from packrl.data.traces import tool_trace_rows
+from packrl.data.tool_traces import tool_trace_rows
 
 TEXT_TASKS = {
     ("task:arithmetic", "train"): "178f052333e4",
