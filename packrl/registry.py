@@ -4,7 +4,8 @@ Seven config keys take registered names: ``reward.name`` (`REWARDS`), ``algorith
 (`ADVANTAGE_ESTIMATORS`), ``algorithm.policy_loss`` (`POLICY_LOSSES`), ``rollout.engine``
 (`ROLLOUT_ENGINES`), ``trainer.rollout_mode`` (`ROLLOUT_MODES`), each of
 ``rollout.multi_turn.tools`` (`TOOLS`) and each key of ``reward.shaping`` (`REWARD_SHAPING`,
-whose values are the parts' options). A user adds a part with
+whose values are the parts' options); a data source ``task:<name>`` names a task (`TASKS`, whose
+own options are the values of ``data.task_args``). A user adds a part with
 one decorated function in a file of their own::
 
     from packrl.registry import POLICY_LOSSES
@@ -326,8 +327,20 @@ ROLLOUT_MODES = Registry("ROLLOUT_MODES", "trainer.rollout_mode", "rollout mode"
 """``factory(context: StageContext) -> SamplingStage`` (`packrl.trainer.stages.StageFactory`); its info a
 `packrl.config.rollout_modes.RolloutModeInfo`."""
 
+TASKS = Registry("TASKS", "data.task_args", "task",
+                 {"arithmetic": "packrl.data.tasks", "char_count": "packrl.data.char_count", "shapes": "packrl.data.shapes",
+                  "tool_traces": "packrl.data.tool_traces", "char_count_traces": "packrl.data.char_count_traces"},
+                 args_key="data.task_args",
+                 infos={"arithmetic": "packrl.config.tasks:ARITHMETIC_TASK", "char_count": "packrl.config.tasks:CHAR_COUNT_TASK",
+                        "shapes": "packrl.config.tasks:SHAPES_TASK", "tool_traces": "packrl.config.tasks:TOOL_TRACES_TASK",
+                        "char_count_traces": "packrl.config.tasks:CHAR_COUNT_TRACES_TASK"})
+"""``fn(request: TaskRequest) -> rows`` (`packrl.data.task_sources.TaskFn`): the rows of a source
+``task:<name>`` (``data.train_files``, ``data.val_files``; ``sft.train_files`` for traces); its info
+a `packrl.config.tasks.TaskInfo` (what it makes, where its options are). A plugin task's options
+are a mapping under ``data.task_args.<name>`` (``args_key`` is the key itself), checked at load."""
+
 CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
-                                                             REWARD_SHAPING, ROLLOUT_MODES)}
+                                                             REWARD_SHAPING, ROLLOUT_MODES, TASKS)}
 """Config key -> the registry its value (each value of a list, each key of a mapping) is looked up in (checked by
 `packrl.config.load`)."""
 

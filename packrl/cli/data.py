@@ -43,7 +43,7 @@ def _cmd_gsm8k(args: argparse.Namespace) -> int:
 
 def _cmd_tool_traces(args: argparse.Namespace) -> int:
     from packrl.config import load_config
-    from packrl.data.traces import tool_trace_rows
+    from packrl.data.tool_traces import tool_trace_rows
 
     cfg = load_config(args.preset, args.overrides)
     out = args.out.expanduser()

@@ -25,6 +25,7 @@ from packrl.config.length_control import LENGTH_PARTS
 from packrl.config.model import ModelConfig
 from packrl.config.rollout_modes import RolloutModeInfo, mode_info
 from packrl.config.schema import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig, RunConfig, TrainerConfig
+from packrl.config.tasks import task_source_problems
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
 from packrl.registry import ROLLOUT_MODES, call_with_sections
@@ -251,6 +252,13 @@ def thinking_budgets(rollout: RolloutConfig, trainer: TrainerConfig) -> list[Con
     return out
 
 
+def task_sources(data: DataConfig) -> list[ConfigProblem]:
+    """Each ``task:`` source of ``data.train_files`` and ``data.val_files`` names a registered task
+    that makes prompts (`packrl.registry.TASKS`; the plugins are imported before the rules run)."""
+    return (task_source_problems("data.train_files", data.train_files, "prompts")
+            + task_source_problems("data.val_files", data.val_files, "prompts"))
+
+
 def restarts(trainer: TrainerConfig) -> list[ConfigProblem]:
     """``trainer.max_restarts`` restarts lost Ray actors: rank actors (``trainer.num_workers > 1``)
     or the rollout workers of a mode that runs its own (`RolloutModeInfo.rollout_workers`)."""
@@ -310,7 +318,7 @@ def length_signal_filtered(algorithm: AlgorithmConfig, reward: RewardConfig) -> 
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
     parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, group_filter, thinking_budgets, length_targets,
-    restarts,
+    restarts, task_sources,
 )
 """Every cross-field rule, in the order their problems are reported."""
 

@@ -39,8 +39,9 @@ FilterMetric = Literal["score", "reward"]
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["task:arithmetic"])
     """Training data: `.jsonl`/`.json` (GSM8K `question`/`answer`, or verl's RL schema),
-    `.parquet` (either schema), `task:arithmetic` or `task:char_count` (built in, no download), or a hub dataset id
-    such as `openai/gsm8k` (needs `datasets` and a network)."""
+    `.parquet` (either schema), `task:<name>`: the rows of a registered task (`packrl.registry.TASKS`:
+    `task:arithmetic`, `task:char_count` or `task:shapes`, built in, no download, or one registered
+    through `trainer.plugins`), or a hub dataset id such as `openai/gsm8k` (needs `datasets` and a network)."""
 
     val_files: list[str] = field(default_factory=list)
     """Validation data, same forms as `data.train_files`; empty = no validation."""
@@ -89,6 +90,12 @@ class DataConfig:
     shapes: ShapesConfig = field(default_factory=lambda: ShapesConfig())
     """Knobs of the built-in `task:shapes` (images; a vision-language model)."""
 
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Knobs of the tasks registered through `trainer.plugins`: task name -> its knobs, checked at
+    load against the options the task registered with (`packrl.data.task_sources`), e.g.
+    `data.task_args.sums.num_rows=500` for `task:sums`; a task's unset knobs keep their defaults.
+    The built-in tasks keep their own sections (`data.arithmetic`, `data.char_count`, `data.shapes`)."""
+
     image: ImageConfig = field(default_factory=ImageConfig)
     """How the images of vision-language rows are sized."""
 
@@ -108,6 +115,9 @@ class DataConfig:
                                      "set data.train_files to a file, task:arithmetic or a hub id"))
         if self.max_image_tokens is not None:
             out += check_positive(f"{prefix}.max_image_tokens", self.max_image_tokens)
+        out += [ConfigProblem(f"{prefix}.task_args.{name}", args, "must be a mapping of the task's knobs (or {} for its defaults)",
+                              f"write {prefix}.task_args.{name}.<knob>=value")
+                for name, args in self.task_args.items() if args is not None and not isinstance(args, dict)]
         return out + self.arithmetic.problems(f"{prefix}.arithmetic") + self.image.problems(f"{prefix}.image") + \
             self.shapes.problems(f"{prefix}.shapes") + self.char_count.problems(f"{prefix}.char_count") + \
             self.length_target.problems(f"{prefix}.length_target")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainerConfig
 from packrl.config.sft import SftConfig
+from packrl.config.tasks import task_source_problems
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
 from packrl.registry import call_with_sections
@@ -72,7 +73,13 @@ def sft_restarts(trainer: TrainerConfig) -> list[ConfigProblem]:
                           "trainer.num_workers > 1", keys=("trainer.max_restarts", "trainer.num_workers"))]
 
 
-SFT_RULES: tuple[SftRule, ...] = (sft_steps, sft_microbatch_budget, sft_ranks_have_work, sft_restarts)
+def sft_task_sources(sft: SftConfig) -> list[ConfigProblem]:
+    """Each ``task:`` source of ``sft.train_files`` names a registered task that makes traces
+    (`packrl.registry.TASKS`: ``task:tool_traces``, ``task:char_count_traces`` or a plugin's)."""
+    return task_source_problems("sft.train_files", sft.train_files, "traces")
+
+
+SFT_RULES: tuple[SftRule, ...] = (sft_steps, sft_microbatch_budget, sft_ranks_have_work, sft_restarts, sft_task_sources)
 """Every rule of `packrl sft`, in the order their problems are reported."""
 
 

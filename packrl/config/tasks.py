@@ -1,13 +1,113 @@
-"""The built-in tasks' sections (`data.arithmetic`, `data.char_count`, `data.shapes`) and the
-images of vision-language rows (`data.images`).
+"""The built-in tasks' sections (`data.arithmetic`, `data.char_count`, `data.shapes`), what every
+registered task declares (`TaskInfo`) and the check of the ``task:`` sources a config names, and
+the images of vision-language rows (`data.images`).
 
 Part of the typed run configuration (`packrl.config.schema.RunConfig`)."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
+from typing import Literal
 
 from packrl.errors import ConfigProblem, check_positive
+from packrl.registry import TASKS
+
+TASK_PREFIX = "task:"
+"""A source ``task:<name>`` is made by the registered task ``name`` (`packrl.registry.TASKS`)."""
+
+VAL_SEED_OFFSET = 1_000_003
+"""The validation split of a built-in task draws from ``train.seed + VAL_SEED_OFFSET``
+(`packrl.data.task_sources.TaskRequest.split_seed`), the training split from ``train.seed``."""
+
+TaskMakes = Literal["prompts", "traces"]
+"""What a task makes: prompt rows (``data.train_files``, ``data.val_files``) or SFT traces (``sft.train_files``)."""
+
+_HOMES: dict[str, str] = {"prompts": "data.train_files / data.val_files", "traces": "sft.train_files"}
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """What a registered task declares (``@TASKS.register(name, info=TaskInfo(...))``), read by the
+    config checks and the loaders without running it; a task registered without one makes prompts
+    and reads its own options.
+
+    Attributes:
+        makes: ``prompts``: the rows of a ``data.train_files`` / ``data.val_files`` source, read as
+            a file's rows are (GSM8K's or verl's schema, `packrl.data.examples`); ``traces``: the
+            chat traces of an ``sft.train_files`` source (rows of ``messages``, `packrl.data.traces`).
+        options_key: the dotted key of the options it reads: a built-in's section of ``data``
+            (``data.arithmetic``), or ``data.task_args.<task>`` (another task's options: traces drawn
+            from that task's questions). None: its own, ``data.task_args.<name>``, checked at load
+            against the options dataclass it registered with (``register(name, options=...)``).
+
+    Raises:
+        ValueError: ``options_key`` is not a key of the ``data`` section.
+    """
+
+    makes: TaskMakes = "prompts"
+    options_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.options_key is not None and not self.options_key.startswith("data."):
+            raise ValueError(f"TaskInfo(options_key={self.options_key!r}): a task's options are a key of the data section; "
+                             "give data.<section> or data.task_args.<task>, or None for its own (data.task_args.<name>)")
+
+
+ARITHMETIC_TASK = TaskInfo(options_key="data.arithmetic")
+CHAR_COUNT_TASK = TaskInfo(options_key="data.char_count")
+SHAPES_TASK = TaskInfo(options_key="data.shapes")
+TOOL_TRACES_TASK = TaskInfo(makes="traces", options_key="data.arithmetic")
+"""``task:tool_traces``: calculator traces of ``task:arithmetic`` questions (`packrl.data.tool_traces`)."""
+CHAR_COUNT_TRACES_TASK = TaskInfo(makes="traces", options_key="data.char_count")
+"""``task:char_count_traces``: worked answers to ``task:char_count`` questions (`packrl.data.char_count_traces`)."""
+
+
+def task_info(name: str) -> TaskInfo:
+    """What the registered task ``name`` declared (`TaskInfo`; the defaults when it declared nothing).
+
+    Raises:
+        ValueError: no task ``name`` is registered.
+    """
+    return TASKS.info(name) or TaskInfo()
+
+
+def task_names(makes: TaskMakes) -> list[str]:
+    """The registered tasks (built-in and from ``trainer.plugins``) that make ``makes``, sorted."""
+    return [name for name in TASKS.names() if task_info(name).makes == makes]
+
+
+def task_sources_text(makes: TaskMakes) -> str:
+    """The ``task:`` sources that make ``makes``, for messages: ``task:arithmetic, task:char_count, task:shapes``."""
+    return ", ".join(TASK_PREFIX + name for name in task_names(makes))
+
+
+def task_source_problem(source: str, makes: TaskMakes) -> tuple[str, str] | None:
+    """None when ``source`` (``task:<name>``) names a registered task that makes ``makes``, else
+    ``(what is wrong, the fix)``: the fix names the nearest such task, every one, and how to
+    register another (or where a task that makes the other kind belongs)."""
+    name = source.removeprefix(TASK_PREFIX)
+    if name in TASKS:
+        made = task_info(name).makes
+        if made == makes:
+            return None
+        return (f"is a task that makes {made}, read from {_HOMES[made]}, not {makes}",
+                f"move it to {_HOMES[made]}, or use one of {task_sources_text(makes)} here")
+    close = difflib.get_close_matches(name, task_names(makes), n=1, cutoff=0.4)
+    nearest = f"did you mean {TASK_PREFIX}{close[0]}? " if close else ""
+    return ("is not a registered task", f"{nearest}registered tasks that make {makes}: {task_sources_text(makes)}; or "
+            "register one with @packrl.registry.TASKS.register in a file named in trainer.plugins")
+
+
+def task_source_problems(key: str, sources: list[str], makes: TaskMakes) -> list[ConfigProblem]:
+    """One problem per ``task:`` source in ``sources`` (the list at config key ``key``) that is not
+    a registered task making ``makes`` (`task_source_problem`); other sources are files or hub ids."""
+    out = []
+    for source in sources:
+        problem = task_source_problem(source, makes) if isinstance(source, str) and source.startswith(TASK_PREFIX) else None
+        if problem is not None:
+            out.append(ConfigProblem(key, sources, f"holds {source!r}, which {problem[0]}", problem[1]))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,5 +1,6 @@
-"""Prompt data: loaders (jsonl, json, parquet incl. verl's schema, HF hub), the built-in
-`task:arithmetic` and `task:char_count`, row normalisation, and the budgeted prompt dataset with the
+"""Prompt data: loaders (jsonl, json, parquet incl. verl's schema, HF hub), the ``task:`` sources
+made by registered tasks (`task_sources`; the built-in `task:arithmetic`, `task:char_count`,
+`task:shapes` and their traces), row normalisation, and the budgeted prompt dataset with the
 epoch sampler every recipe draws with (`sampler.EpochSampler`).
 
 `PromptDataset` and `PromptSampler` (which need torch through `packrl.types`) are imported on

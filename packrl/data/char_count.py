@@ -1,4 +1,5 @@
-"""The built-in task `task:char_count`: how many times a letter occurs in a word spelt with dashes.
+"""The built-in task `task:char_count` (registered in `packrl.registry.TASKS`): how many times a
+letter occurs in a word spelt with dashes.
 
 A row is a GSM8K-format dict ``{"question", "answer", "data_source", "reward_model"}``; the answer is
 the concise worked answer, one line per letter with the running count, ending in ``#### <count>``::
@@ -48,9 +49,10 @@ from collections import Counter
 from collections.abc import Collection
 from typing import Any, get_args
 
-from packrl.config.schema import CharCountConfig
 from packrl.config.sft import TraceStyle
-from packrl.data.tasks import VAL_SEED_OFFSET
+from packrl.config.tasks import VAL_SEED_OFFSET, CharCountConfig
+from packrl.data.task_sources import TaskRequest
+from packrl.registry import TASKS
 
 logger = logging.getLogger("packrl.data")
 
@@ -256,3 +258,9 @@ def split_rows(cfg: CharCountConfig, seed: int, split: str) -> list[dict[str, An
     train = [r["question"] for r in char_count_rows(cfg.num_rows, cfg, seed)]
     rows = char_count_rows(cfg.num_rows, cfg, seed + VAL_SEED_OFFSET, exclude=train)
     return list({r["question"]: r for r in rows}.values())  # a repeated validation row adds cost, not information
+
+
+@TASKS.register("char_count")
+def char_count_task(request: TaskRequest) -> list[dict[str, Any]]:
+    """``task:char_count``: `split_rows` of ``data.char_count`` (``request.options``) for the request's split and seed."""
+    return split_rows(request.options, request.seed, request.split)

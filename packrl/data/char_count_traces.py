@@ -1,4 +1,5 @@
-"""``task:char_count_traces``: SFT traces of `task:char_count` in ``sft.trace_style``.
+"""``task:char_count_traces`` (registered in `packrl.registry.TASKS`): SFT traces of
+`task:char_count` in ``sft.trace_style``.
 
 Each trace is the RL prompt of a training question (``data.system_prompt``, the question and
 ``data.instruction``, as `packrl.data.examples.to_example` builds it for ``packrl train``) and one
@@ -16,6 +17,8 @@ from packrl.config.schema import DataConfig
 from packrl.config.sft import SftConfig
 from packrl.data.char_count import char_count_rows, parse_question, split_rows, worked_answer
 from packrl.data.examples import to_example
+from packrl.data.task_sources import TaskRequest
+from packrl.registry import TASKS
 
 
 def char_count_trace_rows(data: DataConfig, sft: SftConfig, seed: int) -> list[dict[str, Any]]:
@@ -38,3 +41,10 @@ def char_count_trace_rows(data: DataConfig, sft: SftConfig, seed: int) -> list[d
         answer = worked_answer(*parse_question(row["question"]), sft.trace_style, redundancy=sft.redundancy, draw=draw)
         out.append({"messages": [*example.chat, {"role": "assistant", "content": answer}]})
     return out
+
+
+@TASKS.register("char_count_traces")
+def char_count_traces_task(request: TaskRequest) -> list[dict[str, Any]]:
+    """``task:char_count_traces``: `char_count_trace_rows` of the request's ``data`` and ``sft`` sections and seed."""
+    assert request.sft is not None, "a task that makes traces is read with the sft section"
+    return char_count_trace_rows(request.data, request.sft, request.seed)

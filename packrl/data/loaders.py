@@ -6,11 +6,9 @@ A source is one of:
     "train.jsonl"                   one JSON object per line; blank lines skipped
     "train.json"                    a JSON list of objects
     "train.parquet"                 a parquet table (pyarrow), one row per table row
-    "task:arithmetic"               `packrl.data.tasks.arithmetic_rows`; the split picks the seed,
-                                    and validation keeps each question once
-    "task:char_count"               `packrl.data.char_count.split_rows` (count a letter in a word),
-                                    split and seed as task:arithmetic
-    "task:shapes"                   `packrl.data.shapes.shapes_rows` (images; a vision-language model)
+    "task:arithmetic"               the rows of a registered task (`packrl.data.task_sources`: the
+                                    built-in task:arithmetic, task:char_count, task:shapes, or one
+                                    from trainer.plugins); the split picks the seed
     "openai/gsm8k[:main]"           a hub dataset (optional `datasets` package and a network)
 
 A jsonl line that is not valid UTF-8, not valid JSON or not an object does not stop the load:
@@ -32,14 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packrl.config.schema import ArithmeticConfig, CharCountConfig, ShapesConfig
-from packrl.data.char_count import split_rows as char_count_split_rows
-from packrl.data.shapes import shapes_rows
-from packrl.data.tasks import VAL_SEED_OFFSET, arithmetic_rows
+from packrl.config.schema import DataConfig
+from packrl.config.tasks import TASK_PREFIX, task_sources_text
+from packrl.data.task_sources import read_task
 
 logger = logging.getLogger("packrl.data")
 
-TASKS: tuple[str, ...] = ("arithmetic", "char_count", "shapes")
 SPLITS: tuple[str, ...] = ("train", "val")
 FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".json", ".parquet")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -57,26 +53,17 @@ def _default_key(split: str) -> str:
     return "data.train_files" if split == "train" else "data.val_files"
 
 
-def load_rows(
-    source: str,
-    *,
-    arithmetic: ArithmeticConfig,
-    seed: int,
-    split: str,
-    key: str | None = None,
-    shapes: ShapesConfig | None = None,
-    char_count: CharCountConfig | None = None,
-) -> list[Any]:
+def load_rows(source: str, *, data: DataConfig, seed: int, split: str, key: str | None = None) -> list[Any]:
     """Read every row of one source, in order.
 
     Args:
-        source: a path ending in ``.jsonl``/``.json``/``.parquet``, a built-in ``task:`` (`TASKS`) or a
-            hub dataset id (``openai/gsm8k``, ``openai/gsm8k:main`` for a config).
-        arithmetic: knobs of ``task:arithmetic`` (``data.arithmetic``).
-        shapes: knobs of ``task:shapes`` (``data.shapes``; default: its defaults).
-        char_count: knobs of ``task:char_count`` (``data.char_count``; default: its defaults).
-        seed: ``train.seed``; ``task:arithmetic`` and ``task:char_count`` use it for ``train`` and
-            ``seed + VAL_SEED_OFFSET`` for ``val``.
+        source: a path ending in ``.jsonl``/``.json``/``.parquet``, ``task:<name>`` (a registered
+            task that makes prompts, `packrl.data.task_sources.read_task`) or a hub dataset id
+            (``openai/gsm8k``, ``openai/gsm8k:main`` for a config).
+        data: the ``data`` section; a task reads its options there (``data.arithmetic``,
+            ``data.task_args.<name>``, ...).
+        seed: ``train.seed``; a task draws its ``train`` rows from it and its ``val`` rows from
+            ``seed + VAL_SEED_OFFSET`` (the built-in tasks).
         split: ``"train"`` or ``"val"``; also picks the hub split (val: ``validation``, else ``test``).
         key: the config key naming this source, for messages; default ``data.train_files``
             for train and ``data.val_files`` for val.
@@ -92,39 +79,18 @@ def load_rows(
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {', '.join(SPLITS)}")
     key = key or _default_key(split)
-    if source.startswith("task:"):
-        if source == "task:shapes":
-            cfg = shapes or ShapesConfig()
-            return shapes_rows(cfg.num_rows, cfg.max_shapes, cfg.image_size, seed if split == "train" else seed + VAL_SEED_OFFSET)
-        if source == "task:char_count":
-            return char_count_split_rows(char_count or CharCountConfig(), seed, split)
-        return _task_rows(source, arithmetic=arithmetic, seed=seed, split=split, key=key)
+    if source.startswith(TASK_PREFIX):
+        return read_task(source, data, seed=seed, split=split, key=key)
     path = Path(source).expanduser()
     if path.is_file():
         return _file_rows(path, key)
-    built_in = ("task:tool_traces (calculator traces) or task:char_count_traces" if key.startswith("sft.")
-                else "task:arithmetic, task:char_count or a hub id such as openai/gsm8k")
+    built_in = (task_sources_text("traces") if key.startswith("sft.")
+                else f"{task_sources_text('prompts')}, or a hub id such as openai/gsm8k")
     if path.exists():
         raise ValueError(f"{key}: {source!r} is not a file; give a .jsonl, .json or .parquet file, or {built_in}")
     if path.suffix.lower() in FILE_SUFFIXES or not _HUB_ID.match(source):
         raise ValueError(f"{key}: {source!r} does not exist; fix the path in {key}, or use {built_in}")
     return _hub_rows(source, split=split, key=key)
-
-
-def _task_rows(source: str, *, arithmetic: ArithmeticConfig, seed: int, split: str, key: str) -> list[Any]:
-    name = source.removeprefix("task:")
-    if name != "arithmetic":
-        raise ValueError(f"{key}: unknown built-in task {source!r}; known tasks: {', '.join('task:' + t for t in TASKS)}")
-    args = (arithmetic.num_rows, arithmetic.digits, arithmetic.num_operands, arithmetic.operators)
-    if split == "train":
-        return arithmetic_rows(*args, seed)
-    train_questions = [r["question"] for r in arithmetic_rows(*args, seed)]
-    rows = arithmetic_rows(*args, seed + VAL_SEED_OFFSET, exclude=train_questions)
-    # a repeated validation row adds cost, not information: keep each question once
-    distinct = list({r["question"]: r for r in rows}.values())
-    if len(distinct) < len(rows):
-        logger.info("%s: task:arithmetic validation keeps %d distinct of %d rows", key, len(distinct), len(rows))
-    return distinct
 
 
 def _file_rows(path: Path, key: str) -> list[Any]:

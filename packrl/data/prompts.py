@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from packrl.config.schema import DataConfig
-from packrl.data.examples import ARITHMETIC_SOURCE, GSM8K_SOURCE, Example, to_example
+from packrl.config.tasks import TASK_PREFIX
+from packrl.data.examples import GSM8K_SOURCE, Example, to_example
 from packrl.data.length_targets import with_length_target
 from packrl.data.loaders import load_rows
+from packrl.data.task_sources import task_data_source
 from packrl.seqlen.microbatch import CapLimit
 from packrl.seqlen.prompt_policy import Policy, PromptAccounting, RowOutcome, apply_prompt_policy
 
@@ -89,9 +91,9 @@ def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, sp
     """Read every source in order and normalise each row (`packrl.data.examples.to_example`).
 
     Args:
-        sources: ``data.train_files`` or ``data.val_files`` (files, ``task:arithmetic``, hub ids).
-        data_cfg: the ``data`` section (instruction, system prompt, ``max_val_rows``, arithmetic).
-        seed: ``train.seed`` (picks the rows of ``task:arithmetic``).
+        sources: ``data.train_files`` or ``data.val_files`` (files, ``task:`` sources, hub ids).
+        data_cfg: the ``data`` section (instruction, system prompt, ``max_val_rows``, the tasks' options).
+        seed: ``train.seed`` (picks the rows of a ``task:`` source).
         split: ``"train"`` or ``"val"``; for ``val`` only the first ``data.max_val_rows`` rows.
         key: the config key of ``sources``, for messages.
         max_target_tokens: the response budget a row's ``data.length_target.column`` must not
@@ -107,8 +109,9 @@ def load_examples(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, sp
     examples: list[Example] = []
     bad: dict[int, str] = {}
     for row, (raw, origin) in enumerate(zip(raw_rows, origins)):
-        data_source = ARITHMETIC_SOURCE if origin.source.startswith("task:") else GSM8K_SOURCE
-        base_dir = None if origin.source.startswith("task:") else Path(origin.source).expanduser().parent
+        made = origin.source.startswith(TASK_PREFIX)  # by a registered task: no file, rows labelled packrl/<task>
+        data_source = task_data_source(origin.source) if made else GSM8K_SOURCE
+        base_dir = None if made else Path(origin.source).expanduser().parent
         result = to_example(raw, row=row, instruction=data_cfg.instruction,
                             system_prompt=data_cfg.system_prompt, data_source=data_source, base_dir=base_dir)
         if not isinstance(result, str):
@@ -126,8 +129,7 @@ def _load_all(sources: Sequence[str], data_cfg: DataConfig, *, seed: int, split:
     rows: list[Any] = []
     origins: list[RowSource] = []
     for source in sources:
-        loaded = load_rows(source, arithmetic=data_cfg.arithmetic, seed=seed, split=split, key=key, shapes=data_cfg.shapes,
-                           char_count=data_cfg.char_count)
+        loaded = load_rows(source, data=data_cfg, seed=seed, split=split, key=key)
         rows.extend(loaded)
         origins.extend(RowSource(source, i) for i in range(len(loaded)))
     limit = data_cfg.max_val_rows if split == "val" else None

@@ -1,4 +1,5 @@
-"""The built-in vision task `task:shapes`: count the shapes in a synthetic image.
+"""The built-in vision task `task:shapes` (registered in `packrl.registry.TASKS`): count the
+shapes in a synthetic image.
 
 Each row is one image (``data.shapes.image_size`` pixels square, white) with 1 to
 ``data.shapes.max_shapes`` filled circles, squares and triangles of random colours at places
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import io
 import random
+
+from packrl.data.task_sources import TaskRequest
+from packrl.registry import TASKS
 
 SHAPES_SOURCE = "packrl/shapes"
 QUESTION = 'How many shapes are in the image? Output the number after "####".'
@@ -87,3 +91,10 @@ def shapes_rows(num_rows: int, max_shapes: int, image_size: int, seed: int) -> l
         rows.append({"prompt": [{"role": "user", "content": "<image>" + QUESTION}], "images": [{"bytes": png}],
                      "reward_model": {"style": "rule", "ground_truth": str(count)}, "data_source": SHAPES_SOURCE})
     return rows
+
+
+@TASKS.register("shapes")
+def shapes_task(request: TaskRequest) -> list[dict]:
+    """``task:shapes``: `shapes_rows` of ``data.shapes`` (``request.options``), drawn from the request's split seed."""
+    cfg = request.options
+    return shapes_rows(cfg.num_rows, cfg.max_shapes, cfg.image_size, request.split_seed)

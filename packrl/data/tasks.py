@@ -1,4 +1,4 @@
-"""Built-in tasks that need no download: `task:arithmetic`.
+"""The built-in task `task:arithmetic` (registered in `packrl.registry.TASKS`; no download).
 
 A row is a GSM8K-format dict ``{"question": str, "answer": str}``: the question is a plain
 expression (``"What is 3 + 4 * 2?"``), the answer a one-line worked solution that applies one
@@ -24,10 +24,13 @@ import logging
 import random
 from collections.abc import Collection
 
+from packrl.config.tasks import VAL_SEED_OFFSET, ArithmeticConfig
+from packrl.data.task_sources import TaskRequest
+from packrl.registry import TASKS
+
 logger = logging.getLogger("packrl.data")
 
-VAL_SEED_OFFSET = 1_000_003
-"""Validation rows of `task:arithmetic` use ``train.seed + VAL_SEED_OFFSET``."""
+__all__ = ["VAL_SEED_OFFSET", "arithmetic_rows", "arithmetic_task", "num_arithmetic_problems", "split_rows"]
 
 _OPERATORS = "+-*"
 _DRAWS_PER_ROW = 20  # rejection-sampling cap: a space too small to fill the rows stops after this many draws per row
@@ -138,3 +141,29 @@ def _fill(rows: list[dict[str, str]], num_rows: int, rng: random.Random, draw) -
         )
         rows.extend(draw() for _ in range(num_rows))
     return rows
+
+
+def split_rows(cfg: ArithmeticConfig, seed: int, split: str, key: str = "data.val_files") -> list[dict[str, str]]:
+    """The ``data.arithmetic.num_rows`` rows of ``split``: ``train`` from ``seed``; ``val`` from
+    ``seed + VAL_SEED_OFFSET`` without any training question, each question once (``key`` names the
+    source in the log line that says how many were kept).
+
+    Raises:
+        ValueError: ``cfg`` fails `arithmetic_rows`' checks.
+    """
+    args = (cfg.num_rows, cfg.digits, cfg.num_operands, cfg.operators)
+    if split == "train":
+        return arithmetic_rows(*args, seed)
+    train_questions = [r["question"] for r in arithmetic_rows(*args, seed)]
+    rows = arithmetic_rows(*args, seed + VAL_SEED_OFFSET, exclude=train_questions)
+    # a repeated validation row adds cost, not information: keep each question once
+    distinct = list({r["question"]: r for r in rows}.values())
+    if len(distinct) < len(rows):
+        logger.info("%s: task:arithmetic validation keeps %d distinct of %d rows", key, len(distinct), len(rows))
+    return distinct
+
+
+@TASKS.register("arithmetic")
+def arithmetic_task(request: TaskRequest) -> list[dict[str, str]]:
+    """``task:arithmetic``: `split_rows` of ``data.arithmetic`` (``request.options``) for the request's split and seed."""
+    return split_rows(request.options, request.seed, request.split, request.key)

@@ -29,7 +29,6 @@ resume on other traces is refused by their fingerprint.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,18 +37,14 @@ import torch
 
 from packrl.chat.render import ToolRenderer
 from packrl.config.schema import DataConfig
-from packrl.config.sft import CHAR_COUNT_TRACES, SftConfig
-from packrl.data.char_count_traces import char_count_trace_rows
-from packrl.data.examples import to_example
+from packrl.config.sft import SftConfig
+from packrl.config.tasks import TASK_PREFIX
 from packrl.data.loaders import BadRow, load_rows
 from packrl.data.prompts import RowSource, accounting_dict
-from packrl.data.tasks import arithmetic_rows, num_arithmetic_problems
-from packrl.registry import TOOLS
+from packrl.data.task_sources import read_task
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome, apply_prompt_policy
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch, TrainBatch
 
-TOOL_TRACES = "task:tool_traces"
-"""The built-in traces: calculator calls for `task:arithmetic` problems (`tool_trace_rows`)."""
 SFT_SOURCE = "packrl/sft"
 _PROMPT_ROLES = ("system", "user")
 _AFTER_PROMPT = ("assistant", "tool")
@@ -135,46 +130,15 @@ class Traces:
                           old_logprobs=None, ref_logprobs=None)
 
 
-def tool_trace_rows(data: DataConfig, num_rows: int, seed: int) -> list[dict[str, Any]]:
-    """``num_rows`` (``sft.num_rows``) calculator traces of `task:arithmetic` problems
-    (``data.arithmetic``, ``seed`` = ``train.seed``; never a validation question): the request as
-    RL's prompts hold it (``data.system_prompt``, ``data.instruction``), one call with the
-    problem's expression, the registered ``calculator``'s exact answer, and the final answer after
-    ``####``. Each row: ``{"messages": [...]}``.
-
-    Raises:
-        ValueError: more rows than ``data.arithmetic`` has distinct problems.
-    """
-    calculator = TOOLS.lookup("calculator")
-    arith = data.arithmetic
-    args = (arith.digits, arith.num_operands, arith.operators)
-    space = num_arithmetic_problems(*args)
-    if num_rows > space:
-        raise ValueError(f"sft.num_rows={num_rows:,} is more than the {space:,} distinct problems of data.arithmetic "
-                         f"(digits={arith.digits}, num_operands={arith.num_operands}, operators={arith.operators!r}): every "
-                         "trace past them repeats one; lower sft.num_rows or raise data.arithmetic.digits")
-    val = [r["question"] for r in load_rows("task:arithmetic", arithmetic=arith, seed=seed, split="val")]
-    out = []
-    for k, row in enumerate(arithmetic_rows(num_rows, *args, seed, exclude=val)):
-        example = to_example(row, row=k, instruction=data.instruction, system_prompt=data.system_prompt)
-        assert not isinstance(example, str), "task:arithmetic rows are well-formed"
-        expression = row["question"].removeprefix("What is ").removesuffix("?")
-        answer = calculator({"expression": expression})
-        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-        out.append({"messages": [*example.chat, {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                                 {"role": "tool", "content": answer},
-                                 {"role": "assistant", "content": f"{expression} = {answer}\n#### {answer}"}]})
-    return out
-
-
 def load_traces(sft: SftConfig, data: DataConfig, tokenizer: Any, options: TraceOptions, *, seed: int) -> Traces:
     """Every row of ``sft.train_files``, rendered under ``options`` and accounted (module docstring).
-    The built-in traces read ``data`` (`tool_trace_rows`, `char_count_trace_rows`) and ``seed``
-    (``train.seed``).
+    A ``task:`` source is made by a registered task that makes traces
+    (`packrl.data.task_sources.read_task`: the built-in ``task:tool_traces`` and
+    ``task:char_count_traces`` read ``data``, ``sft`` and ``seed``, ``train.seed``).
 
     Raises:
-        ValueError: no ``sft.train_files``, a source that cannot be read (`load_rows`), or no
-            trace left to train (names the reasons).
+        ValueError: no ``sft.train_files``, a source that cannot be read (`load_rows`) or names no
+            registered task that makes traces (`read_task`), or no trace left to train (names the reasons).
     """
     if not sft.train_files:
         raise ValueError("sft.train_files is empty; give chat traces (jsonl rows with 'messages') or task:tool_traces, "
@@ -182,11 +146,10 @@ def load_traces(sft: SftConfig, data: DataConfig, tokenizer: Any, options: Trace
     rows: list[Any] = []
     origins: list[RowSource] = []
     for source in sft.train_files:
-        if source == CHAR_COUNT_TRACES:
-            loaded = char_count_trace_rows(data, sft, seed)
+        if source.startswith(TASK_PREFIX):
+            loaded = read_task(source, data, seed=seed, split="train", key="sft.train_files", makes="traces", sft=sft)
         else:
-            loaded = tool_trace_rows(data, sft.num_rows, seed) if source == TOOL_TRACES else load_rows(
-                source, arithmetic=data.arithmetic, seed=seed, split="train", key="sft.train_files")
+            loaded = load_rows(source, data=data, seed=seed, split="train", key="sft.train_files")
         rows += loaded
         origins += [RowSource(source, k) for k in range(len(loaded))]
     traces = replace(render_traces(rows, tokenizer, options), origins=tuple(origins))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packrl.config.schema import ArithmeticConfig
+from packrl.config.schema import DataConfig
 from packrl.data.loaders import BadRow, load_rows
 
 VERL_GSM8K_SOURCE = "openai/gsm8k"
@@ -148,7 +148,7 @@ def write_verl_gsm8k(source: Path, split: str, output: Path) -> SplitAccounting:
     if not Path(source).is_file():
         raise ValueError(f"--{split}: {str(source)!r} is not a file; "
                          f"give the GSM8K {split} .jsonl file (or --input-dir holding {split}.jsonl)")
-    rows = load_rows(str(source), arithmetic=ArithmeticConfig(), seed=0, split="train", key=f"--{split}")
+    rows = load_rows(str(source), data=DataConfig(), seed=0, split="train", key=f"--{split}")
     written, skipped = [], []
     for index, raw in enumerate(rows):
         row = verl_row(raw, split=split, index=index)

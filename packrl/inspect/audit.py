@@ -30,7 +30,8 @@ text ``model.path`` such rows are rejected with training's reason (``a row with 
 vision-language model.path ...``), and ``problems`` names the fix.
 
 Results are cached (`cache_key`): sha256 of every data file's bytes, the tokenizer identity,
-the processor identity (vision-language models), and the config values the report depends on.
+the processor identity (vision-language models), and every config value the audit reads
+(`AuditSettings`, the whole ``data`` section among them).
 A report that read image files, or a hub source, is not cached (those inputs are not in the
 key). Cost, measured with `bench/bench_audit.py` on the 2-core CPU (SmolLM2 tokenizer, demo
 preset, GSM8K train, 7,473 rows): cold 6.8 s wall on a lightly loaded machine, 6.3 s of CPU
@@ -78,7 +79,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,32 +191,33 @@ def audit_rows(loaded: LoadedRows, tokenizer: Any, cfg: RunConfig, *, progress: 
             training raises, `packrl.data.images.ImageGeometry.of`).
     """
     start = time.perf_counter()
-    budgets = _Budgets(cfg.data, grouped_cap_limits(cfg.train), template_kwargs(cfg.rollout.multi_turn))
-    passes = _Passes.run(loaded.examples, tokenizer, budgets, progress)
+    settings = AuditSettings.of(cfg)
+    data = settings.data
+    passes = _Passes.run(loaded.examples, tokenizer, settings, progress)
     accounting = account_rows(passes.base, loaded.bad, loaded.num_rows)
     prompt_tokens = LengthStats.from_lengths(rendered_prompt_lengths(accounting))
     answers = _answer_lengths(loaded, tokenizer.tokenizer if is_processor(tokenizer) else tokenizer)
     with_images = set(image_rows(loaded))
-    configured = {o.row: o for o in accounting.outcomes} | passes.outcomes(cfg.data.overlong_prompt)
-    multimodal = multimodal_stats(loaded, tokenizer, cfg.data, outcomes=configured,
-                                  prompts=passes.image_prompts(cfg.data.overlong_prompt),
+    configured = {o.row: o for o in accounting.outcomes} | passes.outcomes(data.overlong_prompt)
+    multimodal = multimodal_stats(loaded, tokenizer, data, outcomes=configured,
+                                  prompts=passes.image_prompts(data.overlong_prompt),
                                   policies=passes.policies(accounting.outcomes, keep=with_images.__contains__),
-                                  max_image_patches=cfg.train.max_vision_patches_per_microbatch)
+                                  max_image_patches=settings.max_image_patches)
     bad_rows = tuple(
         BadRowInfo(o.row, loaded.origins[o.row].source, loaded.origins[o.row].source_row, o.reason)
         for o in accounting.outcomes if o.status == "rejected"
     )
     report = AuditReport(
-        sources=_source_infos(loaded), model="", tokenizer="", config=_config_values(cfg),
+        sources=_source_infos(loaded), model="", tokenizer="", config=dict(settings.shown),
         num_rows=loaded.num_rows, num_bad_rows=len(bad_rows), bad_rows=bad_rows[: AuditReport.MAX_BAD_ROWS],
         prompt_tokens=prompt_tokens, answer_tokens=LengthStats.from_lengths(answers) if answers else None,
         num_overlong=len(passes.overlong), policies=passes.policies(accounting.outcomes), multimodal=multimodal,
-        suggested=suggest_budgets(prompt_tokens, cfg.rollout.max_response_tokens, max_context_tokens),
+        suggested=suggest_budgets(prompt_tokens, settings.max_response_tokens, max_context_tokens),
         problems=(), read_image_files=reads_image_files(loaded, tokenizer),
     )
     needs_vision = 0 if is_processor(tokenizer) else sum(1 for e in loaded.examples if e.images)
-    room = PromptRoom.of(cfg.rollout, max_context_tokens)
-    report = replace(report, problems=_problems(report, cfg.data, cfg.model.path, num_need_vision=needs_vision, room=room))
+    room = None if max_context_tokens is None else PromptRoom(max_context_tokens, settings.max_response_tokens)
+    report = replace(report, problems=_problems(report, data, settings.model_path, num_need_vision=needs_vision, room=room))
     return report.timed(time.perf_counter() - start)
 
 
@@ -238,17 +240,46 @@ _TRUNCATING = tuple(p for p in POLICIES if p not in ("filter", "error"))
 
 
 @dataclass(frozen=True, slots=True)
-class _Budgets:
-    """What `budget_examples` takes besides the rows, as `PromptDataset.build` passes it in training:
-    the ``data`` section, the grouped caps (`packrl.config.grouped_caps.grouped_cap_limits`: images are
-    sized to ``train.max_vision_patches_per_microbatch``) and the tool schemas
-    (`packrl.chat.tool_schemas.template_kwargs`)."""
+class AuditSettings:
+    """Every config value an audit reads, and nothing else of the config: a report is a function of
+    these, the rows, the tokenizer (or processor) and the model context, so the cache key holds
+    them all (`cache_key`: a new ``data`` option is in it without being named there).
+
+    Attributes:
+        data: the whole ``data`` section (sources' tasks and their options, rendering, budgets,
+            images, length targets).
+        seed: ``train.seed`` (the rows of a ``task:`` source, drawn length targets).
+        model_path: ``model.path`` (named in the report's problems).
+        max_response_tokens: ``rollout.max_response_tokens`` (suggested budgets, the prompt room).
+        max_target_tokens: the smallest response budget of the schedule
+            (``rollout.max_response_tokens_schedule``): a length target every stage can reach.
+        caps: the grouped caps images are sized to (`packrl.config.grouped_caps.grouped_cap_limits`),
+            as `PromptDataset.build` passes them.
+        max_image_patches: ``train.max_vision_patches_per_microbatch`` (the report's image rows).
+        chat_template_kwargs: what every prompt renders with (the tool schemas of
+            ``rollout.multi_turn``, `packrl.chat.tool_schemas.template_kwargs`).
+        shown: the config values the report lists (``config``, `_config_values`).
+    """
 
     data: DataConfig
+    seed: int
+    model_path: str
+    max_response_tokens: int
+    max_target_tokens: int
     caps: tuple[CapLimit, ...]
+    max_image_patches: int | None
     chat_template_kwargs: dict[str, Any]
+    shown: dict[str, Any]
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> AuditSettings:
+        return cls(data=cfg.data, seed=cfg.train.seed, model_path=cfg.model.path, max_response_tokens=cfg.rollout.max_response_tokens,
+                   max_target_tokens=min(budget for _, budget in response_schedule(cfg.rollout).stages),
+                   caps=grouped_cap_limits(cfg.train), max_image_patches=cfg.train.max_vision_patches_per_microbatch,
+                   chat_template_kwargs=template_kwargs(cfg.rollout.multi_turn), shown=_config_values(cfg))
 
     def apply(self, examples: Sequence[Example], encoder: Any, policy: Policy) -> tuple[list[DatasetPrompt], list[RowOutcome]]:
+        """`budget_examples` over ``examples`` under ``policy``, as `PromptDataset.build` calls it in training."""
         return budget_examples(examples, encoder, max_prompt_tokens=self.data.max_prompt_tokens, policy=policy,
                                data_cfg=self.data, caps=self.caps, chat_template_kwargs=self.chat_template_kwargs)
 
@@ -271,10 +302,10 @@ class _Passes:
     prompts: dict[str, list[DatasetPrompt]]
 
     @classmethod
-    def run(cls, examples: Sequence[Example], encoder: Any, budgets: _Budgets, progress: bool | None) -> _Passes:
-        base, prompts = _render_all(examples, encoder, budgets, progress)
+    def run(cls, examples: Sequence[Example], encoder: Any, settings: AuditSettings, progress: bool | None) -> _Passes:
+        base, prompts = _render_all(examples, encoder, settings, progress)
         overlong = [e for e, o in zip(examples, base) if o.status == "filtered"]
-        cuts, cut_prompts = _truncate_overlong(overlong, encoder, budgets, progress)
+        cuts, cut_prompts = _truncate_overlong(overlong, encoder, settings, progress)
         return cls(base, [e.row for e in overlong], cuts, {"filter": prompts} | cut_prompts)
 
     def outcomes(self, policy: str) -> dict[int, RowOutcome]:
@@ -296,7 +327,7 @@ class _Passes:
         return tuple(_policy_outcome(p, base, overlong, kept(self.cuts.get(p, []))) for p in POLICIES)
 
 
-def _render_all(examples: Sequence[Example], encoder: Any, budgets: _Budgets,
+def _render_all(examples: Sequence[Example], encoder: Any, settings: AuditSettings,
                 progress: bool | None) -> tuple[list[RowOutcome], list[DatasetPrompt]]:
     """Outcomes of every example under ``filter`` (so ``num_tokens`` is each full prompt length),
     in chunks of `_CHUNK_ROWS` rows for the progress bar, and the prompts of rows with images."""
@@ -307,7 +338,7 @@ def _render_all(examples: Sequence[Example], encoder: Any, budgets: _Budgets,
     with tqdm(total=len(examples), unit="row", desc="audit: render + tokenize", disable=_no_bar(progress)) as bar:
         for start in range(0, len(examples), _CHUNK_ROWS):
             chunk = examples[start : start + _CHUNK_ROWS]
-            made, outcome = budgets.apply(chunk, encoder, "filter")
+            made, outcome = settings.apply(chunk, encoder, "filter")
             outcomes += outcome
             prompts += [p for p in made if p.example.images]
             bar.update(len(chunk))
@@ -318,7 +349,7 @@ def _no_bar(progress: bool | None) -> bool | None:
     return None if progress is None else not progress
 
 
-def _truncate_overlong(overlong: Sequence[Example], encoder: Any, budgets: _Budgets,
+def _truncate_overlong(overlong: Sequence[Example], encoder: Any, settings: AuditSettings,
                        progress: bool | None) -> tuple[dict[str, list[RowOutcome]], dict[str, list[DatasetPrompt]]]:
     """Outcomes of the overlong rows under each truncating policy (left, right, middle), and the
     prompts of those with images."""
@@ -331,7 +362,7 @@ def _truncate_overlong(overlong: Sequence[Example], encoder: Any, budgets: _Budg
         for side in _TRUNCATING:
             for start in range(0, len(overlong), _CHUNK_ROWS // 8):
                 chunk = overlong[start : start + _CHUNK_ROWS // 8]
-                made, outcomes = budgets.apply(chunk, encoder, side)
+                made, outcomes = settings.apply(chunk, encoder, side)
                 cuts[side] += outcomes
                 prompts[side] += [p for p in made if p.example.images]
                 bar.update(len(chunk))
@@ -439,11 +470,13 @@ def _problems(report: AuditReport, data: DataConfig, model_path: str, *, num_nee
 def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig, processor_id: str | None = None,
               max_context_tokens: int | None = None) -> str | None:
     """Hex sha256 of what a report depends on: the format version, each source (its string
-    and the sha256 of its bytes), the tokenizer identity, the processor identity (its files: the
-    image geometry and how images expand; None for a text model), the transformers and tokenizers
-    versions (rendering, tokenization and image processing code), `_config_values` (with
-    ``data.image.*``, ``data.max_image_tokens`` and ``train.max_vision_patches_per_microbatch``)
-    and the model context (it bounds the suggested budgets; None when not read).
+    and the sha256 of its bytes; a ``task:`` source is made from the config, which the key holds),
+    the tokenizer identity, the processor identity (its files: the image geometry and how images
+    expand; None for a text model), the transformers and tokenizers versions (rendering,
+    tokenization and image processing code), every config value the audit reads
+    (`AuditSettings`: the whole ``data`` section, so every task's options and every new ``data``
+    option, with the seed, ``model.path``, the response budgets, the grouped caps and the tool
+    schemas) and the model context (it bounds the suggested budgets; None when not read).
     None when a source is not a local file or ``task:`` (a hub dataset can change without its id
     changing)."""
     parts: list[Any] = []
@@ -456,7 +489,8 @@ def cache_key(sources: Sequence[str], tokenizer_id: str, cfg: RunConfig, process
         else:
             return None
     versions = [_version("transformers"), _version("tokenizers")]
-    blob = json.dumps([SCHEMA_VERSION, parts, tokenizer_id, processor_id, versions, _config_values(cfg), max_context_tokens],
+    settings = asdict(AuditSettings.of(cfg))
+    blob = json.dumps([SCHEMA_VERSION, parts, tokenizer_id, processor_id, versions, settings, max_context_tokens],
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -517,8 +551,9 @@ def audit_sources(
     cached = _read_cache(cache_dir, key)
     if cached is not None:
         return cached.timed(time.perf_counter() - start)
-    most = min(budget for _, budget in response_schedule(cfg.rollout).stages)  # a length target each stage can reach
-    loaded = load_examples(sources, cfg.data, seed=cfg.train.seed, split="train", key=DATA_KEY, max_target_tokens=most)
+    settings = AuditSettings.of(cfg)
+    loaded = load_examples(sources, settings.data, seed=settings.seed, split="train", key=DATA_KEY,
+                           max_target_tokens=settings.max_target_tokens)
     _check_readable(loaded)
     report = audit_rows(loaded, tokenizer_loader(), cfg, progress=progress, max_context_tokens=max_context_tokens)
     report = replace(report, model=model, tokenizer=tokenizer_id, sources=_with_hashes(report.sources))

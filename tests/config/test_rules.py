@@ -49,6 +49,9 @@ CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo
     ("length_targets", ["data.length_target.min_tokens=8", "data.length_target.max_tokens=40",
                         "rollout.max_response_tokens_schedule=[[1,32],[3,64]]"], "data.length_target.max_tokens",
      "> 32, the response budget of the length curriculum's stage from step 1"),
+    ("task_sources", ["data.train_files=[task:char_cont]"], "data.train_files", "is not a registered task; fix: did you mean "
+     "task:char_count?"),
+    ("task_sources", ["data.val_files=[task:char_count_traces]"], "data.val_files", "is a task that makes traces"),
 ]
 
 PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's own config check (checks= in packrl.registry)

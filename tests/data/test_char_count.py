@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from packrl.config import ConfigError, load_config
-from packrl.config.schema import CharCountConfig, RewardConfig
+from packrl.config.schema import CharCountConfig, DataConfig, RewardConfig
 from packrl.data import load_rows
 from packrl.data.char_count import (
     CHAR_COUNT_SOURCE,
@@ -77,8 +77,8 @@ def test_deterministic_for_a_seed_and_knobs_respected():
 
 def test_validation_uses_its_own_seed_and_no_training_question():
     cfg = CharCountConfig(num_rows=400)
-    train = load_rows("task:char_count", arithmetic=load_config("demo").data.arithmetic, char_count=cfg, seed=5, split="train")
-    val = load_rows("task:char_count", arithmetic=load_config("demo").data.arithmetic, char_count=cfg, seed=5, split="val")
+    train = load_rows("task:char_count", data=DataConfig(char_count=cfg), seed=5, split="train")
+    val = load_rows("task:char_count", data=DataConfig(char_count=cfg), seed=5, split="val")
     assert train == split_rows(cfg, 5, "train") == char_count_rows(400, cfg, 5)
     assert len(val) == 400 and len({r["question"] for r in val}) == 400
     assert not {r["question"] for r in train} & {r["question"] for r in val}

@@ -9,15 +9,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from packrl.config.schema import ArithmeticConfig
+from packrl.config.schema import DataConfig
 from packrl.data import BadRow, load_rows
 
-ARITH = ArithmeticConfig()
+DATA = DataConfig()
 ROWS = [{"question": "What is 1 + 1?", "answer": "#### 2"}, {"question": "What is 2 + 2?", "answer": "#### 4"}]
 
 
 def _load(path, split="train", key=None):
-    return load_rows(str(path), arithmetic=ARITH, seed=0, split=split, key=key)
+    return load_rows(str(path), data=DATA, seed=0, split=split, key=key)
 
 
 def test_jsonl_skips_blank_lines_and_a_bom(tmp_path):
@@ -134,16 +134,17 @@ def test_a_directory_is_not_a_source(tmp_path):
 
 
 def test_unknown_task_and_split():
-    with pytest.raises(ValueError, match=r"unknown built-in task 'task:sums'; known tasks: task:arithmetic"):
-        load_rows("task:sums", arithmetic=ARITH, seed=0, split="train")
+    with pytest.raises(ValueError, match=r"data.train_files: 'task:sums' is not a registered task; did you mean task:shapes\? "
+                                         r"registered tasks that make prompts: task:arithmetic, task:char_count, task:shapes;"):
+        load_rows("task:sums", data=DATA, seed=0, split="train")
     with pytest.raises(ValueError, match="split='test'"):
-        load_rows("task:arithmetic", arithmetic=ARITH, seed=0, split="test")
+        load_rows("task:arithmetic", data=DATA, seed=0, split="test")
 
 
 def test_hub_id_without_datasets_names_the_key_and_the_fix(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError, no network
     with pytest.raises(ValueError, match=r"data.train_files: 'openai/gsm8k:main' .*pip install 'packrl\[hub\]'"):
-        load_rows("openai/gsm8k:main", arithmetic=ARITH, seed=0, split="train")
+        load_rows("openai/gsm8k:main", data=DATA, seed=0, split="train")
 
 
 def test_hub_download_failure_is_a_value_error(monkeypatch):
@@ -154,7 +155,7 @@ def test_hub_download_failure_is_a_value_error(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
     with pytest.raises(ValueError, match=r"data.val_files: could not load hub dataset 'openai/gsm8k' \(ConnectionError: offline\)"):
-        load_rows("openai/gsm8k", arithmetic=ARITH, seed=0, split="val")
+        load_rows("openai/gsm8k", data=DATA, seed=0, split="val")
 
 
 def test_hub_split_choice(monkeypatch):
@@ -167,8 +168,8 @@ def test_hub_split_choice(monkeypatch):
             return {"train": [ROWS[0]], "test": [ROWS[1]]}
 
     monkeypatch.setitem(sys.modules, "datasets", FakeDatasets)
-    assert load_rows("openai/gsm8k:main", arithmetic=ARITH, seed=0, split="train") == [ROWS[0]]
-    assert load_rows("openai/gsm8k", arithmetic=ARITH, seed=0, split="val") == [ROWS[1]]
+    assert load_rows("openai/gsm8k:main", data=DATA, seed=0, split="train") == [ROWS[0]]
+    assert load_rows("openai/gsm8k", data=DATA, seed=0, split="val") == [ROWS[1]]
     assert calls == [("openai/gsm8k", "main"), ("openai/gsm8k", None)]
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from packrl.config.schema import ArithmeticConfig
+from packrl.config.schema import ArithmeticConfig, DataConfig
 from packrl.data import VAL_SEED_OFFSET, arithmetic_rows, load_rows
 
 _QUESTION = re.compile(r"What is ([0-9+\-* ]+)\?")
@@ -73,8 +73,8 @@ def test_exclude_is_respected():
 
 def test_validation_split_uses_its_own_seed_and_no_training_row():
     cfg = ArithmeticConfig(num_rows=300, digits=2, num_operands=2, operators="+-")
-    train = load_rows("task:arithmetic", arithmetic=cfg, seed=5, split="train")
-    val = load_rows("task:arithmetic", arithmetic=cfg, seed=5, split="val")
+    train = load_rows("task:arithmetic", data=DataConfig(arithmetic=cfg), seed=5, split="train")
+    val = load_rows("task:arithmetic", data=DataConfig(arithmetic=cfg), seed=5, split="val")
     assert train == arithmetic_rows(300, 2, 2, "+-", seed=5)
     assert len(val) == 300
     assert not {r["question"] for r in train} & {r["question"] for r in val}
@@ -84,7 +84,7 @@ def test_validation_split_uses_its_own_seed_and_no_training_row():
 
 def test_validation_of_a_tiny_space_keeps_each_question_once():
     cfg = ArithmeticConfig(num_rows=2000, digits=1, num_operands=2, operators="+")  # the default: 100 problems
-    val = load_rows("task:arithmetic", arithmetic=cfg, seed=0, split="val")
+    val = load_rows("task:arithmetic", data=DataConfig(arithmetic=cfg), seed=0, split="val")
     assert len(val) == len({r["question"] for r in val}) <= 100
 
 

@@ -11,7 +11,8 @@ from packrl.chat.render import ToolRenderer
 from packrl.cli.main import main
 from packrl.config import ConfigError, load_config
 from packrl.data.dataset import PromptDataset
-from packrl.data.traces import render_traces, tool_trace_rows
+from packrl.data.tool_traces import tool_trace_rows
+from packrl.data.traces import render_traces
 from packrl.rollout.tools import parse_tool_calls, run_tool
 from packrl.trainer.sft import sft_traces, trace_options
 
@@ -160,7 +161,7 @@ def test_unreadable_lines_keep_their_reason_and_every_reason_is_counted(tmp_path
     assert traces.accounting.outcomes[0].reason.startswith("line 1: invalid JSON")
     summary = traces.accounting.summary()
     assert "6 rejected" in summary and "and 1 more reason(s)" in summary
-    with pytest.raises(ValueError, match="or use task:tool_traces"):
+    with pytest.raises(ValueError, match="or use task:char_count_traces, task:tool_traces"):
         sft_traces(_cfg(f"sft.train_files=[{tmp_path / 'nope.jsonl'}]"), smollm_tokenizer)
 
 

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from packrl.cli.main import main
+from packrl.config.schema import DataConfig
 from packrl.data.examples import to_example
 from packrl.data.loaders import load_rows
 from packrl.data.verl_gsm8k import VERL_GSM8K_INSTRUCTION, extract_answer, verl_schema, write_verl_gsm8k
@@ -34,7 +35,7 @@ def test_extract_answer_is_verls(text, expected):
 
 
 def _examples(path, **kw):
-    rows = load_rows(str(path), arithmetic=None, seed=0, split="train")
+    rows = load_rows(str(path), data=DataConfig(), seed=0, split="train")
     return [to_example(r, row=i, system_prompt=None, **kw) for i, r in enumerate(rows)]
 
 
@@ -94,7 +95,7 @@ def test_the_shared_gsm8k_converts_every_row_and_matches_packrls_jsonl_reading(t
     for split in ("train", "test"):
         account = write_verl_gsm8k(GSM8K_DIR / f"{split}.jsonl", split, tmp_path / f"{split}.parquet")
         assert account.num_written == account.num_rows and not account.skipped
-        table = pa.Table.from_pylist(load_rows(str(account.output), arithmetic=None, seed=0, split="train"))
+        table = pa.Table.from_pylist(load_rows(str(account.output), data=DataConfig(), seed=0, split="train"))
         assert table.num_rows == account.num_rows
         from_parquet = _examples(account.output, instruction="")
         from_jsonl = _examples(GSM8K_DIR / f"{split}.jsonl", instruction=VERL_GSM8K_INSTRUCTION)

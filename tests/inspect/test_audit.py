@@ -14,9 +14,10 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from packrl.config.schema import DataConfig, RolloutConfig, RunConfig, TrainConfig
+from packrl.config import load_config
+from packrl.config.schema import DataConfig, MultiTurnConfig, RolloutConfig, RunConfig, TrainConfig
 from packrl.data import PromptDataset, load_examples
-from packrl.inspect.audit import audit_rows, audit_sources, length_percentiles
+from packrl.inspect.audit import audit_rows, audit_sources, cache_key, length_percentiles
 from packrl.inspect.audit_html import render_html
 from tests.builders import AUDIT_INSTRUCTION, AUDIT_KEYS, QUESTION_LENGTHS, char_tokenizer, prompt_chars, write_jsonl
 from tests.conftest import GSM8K_DIR, skip_without_shared
@@ -288,3 +289,64 @@ def test_suggestions_and_fixes_stay_within_the_model_context(tok, ten_rows):
                                       "rollout.max_response_tokens=100 leaves 300), or pick another policy")
     none = audit_rows(sources, tok, config(), progress=False, max_context_tokens=100)
     assert none.suggested.max_prompt_tokens is None and none.suggested.rule.startswith("no prompt budget fits")
+
+
+def _leaf_keys(value, prefix: str) -> list[str]:
+    """Every dotted key under a config section (into its nested sections)."""
+    out = []
+    for f in dataclasses.fields(value):
+        inner = getattr(value, f.name)
+        out += _leaf_keys(inner, f"{prefix}{f.name}.") if dataclasses.is_dataclass(inner) else [f"{prefix}{f.name}"]
+    return out
+
+
+_VALUES = {"rollout.max_response_tokens": 101, "rollout.max_response_tokens_schedule": [[1, 50], [3, 100]],
+           "train.max_vision_patches_per_microbatch": 999}
+"""Values of keys the audit computes with; every other key takes a string no config holds (a key
+is computed, never validated)."""
+
+
+def _changed(cfg: RunConfig, key: str) -> RunConfig:
+    """``cfg`` with ``key`` set to another value (`_VALUES`)."""
+    *path, leaf = key.split(".")
+    def put(section, names):
+        if not names:
+            return dataclasses.replace(section, **{leaf: _VALUES.get(key, f"changed {key}")})
+        return dataclasses.replace(section, **{names[0]: put(getattr(section, names[0]), names[1:])})
+    return put(cfg, path)
+
+
+def test_the_cache_key_holds_every_data_option_and_every_other_value_the_audit_reads(ten_rows):
+    """Derived, not listed: each key of the data section (a task's options, an option added
+    later) and each other value the audit reads gives its own cache key."""
+    cfg = config()
+    base = cache_key([ten_rows], "char-v1", cfg)
+    read = [*_leaf_keys(cfg.data, "data."), "model.path", "train.seed", "rollout.max_response_tokens",
+            "rollout.max_response_tokens_schedule", "train.max_vision_patches_per_microbatch",
+            "train.max_tokens_per_microbatch"]
+    assert {"data.shapes.max_shapes", "data.shapes.num_rows", "data.char_count.max_count", "data.image.max_pixels"} <= set(read)
+    keys = {key: cache_key([ten_rows], "char-v1", _changed(cfg, key)) for key in read}
+    assert base not in keys.values() and len(set(keys.values())) == len(keys), [k for k, v in keys.items() if v == base]
+    tools = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, multi_turn=MultiTurnConfig(tools=["calculator"])))
+    assert cache_key([ten_rows], "char-v1", tools) != base  # the tool schemas every prompt renders with
+    assert cache_key([ten_rows], "char-v1", _changed(cfg, "train.lr")) == base  # a value the audit does not read
+
+
+def test_a_changed_task_shapes_option_re_audits(tok, tmp_path):
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return tok
+
+    def run(*overrides: str):
+        cfg = load_config("demo", ["data.shapes.num_rows=3", "data.shapes.image_size=28", *overrides])
+        return audit_sources(["task:shapes"], cfg, tokenizer_loader=loader, tokenizer_id="char-v1", model="char",
+                             cache_dir=tmp_path / "cache")
+
+    first, again = run(), run()
+    assert (first.cached, again.cached, len(loads)) == (False, True, 1)
+    fewer = run("data.shapes.max_shapes=1")
+    assert not fewer.cached and len(loads) == 2
+    more = run("data.shapes.num_rows=4")
+    assert not more.cached and (first.num_rows, more.num_rows) == (3, 4)

@@ -82,7 +82,7 @@ def test_a_tools_template_gets_the_schemas_in_every_render(tools_tokenizer, smol
     text = tools_tokenizer.decode(list(train.prompts[0].prompt_ids))
     assert json.dumps(tool_schema("calculator")) in text and cfg.data.system_prompt.split()[0] in text
     # SFT traces of the same problems start with RL's prompt ids, schemas included
-    from packrl.data.traces import tool_trace_rows
+    from packrl.data.tool_traces import tool_trace_rows
     from packrl.trainer.sft import trace_options
 
     traces = render_traces(tool_trace_rows(cfg.data, cfg.sft.num_rows, cfg.train.seed), tools_tokenizer, trace_options(cfg))
