@@ -29,8 +29,7 @@ from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
 from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
-from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
-from packrl.models.model_config import load_model_context
+from packrl.models.loading import ResolvedPolicy, resolve_policy
 from packrl.reward.score import check_ground_truths, check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
@@ -45,12 +44,10 @@ from packrl.worker.checkpoint import resume_candidates
 logger = logging.getLogger(__name__)
 
 
-def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+def _datasets(cfg: RunConfig, policy: ResolvedPolicy) -> tuple[PromptDataset, PromptDataset | None]:
     caps, kwargs = grouped_cap_limits(cfg.train), template_kwargs(cfg.rollout.multi_turn)
-    try:  # the model's context bounds the prompt budgets the data errors may propose (configs only, no weights)
-        room = PromptRoom.of(cfg.rollout, load_model_context(cfg.model))
-    except ValueError:  # the same problem stops the run when the workers read the model
-        room = None
+    room = PromptRoom.of(cfg.rollout, policy.max_context_tokens)  # the context bounds the prompt budgets data errors propose
+    tokenizer = policy.prompt_encoder()
     most = min(budget for _, budget in response_schedule(cfg.rollout).stages)  # a length target each stage can reach
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
                                 caps=caps, chat_template_kwargs=kwargs, room=room, max_target_tokens=most)
@@ -130,13 +127,13 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
     if cfg.train.resume not in (None, "auto"):
         resume_candidates(Path("."), cfg.train.resume)  # a wrong path fails before anything is written or loaded
     with Run(cfg) as run:
-        tokenizer = workers.tokenizer if workers else load_policy_tokenizer(cfg.model)
-        train_set, val_set = _datasets(cfg, load_prompt_encoder(cfg.model, tokenizer))
+        policy = resolve_policy(cfg.model, workers.tokenizer if workers else None)  # model.path resolved once
+        train_set, val_set = _datasets(cfg, policy)
         run.write_accounting("prompt_accounting.txt", {"train": train_set} | ({"val": val_set} if val_set is not None else {}))
 
         def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
             current = replace(cfg, train=replace(cfg.train, resume=resume_from))
-            with open_worker_group(current, run.dir, workers) as group:
+            with open_worker_group(current, run.dir, workers, policy=policy) as group:
                 if group.plan.compute_dtype.warning:
                     logger.warning("%s", group.plan.compute_dtype.warning)
                 run.note("model.txt", group.model_summary)

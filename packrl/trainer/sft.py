@@ -37,7 +37,7 @@ from packrl.data.traces import TraceOptions, Traces, load_traces
 from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.errors import ConfigError
-from packrl.models.loading import load_policy_tokenizer
+from packrl.models.loading import resolve_policy
 from packrl.trainer.recovery import run_with_recovery
 from packrl.trainer.resume import resume, trainer_state
 from packrl.trainer.run import Run, due, seed_everything
@@ -111,14 +111,15 @@ def sft(cfg: RunConfig) -> Path:
     budgets = trace_budgets(cfg.data, cfg.rollout, cfg.sft)
     plan = BatchPlan.supervised(cfg, update_spec(cfg.sft, cfg.train), max_response_tokens=budgets[1])
     with Run(cfg, total_steps=cfg.sft.total_steps) as run:
-        traces = sft_traces(cfg, load_policy_tokenizer(cfg.model))
+        policy = resolve_policy(cfg.model)  # model.path resolved once
+        traces = sft_traces(cfg, policy.tokenizer)
         run.write_accounting("sft_accounting.txt", {"sft": traces}, f"{traces.num_loss_tokens:,} assistant tokens")
         if (repeats := repeat_warning(cfg.sft.batch_size, len(traces))) is not None:
             logger.warning(repeats)
 
         def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
             current = replace(cfg, train=replace(cfg.train, resume=resume_from))
-            with open_worker_group(current, run.dir, plan=plan) as workers:
+            with open_worker_group(current, run.dir, plan=plan, policy=policy) as workers:
                 if problems := sft_context_problems(budgets, workers.max_context_tokens):
                     raise ConfigError(problems)
                 run.note("model.txt", workers.model_summary)
