@@ -12,9 +12,7 @@ this process or data-parallel ranks over Ray without this file knowing which.
 
 from __future__ import annotations
 
-import logging
 from contextlib import closing
-from dataclasses import replace
 from pathlib import Path
 
 from packrl.chat.tool_schemas import template_kwargs
@@ -27,21 +25,18 @@ from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_met
 from packrl.diagnostics.rollout_dump import build_rollout_dump
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
-from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.models.loading import ResolvedPolicy, resolve_policy
 from packrl.reward.score import check_ground_truths, check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
-from packrl.trainer.recovery import run_with_recovery
+from packrl.trainer.recovery import run_attempts
 from packrl.trainer.resume import Resumable, resume, trainer_state
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.stages import sampling_stage
 from packrl.trainer.stages.base import SamplingStage, StageContext
 from packrl.trainer.validate import validate
 from packrl.worker.checkpoint import resume_candidates
-
-logger = logging.getLogger(__name__)
 
 
 def _datasets(cfg: RunConfig, policy: ResolvedPolicy) -> tuple[PromptDataset, PromptDataset | None]:
@@ -120,7 +115,7 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         ConfigError: a budget relation that the model context breaks (checked before any step).
         ValueError: data problems (bad rows without ``data.skip_bad_rows``, too few prompts, ...).
         WorkerLost: a Ray actor or node was lost and ``trainer.max_restarts`` allowed no (more)
-            restarts (`packrl.trainer.recovery.run_with_recovery`).
+            restarts (`packrl.trainer.recovery.run_attempts`).
     """
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
@@ -131,17 +126,12 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         train_set, val_set = _datasets(cfg, policy)
         run.write_accounting("prompt_accounting.txt", {"train": train_set} | ({"val": val_set} if val_set is not None else {}))
 
-        def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
-            current = replace(cfg, train=replace(cfg.train, resume=resume_from))
-            with open_worker_group(current, run.dir, workers, policy=policy) as group:
-                if group.plan.compute_dtype.warning:
-                    logger.warning("%s", group.plan.compute_dtype.warning)
-                run.note("model.txt", group.model_summary)
-                budgets = validate_budgets(budgets_of(current, group.max_context_tokens, group.rope_factor))
-                extra = train_set.extra_summary()
-                run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
-                         + (f"\n{extra}" if extra else ""))
-                _train_steps(current, run, group, train_set, val_set)
+        def steps(current: RunConfig, group: WorkerGroup) -> None:  # one attempt's (packrl.trainer.recovery.run_attempts)
+            budgets = validate_budgets(budgets_of(current, group.max_context_tokens, group.rope_factor))
+            extra = train_set.extra_summary()
+            run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
+                     + (f"\n{extra}" if extra else ""))
+            _train_steps(current, run, group, train_set, val_set)
 
-        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
+        run_attempts(cfg, run, steps, workers=workers, policy=policy)
     return run.dir
