@@ -115,12 +115,13 @@ def logprobs_of(model, rollout, cfg, context=None) -> list[torch.Tensor]:
 
 
 def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=None, units=None, share_prompts: bool = False,
-                    keep_masked: bool = False) -> float:
+                    keep_masked: bool = False, draw: int = 0) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch path
     (`packrl.worker.actor.actor_microbatches`) as the controller's planner plans it
     (`packrl.seqlen.update_plan.PassPlanner.update`; with ``keep_masked`` sequences without a loss
     token stay in the micro-batches) for ``num_ranks`` simulated ranks (each
-    rank's micro-batches in turn, gradients summed as an all-reduce SUM does); no optimizer step.
+    rank's micro-batches in turn, gradients summed as an all-reduce SUM does; LoRA dropout masks of
+    ``draw``, the optimizer steps before it); no optimizer step.
     Returns the mini-batch loss (policy loss + KL - entropy bonus, summed over micro-batches and ranks)."""
     import contextlib
     from dataclasses import replace
@@ -141,7 +142,7 @@ def minibatch_grads(model, batch, cfg, context=None, num_ranks: int = 1, groups=
     total = 0.0
     for rank in range(num_ranks):
         totals = actor_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
-                                  context=context or contextlib.nullcontext, sums=sums)
+                                  context=context or contextlib.nullcontext, sums=sums, draw=draw)
         metrics = totals.metrics
         algo = cfg.algorithm
         total += metrics["actor/pg_loss"] + algo.kl_coef * metrics["actor/kl_loss"] - algo.entropy_coeff * metrics["actor/entropy"]
