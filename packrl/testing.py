@@ -68,13 +68,13 @@ def minibatch_objective(metrics: Mapping[str, Any], algorithm: AlgorithmConfig) 
 
 def minibatch_grads(model: torch.nn.Module, batch: TrainBatch, cfg: RunConfig, context: Callable[[], Any] | None = None, *,
                     num_ranks: int = 1, groups: Sequence[int] | None = None, units: Sequence[int] | None = None,
-                    share_prompts: bool = False, keep_masked: bool = False) -> float:
+                    share_prompts: bool = False, keep_masked: bool = False, draw: int = 0) -> float:
     """Forward and backward the first mini-batch of ``batch`` through the update's micro-batch
     path (`packrl.worker.actor.actor_microbatches`) as the controller plans it
     (`packrl.seqlen.update_plan.PassPlanner.update`; with ``keep_masked``, sequences without a
     loss token stay in the micro-batches) for ``num_ranks`` simulated ranks, each rank's
-    micro-batches in turn, gradients summed in ``model`` as an all-reduce SUM sums them; no
-    optimizer step.
+    micro-batches in turn, gradients summed in ``model`` as an all-reduce SUM sums them; LoRA
+    dropout masks of ``draw``, the optimizer steps before it; no optimizer step.
 
     Returns:
         The mini-batch loss (`minibatch_objective`), summed over the ranks.
@@ -91,6 +91,6 @@ def minibatch_grads(model: torch.nn.Module, batch: TrainBatch, cfg: RunConfig, c
     total = 0.0
     for rank in range(num_ranks):
         totals = actor_microbatches(model, batch, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss,
-                                    context=context or contextlib.nullcontext, sums=sums)
+                                    context=context or contextlib.nullcontext, sums=sums, draw=draw)
         total += minibatch_objective(totals.metrics, cfg.algorithm)
     return total

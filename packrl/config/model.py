@@ -32,7 +32,9 @@ class LoraConfig:
     """LoRA scaling numerator: the adapter's update is scaled by alpha / rank."""
 
     dropout: float = 0.0
-    """Dropout on the adapter's input during training."""
+    """Dropout probability on the adapter's input during the update's forwards. Each token's mask
+    is keyed by the token, the layer and the optimizer step (`packrl.models.lora_dropout`), so it
+    does not depend on the micro-batches, the ranks or shared prompts."""
 
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -10,6 +10,7 @@ import torch
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import RunConfig
 from packrl.distributed.group import WorkerGroup
+from packrl.models.loading import ResolvedPolicy
 from packrl.worker.policy import PolicyWorker
 
 
@@ -39,18 +40,21 @@ class InProcess:
         self.worker.close()
 
 
-def local_group(cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None, plan: BatchPlan | None = None) -> WorkerGroup:
+def local_group(cfg: RunConfig, model: torch.nn.Module | None = None, tokenizer: Any = None, plan: BatchPlan | None = None,
+                policy: ResolvedPolicy | None = None) -> WorkerGroup:
     """A `WorkerGroup` over one `PolicyWorker` in this process.
 
     Args:
         model / tokenizer: the policy as `packrl.models.loading.load_policy` returns it; None
             loads ``model.path``.
         plan: the recipe's plan (`BatchPlan.supervised` for `packrl sft`); None: RL's, `BatchPlan.from_config`.
+        policy: ``model.path`` as the controller resolved it (`packrl.models.loading.resolve_policy`):
+            the worker loads from there; None: the worker resolves it.
 
     Raises:
         ValueError: any error of loading the policy or building the worker.
     """
     plan = plan or BatchPlan.from_config(cfg)
     worker = PolicyWorker(cfg, plan)
-    info = worker.setup(model=model, tokenizer=tokenizer)
+    info = worker.setup(model=model, tokenizer=tokenizer, resolved=None if policy is None else policy.where)
     return WorkerGroup(plan=plan, tokenizer=worker.tokenizer, transport=InProcess(worker), info=info)

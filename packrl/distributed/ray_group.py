@@ -45,7 +45,7 @@ from packrl.distributed.health import (
     wait_all,
     wait_for_room,
 )
-from packrl.models.loading import load_policy_tokenizer
+from packrl.models.loading import ResolvedPolicy, load_policy_tokenizer
 from packrl.worker.policy import PolicyWorker
 
 logger = logging.getLogger(__name__)
@@ -314,17 +314,19 @@ def release_actors(actors: list, owns_ray: bool, what: str, *, graceful: bool = 
             ray.shutdown()
 
 
-def ray_group(cfg: RunConfig, run_dir: Path, plan: BatchPlan | None = None) -> WorkerGroup:
+def ray_group(cfg: RunConfig, run_dir: Path, plan: BatchPlan | None = None, policy: ResolvedPolicy | None = None) -> WorkerGroup:
     """Start Ray (or join ``trainer.ray_address``), place the ranks (``trainer.placement``), write
     where each landed to ``RUN_DIR/workers.json``, form the process group and load the shards.
-    ``plan``: the recipe's `BatchPlan` (None: RL's, `BatchPlan.from_config`).
+    ``plan``: the recipe's `BatchPlan` (None: RL's, `BatchPlan.from_config`). ``policy``:
+    ``model.path`` as the controller resolved it (`packrl.models.loading.resolve_policy`), whose
+    tokenizer the group uses (None: loaded here); each rank resolves ``model.path`` where it runs.
 
     Raises:
         ValueError: see `start_ray`; a worker's set-up error.
         RuntimeError: the ranks found no free room (`_place_ranks`); an actor could not start.
         WorkerLost: a rank or its node was lost during set-up.
     """
-    tokenizer = load_policy_tokenizer(cfg.model)
+    tokenizer = policy.tokenizer if policy is not None else load_policy_tokenizer(cfg.model)
     owns_ray = start_ray(cfg.trainer, run_dir)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

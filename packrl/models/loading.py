@@ -3,14 +3,16 @@
 `packrl.models.resolve.resolve_model` finds what ``model.path`` names; `load_policy` loads it for
 training (with RoPE scaling, gradient checkpointing and LoRA as ``model.*`` asks) and
 `load_reference` freezes a copy for the KL term (with LoRA: the policy itself, run with its
-adapters disabled). `load_policy_tokenizer` loads the tokenizer alone, so the data can be
-built and checked before any weight loads.
+adapters disabled). `resolve_policy` resolves ``model.path`` once on the controller into a
+`ResolvedPolicy` (where it is, its config, tokenizer and context), so the data can be built and
+checked before any weight loads, and the in-process worker loads from the same place.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,7 +28,68 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute_dtype: ComputeDtype | None = None) -> tuple[Any, Any]:
+@dataclass(frozen=True)
+class ResolvedPolicy:
+    """``model.path`` resolved once on the controller (`resolve_policy`), with what the controller
+    reads from it before any weight loads. The recipes build their data with it, the worker group
+    takes its tokenizer from it, and the in-process worker loads its weights from ``where``; Ray
+    ranks resolve ``model.path`` where they run (another node may not hold this directory).
+
+    Attributes:
+        path: the ``model.path`` value, for messages.
+        where: where it was found (`packrl.models.resolve.ResolvedModel`: the model directory, the
+            GGUF file (None: a ``.gguf`` is converted once into a cached directory), the tokenizer
+            directory, the source for logs), resolved with its weights as `load_policy` needs.
+        config: the model's transformers config as its files state it (``model.rope_scaling`` not
+            applied), a text model or a registered multimodal family (`check_text_model`).
+        tokenizer: the tokenizer (`load_tokenizer`: left padding, a pad token), or the one given.
+        max_context_tokens: the context a run gets, in tokens (`packrl.models.model_config.context_of`:
+            ``model.rope_scaling`` applied to a text model); None when ``model.rope_scaling`` does
+            not apply to this config, which the workers raise when they load the model.
+    """
+
+    path: str
+    where: ResolvedModel
+    config: Any
+    tokenizer: Any
+    max_context_tokens: int | None
+
+    def prompt_encoder(self) -> Any:
+        """What renders the policy's prompts (`prompt_encoder`): the tokenizer for a text model,
+        its modality's processor for a multimodal one. Reads configs, no weights.
+
+        Raises:
+            ValueError: a multimodal model without its processor's files.
+        """
+        return prompt_encoder(self.where, self.config, self.tokenizer)
+
+
+def resolve_policy(cfg: ModelConfig, tokenizer: Any = None) -> ResolvedPolicy:
+    """Resolve ``model.path`` once and read what the controller needs before any weight loads:
+    its config, its tokenizer (unless ``tokenizer`` is given: a worker group built by the caller)
+    and the model context. A ``.gguf`` is converted (once, cached) exactly as for `load_policy`,
+    so the token ids are the same.
+
+    Raises:
+        ValueError: as `resolve_model` and `load_tokenizer`; a broken ``config.json``
+            (`packrl.models.model_config.ModelConfigFileError`); a multimodal checkpoint of a
+            family packrl does not train (`packrl.models.model_config.check_text_model`).
+    """
+    from packrl.models.model_config import check_text_model, context_of, read_model_config
+
+    where = resolve_model(cfg.path)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(where, cfg.path)
+    config = read_model_config(where, cfg.path)
+    check_text_model(config, cfg.path)  # another multimodal family: refused here, before its rows are read
+    try:  # the context bounds the prompt budgets the data errors may propose
+        context: int | None = context_of(config, cfg)
+    except ValueError:  # the same problem stops the run when the workers read the model
+        context = None
+    return ResolvedPolicy(cfg.path, where, config, tokenizer, context)
+
+
+def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute_dtype: ComputeDtype | None = None,
+                resolved: ResolvedModel | None = None) -> tuple[Any, Any]:
     """Load the policy model and its tokenizer for training, with the memory features applied.
 
     Parameters are float32 (float64 for ``fp64``) whatever the checkpoint holds: the optimizer
@@ -44,6 +107,8 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
         device: where to put the model.
         compute_dtype: ``model.dtype`` resolved for the machine (`packrl.hardware.resolve_dtype`,
             as `packrl.config.plan.BatchPlan.compute_dtype` holds it); default: resolved here.
+        resolved: where ``model.path`` was found, resolved with weights (`ResolvedPolicy.where`
+            on the controller); default: `resolve_model` here.
 
     Returns:
         ``(model, tokenizer)``: the model (a ``peft`` model with LoRA) in train mode with
@@ -63,7 +128,7 @@ def load_policy(cfg: ModelConfig, *, device: str | torch.device = "cpu", compute
     from packrl.models.lora import apply_lora, parameter_counts
 
     compute = compute_dtype or resolve_dtype(cfg.dtype)
-    resolved = resolve_model(cfg.path)
+    resolved = resolved or resolve_model(cfg.path)
     if resolved.gguf_file is None and not has_weights(resolved.model_dir):
         raise ValueError(_missing_weights_message(cfg.path, resolved.model_dir))
     tokenizer = load_tokenizer(resolved, cfg.path)
@@ -162,42 +227,58 @@ def _missing_weights_message(path: str, model_dir: Path) -> str:
     )
 
 
-def processor_files(cfg: ModelConfig, model_config: Any) -> list[Path]:
+def processor_files(cfg: ModelConfig, model_config: Any, resolved: ResolvedModel | None = None) -> list[Path]:
     """The processor config files beside ``model.path``'s config that its modality names
     (`packrl.models.modality.Modality.processor_files`), copied into checkpoints; none for a text
-    model (``model_config``: the loaded model's config) or a .gguf."""
+    model (``model_config``: the loaded model's config) or a .gguf. ``resolved``: where
+    ``model.path`` was found (default: `resolve_model` of its configs here)."""
     from packrl.models.modality import modality_of
 
     modality = modality_of(model_config)
-    resolved = resolve_model(cfg.path, weights=False)
-    if modality is None or resolved.gguf_file is not None:
+    if modality is None:
+        return []
+    resolved = resolved or resolve_model(cfg.path, weights=False)
+    if resolved.gguf_file is not None:
         return []
     return [resolved.model_dir / name for name in modality.processor_files if (resolved.model_dir / name).is_file()]
 
 
 def load_prompt_encoder(cfg: ModelConfig, tokenizer: Any) -> Any:
-    """What renders the policy's prompts: ``tokenizer`` for a text model, its modality's processor
-    (`packrl.models.modality.Modality.load_processor`) for a multimodal one. Reads configs, no weights.
+    """What renders the policy's prompts (`prompt_encoder`) for ``model.path`` resolved here, its
+    configs only (a hub id fetches no weights). A run resolves once instead (`ResolvedPolicy.prompt_encoder`).
 
     Raises:
-        ValueError: as `resolve_model`; a multimodal model without its processor's files.
+        ValueError: as `resolve_model`; a multimodal checkpoint of a family packrl does not train;
+            a multimodal model without its processor's files.
     """
-    from packrl.models.modality import modality_of
     from packrl.models.model_config import check_text_model, read_model_config
 
-    resolved = resolve_model(cfg.path, weights=False)  # configs only: a hub id fetches no weights here
+    resolved = resolve_model(cfg.path, weights=False)
     if resolved.gguf_file is not None:
         return tokenizer
     config = read_model_config(resolved, cfg.path)
     check_text_model(config, cfg.path)  # another multimodal family: refused here, before its rows are read
+    return prompt_encoder(resolved, config, tokenizer)
+
+
+def prompt_encoder(resolved: ResolvedModel, config: Any, tokenizer: Any) -> Any:
+    """What renders the policy's prompts: ``tokenizer`` for a text model, its modality's processor
+    (`packrl.models.modality.Modality.load_processor`) for a multimodal one (``config``: the model
+    config, already checked by `packrl.models.model_config.check_text_model`). Reads configs, no weights.
+
+    Raises:
+        ValueError: a multimodal model without its processor's files.
+    """
+    from packrl.models.modality import modality_of
+
     modality = modality_of(config)
     return tokenizer if modality is None else modality.load_processor(resolved.model_dir, config.model_type, tokenizer)
 
 
 def load_policy_tokenizer(cfg: ModelConfig) -> Any:
-    """The tokenizer `load_policy` returns for ``cfg``, without loading the weights: the trainer
-    builds its datasets with it first, so data errors surface before the model loads. A ``.gguf``
-    is converted (once, cached) exactly as for `load_policy`, so the ids are the same.
+    """The tokenizer `load_policy` returns for ``cfg``, without loading the weights. A ``.gguf``
+    is converted (once, cached) exactly as for `load_policy`, so the ids are the same. A run
+    resolves once instead (`resolve_policy`).
 
     Raises:
         ValueError: as `resolve_model` and `load_tokenizer`.

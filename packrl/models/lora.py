@@ -100,7 +100,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
     Returns:
         The ``peft.PeftModelForCausalLM``. Its adapters are float32, A Kaiming-uniform and B zero,
-        so its outputs equal ``model``'s until the first update.
+        so its outputs equal ``model``'s until the first update. With ``cfg.dropout > 0`` their
+        dropout is `packrl.models.lora_dropout.KeyedDropout` (masks that do not depend on the
+        micro-batches or ranks), its salts drawn from torch's generator after the A matrices.
 
     Raises:
         ValueError: ``cfg.rank`` < 1 or a bad target (see `peft_target_modules`).
@@ -108,6 +110,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    from packrl.models.lora_dropout import use_keyed_dropout
     from packrl.models.modality import modality_of
 
     if cfg.rank < 1:
@@ -121,7 +124,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
                               target_modules=targets, bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, peft_cfg)
+        peft_model = get_peft_model(model, peft_cfg)
+    if cfg.dropout > 0:
+        use_keyed_dropout(peft_model, cfg.dropout)
+    return peft_model
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:

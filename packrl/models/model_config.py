@@ -229,10 +229,22 @@ def load_model_context(model: ModelConfig) -> int:
     Raises:
         ValueError: as `load_model_config`, `apply_rope_scaling` and `model_context_tokens`.
     """
-    from packrl.seqlen.budgets import model_context_tokens
-
     config = load_model_config(model.path)
     check_text_model(config, model.path)  # then a multimodal config is a registered family's
+    return context_of(config, model)
+
+
+def context_of(config: Any, model: ModelConfig) -> int:
+    """The context in tokens a run of the ``model`` section gets from the model config ``config``
+    (a text model or a registered multimodal family, `check_text_model`): ``model.rope_scaling``
+    applied to a text model, a multimodal model's language model as its config states it,
+    measured by `packrl.seqlen.budgets.model_context_tokens`.
+
+    Raises:
+        ValueError: as `apply_rope_scaling` and `model_context_tokens`.
+    """
+    from packrl.seqlen.budgets import model_context_tokens
+
     scaled = config if is_multimodal(config) else apply_rope_scaling(config, model.rope_scaling)
     return model_context_tokens(scaled)[0]
 

@@ -12,9 +12,7 @@ this process or data-parallel ranks over Ray without this file knowing which.
 
 from __future__ import annotations
 
-import logging
 from contextlib import closing
-from dataclasses import replace
 from pathlib import Path
 
 from packrl.chat.tool_schemas import template_kwargs
@@ -27,14 +25,12 @@ from packrl.diagnostics.metrics import bucket_metrics, perf_metrics, rollout_met
 from packrl.diagnostics.rollout_dump import build_rollout_dump
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.diagnostics.trace import build_tracer
-from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
-from packrl.models.loading import load_policy_tokenizer, load_prompt_encoder
-from packrl.models.model_config import load_model_context
+from packrl.models.loading import ResolvedPolicy, resolve_policy
 from packrl.reward.score import check_ground_truths, check_reward
 from packrl.rollout.engine import SamplingParams
 from packrl.trainer.batch import build_train_batch
-from packrl.trainer.recovery import run_with_recovery
+from packrl.trainer.recovery import run_attempts
 from packrl.trainer.resume import Resumable, resume, trainer_state
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.trainer.stages import sampling_stage
@@ -42,15 +38,11 @@ from packrl.trainer.stages.base import SamplingStage, StageContext
 from packrl.trainer.validate import validate
 from packrl.worker.checkpoint import resume_candidates
 
-logger = logging.getLogger(__name__)
 
-
-def _datasets(cfg: RunConfig, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+def _datasets(cfg: RunConfig, policy: ResolvedPolicy) -> tuple[PromptDataset, PromptDataset | None]:
     caps, kwargs = grouped_cap_limits(cfg.train), template_kwargs(cfg.rollout.multi_turn)
-    try:  # the model's context bounds the prompt budgets the data errors may propose (configs only, no weights)
-        room = PromptRoom.of(cfg.rollout, load_model_context(cfg.model))
-    except ValueError:  # the same problem stops the run when the workers read the model
-        room = None
+    room = PromptRoom.of(cfg.rollout, policy.max_context_tokens)  # the context bounds the prompt budgets data errors propose
+    tokenizer = policy.prompt_encoder()
     most = min(budget for _, budget in response_schedule(cfg.rollout).stages)  # a length target each stage can reach
     train = PromptDataset.build(cfg.data.train_files, tokenizer, cfg.data, seed=cfg.train.seed, split="train", key="data.train_files",
                                 caps=caps, chat_template_kwargs=kwargs, room=room, max_target_tokens=most)
@@ -123,28 +115,23 @@ def train(cfg: RunConfig, workers: WorkerGroup | None = None) -> Path:
         ConfigError: a budget relation that the model context breaks (checked before any step).
         ValueError: data problems (bad rows without ``data.skip_bad_rows``, too few prompts, ...).
         WorkerLost: a Ray actor or node was lost and ``trainer.max_restarts`` allowed no (more)
-            restarts (`packrl.trainer.recovery.run_with_recovery`).
+            restarts (`packrl.trainer.recovery.run_attempts`).
     """
     seed_everything(cfg.train.seed)
     check_reward(cfg.reward)
     if cfg.train.resume not in (None, "auto"):
         resume_candidates(Path("."), cfg.train.resume)  # a wrong path fails before anything is written or loaded
     with Run(cfg) as run:
-        tokenizer = workers.tokenizer if workers else load_policy_tokenizer(cfg.model)
-        train_set, val_set = _datasets(cfg, load_prompt_encoder(cfg.model, tokenizer))
+        policy = resolve_policy(cfg.model, workers.tokenizer if workers else None)  # model.path resolved once
+        train_set, val_set = _datasets(cfg, policy)
         run.write_accounting("prompt_accounting.txt", {"train": train_set} | ({"val": val_set} if val_set is not None else {}))
 
-        def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
-            current = replace(cfg, train=replace(cfg.train, resume=resume_from))
-            with open_worker_group(current, run.dir, workers) as group:
-                if group.plan.compute_dtype.warning:
-                    logger.warning("%s", group.plan.compute_dtype.warning)
-                run.note("model.txt", group.model_summary)
-                budgets = validate_budgets(budgets_of(current, group.max_context_tokens, group.rope_factor))
-                extra = train_set.extra_summary()
-                run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
-                         + (f"\n{extra}" if extra else ""))
-                _train_steps(current, run, group, train_set, val_set)
+        def steps(current: RunConfig, group: WorkerGroup) -> None:  # one attempt's (packrl.trainer.recovery.run_attempts)
+            budgets = validate_budgets(budgets_of(current, group.max_context_tokens, group.rope_factor))
+            extra = train_set.extra_summary()
+            run.note("budgets.txt", f"{budgets_table(budgets)}\n{group.plan.summary()}\n  {group.packing.describe()}"
+                     + (f"\n{extra}" if extra else ""))
+            _train_steps(current, run, group, train_set, val_set)
 
-        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
+        run_attempts(cfg, run, steps, workers=workers, policy=policy)
     return run.dir

@@ -1,15 +1,16 @@
 """Automatic recovery from lost Ray actors and nodes (``trainer.max_restarts``).
 
-`packrl.trainer.loop.train` runs its worker group and steps as one *attempt* under
-`run_with_recovery`. The attempt's ``with`` blocks tear the group down when it fails (the Ray
+Both recipes (`packrl.trainer.loop.train`, `packrl.trainer.sft.sft`) run their worker group and
+steps as *attempts* (`run_attempts`) under `run_with_recovery`. The attempt's ``with`` blocks tear the group down when it fails (the Ray
 actors killed, not asked: a survivor may sit in a collective). When the failure is a
 `packrl.distributed.health.WorkerLost` (a rank, a rollout worker or a node gone; never a data,
 config or model error, and never Ctrl-C) and restarts remain, the supervisor:
 
 1. waits until the cluster can hold the run's actors again (``trainer.restart_wait_s``; a
    private local Ray starts afresh), else fails naming the resources missing;
-2. appends a line to ``RUN_DIR/restarts.jsonl`` (`RESTARTS_FILE`): what failed, where and why,
-   the checkpoint resumed, the steps redone and the seconds lost;
+2. records it, a `packrl.trainer.restarts.RestartRecord` appended to ``RUN_DIR/restarts.jsonl``
+   by the run's `packrl.trainer.restarts.RestartLog`: what failed, where and why, the checkpoint
+   resumed, the steps redone and the seconds lost;
 3. runs a fresh attempt with ``train.resume=auto``: a new group loads the newest complete
    checkpoint with its sampler position, ledger and partial rollouts, metrics.jsonl is cut back
    to it, and the steps after it are trained again exactly as the first time (each step's seeds
@@ -24,21 +25,57 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from packrl.config.schema import TrainerConfig
+from packrl.config.schema import RunConfig, TrainerConfig
+from packrl.distributed import open_worker_group
 from packrl.distributed.health import WorkerLost
-from packrl.trainer.run import RESTARTS_FILE, Run
+from packrl.trainer.restarts import RestartRecord
+from packrl.trainer.run import Run
 from packrl.worker.checkpoint import STATE_FILE, resume_candidates
+
+if TYPE_CHECKING:
+    from packrl.config.plan import BatchPlan
+    from packrl.distributed.group import WorkerGroup
+    from packrl.models.loading import ResolvedPolicy
 
 logger = logging.getLogger(__name__)
 
 RESTART_WAIT_S = 60.0
 """``trainer.restart_wait_s`` when unset."""
+
+
+def run_attempts(cfg: RunConfig, run: Run, steps: Callable[[RunConfig, WorkerGroup], None], *, workers: WorkerGroup | None = None,
+                 plan: BatchPlan | None = None, policy: ResolvedPolicy | None = None) -> None:
+    """A recipe's worker group and steps, as attempts under `run_with_recovery`: each attempt
+    opens a worker group (`packrl.distributed.open_worker_group`) for ``cfg`` with the
+    ``train.resume`` it resumes from, logs the compute dtype's warning, notes ``model.txt`` and
+    runs ``steps(config, group)``; a lost actor tears the group down and, while
+    ``trainer.max_restarts`` allows, a fresh attempt resumes.
+
+    Args:
+        cfg: the run's config; each attempt's copy differs in ``train.resume`` only.
+        steps: the recipe's part of an attempt (its own checks, notes and steps), given the
+            attempt's config and its group.
+        workers: a group the caller built and closes (every attempt uses it); None: one per attempt.
+        plan: the recipe's `BatchPlan` (None: RL's). policy: ``model.path`` as the recipe resolved it.
+
+    Raises:
+        as `run_with_recovery`.
+    """
+    def attempt(resume_from: str | None) -> None:
+        current = replace(cfg, train=replace(cfg.train, resume=resume_from))
+        with open_worker_group(current, run.dir, workers, plan=plan, policy=policy) as group:
+            if group.plan.compute_dtype.warning:
+                logger.warning("%s", group.plan.compute_dtype.warning)
+            run.note("model.txt", group.model_summary)
+            steps(current, group)
+
+    run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
 
 
 def run_with_recovery(trainer: TrainerConfig, resume: str | None, run: Run, attempt: Callable[[str | None], None]) -> None:
@@ -98,24 +135,13 @@ def _restart(trainer: TrainerConfig, resume: str | None, run: Run, lost: WorkerL
     checkpoint = own[0] if own else (Path(next_resume) if next_resume != "auto" else None)
     resumed_step, saved_at = _checkpoint_step(checkpoint)
     last_logged = run.last_step or 0
-    record = {
-        "restart": number,
-        "detected_at": _iso(lost.detected_at),
-        "failed": lost.to_json(),
-        "resumed_from": None if checkpoint is None else str(checkpoint),
-        "resumed_step": resumed_step,
-        "last_logged_step": last_logged,
-        "steps_redone": max(0, last_logged - resumed_step),
-        "work_lost_s": round(lost.detected_at - max(saved_at, attempt_started), 3),
-        "teardown_s": round(torn_down - lost.detected_at, 3),
-        "waited_s": round(waited, 3),
-        "startup_s": None,
-        "seconds_lost": None,
-    }
-    with (run.dir / RESTARTS_FILE).open("a") as f:
-        f.write(json.dumps(record) + "\n")
-    run.count_restart()
-    run.loggers.append(_FirstStepAfterRestart(run.dir / RESTARTS_FILE, number, time.time()))
+    record = RestartRecord(
+        restart=number, detected_at=_iso(lost.detected_at), failed=lost.to_json(),
+        resumed_from=None if checkpoint is None else str(checkpoint), resumed_step=resumed_step, last_logged_step=last_logged,
+        steps_redone=max(0, last_logged - resumed_step), work_lost_s=round(lost.detected_at - max(saved_at, attempt_started), 3),
+        teardown_s=round(torn_down - lost.detected_at, 3), waited_s=round(waited, 3))
+    assert run.restarts is not None, "a Run keeps a restart log whenever trainer.max_restarts > 0"
+    run.restarts.add(record, relaunched_at=time.time())
     return next_resume
 
 
@@ -134,34 +160,3 @@ def _checkpoint_step(checkpoint: Path | None) -> tuple[int, float]:
 
 def _iso(unix: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix)) + f".{int(unix % 1 * 1000):03d}Z"
-
-
-class _FirstStepAfterRestart:
-    """A metric logger that, at the first step logged after restart ``number``, fills that line
-    of restarts.jsonl: ``startup_s`` (the new group's start and the checkpoint load: from the
-    restart until that step began, its ``timing_s/step`` before it was logged) and
-    ``seconds_lost`` (``work_lost_s + teardown_s + waited_s + startup_s``). Inert afterwards."""
-
-    def __init__(self, path: Path, number: int, relaunched_at: float) -> None:
-        self.path, self.number, self.relaunched_at, self.done = path, number, relaunched_at, False
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        if self.done:
-            return
-        self.done = True
-        began = time.time() - float(metrics.get("timing_s/step", 0.0))
-        lines = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        for line in lines:
-            if line.get("restart") == self.number:
-                line["startup_s"] = round(max(0.0, began - self.relaunched_at), 3)
-                line["seconds_lost"] = round(sum(float(line[k]) for k in ("work_lost_s", "teardown_s", "waited_s", "startup_s")), 3)
-        _rewrite(self.path, lines)
-
-    def close(self) -> None:
-        pass
-
-
-def _rewrite(path: Path, lines: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    os.replace(tmp, path)

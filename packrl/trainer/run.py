@@ -21,6 +21,7 @@ from packrl.config.load import to_yaml
 from packrl.config.schema import RunConfig
 from packrl.diagnostics.loggers import ConfigRecord, build_loggers
 from packrl.seqlen.prompt_policy import PromptAccounting
+from packrl.trainer.restarts import RESTARTS_FILE, RestartLog
 
 logger = logging.getLogger("packrl")
 
@@ -34,10 +35,6 @@ class AccountedRows(Protocol):
         ...
 
     def accounting_dict(self) -> dict[str, Any]: ...
-
-
-RESTARTS_FILE = "restarts.jsonl"
-"""One line per automatic restart of the run (`packrl.trainer.recovery`)."""
 
 
 def due(step: int, every: int, total: int) -> bool:
@@ -92,8 +89,9 @@ class Run:
     """RUN_DIR (``train.out_dir`` or ``runs/<timestamp>``) with ``config.yaml``, ``train.log``,
     ``metrics.jsonl`` (one JSON object per step) and the loggers of ``train.loggers`` (``console``:
     a live progress bar of ``total_steps``: ``train.total_steps`` unless the recipe counts its own,
-    as `packrl sft` does with ``sft.total_steps``). With ``trainer.max_restarts > 0`` every step
-    also logs ``train/restarts``, the lines of ``restarts.jsonl`` so far."""
+    as `packrl sft` does with ``sft.total_steps``). With ``trainer.max_restarts > 0`` it holds
+    ``restarts``, the run's `packrl.trainer.restarts.RestartLog` (``RUN_DIR/restarts.jsonl``), and
+    every step also logs ``train/restarts``, the lines of restarts.jsonl so far."""
 
     def __init__(self, cfg: RunConfig, total_steps: int | None = None):
         self.cfg = cfg
@@ -112,10 +110,7 @@ class Run:
         self._setup_logging()
         self.metrics_path = self.dir / "metrics.jsonl"
         self.loggers = build_loggers(cfg.train, self.dir, config, total_steps)
-        restarts = self.dir / RESTARTS_FILE
-        self.num_restarts: int | None = None  # logged as train/restarts when restarts are on
-        if cfg.trainer.max_restarts > 0:
-            self.num_restarts = sum(1 for line in restarts.read_text().splitlines() if line.strip()) if restarts.is_file() else 0
+        self.restarts = RestartLog(self.dir / RESTARTS_FILE) if cfg.trainer.max_restarts > 0 else None
 
     def _setup_logging(self) -> None:
         """packrl's records to train.log (warnings also to the console, above the bar); the
@@ -164,14 +159,12 @@ class Run:
             if callable(start):
                 start(done_steps)
 
-    def count_restart(self) -> None:
-        """One more line in restarts.jsonl (``train/restarts`` from the next step on)."""
-        self.num_restarts = (self.num_restarts or 0) + 1
-
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one line to metrics.jsonl and pass the metrics to every logger."""
-        if self.num_restarts is not None:
-            metrics = metrics | {"train/restarts": float(self.num_restarts)}
+        """Append one line to metrics.jsonl and pass the metrics to every logger. The first step
+        logged after a restart completes its record (its start: now less ``timing_s/step``)."""
+        if self.restarts is not None:
+            self.restarts.step_began(time.time() - float(metrics.get("timing_s/step", 0.0)))
+            metrics = metrics | {"train/restarts": float(len(self.restarts))}
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
         self.last_step = step
         with self.metrics_path.open("a") as f:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,10 @@ from packrl.config.sft_rules import sft_context_problems, sft_problems, trace_bu
 from packrl.config.update_spec import OptimizerSpec, UpdateSpec
 from packrl.data.sampler import EpochSampler
 from packrl.data.traces import TraceOptions, Traces, load_traces
-from packrl.distributed import open_worker_group
 from packrl.distributed.group import WorkerGroup
 from packrl.errors import ConfigError
-from packrl.models.loading import load_policy_tokenizer
-from packrl.trainer.recovery import run_with_recovery
+from packrl.models.loading import resolve_policy
+from packrl.trainer.recovery import run_attempts
 from packrl.trainer.resume import resume, trainer_state
 from packrl.trainer.run import Run, due, seed_everything
 from packrl.worker.checkpoint import resume_candidates
@@ -100,7 +98,7 @@ def sft(cfg: RunConfig) -> Path:
             resume on other traces (`packrl.data.sampler.EpochSampler.load_state_dict`), or any
             error of the worker set-up.
         WorkerLost: a Ray actor or node was lost and ``trainer.max_restarts`` allowed no (more)
-            restarts (`packrl.trainer.recovery.run_with_recovery`, as for RL).
+            restarts (`packrl.trainer.recovery.run_attempts`, as for RL).
     """
     problems = sft_problems(cfg)
     if problems:
@@ -111,21 +109,19 @@ def sft(cfg: RunConfig) -> Path:
     budgets = trace_budgets(cfg.data, cfg.rollout, cfg.sft)
     plan = BatchPlan.supervised(cfg, update_spec(cfg.sft, cfg.train), max_response_tokens=budgets[1])
     with Run(cfg, total_steps=cfg.sft.total_steps) as run:
-        traces = sft_traces(cfg, load_policy_tokenizer(cfg.model))
+        policy = resolve_policy(cfg.model)  # model.path resolved once
+        traces = sft_traces(cfg, policy.tokenizer)
         run.write_accounting("sft_accounting.txt", {"sft": traces}, f"{traces.num_loss_tokens:,} assistant tokens")
         if (repeats := repeat_warning(cfg.sft.batch_size, len(traces))) is not None:
             logger.warning(repeats)
 
-        def attempt(resume_from: str | None) -> None:  # one worker group; after a lost actor, a fresh one resumes (trainer.max_restarts)
-            current = replace(cfg, train=replace(cfg.train, resume=resume_from))
-            with open_worker_group(current, run.dir, plan=plan) as workers:
-                if problems := sft_context_problems(budgets, workers.max_context_tokens):
-                    raise ConfigError(problems)
-                run.note("model.txt", workers.model_summary)
-                run.note("budgets.txt", workers.plan.summary())
-                _steps(current.sft, current.train, run, workers, traces)
+        def steps(current: RunConfig, workers: WorkerGroup) -> None:  # one attempt's (packrl.trainer.recovery.run_attempts)
+            if problems := sft_context_problems(budgets, workers.max_context_tokens):
+                raise ConfigError(problems)
+            run.note("budgets.txt", workers.plan.summary())
+            _steps(current.sft, current.train, run, workers, traces)
 
-        run_with_recovery(cfg.trainer, cfg.train.resume, run, attempt)
+        run_attempts(cfg, run, steps, plan=plan, policy=policy)
     return run.dir
 
 

@@ -12,6 +12,7 @@ term and the entropy bonus divide by the mini-batch's denominators (invariant 4)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,6 +28,7 @@ from packrl.config.update_spec import UpdateSpec
 from packrl.diagnostics.buckets import bucket_means, per_response_means
 from packrl.diagnostics.trace import NullTracer
 from packrl.models import ulysses
+from packrl.models.lora_dropout import dropout_draw
 from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.denominators import LossDenominators
 from packrl.seqlen.packing import Pack
@@ -239,14 +241,14 @@ def _checked(result: Any, logprobs: torch.Tensor, name: str) -> PolicyLossOutput
 
 def actor_microbatches(model: torch.nn.Module, batch: TrainBatch, microbatches: Sequence[Sequence[int]], *, den: LossDenominators,
                        loss: MicrobatchLoss, context: Context, sums: ResponseSums, tracer: NullTracer = NullTracer(),
-                       parallel: Parallel = Parallel()) -> StepTotals:
+                       parallel: Parallel = Parallel(), draw: int = 0) -> StepTotals:
     """One mini-batch's micro-batches of the actor forward and backward
-    (`packrl.worker.update.run_microbatches` with `microbatch_loss`); gradients accumulate in
-    ``model``, per-response sums in ``sums``."""
+    (`packrl.worker.update.run_microbatches` with `microbatch_loss`, LoRA dropout masks of
+    ``draw``); gradients accumulate in ``model``, per-response sums in ``sums``."""
     device = next(model.parameters()).device
     return run_microbatches(model, microbatches, den=den, loss=_loss_fn(model, batch, loss, sums),
                             pack=lambda indices: loss.forward.pack(batch.rollout, indices, device), idle=partial(_idle_forward, model),
-                            context=context, tracer=tracer, parallel=parallel)
+                            context=context, tracer=tracer, parallel=parallel, around=partial(_dropout_draw, batch.rollout), draw=draw)
 
 
 def actor_update(model: torch.nn.Module, batch: TrainBatch, plan: UpdatePlan, *, rank: int, loss: MicrobatchLoss, opt: Optimization,
@@ -257,8 +259,14 @@ def actor_update(model: torch.nn.Module, batch: TrainBatch, plan: UpdatePlan, *,
     sums = ResponseSums.zeros(len(batch.rollout))
     steps = run_update(model, plan, rank=rank, loss=_loss_fn(model, batch, loss, sums),
                        pack=lambda indices: loss.forward.pack(batch.rollout, indices, device), idle=partial(_idle_forward, model),
-                       opt=opt, context=context, tracer=tracer, parallel=parallel)
+                       opt=opt, context=context, tracer=tracer, parallel=parallel, around=partial(_dropout_draw, batch.rollout))
     return UpdateStats(steps, sums.finish(), opt.skips.total)
+
+
+def _dropout_draw(rollout: RolloutBatch, pack: Pack | None, draw: int) -> AbstractContextManager:
+    """The LoRA dropout masks of a micro-batch of ``rollout`` (`packrl.models.lora_dropout.dropout_draw`;
+    nothing is computed for a model without dropout)."""
+    return dropout_draw(pack, [] if pack is None else [rollout.prompt_ids_of(i) for i in pack.indices], draw)
 
 
 def _loss_fn(model: torch.nn.Module, batch: TrainBatch, loss: MicrobatchLoss, sums: ResponseSums) -> Any:

@@ -300,17 +300,20 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 # Disk space for checkpoints, checked from the model config alone before any weight loads.
 
 
-def checkpoint_bytes(cfg: Any) -> int:
+def checkpoint_bytes(cfg: Any, model_config: Any = None) -> int:
     """Bytes one checkpoint of ``cfg``'s model takes, from its config alone (no weights):
     float32 weights (4 bytes per parameter; with LoRA only the adapter) plus AdamW's two float32
     moments (8 bytes per trainable parameter) plus 16 MiB for tokenizer files and state.
+    ``model_config``: the model's config as already read (`packrl.models.loading.ResolvedPolicy.config`);
+    None: read from ``model.path`` here.
 
     Raises:
         ValueError: the model config cannot be read (names ``model.path``).
     """
     from packrl.models.model_config import ModelShape, load_model_config
 
-    shape = ModelShape.from_config(load_model_config(cfg.model.path), cfg.model.lora, cfg.model.path)
+    config = model_config if model_config is not None else load_model_config(cfg.model.path)
+    shape = ModelShape.from_config(config, cfg.model.lora, cfg.model.path)
     saved = shape.num_lora_params if cfg.model.lora.rank > 0 else shape.num_params
     return 12 * saved + (16 << 20)
 

@@ -73,6 +73,12 @@ class Optimization:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         return cls(optimizer=optimizer, scheduler=scheduler, skips=SkipCounter(max_consecutive_skips, lr_key=lr_key), grad_clip=grad_clip)
 
+    @property
+    def num_steps(self) -> int:
+        """Optimizer steps taken so far, skipped ones included: the schedule's count, restored
+        with a checkpoint's schedule; the same on every rank."""
+        return int(self.scheduler.last_epoch)
+
 
 def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) over ``params``, fused where torch has a fused kernel for

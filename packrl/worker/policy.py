@@ -40,6 +40,7 @@ from packrl.models.compile import active
 from packrl.models.isolation import PackingCheck, check_packing
 from packrl.models.loading import load_policy, load_reference, processor_files
 from packrl.models.lora import base_policy, is_lora
+from packrl.models.resolve import ResolvedModel, resolve_model
 from packrl.registry import import_plugins
 from packrl.rollout.engine import EngineCapabilities, EngineOptions, ExtraInputsEngine, InterruptibleEngine, SamplingParams, awake
 from packrl.seqlen.budgets import model_context_tokens
@@ -137,11 +138,14 @@ class PolicyWorker:
         """Open this rank's rendezvous socket (rank 0 of several) and return its address."""
         return self.strategy.listen()
 
-    def setup(self, address: tuple[str, int] | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None) -> WorkerInfo:
+    def setup(self, address: tuple[str, int] | None = None, model: torch.nn.Module | None = None, tokenizer: Any = None,
+              resolved: ResolvedModel | None = None) -> WorkerInfo:
         """Join the process group, then build the worker's parts (`packrl.worker.parts`) in the
         order that matters: the policy (or ``model`` and ``tokenizer`` as `load_policy` returns
         them), its packing check, the reference, the engine (before wrapping: it copies whole
         weights), the strategy's wrapping, the optimizer, compiled twins, the loss, the critic.
+        ``resolved``: where ``model.path`` was found (the controller's, for a worker in its
+        process); None: resolved here, once for the weights and the processor files.
 
         Raises:
             ValueError: ``model.lora.rank > 0`` with a model that has no adapters; packs split over
@@ -150,7 +154,7 @@ class PolicyWorker:
         """
         cfg, strategy, plan = self.cfg, self.strategy, self.plan
         strategy.join(address)
-        model, tokenizer = self._policy(model, tokenizer)
+        model, tokenizer, resolved = self._policy(model, tokenizer, resolved)
         max_context, rope_factor = model_context_tokens(model.config)
         packing = self._packing(model)
         if cfg.model.activation_offload and strategy.device.type != "cuda":
@@ -163,7 +167,7 @@ class PolicyWorker:
                                                                max_context_tokens=max_context, may_share_policy=strategy.may_share_policy,
                                                                compute_dtype=plan.compute_dtype)
             check_modality_run(cfg, model, capabilities, has_critic=plan.has_critic)
-        self.processor_files = processor_files(cfg.model, model.config)  # copied into checkpoints
+        self.processor_files = processor_files(cfg.model, model.config, resolved)  # copied into checkpoints
         strategy.wrap(model)
         if reference is not None and reference is not model:
             strategy.wrap(reference)
@@ -183,8 +187,11 @@ class PolicyWorker:
         logger.info("%s", summary)
         return WorkerInfo(max_context, rope_factor, summary, packing, share, capabilities)
 
-    def _policy(self, model: torch.nn.Module | None, tokenizer: Any) -> tuple[torch.nn.Module, Any]:
-        """``model`` and ``tokenizer``, or the policy loaded as ``model.*`` asks (`load_policy`).
+    def _policy(self, model: torch.nn.Module | None, tokenizer: Any,
+                resolved: ResolvedModel | None) -> tuple[torch.nn.Module, Any, ResolvedModel | None]:
+        """``model`` and ``tokenizer``, or the policy loaded as ``model.*`` asks (`load_policy`)
+        from ``resolved`` (`resolve_model` here when None), and where it was loaded from (None
+        for a given ``model``).
 
         The load draws from torch's generator seeded with ``train.seed`` (the process's own
         generator is restored afterwards): LoRA's A matrices start random (peft's Kaiming
@@ -192,13 +199,15 @@ class PolicyWorker:
         must draw the same A."""
         cfg = self.cfg
         if model is None:
+            resolved = resolved or resolve_model(cfg.model.path)
             with torch.random.fork_rng():
                 torch.manual_seed(cfg.train.seed)
-                model, tokenizer = load_policy(cfg.model, device=self.strategy.device, compute_dtype=self.plan.compute_dtype)
+                model, tokenizer = load_policy(cfg.model, device=self.strategy.device, compute_dtype=self.plan.compute_dtype,
+                                               resolved=resolved)
         if cfg.model.lora.rank > 0 and not is_lora(model):
             raise ValueError(f"model.lora.rank={cfg.model.lora.rank} but the model given has no LoRA adapters; load it with "
                              "packrl.models.loading.load_policy (which applies model.lora), or set model.lora.rank=0")
-        return model, tokenizer
+        return model, tokenizer, resolved
 
     def _packing(self, model: torch.nn.Module) -> PackingCheck:
         """Whether packs are exact for ``model`` (`check_packing`); sequence parallelism needs them."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,16 @@ from packrl.worker.strategy import Parallel
 logger = logging.getLogger(__name__)
 
 Context = Callable[[], AbstractContextManager]
+
+Around = Callable[[Pack | None, int], AbstractContextManager]
+"""``around(pack, draw)``: the context one micro-batch's forward and backward run in, given its
+pack (None: an idle rank's one-token forward) and its draw (the optimizer steps taken before its
+mini-batch): the actor's LoRA dropout masks (`packrl.models.lora_dropout.dropout_draw`)."""
+
+
+def no_draw(pack: Pack | None, draw: int) -> AbstractContextManager:
+    """`Around` for a model without keyed dropout (the critic): nothing."""
+    return nullcontext()
 
 
 @dataclass
@@ -81,7 +91,8 @@ Step = tuple[StepTotals, float, float]
 
 def run_microbatches(model: torch.nn.Module, microbatches: Sequence[Sequence[int]], *, den: LossDenominators, loss: MicrobatchLossFn,
                      pack: Callable[[Sequence[int]], Pack], idle: Callable[[], torch.Tensor], context: Context,
-                     tracer: NullTracer = NullTracer(), parallel: Parallel = Parallel()) -> StepTotals:
+                     tracer: NullTracer = NullTracer(), parallel: Parallel = Parallel(), around: Around = no_draw,
+                     draw: int = 0) -> StepTotals:
     """Forward and backward each micro-batch of one mini-batch; gradients accumulate in ``model``.
 
     Args:
@@ -93,6 +104,7 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[Sequence[int
         pack: sequence indices -> their pack, on the model's device.
         context: each forward's context (autocast, activation offload).
         parallel: the strategy's gradient sync and loss scale (`packrl.worker.strategy.Parallel`).
+        around / draw: each micro-batch's forward and backward run in ``around(pack, draw)`` (`Around`).
     """
     if den.num_tokens == 0:
         logger.warning("a mini-batch has no loss tokens (all masked, e.g. algorithm.truncated=mask with every "
@@ -102,14 +114,16 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[Sequence[int
         if parallel.grad_sync is not None:
             parallel.grad_sync(k == len(microbatches) - 1)
         if not indices:
-            with context():
-                share = idle().sum() * 0.0
-            share.backward()
+            with around(None, draw):
+                with context():
+                    share = idle().sum() * 0.0
+                share.backward()
             continue
         packed = pack(indices)
         sp = ulysses.active()
         before = (sp.all_to_all_s, sp.num_exchanges) if sp is not None else None
-        with tracer.microbatch(num_sequences=len(indices), num_tokens=packed.num_tokens, num_positions=packed.input_ids.numel()):
+        with (tracer.microbatch(num_sequences=len(indices), num_tokens=packed.num_tokens, num_positions=packed.input_ids.numel()),
+              around(packed, draw)):
             with context():
                 share = loss(packed, den, totals)
             (share * parallel.loss_scale if parallel.loss_scale != 1.0 else share).backward()  # outside autocast, as torch recommends
@@ -120,16 +134,17 @@ def run_microbatches(model: torch.nn.Module, microbatches: Sequence[Sequence[int
 
 def run_update(model: torch.nn.Module, plan: UpdatePlan, *, rank: int, loss: MicrobatchLossFn, pack: Callable[[Sequence[int]], Pack],
                idle: Callable[[], torch.Tensor], opt: Optimization, context: Context, tracer: NullTracer = NullTracer(),
-               parallel: Parallel = Parallel()) -> list[Step]:
+               parallel: Parallel = Parallel(), around: Around = no_draw) -> list[Step]:
     """Rank ``rank``'s part of ``plan``: ``num_epochs`` passes over the mini-batches, each its
-    micro-batches' forwards and backwards (`run_microbatches`) and one optimizer step
-    (`packrl.worker.optim.optimizer_step`). Returns every optimizer step of this rank."""
+    micro-batches' forwards and backwards (`run_microbatches`, in ``around(pack, draw)``, the draw
+    being the optimizer steps taken so far, `packrl.worker.optim.Optimization.num_steps`) and one
+    optimizer step (`packrl.worker.optim.optimizer_step`). Returns every optimizer step of this rank."""
     steps: list[Step] = []
     model.train()
     for _ in range(plan.num_epochs):
         for minibatch in plan.minibatches:
             totals = run_microbatches(model, minibatch.microbatches(rank), den=minibatch.denominators, loss=loss, pack=pack, idle=idle,
-                                      context=context, tracer=tracer, parallel=parallel)
+                                      context=context, tracer=tracer, parallel=parallel, around=around, draw=opt.num_steps)
             steps.append((totals, *optimizer_step(model, opt)))
     return steps
 

@@ -68,6 +68,23 @@ def test_lora_on_two_workers_trains_and_resumes_as_one_process(tmp_path, model_d
     assert_same_training(_checkpoint(straight, 4), _checkpoint(to_one, 4))
 
 
+@pytest.mark.slow
+def test_lora_dropout_on_two_workers_trains_as_one_process(tmp_path, model_dir):
+    """With ``model.lora.dropout`` the masks are keyed by token, layer and optimizer step
+    (`packrl.models.lora_dropout`), not drawn per rank: 2 steps on 2 ranks == on 1 process
+    (float64), and the dropout changed the training."""
+    dropout = ["model.lora.dropout=0.3", "train.total_steps=2"]
+    one = _run(tmp_path / "one", model_dir, 1, *dropout)
+    two = _run(tmp_path / "two", model_dir, 2, *dropout)
+    plain = _run(tmp_path / "plain", model_dir, 1, "train.total_steps=2")
+    assert_same_training(_checkpoint(one, 2), _checkpoint(two, 2))
+    for x, y in zip(metric_lines(one), metric_lines(two), strict=True):
+        for key in ("actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+            assert y[key] == pytest.approx(x[key], rel=LOSS_REL), key
+    grad_norms = [(line["actor/grad_norm"], base["actor/grad_norm"]) for line, base in zip(metric_lines(one), metric_lines(plain))]
+    assert any(abs(x - y) > 1e-3 * abs(y) for x, y in grad_norms), "the dropout masks changed the gradients"
+
+
 def _batch(tokenizer):
     """One scored batch of 2 prompts x 3 responses of the tiny model's vocabulary."""
     from packrl.config.schema import AlgorithmConfig, RewardConfig

@@ -1,18 +1,23 @@
 """The supervisor of a run (`packrl.trainer.recovery.run_with_recovery`) without Ray: after a
 `WorkerLost` it records the restart (restarts.jsonl, train/restarts) and runs a fresh attempt
 resumed from the newest checkpoint, until ``trainer.max_restarts`` is spent; other errors pass
-through untouched; the recovery keys are checked at load. tests/distributed/test_recovery.py
-runs the same on a real cluster with real faults."""
+through untouched; the recovery keys are checked at load. The restart records have one writer
+(`packrl.trainer.restarts.RestartLog`), and both recipes run their attempts through one block
+(`packrl.trainer.recovery.run_attempts`). tests/distributed/test_recovery.py runs the same on a
+real cluster with real faults."""
 
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 
 from packrl.config import ConfigError, load_config
 from packrl.distributed.health import ActorRecord, WorkerLost
-from packrl.trainer.recovery import run_with_recovery
+from packrl.trainer.recovery import run_attempts, run_with_recovery
+from packrl.trainer.restarts import RESTARTS_FILE, RestartLog, RestartRecord
 from packrl.trainer.run import Run
 
 RANKS = ["trainer.num_workers=2", "train.loggers=[]"]
@@ -143,3 +148,71 @@ def test_recovery_keys_that_have_an_effect_load():
     assert (cfg.trainer.max_restarts, cfg.trainer.restart_wait_s, cfg.trainer.placement) == (3, 120.0, "spread")
     separate = load_config("demo", ["trainer.rollout_mode=separate_async", "trainer.max_restarts=1"])
     assert separate.trainer.max_restarts == 1
+
+
+KEYS = ["restart", "detected_at", "failed", "resumed_from", "resumed_step", "last_logged_step", "steps_redone", "work_lost_s",
+        "teardown_s", "waited_s", "startup_s", "seconds_lost"]
+"""The keys of a restarts.jsonl line, in order, as docs/distributed.md lists them and bench/bench_faults.py reads them."""
+
+
+def _record(number: int) -> RestartRecord:
+    return RestartRecord(restart=number, detected_at="2025-01-01T00:00:00.000Z", failed={"role": "rank 1"}, resumed_from=None,
+                         resumed_step=0, last_logged_step=3, steps_redone=3, work_lost_s=1.5, teardown_s=0.25, waited_s=2.0)
+
+
+def test_the_restart_log_writes_each_record_at_once_and_completes_it_at_the_next_step(tmp_path):
+    """A record is a line as soon as it is added (start-up unknown); the first step that began
+    after the restart fills in ``startup_s`` and ``seconds_lost``; later steps change nothing. An
+    earlier process's lines are kept as they were, even one with the same restart number."""
+    path = tmp_path / RESTARTS_FILE
+    earlier = '{"restart": 1, "note": "an earlier process, kept as written"}'
+    path.write_text(earlier + "\n\n")
+    log = RestartLog(path)
+    assert len(log) == 1
+    log.step_began(100.0)  # no restart waits for a step: the file is not touched
+    assert path.read_text() == earlier + "\n\n"
+    log.add(_record(1), relaunched_at=100.0)
+    assert len(log) == 2
+    first, line = path.read_text().split("\n\n")[0], _lines(tmp_path, RESTARTS_FILE)[1]
+    assert first == earlier and list(line) == KEYS and (line["startup_s"], line["seconds_lost"]) == (None, None)
+    log.step_began(104.0004)
+    (kept, line) = _lines(tmp_path, RESTARTS_FILE)
+    assert kept == json.loads(earlier)
+    assert line | {"startup_s": 0, "seconds_lost": 0} == _record(1).to_json() | {"startup_s": 0, "seconds_lost": 0}
+    assert (line["startup_s"], line["seconds_lost"]) == (4.0, 7.75)  # 1.5 + 0.25 + 2.0 + 4.0
+    log.step_began(200.0)
+    assert _lines(tmp_path, RESTARTS_FILE)[1]["startup_s"] == 4.0, "only the first step after the restart completes it"
+    assert len(RestartLog(path)) == 2, "a later process counts both lines"
+
+
+def test_a_start_before_the_restart_counts_as_no_startup():
+    assert _record(1).started(-0.5).startup_s == 0.0 and _record(1).started(-0.5).seconds_lost == 3.75
+
+
+def test_both_recipes_run_their_attempts_through_one_block(tmp_path, caplog):
+    """`run_attempts`: each attempt gets the config with the ``train.resume`` it resumes from, logs
+    the compute dtype's warning, notes model.txt, and runs the recipe's steps; a lost actor is
+    recorded and a fresh attempt resumes."""
+    import packrl.trainer.loop as loop
+    import packrl.trainer.sft as sft
+
+    assert loop.run_attempts is run_attempts and sft.run_attempts is run_attempts
+    cfg = load_config("demo", [*RANKS, f"train.out_dir={tmp_path}", "trainer.max_restarts=1"])
+    group = SimpleNamespace(plan=SimpleNamespace(compute_dtype=SimpleNamespace(warning="bf16 emulated here")),
+                            model_summary="policy: 1 parameter")
+    seen = []
+
+    def steps(current, workers):
+        seen.append((current.train.resume, workers))
+        assert (tmp_path / "model.txt").read_text() == "policy: 1 parameter\n"
+        if len(seen) == 1:
+            run.log_step(1, {"timing_s/step": 0.5})
+            raise _lost()
+        run.log_step(1, {"timing_s/step": 0.5})
+
+    with caplog.at_level(logging.WARNING, logger="packrl.trainer.recovery"), Run(cfg) as run:
+        run_attempts(cfg, run, steps, workers=group)
+    assert seen == [(None, group), ("auto", group)]
+    assert [r.getMessage() for r in caplog.records].count("bf16 emulated here") == 2
+    (line,) = _lines(tmp_path, RESTARTS_FILE)
+    assert line["restart"] == 1 and line["startup_s"] is not None
