@@ -31,7 +31,7 @@ TEXT_TASKS = {
 OVERRIDES = ["data.arithmetic.num_rows=40", "data.arithmetic.digits=2", "data.arithmetic.num_operands=3",
              "data.arithmetic.operators=+-*", "data.char_count.num_rows=30", "data.char_count.max_count=2",
              "data.shapes.num_rows=5", "data.shapes.max_shapes=4", "data.shapes.image_size=56",
-             "sft.num_rows=12", "sft.concise_fraction=0.5", "sft.train_files=[task:char_count_traces]",
+             "sft.num_rows=12", "sft.redundancy=0.5", "sft.train_files=[task:char_count_traces]",
              "sft.trace_style=verbose", "train.seed=11"]
 
 
@@ -64,4 +64,4 @@ def test_task_shapes_makes_the_same_rows_for_a_fixed_seed(split):
 def test_the_built_in_traces_are_the_same_for_a_fixed_seed():
     cfg = load_config("demo", OVERRIDES)
     assert _digest(tool_trace_rows(cfg.data, cfg.sft.num_rows, cfg.train.seed)) == "f780ae4b755d"
-    assert _digest(char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)) == "bd15f4d017b3"
+    assert _digest(char_count_trace_rows(cfg.data, cfg.sft, cfg.train.seed)) == "5be9dc8cf031"
