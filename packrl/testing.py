@@ -52,7 +52,7 @@ def tiny_llama(vocab_size: int = 97, *, tokenizer: Any = None, seed: int = 0, dt
     torch.manual_seed(seed)
     config = tiny_llama_config(vocab_size, tokenizer=tokenizer, **overrides)
     config._attn_implementation = attn
-    model = LlamaForCausalLM(config).to(dtype)
+    model = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]  # transformers types .to as a model method wrapper
     if attn == "sdpa":
         use_packed_attention(model)
     return model
