@@ -197,6 +197,7 @@ def test_the_training_data_errors_know_the_model_context(tmp_path, smollm_tokeni
     import json
     import shutil
 
+    from packrl.models.loading import resolve_policy
     from packrl.trainer.loop import _datasets
     from tests.conftest import SMOLLM_DIR
 
@@ -211,4 +212,4 @@ def test_the_training_data_errors_know_the_model_context(tmp_path, smollm_tokeni
                                "data.batch_size=1", "rollout.max_response_tokens=64"])
     with pytest.raises(ValueError, match=r"no data\.max_prompt_tokens fits a [\d,]+-token prompt \(the model context 8,192 - "
                                          r"rollout\.max_response_tokens=64 leaves 8,128\)"):
-        _datasets(cfg, smollm_tokenizer)
+        _datasets(cfg, resolve_policy(cfg.model, smollm_tokenizer))
