@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config("gsm8k", [f"model.path={args.model}", f"rollout.max_num_seqs={rows}", f"model.dtype={DTYPE}"])
     compute = resolve_for_device(cfg.model.dtype, "cpu")  # the engine's bf16 rollout copy needs it (the default is fp32)
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
-    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=options,
                             max_context_tokens=model_context_tokens(model.config)[0], may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     if not packs(engine.model):

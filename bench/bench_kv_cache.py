@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"warning: {compute.warning}", file=sys.stderr)
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     ids = prompts(tokenizer, cfg, args.prompts)
-    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=options,
                             max_context_tokens=model_context_tokens(model.config)[0], may_share_policy=True, compute_dtype=compute)
     engine = ROLLOUT_ENGINES.lookup("hf")(context)
     params = SamplingParams(n=args.n, temperature=1.0, max_response_tokens=args.response_tokens, return_logprobs=True)

@@ -86,7 +86,8 @@ def run_engine(name: str, model_path: str, counts: list[int], response_tokens: i
     model, tokenizer = load_policy(cfg.model, compute_dtype=compute)
     ids = prompts(tokenizer, cfg, count)
     params = SamplingParams(n=1, temperature=1.0, max_response_tokens=response_tokens)
-    context = EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    context = EngineContext(policy=model, tokenizer=tokenizer, options=options,
                             max_context_tokens=model_context_tokens(model.config)[0], may_share_policy=True, compute_dtype=compute)
     start = time.perf_counter()
     engine = ROLLOUT_ENGINES.lookup(name)(context)

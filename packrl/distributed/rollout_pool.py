@@ -49,7 +49,7 @@ class RolloutWorkerSpec:
     Attributes:
         model: the ``model`` section (the policy copy it loads).
         rollout: the ``rollout`` section (the engine and its multi-turn and thinking wrappers).
-        engine: the engine's settings (`packrl.rollout.engine.EngineOptions.from_config`).
+        engine: the engine's settings (`packrl.rollout.engine.EngineOptions.of_sections`).
         plugins: ``trainer.plugins``, imported in the worker's process.
         num_threads: ``trainer.num_cpus_per_worker``, torch's threads there.
         compute_dtype: the run's compute dtype (`BatchPlan.compute_dtype`).
@@ -147,7 +147,8 @@ def rollout_pool(cfg: RunConfig, run_dir: Path, plan: BatchPlan, max_context_tok
     remote = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0))(RolloutWorker)
     count = cfg.trainer.num_rollout_workers
     names = [f"packrl-rollout{i}-{secrets.token_hex(3)}" for i in range(count)]
-    spec = RolloutWorkerSpec(model=cfg.model, rollout=cfg.rollout, engine=EngineOptions.from_config(cfg),
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    spec = RolloutWorkerSpec(model=cfg.model, rollout=cfg.rollout, engine=options,
                              plugins=tuple(cfg.trainer.plugins), num_threads=cfg.trainer.num_cpus_per_worker,
                              compute_dtype=plan.compute_dtype, max_context_tokens=max_context_tokens)
     actors: list = [remote.options(name=name).remote(spec) for name in names]

@@ -175,7 +175,8 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             packing = config_packing(model_config)
             notes.append(packing.describe())
             problems += _sequence_parallel_problems(cfg.trainer.sequence_parallel_size, model_config, packing)
-            notes += _engine_notes(cfg.rollout.engine, EngineOptions.from_config(cfg), compute, shape, budgets, device)
+            engine_options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+            notes += _engine_notes(cfg.rollout.engine, engine_options, compute, shape, budgets, device)
             notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg.trainer, cfg.rollout, cfg.data.batch_size, shape,
                                                                           compute.param_bytes)
             more = _modality_checks(cfg, model_config, PromptRoom.of(cfg.rollout, budgets.max_context_tokens))

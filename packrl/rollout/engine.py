@@ -37,7 +37,7 @@ from packrl.hardware import ComputeDtype
 from packrl.registry import ROLLOUT_ENGINES
 
 if TYPE_CHECKING:
-    from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig
+    from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig
     from packrl.config.train import TrainConfig
     from packrl.types import ExtraInputs, Response
 
@@ -313,13 +313,9 @@ class EngineOptions:
     truncates_sampling: bool = False
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> EngineOptions:
-        """The options of ``cfg`` (`of_sections` of its sections)."""
-        return cls.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
-
-    @classmethod
     def of_sections(cls, rollout: RolloutConfig, data: DataConfig, train: TrainConfig, algorithm: AlgorithmConfig) -> EngineOptions:
-        """The options the ``rollout``, ``data``, ``train`` and ``algorithm`` sections set."""
+        """The options the ``rollout``, ``data``, ``train`` and ``algorithm`` sections of a run's
+        config set (the engine reads nothing else of it)."""
         r = rollout
         return cls(max_num_seqs=r.max_num_seqs, max_prompt_tokens=data.max_prompt_tokens, max_response_tokens=r.max_response_tokens,
                    seed=train.seed, engine_kwargs=dict(r.engine_kwargs),

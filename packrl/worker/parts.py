@@ -102,7 +102,7 @@ def build_engine(rollout: RolloutConfig, options: EngineOptions, policy: Any, to
 
     Args:
         rollout: the ``rollout`` section.
-        options: the engine's settings from the run (`EngineOptions.from_config`; its
+        options: the engine's settings from the run (`EngineOptions.of_sections`; its
             ``max_prompt_tokens`` is ``data.max_prompt_tokens``).
 
     Raises:

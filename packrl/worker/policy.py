@@ -163,7 +163,8 @@ class PolicyWorker:
         reference = load_reference(model) if plan.has_reference else None
         engine, engine_phrase, capabilities = None, "", EngineCapabilities()  # a recipe on given sequences generates nothing
         if plan.generates:
-            engine, engine_phrase, capabilities = build_engine(cfg.rollout, EngineOptions.from_config(cfg), model, tokenizer,
+            options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+            engine, engine_phrase, capabilities = build_engine(cfg.rollout, options, model, tokenizer,
                                                                max_context_tokens=max_context, may_share_policy=strategy.may_share_policy,
                                                                compute_dtype=plan.compute_dtype)
             check_modality_run(cfg, model, capabilities, has_critic=plan.has_critic)

@@ -89,7 +89,8 @@ def test_the_vllm_engine_settings_and_kv_cache_are_reported(model_dir):
     shape = ModelShape.from_config(_config(), None)
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     assert f"max_model_len={cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens:,}" in note and "max_num_seqs=4" in note
-    assert f"KV cache {kv_cache_bytes(EngineOptions.from_config(cfg), per_token) / GIB:.2f} GiB" in note
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    assert f"KV cache {kv_cache_bytes(options, per_token) / GIB:.2f} GiB" in note
     assert f"({per_token:,} bytes per token)" in note
 
 

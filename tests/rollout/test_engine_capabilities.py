@@ -185,3 +185,20 @@ def test_a_declared_preflight_hook_that_fails_is_named_with_its_signature():
                                          r"taking \(model, data, train, room\)"):
         _call_hook("model.path=m: its Modality.preflight", "packrl.capabilities:nothing", "(model, data, train, room)")
     assert _call_hook("x", "packrl.capabilities:EngineCapabilities", "()") == EngineCapabilities()
+
+
+def test_the_engine_options_come_from_the_sections_an_engine_reads():
+    """`EngineOptions.of_sections` takes the four sections it reads; the engine contract's module
+    names no `RunConfig` (components below the trainer take their sections)."""
+    from pathlib import Path
+
+    import packrl.rollout.engine as contract
+    from packrl.rollout.engine import EngineOptions
+
+    cfg = load_config("demo", ["rollout.max_num_seqs=3", "train.seed=5", "rollout.top_k=4", "rollout.engine_kwargs.x=1",
+                               "algorithm.rollout_correction.rollout_is=token"])
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    assert options == EngineOptions(max_num_seqs=3, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                    max_response_tokens=cfg.rollout.max_response_tokens, seed=5, engine_kwargs={"x": 1},
+                                    returns_logprobs=True, truncates_sampling=True)
+    assert "RunConfig" not in Path(contract.__file__).read_text()

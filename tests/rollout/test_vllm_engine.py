@@ -81,7 +81,8 @@ def _engines(tokenizer, model, cfg):
     from packrl.rollout.hf_engine import HFEngine
     from packrl.rollout.vllm_engine import build_vllm_engine
 
-    engine = build_vllm_engine(EngineContext(policy=model, tokenizer=tokenizer, options=EngineOptions.from_config(cfg),
+    options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
+    engine = build_vllm_engine(EngineContext(policy=model, tokenizer=tokenizer, options=options,
                                              max_context_tokens=512, may_share_policy=True, compute_dtype=resolve_dtype(cfg.model.dtype)))
     return engine, HFEngine(model, tokenizer, max_context_tokens=512, max_num_seqs=8)
 
