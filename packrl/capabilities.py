@@ -1,13 +1,38 @@
-"""What a registered rollout engine declares about itself (``ROLLOUT_ENGINES.register(name,
-info=EngineCapabilities(...))``), in a module of the bottom layer (no torch, no config), so the
-config rules, preflight, set-up and the sampling stages all read one declaration and never an
-engine's name. The engine contract itself is `packrl.rollout.engine` (which re-exports
-`EngineCapabilities`).
+"""What registered parts declare about themselves with their registration
+(``REGISTRY.register(name, info=...)``), in a module of the bottom layer (no torch, no config): the
+config rules, preflight, set-up, the stages and the workers read one typed declaration and never a
+part's name. Each registry of `packrl.registry` holds one of these classes (`Registry.info`
+returns it, the class's defaults for a part that declared nothing):
+
+- a rollout engine's `EngineCapabilities` (``rollout.engine``; the engine contract itself is
+  `packrl.rollout.engine`, which re-exports it);
+- a rollout mode's `RolloutModeInfo` (``trainer.rollout_mode``);
+- a policy loss's `LossInfo` (``algorithm.policy_loss``);
+- a reward function's `RewardInfo` (``reward.name``, registered through
+  `packrl.reward.register_reward`);
+- `NoInfo` for the kinds whose parts declare nothing.
+
+The built-in parts' declarations are here too, so reading them imports none of the parts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
+
+
+def _target_problem(owner: str, field: str, value: object) -> str | None:
+    """Why ``value`` is not a ``"module:function"`` string or None (a message), else None."""
+    if value is None or (isinstance(value, str) and ":" in value):
+        return None
+    return f"{owner}({field}={value!r}): a 'module:function' string, or None"
+
+
+@dataclass(frozen=True)
+class NoInfo:
+    """What a part of a kind that declares nothing holds (advantage estimators, tools, reward-shaping
+    parts, modalities): its registry refuses any ``info=``."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +73,111 @@ class EngineCapabilities:
         for name in ("stop_on_condition", "shares_policy_weights", "packs_cpu_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineCapabilities({name}={getattr(self, name)!r}): True or False")
-        if self.preflight_notes is not None and (not isinstance(self.preflight_notes, str) or ":" not in self.preflight_notes):
-            raise ValueError(f"EngineCapabilities(preflight_notes={self.preflight_notes!r}): a 'module:function' string, or None")
+        problem = _target_problem("EngineCapabilities", "preflight_notes", self.preflight_notes)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+@dataclass(frozen=True)
+class RolloutModeInfo:
+    """What a rollout mode declares with its registration (``ROLLOUT_MODES.register(name, info=...)``).
+
+    Attributes:
+        carries_groups: responses are generated across steps (partial rollouts): their tokens
+            carry the version that sampled them, the old-log-prob pass runs to weight them, and a
+            checkpoint holds the groups in flight.
+        rollout_workers: it generates on ``trainer.num_rollout_workers`` processes of its own
+            (Ray actors), not on the training workers.
+    """
+
+    carries_groups: bool = False
+    rollout_workers: bool = False
+
+
+@dataclass(frozen=True)
+class LossInfo:
+    """What a policy loss declares with its registration (``POLICY_LOSSES.register(name,
+    info=LossInfo(...))``), read by the plan and the worker group without importing the loss.
+
+    Attributes:
+        reads_old_logprobs: the loss (or its ``prepare``) reads the old log-probs even when the
+            update is on-policy, so the old-log-prob pass runs for it
+            (`packrl.config.plan.BatchPlan.needs_old_logprobs`).
+        prepare: ``"module:function"`` of a `packrl.algos.policy_losses.PrepareFn` the worker group
+            runs once per update on the controller (`packrl.algos.policy_losses.prepare_update`):
+            ``function(batch, minibatches, cfg, seed) -> (batch with extras, metrics)``, for a loss
+            that chooses tokens over a whole mini-batch (Clip-Cov, KL-Cov); imported only when the
+            update runs. A plugin file names its own module as ``f"{__name__}:function"``. None: none.
+
+    Raises:
+        ValueError: ``reads_old_logprobs`` is not a bool, or ``prepare`` is not a ``"module:function"`` string.
+    """
+
+    reads_old_logprobs: bool = False
+    prepare: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reads_old_logprobs, bool):
+            raise ValueError(f"LossInfo(reads_old_logprobs={self.reads_old_logprobs!r}): True or False")
+        problem = _target_problem("LossInfo", "prepare", self.prepare)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+@dataclass(frozen=True)
+class RewardInfo:
+    """What a reward function declares with its registration (`packrl.reward.register_reward`).
+
+    Attributes:
+        scores_truncated: its rule for responses a token budget cut (finish reason ``length`` or
+            ``context``): False scores them 0 without calling it, since an answer cut short must
+            not be credited as if it had ended on its own; True scores them like any other (a
+            reward that does not read an answer). ``reward.score_truncated`` overrides it per run.
+        correct_score: the score at and above which a response is correct (1.0 for ``gsm8k`` and
+            ``math_verify``, whose wrong answers score ``reward.format_score`` < 1); None = the
+            reward has no notion of correct (a dense score), which the length objectives that
+            reward correct responses need (`packrl.reward.length`).
+        ground_truth_problem: why a row's ground truth is not one this reward can read (a
+            message), or None when it can; checked on every row of the data when the prompts are
+            built, before the model loads (`packrl.reward.score.check_ground_truths`). None = any
+            ground truth.
+    """
+
+    scores_truncated: bool = False
+    correct_score: float | None = None
+    ground_truth_problem: Callable[[str], str | None] | None = None
+
+
+TaskMakes = Literal["prompts", "traces"]
+"""What a task makes: prompt rows (``data.train_files``, ``data.val_files``) or SFT traces (``sft.train_files``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """What a registered task declares (``@TASKS.register(name, info=TaskInfo(...))``), read by the
+    config checks and the loaders without running it; a task registered without one makes prompts
+    and reads its own options.
+
+    Attributes:
+        makes: ``prompts``: the rows of a ``data.train_files`` / ``data.val_files`` source, read as
+            a file's rows are (GSM8K's or verl's schema, `packrl.data.examples`); ``traces``: the
+            chat traces of an ``sft.train_files`` source (rows of ``messages``, `packrl.data.traces`).
+        options_key: the dotted key of the options it reads: a built-in's section of ``data``
+            (``data.arithmetic``), or ``data.task_args.<task>`` (another task's options: traces drawn
+            from that task's questions). None: its own, ``data.task_args.<name>``, checked at load
+            against the options dataclass it registered with (``register(name, options=...)``).
+
+    Raises:
+        ValueError: ``options_key`` is not a key of the ``data`` section.
+    """
+
+    makes: TaskMakes = "prompts"
+    options_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.options_key is not None and not self.options_key.startswith("data."):
+            raise ValueError(f"TaskInfo(options_key={self.options_key!r}): a task's options are a key of the data section; "
+                             "give data.<section> or data.task_args.<task>, or None for its own (data.task_args.<name>)")
 
 
 HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
@@ -57,3 +185,32 @@ HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, sh
 
 VLLM_ENGINE = EngineCapabilities(preflight_notes="packrl.rollout.vllm_settings:preflight_notes")
 """What ``rollout.engine=vllm`` declares (`packrl.rollout.vllm_engine`), readable without importing it."""
+
+SYNC = RolloutModeInfo()
+"""What ``trainer.rollout_mode=sync`` declares (`packrl.trainer.stages.rounds`)."""
+
+COLOCATE_ASYNC = RolloutModeInfo(carries_groups=True)
+"""What ``trainer.rollout_mode=colocate_async`` declares (`packrl.trainer.stages.partial`)."""
+
+SEPARATE_ASYNC = RolloutModeInfo(carries_groups=True, rollout_workers=True)
+"""What ``trainer.rollout_mode=separate_async`` declares (`packrl.trainer.stages.separate`)."""
+
+TOKEN_LOSS = LossInfo()
+"""What ``ppo_clip``, ``gspo`` and ``sft`` declare (`packrl.algos.policy_losses`): a loss of one
+micro-batch's tokens alone."""
+
+COV_LOSS = LossInfo(reads_old_logprobs=True, prepare="packrl.algos.cov_losses:select_cov_tokens")
+"""What ``clip_cov`` and ``kl_cov`` declare (`packrl.algos.cov_losses`): the tokens they treat apart
+are chosen on the controller from the old log-probs, over each whole mini-batch."""
+
+
+ARITHMETIC_TASK = TaskInfo(options_key="data.arithmetic")
+"""``task:arithmetic`` (`packrl.data.tasks`)."""
+CHAR_COUNT_TASK = TaskInfo(options_key="data.char_count")
+"""``task:char_count`` (`packrl.data.char_count`)."""
+SHAPES_TASK = TaskInfo(options_key="data.shapes")
+"""``task:shapes`` (`packrl.data.shapes`)."""
+TOOL_TRACES_TASK = TaskInfo(makes="traces", options_key="data.arithmetic")
+"""``task:tool_traces``: calculator traces of ``task:arithmetic`` questions (`packrl.data.tool_traces`)."""
+CHAR_COUNT_TRACES_TASK = TaskInfo(makes="traces", options_key="data.char_count")
+"""``task:char_count_traces``: worked answers to ``task:char_count`` questions (`packrl.data.char_count_traces`)."""

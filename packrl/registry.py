@@ -16,7 +16,10 @@ one decorated function in a file of their own::
 A part with knobs of its own registers them with it, a dataclass of defaults
 (``@POLICY_LOSSES.register("my_loss", options=MyLossOptions)``); the config sets them under the
 registry's ``args_key`` (``algorithm.policy_loss_args.my_knob=0.5``), checked at load against the
-dataclass, and the part receives the built value (``PolicyLossInputs.options``).
+dataclass, and the part receives the built value (``PolicyLossInputs.options``). What a part
+declares about itself for the rest of the house to read without building it is the registry's
+info class (`packrl.capabilities`: ``register("my_loss", info=LossInfo(reads_old_logprobs=True))``);
+`Registry.info` returns it typed, the class's defaults for a part that declared nothing.
 
 The user names the file in ``trainer.plugins`` (a ``.py`` path or an importable module), so every
 process of the run (the controller and each data-parallel worker) imports it before the config's
@@ -25,10 +28,13 @@ names are checked; ``algorithm.policy_loss=my_loss`` then selects it. Code that 
 
 The built-in parts are listed here by name with the module that registers them, and that module
 is imported on first lookup: checking a config's names imports no torch (``packrl config`` stays
-light), and a lookup never depends on what happened to be imported before. An unknown name fails
-at config load, naming the nearest registered one (`Registry.problem`).
+light), and a lookup never depends on what happened to be imported before. A built-in's
+declaration is listed here too (``infos``, from `packrl.capabilities`), so reading it imports
+nothing either. An unknown name fails at config load, naming the nearest registered one
+(`Registry.problem`).
 
-This module is the bottom layer: it imports nothing of packrl.
+This module is the bottom layer: of packrl it imports only `packrl.capabilities` (the declarations'
+classes, of the same layer) and, for messages, `packrl.errors`.
 """
 
 from __future__ import annotations
@@ -42,9 +48,31 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
+
+from packrl.capabilities import (
+    ARITHMETIC_TASK,
+    CHAR_COUNT_TASK,
+    CHAR_COUNT_TRACES_TASK,
+    COLOCATE_ASYNC,
+    COV_LOSS,
+    HF_ENGINE,
+    SEPARATE_ASYNC,
+    SHAPES_TASK,
+    SYNC,
+    TOKEN_LOSS,
+    TOOL_TRACES_TASK,
+    VLLM_ENGINE,
+    EngineCapabilities,
+    LossInfo,
+    NoInfo,
+    RewardInfo,
+    RolloutModeInfo,
+    TaskInfo,
+)
 
 T = TypeVar("T")
+InfoT = TypeVar("InfoT")
 
 
 WHOLE_CONFIG = "cfg"
@@ -96,35 +124,39 @@ def _problem_list(found: Any, source: str) -> list[Any]:
     return list(found)
 
 
-class Registry(Mapping[str, Any]):
-    """Named parts of one kind, selected by the config key ``key``.
+class Registry(Mapping[str, Any], Generic[InfoT]):
+    """Named parts of one kind, selected by the config key ``key``; what each part declares about
+    itself is an ``InfoT`` (`packrl.capabilities`).
 
     Args:
         name: the registry's attribute name in this module (for messages), e.g. ``POLICY_LOSSES``.
         key: the dotted config key that names a part (for messages), e.g. ``algorithm.policy_loss``.
         kind: what a part is, for messages (``policy loss``).
         builtins: name -> module that registers it when imported.
+        info: the class of what a part declares with its registration (``InfoT``, e.g.
+            `packrl.capabilities.LossInfo`; every field with a default, which a part that declares
+            nothing gets), `packrl.capabilities.NoInfo` for a kind whose parts declare nothing.
         checks: name -> ``"module:function"`` of a config check for that part (imported only
             when the config names it): ``function(...) -> list[ConfigProblem]`` taking the config
-            sections its parameters name, or what ``check_inputs`` makes of the config.
+            sections its parameters name (`call_with_sections`).
         args_key: the dotted config key of a mapping that holds the chosen part's own options
             (``algorithm.policy_loss_args``), or None when parts of this kind take none.
-        infos: name -> ``"module:attribute"`` of what a built-in declares about itself (`info`),
-            read from a light module without importing the part's own.
-        check_inputs: ``"module:function"`` turning the run's config into what this registry's
-            checks read (the sections its parts depend on), or None: they read the whole config.
+        infos: name -> what a built-in declares about itself (`info`), listed here so that reading
+            it does not import the part's own module; its module registers the same declaration.
     """
 
-    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], checks: dict[str, str] | None = None,
-                 args_key: str | None = None, infos: dict[str, str] | None = None, check_inputs: str | None = None):
-        self.name, self.key, self.kind, self.args_key, self.check_inputs = name, key, kind, args_key, check_inputs
+    def __init__(self, name: str, key: str, kind: str, builtins: dict[str, str], *, info: type[InfoT],
+                 checks: dict[str, str] | None = None, args_key: str | None = None, infos: dict[str, InfoT] | None = None):
+        self.name, self.key, self.kind, self.args_key, self.info_class = name, key, kind, args_key, info
         self._builtins = dict(builtins)
         self._checks: dict[str, Any] = dict(checks or {})
         self._parts: dict[str, Any] = {}
         self._options: dict[str, type] = {}
-        self._info: dict[str, Any] = dict(infos or {})
+        self._builtin_info: dict[str, InfoT] = dict(infos or {})
+        self._info: dict[str, InfoT] = dict(self._builtin_info)
+        self._no_info: InfoT = info()
 
-    def register(self, name: str, options: type | None = None, info: Any = None) -> Callable[[T], T]:
+    def register(self, name: str, options: type | None = None, info: InfoT | None = None) -> Callable[[T], T]:
         """Decorator: register the decorated object as ``name``.
 
         Args:
@@ -133,18 +165,27 @@ class Registry(Mapping[str, Any]):
                 every field has a default. The config's mapping under ``args_key`` is checked
                 against it at load (unknown keys, types, and its ``problems(prefix)`` method when
                 it has one, `packrl.config.load.build_options`) and the part receives the built value.
-            info: what the part declares about itself for set-up and pre-run checks to read
-                without building it (a rollout engine's `packrl.capabilities.EngineCapabilities`).
+            info: what the part declares about itself for set-up, pre-run checks and the stages to
+                read without building it, an instance of the registry's info class (a rollout
+                engine's `packrl.capabilities.EngineCapabilities`, a policy loss's `LossInfo`);
+                None declares nothing (the class's defaults).
 
         Raises:
             ValueError: ``name`` is empty, or already registered to another object; ``options`` is
-                not a dataclass, or given to a registry without an ``args_key``.
+                not a dataclass, or given to a registry without an ``args_key``; ``info`` is not an
+                instance of the registry's info class (the one check of a declaration's type: every
+                reader takes it as typed).
         """
         if options is not None and (self.args_key is None or not dataclasses.is_dataclass(options)):
             raise ValueError(f"options of {self.kind} {name!r} must be a dataclass, and only a registry with an args_key "
                              f"takes them ({self.name} args_key={self.args_key}); got {options!r}")
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
+        if info is not None and not isinstance(info, self.info_class):
+            cls = self.info_class.__name__
+            wanted = (f"the parts of {self.name} declare nothing: remove info=" if self.info_class is NoInfo else
+                      f"declare {'an' if cls[0] in 'AEIOU' else 'a'} {cls} ({self.name}.register(name, info={cls}(...)))")
+            raise ValueError(f"{self.key}={name!r} registered info={info!r}; {wanted}")
 
         def decorate(part: T) -> T:
             if name in self._builtins and name not in self._parts:
@@ -152,6 +193,8 @@ class Registry(Mapping[str, Any]):
             held = self._parts.get(name)
             if held is not None and held is not part and _origin(held) != _origin(part):
                 raise ValueError(f"{self.kind} {name!r} is already registered ({held!r}); pick another name for {part!r}")
+            assert info is None or name not in self._builtin_info or info == self._builtin_info[name], \
+                f"{self.name}: the built-in {name!r} registers info={info!r}, but its listing declares {self._builtin_info[name]!r}"
             self._parts[name] = part
             if options is not None:
                 self._options[name] = options
@@ -167,28 +210,22 @@ class Registry(Mapping[str, Any]):
         self[name]
         return self._options.get(name)
 
-    def info(self, name: str) -> Any:
-        """What part ``name`` declared about itself when it registered (``register(info=...)``, its
-        module imported first) or in the registry's ``infos`` (a built-in's, from a light module);
-        None when it declared nothing.
+    def info(self, name: str) -> InfoT:
+        """What part ``name`` declared about itself: its registration's ``info=``, or a built-in's
+        listing in ``infos`` (read without importing its module); the info class's defaults when it
+        declared nothing. A part not listed is imported first (a built-in's module may register one).
 
         Raises:
             ValueError: ``name`` is not registered (as `lookup`).
         """
-        info = self._info.get(name)
-        if isinstance(info, str):
-            return resolve_target(info)
-        if info is None:
+        if name not in self._info:
             self.lookup(name)
-            info = self._info.get(name)
-        return info
+        return self._info.get(name, self._no_info)
 
     def register_check(self, name: str) -> Callable[[T], T]:
         """Decorator: ``function(...) -> list[ConfigProblem]`` checks a config that names part
         ``name`` (its settings among the others), at config load; its parameters name the config
-        sections it reads (``cfg``: the whole config; `call_with_sections`), or it takes what
-        the registry's ``check_inputs`` makes of the config (a reward-shaping part's check reads
-        `packrl.config.shaping_checks.ShapingCheckInputs`)."""
+        sections it reads (``cfg``: the whole config; `call_with_sections`), as every rule does."""
 
         def decorate(check: T) -> T:
             held = self._checks.get(name)
@@ -202,16 +239,13 @@ class Registry(Mapping[str, Any]):
 
     def config_problems(self, name: str, cfg: Any) -> list:
         """The problems the check of part ``name`` finds in ``cfg`` (none without a check), given
-        the sections its parameters name, or what ``check_inputs`` makes of ``cfg`` when the
-        registry has one."""
+        the sections its parameters name (`call_with_sections`)."""
         check = self._checks.get(name)
         if check is None:
             return []
         if isinstance(check, str):
             check = resolve_target(check)
         source = f"the config check of {self.key}={name} ({getattr(check, '__qualname__', check)!r})"  # for the message only
-        if self.check_inputs is not None:
-            return _problem_list(check(resolve_target(self.check_inputs)(cfg)), source)
         return _problem_list(call_with_sections(check, cfg), source)
 
     def names(self) -> list[str]:
@@ -263,8 +297,9 @@ class Registry(Mapping[str, Any]):
 
 
 def resolve_target(target: str) -> Any:
-    """The function ``"module:function"`` names (its module imported): a check, info or hook a
-    registration names without importing its module."""
+    """The function ``"module:function"`` names (its module imported): a check or hook a
+    registration names without importing its module (`LossInfo.prepare`,
+    `EngineCapabilities.preflight_notes`)."""
     module, _, function = target.partition(":")
     return getattr(importlib.import_module(module), function)
 
@@ -278,28 +313,32 @@ def _origin(part: Any) -> tuple[str, str]:
 
 REWARDS = Registry("REWARDS", "reward.name", "reward", {"gsm8k": "packrl.reward.gsm8k", "math_verify": "packrl.reward.math_verify",
                                                       "char_count": "packrl.reward.char_count"},
-                   checks={"math_verify": "packrl.reward.math_verify:config_problems"})
-"""``fn(response_text, ground_truth, *, data_source, cfg: RewardConfig) -> float`` (`packrl.reward.registry.RewardFn`)."""
+                   info=RewardInfo, checks={"math_verify": "packrl.reward.math_verify:config_problems"})
+"""``fn(response_text, ground_truth, *, data_source, cfg: RewardConfig) -> float`` (`packrl.reward.registry.RewardFn`);
+its info a `packrl.capabilities.RewardInfo`, registered with it by `packrl.reward.register_reward`."""
 
 ADVANTAGE_ESTIMATORS = Registry("ADVANTAGE_ESTIMATORS", "algorithm.adv_estimator", "advantage estimator",
                                 {"grpo": "packrl.algos.advantages", "rloo": "packrl.algos.advantages", "gae": "packrl.algos.gae",
                                  "reinforce_plus_plus": "packrl.algos.reinforce_pp",
-                                 "reinforce_plus_plus_baseline": "packrl.algos.reinforce_pp"})
+                                 "reinforce_plus_plus_baseline": "packrl.algos.reinforce_pp"}, info=NoInfo)
 """``fn(inputs: AdvantageInputs) -> N tensors [R_i]`` (`packrl.algos.advantages.AdvantageFn`)."""
 
 POLICY_LOSSES = Registry("POLICY_LOSSES", "algorithm.policy_loss", "policy loss",
                          {"ppo_clip": "packrl.algos.policy_losses", "gspo": "packrl.algos.policy_losses",
                           "sft": "packrl.algos.policy_losses", "clip_cov": "packrl.algos.cov_losses", "kl_cov": "packrl.algos.cov_losses"},
-                         checks={"gspo": "packrl.config.relations:gspo_problems"}, args_key="algorithm.policy_loss_args")
-"""``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`)."""
+                         info=LossInfo, checks={"gspo": "packrl.config.relations:gspo_problems"}, args_key="algorithm.policy_loss_args",
+                         infos={"ppo_clip": TOKEN_LOSS, "gspo": TOKEN_LOSS, "sft": TOKEN_LOSS, "clip_cov": COV_LOSS, "kl_cov": COV_LOSS})
+"""``fn(inputs: PolicyLossInputs) -> PolicyLossOutput`` (`packrl.algos.policy_losses.PolicyLossFn`); its info a
+`packrl.capabilities.LossInfo`."""
 
 ROLLOUT_ENGINES = Registry("ROLLOUT_ENGINES", "rollout.engine", "rollout engine",
                            {"hf": "packrl.rollout.hf_engine", "vllm": "packrl.rollout.vllm_engine"},
-                           checks={"vllm": "packrl.rollout.vllm_settings:config_problems"},
-                           infos={"hf": "packrl.capabilities:HF_ENGINE", "vllm": "packrl.capabilities:VLLM_ENGINE"})
-"""``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`)."""
+                           info=EngineCapabilities, checks={"vllm": "packrl.rollout.vllm_settings:config_problems"},
+                           infos={"hf": HF_ENGINE, "vllm": VLLM_ENGINE})
+"""``factory(context: EngineContext) -> RolloutEngine`` (`packrl.rollout.engine.EngineFactory`); its info a
+`packrl.capabilities.EngineCapabilities`."""
 
-TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"})
+TOOLS = Registry("TOOLS", "rollout.multi_turn.tools", "tool", {"calculator": "packrl.rollout.tools"}, info=NoInfo)
 """``fn(arguments: dict) -> str`` (`packrl.rollout.tools.Tool`); raises `packrl.rollout.tools.ToolError` for a bad call."""
 
 _LENGTH_PARTS = ("group_length", "efficiency", "shortest_correct", "target_length")
@@ -308,38 +347,37 @@ _LENGTH_PARTS = ("group_length", "efficiency", "shortest_correct", "target_lengt
 REWARD_SHAPING = Registry("REWARD_SHAPING", "reward.shaping", "reward-shaping part",
                           {"overlong": "packrl.reward.overlong", "tool_format": "packrl.reward.tool_format",
                            **{part: f"packrl.reward.length.{part}" for part in _LENGTH_PARTS}},
-                          checks={"overlong": "packrl.reward.overlong:config_problems",
-                                  "tool_format": "packrl.reward.tool_format:config_problems",
-                                  **{part: f"packrl.reward.length.{part}:config_problems" for part in _LENGTH_PARTS}},
-                          args_key="reward.shaping", check_inputs="packrl.config.shaping_checks:shaping_check_inputs")
+                          info=NoInfo, checks={"overlong": "packrl.reward.overlong:config_problems",
+                                               "tool_format": "packrl.reward.tool_format:config_problems",
+                                               **{part: f"packrl.reward.length.{part}:config_problems" for part in _LENGTH_PARTS}},
+                          args_key="reward.shaping")
 """``fn(inputs: ShapingInputs) -> ShapingOutput`` (`packrl.reward.shaping.ShapingFn`). Its config key holds a
-mapping, part name -> that part's options (``args_key`` is the key itself); a part's check reads
-``ShapingCheckInputs`` (`packrl.config.shaping_checks`: the reward, rollout, data and train sections)."""
+mapping, part name -> that part's options (``args_key`` is the key itself); a part's check, as every
+other, takes the sections its parameters name (``def check(reward: RewardConfig, rollout: RolloutConfig)``)
+and reads its own settings as given, ``reward.shaping[<part>]``."""
 
 ROLLOUT_MODES = Registry("ROLLOUT_MODES", "trainer.rollout_mode", "rollout mode",
                          {"sync": "packrl.trainer.stages.rounds", "colocate_async": "packrl.trainer.stages.partial",
                           "separate_async": "packrl.trainer.stages.separate"},
-                         checks={"sync": "packrl.config.rollout_modes:sync_problems",
-                                 "colocate_async": "packrl.config.rollout_modes:colocate_async_problems",
-                                 "separate_async": "packrl.config.rollout_modes:separate_async_problems"},
-                         infos={"sync": "packrl.config.rollout_modes:SYNC", "colocate_async": "packrl.config.rollout_modes:COLOCATE_ASYNC",
-                                "separate_async": "packrl.config.rollout_modes:SEPARATE_ASYNC"})
+                         info=RolloutModeInfo, checks={"sync": "packrl.config.rollout_modes:sync_problems",
+                                                       "colocate_async": "packrl.config.rollout_modes:colocate_async_problems",
+                                                       "separate_async": "packrl.config.rollout_modes:separate_async_problems"},
+                         infos={"sync": SYNC, "colocate_async": COLOCATE_ASYNC, "separate_async": SEPARATE_ASYNC})
 """``factory(context: StageContext) -> SamplingStage`` (`packrl.trainer.stages.StageFactory`); its info a
-`packrl.config.rollout_modes.RolloutModeInfo`."""
+`packrl.capabilities.RolloutModeInfo`."""
 
 TASKS = Registry("TASKS", "data.task_args", "task",
                  {"arithmetic": "packrl.data.tasks", "char_count": "packrl.data.char_count", "shapes": "packrl.data.shapes",
                   "tool_traces": "packrl.data.tool_traces", "char_count_traces": "packrl.data.char_count_traces"},
-                 args_key="data.task_args",
-                 infos={"arithmetic": "packrl.config.tasks:ARITHMETIC_TASK", "char_count": "packrl.config.tasks:CHAR_COUNT_TASK",
-                        "shapes": "packrl.config.tasks:SHAPES_TASK", "tool_traces": "packrl.config.tasks:TOOL_TRACES_TASK",
-                        "char_count_traces": "packrl.config.tasks:CHAR_COUNT_TRACES_TASK"})
+                 info=TaskInfo, args_key="data.task_args",
+                 infos={"arithmetic": ARITHMETIC_TASK, "char_count": CHAR_COUNT_TASK, "shapes": SHAPES_TASK,
+                        "tool_traces": TOOL_TRACES_TASK, "char_count_traces": CHAR_COUNT_TRACES_TASK})
 """``fn(request: TaskRequest) -> rows`` (`packrl.data.task_sources.TaskFn`): the rows of a source
 ``task:<name>`` (``data.train_files``, ``data.val_files``; ``sft.train_files`` for traces); its info
-a `packrl.config.tasks.TaskInfo` (what it makes, where its options are). A plugin task's options
+a `packrl.capabilities.TaskInfo` (what it makes, where its options are). A plugin task's options
 are a mapping under ``data.task_args.<name>`` (``args_key`` is the key itself), checked at load."""
 
-CONFIG_REGISTRIES: dict[str, Registry] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
+CONFIG_REGISTRIES: dict[str, Registry[Any]] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
                                                              REWARD_SHAPING, ROLLOUT_MODES, TASKS)}
 """Config key -> the registry its value (each value of a list, each key of a mapping) is looked up in (checked by
 `packrl.config.load`)."""

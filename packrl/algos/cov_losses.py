@@ -12,10 +12,11 @@ Token covariance, over the loss tokens of one mini-batch:
 
 verl takes the means and the top-k / random pick over each micro-batch, so the tokens chosen
 change with the micro-batch split and the rank count. Here the choice is made once per update on
-the controller (`select_cov_tokens`, the losses' ``prepare``) over each WHOLE mini-batch (every
-micro-batch, every rank) and travels to the workers as the per-token extra ``cov_selected``;
-the loss is then the same whole, micro-batched or over ranks. It uses the old log-probs (the
-old-log-prob pass runs for these losses): at the first mini-batch of an update the current policy
+the controller (`select_cov_tokens`, the ``prepare`` both losses declare with
+`packrl.capabilities.COV_LOSS`) over each WHOLE mini-batch (every micro-batch, every rank) and
+travels to the workers as the per-token extra ``cov_selected``; the loss is then the same whole,
+micro-batched or over ranks. It uses the old log-probs (the losses declare them read, so the
+old-log-prob pass runs for them): at the first mini-batch of an update the current policy
 is pi_old, so they are verl's values there; later mini-batches and epochs keep that choice
 instead of re-drawing it from the drifting policy. Clip-Cov's random pick is seeded by the step's
 seed and the mini-batch index, so a rerun or a resumed run draws the same tokens.
@@ -43,6 +44,7 @@ import torch
 
 from packrl.algos.losses import ppo_clip_loss
 from packrl.algos.policy_losses import PolicyLossInputs, PolicyLossOutput, loss_options
+from packrl.capabilities import COV_LOSS
 from packrl.config.schema import AlgorithmConfig
 from packrl.errors import ConfigProblem
 from packrl.registry import POLICY_LOSSES
@@ -184,7 +186,7 @@ def _selected(inputs: PolicyLossInputs) -> torch.Tensor:
     return chosen.bool() & inputs.loss_mask
 
 
-@POLICY_LOSSES.register("clip_cov", options=ClipCovOptions)
+@POLICY_LOSSES.register("clip_cov", options=ClipCovOptions, info=COV_LOSS)
 def clip_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """Clip-Cov: the PPO clipped surrogate (``clip_ratio_low|high``, no dual clip), with zero loss
     at the selected tokens (`select_cov_tokens`). ``clipped`` is True where the PPO clip is active
@@ -195,7 +197,7 @@ def clip_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     return PolicyLossOutput(loss * (~chosen).to(loss.dtype), clipped | chosen)
 
 
-@POLICY_LOSSES.register("kl_cov", options=KlCovOptions)
+@POLICY_LOSSES.register("kl_cov", options=KlCovOptions, info=COV_LOSS)
 def kl_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """KL-Cov: -A r on every token (no clip) plus ``ppo_kl_coef`` x |logp - old_logp| on the
     selected ones. Metric ``actor/kl_cov_penalty``: the penalty's token mean over the mini-batch."""
@@ -207,6 +209,3 @@ def kl_cov(inputs: PolicyLossInputs) -> PolicyLossOutput:
         "actor/kl_cov_penalty": inputs.denominators.token_share(penalty.detach(), inputs.loss_mask)}
     return PolicyLossOutput(pg + penalty, None, metrics)
 
-
-clip_cov.prepare = select_cov_tokens  # type: ignore[attr-defined]
-kl_cov.prepare = select_cov_tokens  # type: ignore[attr-defined]

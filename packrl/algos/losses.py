@@ -54,7 +54,7 @@ def dual_clip(token_loss: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: 
     Args:
         token_loss: the PPO clipped surrogate per token (`ppo_clip_loss`). Shape [M], float.
         advantages: Shape [M], float.
-        clip_ratio_c: c > 1 (``algorithm.clip_ratio_c``; verl's default 3.0).
+        clip_ratio_c: c > 1 (``algorithm.policy_loss_args.clip_ratio_c`` of ``ppo_clip``; verl's default 3.0).
 
     Returns:
         ``(token_loss, bound)``: Shape [M] float, and Shape [M] bool (True where the bound is

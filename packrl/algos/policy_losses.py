@@ -15,14 +15,19 @@ loss with knobs of its own registers a dataclass of them with it (``register("na
 options=MyOptions)``): the config sets them under ``algorithm.policy_loss_args``, they are checked
 at load, and the loss reads the built value as ``inputs.options``.
 
-A loss whose token choice needs the whole mini-batch (Clip-Cov, KL-Cov: `packrl.algos.cov_losses`)
-sets a ``prepare`` attribute on its function: a `PrepareFn` the controller runs once per update on
-the batch and its mini-batches (`prepare_update`), returning per-token ``extras`` that reach every
-micro-batch, so what it chose does not depend on the micro-batch split or the rank count.
+What a loss needs beyond one micro-batch's tokens it declares with its registration, a
+`packrl.capabilities.LossInfo` (``register("name", info=LossInfo(...))``), read without importing
+the loss: whether it reads the old log-probs even on-policy (so their pass runs,
+`packrl.config.plan.BatchPlan.needs_old_logprobs`), and, for a loss whose token choice needs the
+whole mini-batch (Clip-Cov, KL-Cov: `packrl.algos.cov_losses`), its ``prepare``: a `PrepareFn` the
+controller runs once per update on the batch and its mini-batches (`prepare_update`), returning
+per-token ``extras`` that reach every micro-batch, so what it chose does not depend on the
+micro-batch split or the rank count.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +38,7 @@ from packrl.algos.losses import dual_clip, ppo_clip_loss
 from packrl.config.load import build_options
 from packrl.config.schema import AlgorithmConfig
 from packrl.errors import ConfigError, ConfigProblem
-from packrl.registry import POLICY_LOSSES
+from packrl.registry import POLICY_LOSSES, resolve_target
 from packrl.seqlen.denominators import LossDenominators
 from packrl.types import TrainBatch
 
@@ -123,28 +128,63 @@ def loss_options(cfg: AlgorithmConfig) -> Any:
 
 def prepare_update(batch: TrainBatch, minibatches: Sequence[Sequence[int]], cfg: AlgorithmConfig,
                    seed: int) -> tuple[TrainBatch, dict[str, float]]:
-    """Run the ``prepare`` of ``algorithm.policy_loss`` (a `PrepareFn`) on the controller, once per
-    update; ``(batch, {})`` for a loss without one.
+    """Run the ``prepare`` that ``algorithm.policy_loss`` declares (`packrl.capabilities.LossInfo.prepare`,
+    a `PrepareFn`) on the controller, once per update; ``(batch, {})`` for a loss without one.
 
     Raises:
-        ValueError: ``algorithm.policy_loss`` is not registered.
+        ValueError: ``algorithm.policy_loss`` is not registered, or the ``prepare`` it declares
+            cannot be imported (the message names the loss and the ``"module:function"``).
     """
-    prepare = getattr(POLICY_LOSSES.lookup(cfg.policy_loss), "prepare", None)
-    return (batch, {}) if prepare is None else prepare(batch, minibatches, cfg, seed)
+    target = POLICY_LOSSES.info(cfg.policy_loss).prepare
+    if target is None:
+        return batch, {}
+    try:
+        prepare: PrepareFn = resolve_target(target)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"algorithm.policy_loss={cfg.policy_loss} declares LossInfo(prepare={target!r}), which cannot be imported "
+                         f"({type(err).__name__}: {err}); name an importable 'module:function' in its registration "
+                         "(a plugin file: f'{__name__}:function')") from err
+    return prepare(batch, minibatches, cfg, seed)
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PpoClipOptions:
+    """``ppo_clip``'s knobs (``algorithm.policy_loss_args`` with ``policy_loss=ppo_clip``)."""
+
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (arXiv 1912.09729): a token with a negative advantage has its clipped loss
+    bounded by `-clip_ratio_c x A`, so a ratio that ran above c stops pushing (> 1; verl's
+    `actor.clip_ratio_c`, whose default 3.0 is on in every verl run and which `packrl verl` sets).
+    null (packrl's default) = off: on-policy, one mini-batch per step (`train.mini_batch_size`
+    null), the ratio is 1 and the bound never binds; it matters once updates go off-policy (several
+    mini-batches, partial or asynchronous rollouts)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        value = self.clip_ratio_c
+        if value is None or 1.0 < value < math.inf:
+            return []
+        return [ConfigProblem(f"{prefix}.clip_ratio_c", value, "must be a finite number > 1 (the bound on the ratio of a "
+                              "negative-advantage token)", f"set {prefix}.clip_ratio_c=3.0 (verl's default) or null (off)")]
+
+
+_PPO_CLIP_DEFAULTS = PpoClipOptions()
+
+
+@POLICY_LOSSES.register("ppo_clip", options=PpoClipOptions)
 def ppo_clip(inputs: PolicyLossInputs) -> PolicyLossOutput:
     """The PPO clipped surrogate (`packrl.algos.losses.ppo_clip_loss`) with
-    ``algorithm.clip_ratio_low|high``, and with ``algorithm.clip_ratio_c`` the dual clip of
-    negative-advantage tokens (`packrl.algos.losses.dual_clip`, as verl's vanilla loss), whose
-    share of the mini-batch's loss tokens is the metric ``actor/pg_clipfrac_lower`` (verl's name)."""
+    ``algorithm.clip_ratio_low|high``, and with ``algorithm.policy_loss_args.clip_ratio_c``
+    (`PpoClipOptions`) the dual clip of negative-advantage tokens (`packrl.algos.losses.dual_clip`,
+    as verl's vanilla loss), whose share of the mini-batch's loss tokens is the metric
+    ``actor/pg_clipfrac_lower`` (verl's name). ``inputs.options`` None (a plugin loss that calls
+    this one) reads the defaults: no dual clip."""
     cfg = inputs.cfg
+    options: PpoClipOptions = inputs.options if inputs.options is not None else _PPO_CLIP_DEFAULTS
     loss, clipped = ppo_clip_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages,
                                   clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high)
-    if cfg.clip_ratio_c is None:
+    if options.clip_ratio_c is None:
         return PolicyLossOutput(loss, clipped)
-    loss, bound = dual_clip(loss, inputs.advantages, cfg.clip_ratio_c)
+    loss, bound = dual_clip(loss, inputs.advantages, options.clip_ratio_c)
     return PolicyLossOutput(loss, clipped, {"actor/pg_clipfrac_lower": inputs.denominators.token_share(bound.float(), inputs.loss_mask)})
 
 

@@ -19,10 +19,6 @@ from packrl.errors import ConfigProblem
 RolloutIsLevel = Literal["token"]
 RolloutRsLevel = Literal["geometric"]
 
-COV_LOSSES: tuple[str, ...] = ("clip_cov", "kl_cov")
-"""Policy losses whose token selection is computed on the controller from the old log-probs
-(so the old-log-prob pass runs for them, `packrl.config.plan.BatchPlan.needs_old_logprobs`)."""
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutCorrectionConfig:
     """Correction for the gap between the engine that sampled and the policy being trained

@@ -303,6 +303,7 @@ MOVED = {
     "reward.overlong_buffer_tokens": "reward.shaping.overlong.buffer_tokens=N (the overlong ramp is a reward-shaping part)",
     "reward.overlong_penalty_factor": "reward.shaping.overlong.penalty_factor=F (the overlong ramp is a reward-shaping part)",
     "reward.format_weight": "reward.shaping.tool_format.weight=W (the tool-call format reward is a reward-shaping part)",
+    "algorithm.clip_ratio_c": "algorithm.policy_loss_args.clip_ratio_c=C (the dual clip is an option of the ppo_clip policy loss)",
 }
 """Keys of earlier releases -> where their setting lives now (named in the unknown-key problem)."""
 
@@ -459,7 +460,24 @@ def _options_problems(registry: Registry, name: str, cfg: RunConfig) -> list[Con
     if cls is None:
         return [ConfigProblem(registry.args_key, args, f"has no effect: {registry.key}={name} reads no options",
                               f"remove {registry.args_key}, or pick a {registry.kind} that reads them")]
-    return build_options(cls, args, f"{registry.args_key}.")[1]
+    return [_other_parts_option(registry, name, p) for p in build_options(cls, args, f"{registry.args_key}.")[1]]
+
+
+def _other_parts_option(registry: Registry, name: str, problem: ConfigProblem) -> ConfigProblem:
+    """``problem``, whose fix names the part that reads the key when it is an unknown key of part
+    ``name``'s options and an option of another part (``algorithm.policy_loss_args.clip_ratio_c``
+    with ``algorithm.policy_loss=clip_cov``: an option of ``ppo_clip``). Imports the parts'
+    modules: an error path only."""
+    leaf = problem.key.rsplit(".", 1)[-1]
+    if problem.message != "unknown key":
+        return problem
+    for other in registry.names():
+        cls = registry.options_class(other) if other != name else None
+        if cls is not None and leaf in {f.name for f in dataclasses.fields(cls)}:
+            return dataclasses.replace(problem, message=f"unknown key: {registry.key}={name} does not read it, {other} does",
+                                       fix=f"set {registry.key}={other}, or remove {problem.key}",
+                                       keys=(problem.key, registry.key))
+    return problem
 
 
 def to_yaml(cfg: RunConfig) -> str:

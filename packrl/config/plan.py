@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from packrl.config.algorithm_variants import COV_LOSSES
 from packrl.config.grouped_caps import grouped_cap_limits
 from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import RunConfig
 from packrl.config.update_spec import UpdateSpec
 from packrl.hardware import ComputeDtype, Host, resolve_dtype
+from packrl.registry import POLICY_LOSSES
 from packrl.seqlen.microbatch import CapLimit
 from packrl.seqlen.update_plan import PassPlanner
 
@@ -45,8 +45,9 @@ class BatchPlan:
             on-policy (one optimizer step per rollout: pi_old is the policy being updated, whose
             detached log-probs the loss uses, as TRL does with ``num_iterations=1``) unless
             in-reward KL, the rollout mismatch metrics (``rollout.return_logprobs``), rollout
-            correction, the entropy filter (its entropy) or a Clip-Cov / KL-Cov loss (its token
-            selection, `packrl.config.algorithm_variants.COV_LOSSES`) read them.
+            correction, the entropy filter (its entropy) or a policy loss that declares it reads
+            them (`packrl.capabilities.LossInfo.reads_old_logprobs`: Clip-Cov's and KL-Cov's token
+            selection) read them.
         has_critic: a value model is trained (``critic.enable``, by default with ``adv_estimator=gae``).
         return_logprobs: the engine returns its log-probs of the sampled tokens
             (``rollout.return_logprobs``, or ``algorithm.rollout_correction``, which reads them).
@@ -99,13 +100,14 @@ class BatchPlan:
         mini, algo = update.mini_batch_size, cfg.algorithm
         partial = mode_info(cfg.trainer.rollout_mode).carries_groups  # carried tokens are weighted by pi_old / pi_behaviour
         return_logprobs = cfg.rollout.return_logprobs or algo.rollout_correction.enabled or partial
-        reads_old = algo.entropy_filter.enabled or algo.policy_loss in COV_LOSSES
+        loss_reads_old = POLICY_LOSSES.info(algo.policy_loss).reads_old_logprobs
         reasons = [reason for applies, reason in (
             (cfg.train.ppo_epochs != 1, f"train.ppo_epochs={cfg.train.ppo_epochs}"),
             (mini != cfg.data.batch_size, f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"),
             (algo.kl_in_reward, "algorithm.kl_in_reward"),
             (cfg.rollout.return_logprobs or algo.rollout_correction.enabled, "rollout.return_logprobs or algorithm.rollout_correction"),
-            (reads_old, "the entropy filter or a Clip-Cov/KL-Cov loss reads them"),
+            (algo.entropy_filter.enabled, "algorithm.entropy_filter reads them"),
+            (loss_reads_old, f"algorithm.policy_loss={algo.policy_loss} reads them"),
         ) if applies]
         has_critic = cfg.critic.enabled(algo.adv_estimator)
         return cls(

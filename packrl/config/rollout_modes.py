@@ -3,17 +3,19 @@ declares about itself and the config checks it registers, from the config alone 
 
 A mode is a sampling stage registered by name (`packrl.trainer.stages`). What the rest of the
 house must know about a mode without building it (whether its responses are generated across
-steps, whether it runs rollout workers of its own) is its `RolloutModeInfo`; its settings are
-checked by its own registered check, so a new mode is one module plus its registration.
+steps, whether it runs rollout workers of its own) is its `RolloutModeInfo`
+(`packrl.capabilities`, re-exported here with the built-ins' `SYNC`, `COLOCATE_ASYNC` and
+`SEPARATE_ASYNC`); its settings are checked by its own registered check, so a new mode is one
+module plus its registration.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from packrl.capabilities import EngineCapabilities
+from packrl.capabilities import COLOCATE_ASYNC, SEPARATE_ASYNC, SYNC, RolloutModeInfo  # noqa: F401 (re-exported)
 from packrl.errors import ConfigProblem
+from packrl.registry import ROLLOUT_ENGINES, ROLLOUT_MODES
 
 if TYPE_CHECKING:
     from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, TrainerConfig
@@ -22,42 +24,14 @@ ASYNC_KEYS = ("over_provision", "max_staleness", "stale_groups", "partial_chunk_
 """The ``rollout`` keys of the partial-rollout modes: prompt groups carried across steps."""
 
 
-@dataclass(frozen=True)
-class RolloutModeInfo:
-    """What a rollout mode declares with its registration (``ROLLOUT_MODES.register(name, info=...)``).
-
-    Attributes:
-        carries_groups: responses are generated across steps (partial rollouts): their tokens
-            carry the version that sampled them, the old-log-prob pass runs to weight them, and a
-            checkpoint holds the groups in flight.
-        rollout_workers: it generates on ``trainer.num_rollout_workers`` processes of its own
-            (Ray actors), not on the training workers.
-    """
-
-    carries_groups: bool = False
-    rollout_workers: bool = False
-
-
-SYNC = RolloutModeInfo()
-COLOCATE_ASYNC = RolloutModeInfo(carries_groups=True)
-SEPARATE_ASYNC = RolloutModeInfo(carries_groups=True, rollout_workers=True)
-
-
 def mode_info(name: str) -> RolloutModeInfo:
-    """The `RolloutModeInfo` of ``trainer.rollout_mode=name`` (a mode that declared none: `SYNC`'s).
+    """The `RolloutModeInfo` of ``trainer.rollout_mode=name`` (`packrl.capabilities`; a mode that
+    declared none: the defaults, `SYNC`'s).
 
     Raises:
-        ValueError: ``name`` is not a registered rollout mode, or it declared something else.
+        ValueError: ``name`` is not a registered rollout mode.
     """
-    from packrl.registry import ROLLOUT_MODES
-
-    info = ROLLOUT_MODES.info(name)
-    if info is None:
-        return SYNC
-    if not isinstance(info, RolloutModeInfo):
-        raise ValueError(f"trainer.rollout_mode={name!r} registered info={info!r}; declare a RolloutModeInfo "
-                         "(ROLLOUT_MODES.register(name, info=RolloutModeInfo(...)))")
-    return info
+    return ROLLOUT_MODES.info(name)
 
 
 def sync_problems(rollout: RolloutConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
@@ -113,12 +87,7 @@ def _stops_on_condition(engine: str) -> bool:
     """Whether ``rollout.engine=engine`` declares ``stop_on_condition`` with its registration
     (`packrl.capabilities.EngineCapabilities`); False for a name not registered (the registry's
     check reports it) or an engine that declared nothing."""
-    from packrl.registry import ROLLOUT_ENGINES
-
-    if ROLLOUT_ENGINES.problem(engine) is not None:
-        return False
-    declared = ROLLOUT_ENGINES.info(engine)  # anything but EngineCapabilities is refused at set-up (declared_capabilities)
-    return isinstance(declared, EngineCapabilities) and declared.stop_on_condition
+    return ROLLOUT_ENGINES.problem(engine) is None and ROLLOUT_ENGINES.info(engine).stop_on_condition
 
 
 def _rollout_workers(trainer: TrainerConfig) -> list[ConfigProblem]:

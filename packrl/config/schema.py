@@ -346,10 +346,11 @@ class AlgorithmConfig:
 
     policy_loss_args: dict[str, Any] = field(default_factory=dict)
     """The chosen policy loss's own knobs, the fields of the options it registered with
-    (`packrl.registry.Registry.register`): for `clip_cov`, `clip_cov_ratio`, `clip_cov_lb`,
-    `clip_cov_ub`; for `kl_cov`, `kl_cov_ratio`, `ppo_kl_coef` (verl's names and defaults,
-    `packrl.algos.cov_losses`). Checked at load against that loss: a key it does not read is an
-    error, e.g. `algorithm.policy_loss_args.clip_cov_ratio=0.001`."""
+    (`packrl.registry.Registry.register`): for `ppo_clip`, `clip_ratio_c` (dual-clip PPO, null =
+    off; `packrl.algos.policy_losses.PpoClipOptions`); for `clip_cov`, `clip_cov_ratio`,
+    `clip_cov_lb`, `clip_cov_ub`; for `kl_cov`, `kl_cov_ratio`, `ppo_kl_coef` (verl's names and
+    defaults, `packrl.algos.cov_losses`). Checked at load against that loss: a key it does not read
+    is an error, e.g. `algorithm.policy_loss_args.clip_cov_ratio=0.001`."""
 
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's reward std. False is Dr. GRPO (arXiv 2503.20783)."""
@@ -359,14 +360,6 @@ class AlgorithmConfig:
 
     clip_ratio_high: float = 0.2
     """PPO clip: the ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: 0.28)."""
-
-    clip_ratio_c: float | None = None
-    """Dual-clip PPO (arXiv 1912.09729): a token with a negative advantage has its clipped loss
-    bounded by `-clip_ratio_c x A`, so a ratio that ran above c stops pushing (> 1; verl's
-    `clip_ratio_c`, whose default 3.0 is on in every verl run and which `packrl verl` sets). null
-    (packrl's default) = off: on-policy, one mini-batch per step (`train.mini_batch_size` null), the
-    ratio is 1 and the bound never binds; it matters once updates go off-policy (several
-    mini-batches, partial or asynchronous rollouts). `ppo_clip` only, as verl's vanilla loss."""
 
     kl_coef: float = 0.0
     """Weight of the KL to the reference policy (0 = no reference model is loaded)."""
@@ -437,25 +430,10 @@ class AlgorithmConfig:
                                          f"set {prefix}.{name} to a non-negative number"))
         if self.clip_ratio_low >= 1:
             out.append(ConfigProblem(f"{prefix}.clip_ratio_low", self.clip_ratio_low, "must be < 1", "set algorithm.clip_ratio_low=0.2"))
-        out += self._dual_clip_problems(prefix)
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 out.append(ConfigProblem(f"{prefix}.{name}", getattr(self, name), "must be in [0, 1]", f"set {prefix}.{name}=1.0"))
         return out
-
-    def _dual_clip_problems(self, prefix: str) -> list[ConfigProblem]:
-        value = self.clip_ratio_c
-        if value is None:
-            return []
-        if not 1.0 < value < math.inf:
-            return [ConfigProblem(f"{prefix}.clip_ratio_c", value, "must be a finite number > 1 (the bound on the ratio of a "
-                                  "negative-advantage token)", f"set {prefix}.clip_ratio_c=3.0 (verl's default) or null (off)")]
-        if self.policy_loss != "ppo_clip":
-            return [ConfigProblem(f"{prefix}.clip_ratio_c", value, f"has no effect with {prefix}.policy_loss={self.policy_loss}: "
-                                  "only the ppo_clip surrogate is dual-clipped (as verl's vanilla loss)",
-                                  f"remove {prefix}.clip_ratio_c, or set {prefix}.policy_loss=ppo_clip",
-                                  keys=(f"{prefix}.clip_ratio_c", f"{prefix}.policy_loss"))]
-        return []
 
 
 Placement = Literal["pack", "spread"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Literal
 
+from packrl.capabilities import TaskInfo, TaskMakes
 from packrl.errors import ConfigProblem, check_positive
 from packrl.registry import TASKS
 
@@ -20,48 +20,7 @@ VAL_SEED_OFFSET = 1_000_003
 """The validation split of a built-in task draws from ``train.seed + VAL_SEED_OFFSET``
 (`packrl.data.task_sources.TaskRequest.split_seed`), the training split from ``train.seed``."""
 
-TaskMakes = Literal["prompts", "traces"]
-"""What a task makes: prompt rows (``data.train_files``, ``data.val_files``) or SFT traces (``sft.train_files``)."""
-
 _HOMES: dict[str, str] = {"prompts": "data.train_files / data.val_files", "traces": "sft.train_files"}
-
-
-@dataclass(frozen=True, slots=True)
-class TaskInfo:
-    """What a registered task declares (``@TASKS.register(name, info=TaskInfo(...))``), read by the
-    config checks and the loaders without running it; a task registered without one makes prompts
-    and reads its own options.
-
-    Attributes:
-        makes: ``prompts``: the rows of a ``data.train_files`` / ``data.val_files`` source, read as
-            a file's rows are (GSM8K's or verl's schema, `packrl.data.examples`); ``traces``: the
-            chat traces of an ``sft.train_files`` source (rows of ``messages``, `packrl.data.traces`).
-        options_key: the dotted key of the options it reads: a built-in's section of ``data``
-            (``data.arithmetic``), or ``data.task_args.<task>`` (another task's options: traces drawn
-            from that task's questions). None: its own, ``data.task_args.<name>``, checked at load
-            against the options dataclass it registered with (``register(name, options=...)``).
-
-    Raises:
-        ValueError: ``options_key`` is not a key of the ``data`` section.
-    """
-
-    makes: TaskMakes = "prompts"
-    options_key: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.options_key is not None and not self.options_key.startswith("data."):
-            raise ValueError(f"TaskInfo(options_key={self.options_key!r}): a task's options are a key of the data section; "
-                             "give data.<section> or data.task_args.<task>, or None for its own (data.task_args.<name>)")
-
-
-ARITHMETIC_TASK = TaskInfo(options_key="data.arithmetic")
-CHAR_COUNT_TASK = TaskInfo(options_key="data.char_count")
-SHAPES_TASK = TaskInfo(options_key="data.shapes")
-TOOL_TRACES_TASK = TaskInfo(makes="traces", options_key="data.arithmetic")
-"""``task:tool_traces``: calculator traces of ``task:arithmetic`` questions (`packrl.data.tool_traces`)."""
-CHAR_COUNT_TRACES_TASK = TaskInfo(makes="traces", options_key="data.char_count")
-"""``task:char_count_traces``: worked answers to ``task:char_count`` questions (`packrl.data.char_count_traces`)."""
-
 
 def task_info(name: str) -> TaskInfo:
     """What the registered task ``name`` declared (`TaskInfo`; the defaults when it declared nothing).
@@ -69,7 +28,7 @@ def task_info(name: str) -> TaskInfo:
     Raises:
         ValueError: no task ``name`` is registered.
     """
-    return TASKS.info(name) or TaskInfo()
+    return TASKS.info(name)
 
 
 def task_names(makes: TaskMakes) -> list[str]:

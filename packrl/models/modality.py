@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from packrl.capabilities import NoInfo
 from packrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 _QWEN_VL = "packrl.models.vision"
 
 MODALITIES = Registry("MODALITIES", "model.path", "multimodal model family",
-                      {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL})
+                      {"qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL}, info=NoInfo)
 """HF ``model_type`` -> the `Modality` of that family."""
 
 

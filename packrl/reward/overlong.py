@@ -27,7 +27,7 @@ from packrl.errors import ConfigProblem
 from packrl.registry import REWARD_SHAPING
 
 if TYPE_CHECKING:
-    from packrl.config.shaping_checks import ShapingCheckInputs
+    from packrl.config.schema import RewardConfig, RolloutConfig
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 KEY = "reward.shaping.overlong"
@@ -69,11 +69,11 @@ def overlong(inputs: ShapingInputs) -> ShapingOutput:
                                        for r, budget in zip(inputs.rollout.responses, inputs.response_budgets)], dtype=torch.float32))
 
 
-def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+def config_problems(reward: RewardConfig, rollout: RolloutConfig) -> list[ConfigProblem]:
     """The ramp fits the response budget and every stage of a length curriculum (registered as the
-    part's config check; reads ``reward`` and ``rollout``)."""
-    args = inputs.reward.shaping_parts().get("overlong", {})
-    buffer, budget = args.get("buffer_tokens", 0), inputs.rollout.max_response_tokens
+    part's config check, with the ``reward`` and ``rollout`` sections)."""
+    args = reward.shaping_parts().get("overlong", {})
+    buffer, budget = args.get("buffer_tokens", 0), rollout.max_response_tokens
     if not isinstance(buffer, int) or buffer < 1:
         return []  # the options' own check names it
     out = []
@@ -81,7 +81,7 @@ def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
         out.append(ConfigProblem(f"{KEY}.buffer_tokens", buffer, f"> rollout.max_response_tokens={budget}",
                                  f"set {KEY}.buffer_tokens below the response budget",
                                  keys=(f"{KEY}.buffer_tokens", "rollout.max_response_tokens")))
-    return out + overlong_buffer_problems(inputs.rollout.max_response_tokens_schedule, budget, buffer)
+    return out + overlong_buffer_problems(rollout.max_response_tokens_schedule, budget, buffer)
 
 
 def soft_overlong_penalty(response_tokens: int, max_response_tokens: int, buffer_tokens: int, penalty_factor: float) -> float:

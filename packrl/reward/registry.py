@@ -18,9 +18,9 @@ overlong penalty) is added by `packrl.reward.score_rollout`, not by reward funct
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
+from packrl.capabilities import RewardInfo
 from packrl.config.schema import RewardConfig
 from packrl.registry import REWARDS
 
@@ -29,30 +29,6 @@ class RewardFn(Protocol):
     def __call__(self, response_text: str, ground_truth: str, *, data_source: str, cfg: RewardConfig) -> float:
         """Score of ``response_text`` (decoded, special tokens skipped) against ``ground_truth``."""
         ...
-
-
-@dataclass(frozen=True)
-class RewardInfo:
-    """What a reward function declares with its registration (`register_reward`).
-
-    Attributes:
-        scores_truncated: its rule for responses a token budget cut (finish reason ``length`` or
-            ``context``): False scores them 0 without calling it, since an answer cut short must
-            not be credited as if it had ended on its own; True scores them like any other (a
-            reward that does not read an answer). ``reward.score_truncated`` overrides it per run.
-        correct_score: the score at and above which a response is correct (1.0 for ``gsm8k`` and
-            ``math_verify``, whose wrong answers score ``reward.format_score`` < 1); None = the
-            reward has no notion of correct (a dense score), which the length objectives that
-            reward correct responses need (`packrl.reward.length`).
-        ground_truth_problem: why a row's ground truth is not one this reward can read (a
-            message), or None when it can; checked on every row of the data when the prompts are
-            built, before the model loads (`packrl.reward.score.check_ground_truths`). None = any
-            ground truth.
-    """
-
-    scores_truncated: bool = False
-    correct_score: float | None = None
-    ground_truth_problem: Callable[[str], str | None] | None = None
 
 
 def register_reward(name: str, *, scores_truncated: bool = False, correct_score: float | None = None,
@@ -71,13 +47,13 @@ def register_reward(name: str, *, scores_truncated: bool = False, correct_score:
 
 
 def reward_info(name: str) -> RewardInfo:
-    """What reward ``name`` declared (a function registered without `register_reward`: the defaults).
+    """What reward ``name`` declared (`packrl.capabilities.RewardInfo`; a function registered without
+    `register_reward`: the defaults).
 
     Raises:
         ValueError: ``name`` is not registered.
     """
-    info = REWARDS.info(name)
-    return info if isinstance(info, RewardInfo) else RewardInfo()
+    return REWARDS.info(name)
 
 
 def scores_truncated(cfg: RewardConfig) -> bool:

@@ -96,7 +96,7 @@ def check_reward(cfg: RewardConfig) -> None:
 
 def check_ground_truths(cfg: RewardConfig, dataset: Any, key: str) -> None:
     """Fail before the model loads when ``reward.name`` declares which ground truths it can read
-    (`packrl.reward.registry.RewardInfo.ground_truth_problem`) and a prompt of ``dataset`` has
+    (`packrl.capabilities.RewardInfo.ground_truth_problem`) and a prompt of ``dataset`` has
     another. ``dataset``: a `packrl.data.dataset.PromptDataset`; ``key``: its config key.
 
     Raises:

@@ -11,17 +11,20 @@ sums them: a response's reward is its task score plus the sum of every chosen pa
 every part is reported as ``reward/<part>/mean`` (its sub-terms as ``reward/<part>/<term>/mean``,
 `packrl.diagnostics.metrics.score_metrics`).
 
-Built in: ``overlong`` (DAPO's soft overlong punishment, `packrl.reward.overlong`) and
-``tool_format`` (the tool-call format reward, `packrl.reward.tool_format`). A user adds one with
+Built in (listed in `packrl.registry.REWARD_SHAPING`): ``overlong`` (DAPO's soft overlong
+punishment, `packrl.reward.overlong`), ``tool_format`` (the tool-call format reward,
+`packrl.reward.tool_format`) and the four length objectives of `packrl.reward.length`:
+``group_length``, ``efficiency``, ``shortest_correct`` and ``target_length``. A user adds one with
 one decorated function in a file named in ``trainer.plugins``::
 
     @REWARD_SHAPING.register("brevity", options=BrevityOptions)
     def brevity(inputs: ShapingInputs) -> ShapingOutput: ...
 
 A part's config check (other keys it depends on) registers with
-``REWARD_SHAPING.register_check("brevity")`` on a function
-`packrl.config.shaping_checks.ShapingCheckInputs` -> ``list[ConfigProblem]`` (the ``reward``,
-``rollout``, ``data`` and ``train`` sections).
+``REWARD_SHAPING.register_check("brevity")`` on a function of the config sections it reads, as
+every other config check (`packrl.registry.call_with_sections`), e.g. ``def check(reward:
+RewardConfig, rollout: RolloutConfig) -> list[ConfigProblem]``; it reads its own settings as
+given, ``reward.shaping["brevity"]`` (a mapping not yet built into its options).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class ShapingInputs:
             carried across steps its dispatching step's (`packrl.types.RolloutBatch.response_budgets`).
         step: the training step (1-based; 0 outside training, e.g. validation).
         correct: True where a response is correct: its task score reaches the reward's
-            `packrl.reward.registry.RewardInfo.correct_score` and no budget cut it (an answer cut
+            `packrl.capabilities.RewardInfo.correct_score` and no budget cut it (an answer cut
             short is not correct). Shape [N], bool; None when the reward has no notion of correct.
         options: the part's own options (its registered dataclass built from
             ``reward.shaping.<part>``).

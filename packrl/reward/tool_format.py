@@ -35,7 +35,7 @@ from packrl.registry import REWARD_SHAPING
 from packrl.types import Response, Trajectory
 
 if TYPE_CHECKING:
-    from packrl.config.shaping_checks import ShapingCheckInputs
+    from packrl.config.schema import RewardConfig, RolloutConfig
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PARTS = ("call", "answer_used", "malformed")
@@ -67,11 +67,12 @@ def tool_format(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(sum(terms.values()), terms)  # type: ignore[arg-type]
 
 
-def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
-    """The format reward scores tool calls: without tools it would add nothing (the part's check)."""
-    if inputs.rollout.multi_turn.enabled:
+def config_problems(reward: RewardConfig, rollout: RolloutConfig) -> list[ConfigProblem]:
+    """The format reward scores tool calls: without tools it would add nothing (the part's check,
+    with the ``reward`` and ``rollout`` sections)."""
+    if rollout.multi_turn.enabled:
         return []
-    return [ConfigProblem(KEY, inputs.reward.shaping.get("tool_format"), "has no effect: multi-turn is off "
+    return [ConfigProblem(KEY, reward.shaping.get("tool_format"), "has no effect: multi-turn is off "
                           "(rollout.multi_turn.tools is empty), so no response holds a tool call",
                           f"name a tool in rollout.multi_turn.tools (e.g. [calculator]) or set {KEY}=null",
                           keys=(KEY, "rollout.multi_turn.tools"))]

@@ -237,18 +237,13 @@ class DescribedEngine(Protocol):
 
 
 def declared_capabilities(engine: str) -> EngineCapabilities:
-    """What ``rollout.engine=engine`` declared with its registration (none: `EngineCapabilities()`).
+    """What ``rollout.engine=engine`` declared with its registration (none: `EngineCapabilities()`;
+    `packrl.registry.Registry.info`, which refused any other kind of declaration when it registered).
 
     Raises:
-        ValueError: ``engine`` is not a registered engine, or it declared something else.
+        ValueError: ``engine`` is not a registered engine.
     """
-    declared = ROLLOUT_ENGINES.info(engine)
-    if declared is None:
-        return EngineCapabilities()
-    if not isinstance(declared, EngineCapabilities):
-        raise ValueError(f"rollout.engine={engine!r} registered info={declared!r}; declare an EngineCapabilities "
-                         "(ROLLOUT_ENGINES.register(name, info=EngineCapabilities(...)))")
-    return declared
+    return ROLLOUT_ENGINES.info(engine)
 
 
 def engine_capabilities(rollout: RolloutConfig) -> EngineCapabilities:

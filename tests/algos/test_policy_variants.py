@@ -240,9 +240,15 @@ def test_refusals_name_the_key_the_value_and_the_fix():
     assert "algorithm.policy_loss='gspo'" in text and "trainer.sequence_parallel_size=1" in text
     text = _problems("algorithm.policy_loss=gspo", "rollout.multi_turn.tools=[calculator]", "rollout.multi_turn.context_policy=rolling")
     assert "context_policy=end" in text
-    assert "algorithm.policy_loss_args={'kl_cov_ratio': 0.001}: has no effect" in _problems("algorithm.policy_loss_args.kl_cov_ratio=0.001")
+    assert ("algorithm.policy_loss_args.kl_cov_ratio=0.001: unknown key: algorithm.policy_loss=ppo_clip does not read it, kl_cov does; "
+            "fix: set algorithm.policy_loss=kl_cov") in _problems("algorithm.policy_loss_args.kl_cov_ratio=0.001")
+    assert "algorithm.policy_loss_args={'kl_cov_ratio': 0.001}: has no effect" in _problems("algorithm.policy_loss=gspo",
+                                                                                           "algorithm.policy_loss_args.kl_cov_ratio=0.001")
     text = _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.clip_cov_ub=7")
-    assert "algorithm.policy_loss_args.clip_cov_ub=7: unknown key; fix: valid keys here: kl_cov_ratio, ppo_kl_coef" in text
+    assert ("algorithm.policy_loss_args.clip_cov_ub=7: unknown key: algorithm.policy_loss=kl_cov does not read it, clip_cov does; "
+            "fix: set algorithm.policy_loss=clip_cov, or remove algorithm.policy_loss_args.clip_cov_ub") in text
+    text = _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.clip_cov_ubb=7")
+    assert "algorithm.policy_loss_args.clip_cov_ubb=7: unknown key; fix: valid keys here: kl_cov_ratio, ppo_kl_coef" in text
     assert "must be in (0, 1]" in _problems("algorithm.policy_loss=kl_cov", "algorithm.policy_loss_args.kl_cov_ratio=0")
     assert "< algorithm.policy_loss_args.clip_cov_ub" in _problems("algorithm.policy_loss=clip_cov",
                                                                    "algorithm.policy_loss_args.clip_cov_lb=6")
@@ -270,7 +276,8 @@ def test_refusals_name_the_key_the_value_and_the_fix():
 def test_features_that_read_the_old_pass_turn_it_on(algorithm):
     plan = BatchPlan.from_config(RunConfig(algorithm=AlgorithmConfig(**algorithm)))
     assert plan.needs_old_logprobs
-    reason = "rollout_correction" if "rollout_correction" in algorithm else "Clip-Cov/KL-Cov"
+    reason = {"rollout_correction": "rollout_correction", "entropy_filter": "algorithm.entropy_filter reads them",
+              "policy_loss": f"algorithm.policy_loss={algorithm.get('policy_loss')} reads them"}[next(iter(algorithm))]
     assert f"yes ({plan.old_logprobs_reason})" in plan.summary() and reason in plan.old_logprobs_reason
     on = "rollout_correction" in algorithm
     assert plan.return_logprobs == on

@@ -191,10 +191,80 @@ def test_a_plugin_loss_with_its_own_knobs_is_checked_at_load_and_reads_them(tmp_
         load_config("demo", [*base, "algorithm.policy_loss_args.beta=-1"])
     with pytest.raises(ConfigError, match=r"policy_loss_args.beta='x': must be a number"):
         load_config("demo", [*base, "algorithm.policy_loss_args.beta=x"])
-    with pytest.raises(ConfigError, match=r"has no effect: algorithm.policy_loss=ppo_clip reads no options"):
+    with pytest.raises(ConfigError, match=r"policy_loss_args.beta=2: unknown key: algorithm.policy_loss=ppo_clip does not read it, "
+                                          r"test_scaled_reinforce does; fix: set algorithm.policy_loss=test_scaled_reinforce, or remove"):
         load_config("demo", [f"trainer.plugins=[{plugin}]", "algorithm.policy_loss_args.beta=2"])
+    with pytest.raises(ConfigError, match=r"has no effect: algorithm.policy_loss=gspo reads no options"):
+        load_config("demo", [f"trainer.plugins=[{plugin}]", "algorithm.policy_loss=gspo", "algorithm.policy_loss_args.beta=2"])
     smollm_tokenizer.padding_side = "left"
     run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, [
         "train.total_steps=1", "reward.name=test_letter_e", *base, "algorithm.policy_loss_args.beta=2.5"])
     line = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert line["actor/test_beta"] == pytest.approx(2.5)  # summed token shares of a constant: the constant
+
+
+PLUGIN_WITH_INFO = '''
+from packrl.algos.policy_losses import ppo_clip
+from packrl.capabilities import LossInfo
+from packrl.registry import POLICY_LOSSES
+
+
+def count_minibatches(batch, minibatches, cfg, seed):
+    """A controller-side prepare: the batch as it is, and what it was called with as metrics."""
+    return batch, {"actor/test_minibatches": float(len(minibatches)), "actor/test_seed": float(seed)}
+
+
+POLICY_LOSSES.register("test_old_reader", info=LossInfo(reads_old_logprobs=True, prepare=f"{__name__}:count_minibatches"))(
+    lambda inputs: ppo_clip(inputs))
+POLICY_LOSSES.register("test_lost_prepare", info=LossInfo(prepare=f"{__name__}:no_such_function"))(lambda inputs: ppo_clip(inputs))
+'''
+
+
+def test_a_plugin_loss_declares_what_it_needs_and_the_plan_and_the_update_read_it(tmp_path):
+    """A loss's `LossInfo` (registered with it) turns the old-log-prob pass on and names the
+    controller-side prepare the worker group runs once per update; a loss that declares nothing
+    gets the defaults, and a declaration of another type is refused when it registers."""
+    from packrl.algos.policy_losses import prepare_update
+    from packrl.capabilities import COV_LOSS, TOKEN_LOSS, LossInfo, RolloutModeInfo
+    from packrl.config.plan import BatchPlan
+
+    plugin = tmp_path / "old_reader.py"
+    plugin.write_text(PLUGIN_WITH_INFO)
+    cfg = load_config("demo", ["algorithm.policy_loss=test_old_reader", f"trainer.plugins=[{plugin}]"])
+    plan = BatchPlan.from_config(cfg)
+    assert plan.needs_old_logprobs and plan.old_logprobs_reason == "algorithm.policy_loss=test_old_reader reads them"
+    batch = object()  # prepare_update hands the batch to the loss's prepare as it is
+    assert prepare_update(batch, [[0, 1], [2]], cfg.algorithm, seed=7) == (batch, {"actor/test_minibatches": 2.0, "actor/test_seed": 7.0})
+    assert prepare_update(batch, [[0]], load_config("demo").algorithm, seed=7) == (batch, {})  # ppo_clip declares no prepare
+    assert not BatchPlan.from_config(load_config("demo")).needs_old_logprobs
+    lost = load_config("demo", ["algorithm.policy_loss=test_lost_prepare", f"trainer.plugins=[{plugin}]"])
+    assert not BatchPlan.from_config(lost).needs_old_logprobs  # it declared a prepare, not that it reads the old log-probs
+    with pytest.raises(ValueError, match=r"algorithm.policy_loss=test_lost_prepare declares LossInfo\(prepare='packrl_plugin_old_reader_"
+                                         r".*:no_such_function'\), which cannot be imported \(AttributeError"):
+        prepare_update(batch, [[0]], lost.algorithm, seed=7)
+    assert POLICY_LOSSES.info("test_reinforce") == LossInfo()  # registered above without a declaration
+    assert (POLICY_LOSSES.info("ppo_clip"), POLICY_LOSSES.info("kl_cov")) == (TOKEN_LOSS, COV_LOSS)
+    with pytest.raises(ValueError, match=r"algorithm.policy_loss='test_misdeclared' registered info=RolloutModeInfo\(.*\); "
+                                         r"declare a LossInfo"):
+        POLICY_LOSSES.register("test_misdeclared", info=RolloutModeInfo())(reinforce)
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='test_misdeclared' registered info=LossInfo\(.*\); the parts of "
+                                         r"ADVANTAGE_ESTIMATORS declare nothing: remove info="):
+        ADVANTAGE_ESTIMATORS.register("test_misdeclared", info=LossInfo())(discounted)
+    with pytest.raises(ValueError, match=r"LossInfo\(prepare='count_minibatches'\): a 'module:function' string, or None"):
+        LossInfo(prepare="count_minibatches")
+    with pytest.raises(ValueError, match="is not a registered policy loss"):
+        POLICY_LOSSES.info("test_no_such_loss")
+
+
+def test_a_built_in_losss_declaration_is_read_without_importing_it():
+    """The plan reads whether Clip-Cov reads the old log-probs from the registry's listing
+    (`packrl.capabilities.COV_LOSS`): planning a run does not import the loss's module."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from packrl.config.plan import BatchPlan; from packrl.config import load_config; "
+            "plan = BatchPlan.from_config(load_config('demo', ['algorithm.policy_loss=clip_cov'])); "
+            "assert plan.needs_old_logprobs, plan; "
+            "print(sorted(m for m in sys.modules if m.startswith('packrl.algos')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

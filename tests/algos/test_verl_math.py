@@ -12,7 +12,7 @@ import torch
 
 from packrl.algos.gae import whiten
 from packrl.algos.losses import dual_clip, ppo_clip_loss
-from packrl.algos.policy_losses import PolicyLossInputs, ppo_clip
+from packrl.algos.policy_losses import PolicyLossInputs, PpoClipOptions, loss_options, ppo_clip
 from packrl.config import ConfigError, load_config
 from packrl.config.schema import AlgorithmConfig
 from packrl.seqlen.denominators import LossDenominators
@@ -96,20 +96,35 @@ def test_the_registered_ppo_clip_applies_the_dual_clip_and_reports_verls_metric(
     den = LossDenominators(num_tokens=4, num_sequences=1, loss_scale_factor=4)
     common = dict(logprobs=torch.log(ratio), old_logprobs=torch.zeros(4), advantages=adv, loss_mask=mask,
                   sequence_ids=torch.zeros(4, dtype=torch.long), denominators=den)
-    on = ppo_clip(PolicyLossInputs(cfg=AlgorithmConfig(clip_ratio_c=3.0), **common))
-    off = ppo_clip(PolicyLossInputs(cfg=AlgorithmConfig(), **common))
+    algo = AlgorithmConfig(policy_loss_args={"clip_ratio_c": 3.0})
+    on = ppo_clip(PolicyLossInputs(cfg=algo, options=loss_options(algo), **common))
+    off = ppo_clip(PolicyLossInputs(cfg=AlgorithmConfig(), options=loss_options(AlgorithmConfig()), **common))
+    bare = ppo_clip(PolicyLossInputs(cfg=AlgorithmConfig(), **common))  # a plugin loss calling ppo_clip: its defaults
     torch.testing.assert_close(on.token_loss, torch.tensor([3.0, 2.0, -1.2, 0.8]))
     torch.testing.assert_close(off.token_loss, torch.tensor([5.0, 2.0, -1.2, 0.8]))
+    torch.testing.assert_close(bare.token_loss, off.token_loss)
     assert float(on.metrics["actor/pg_clipfrac_lower"]) == pytest.approx(0.25)
-    assert "actor/pg_clipfrac_lower" not in off.metrics
+    assert "actor/pg_clipfrac_lower" not in off.metrics and "actor/pg_clipfrac_lower" not in bare.metrics
 
 
 def test_dual_clip_config_checks():
-    assert load_config("demo", ["algorithm.clip_ratio_c=3.0"]).algorithm.clip_ratio_c == 3.0
-    with pytest.raises(ConfigError, match=r"algorithm.clip_ratio_c=1.0: must be a finite number > 1.*set algorithm.clip_ratio_c=3.0"):
-        load_config("demo", ["algorithm.clip_ratio_c=1.0"])
-    with pytest.raises(ConfigError, match=r"algorithm.clip_ratio_c=3.0: has no effect with algorithm.policy_loss=gspo"):
-        load_config("demo", ["algorithm.clip_ratio_c=3.0", "algorithm.policy_loss=gspo"])
+    key = "algorithm.policy_loss_args.clip_ratio_c"
+    cfg = load_config("demo", [f"{key}=3.0"])
+    assert loss_options(cfg.algorithm) == PpoClipOptions(clip_ratio_c=3.0) and loss_options(AlgorithmConfig()) == PpoClipOptions()
+    with pytest.raises(ConfigError, match=rf"{key}=1.0: must be a finite number > 1.*set {key}=3.0"):
+        load_config("demo", [f"{key}=1.0"])
+    with pytest.raises(ConfigError, match=r"algorithm.policy_loss_args=\{'clip_ratio_c': 3.0\}: has no effect: "
+                                          r"algorithm.policy_loss=gspo reads no options"):
+        load_config("demo", [f"{key}=3.0", "algorithm.policy_loss=gspo"])
+    with pytest.raises(ConfigError, match=rf"{key}=3.0: unknown key: algorithm.policy_loss=clip_cov does not read it, ppo_clip does; "
+                                          rf"fix: set algorithm.policy_loss=ppo_clip, or remove {key}"):
+        load_config("demo", [f"{key}=3.0", "algorithm.policy_loss=clip_cov"])
+
+
+def test_the_old_dual_clip_key_names_where_it_moved():
+    with pytest.raises(ConfigError, match=r"algorithm.clip_ratio_c=3.0: unknown key; fix: algorithm.clip_ratio_c moved: write "
+                                          r"algorithm.policy_loss_args.clip_ratio_c=C \(the dual clip is an option of the ppo_clip"):
+        load_config("demo", ["algorithm.clip_ratio_c=3.0"])
 
 
 def test_whitening_a_near_constant_batch_keeps_its_spread_small():
@@ -199,7 +214,7 @@ def test_a_tiny_run_trains_with_the_new_options(tmp_path, smollm_tokenizer, esti
     smollm_tokenizer.padding_side = "left"
     run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, [
         "train.total_steps=2", "reward.name=test_letter_e", f"algorithm.adv_estimator={estimator}", "algorithm.kl_coef=0.05",
-        "algorithm.kl_in_reward=true", "algorithm.clip_ratio_c=3.0", "train.mini_batch_size=1", "train.lr=1e-2"])
+        "algorithm.kl_in_reward=true", "algorithm.policy_loss_args.clip_ratio_c=3.0", "train.mini_batch_size=1", "train.lr=1e-2"])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     assert all(math.isfinite(line["actor/pg_loss"]) and 0 <= line["actor/pg_clipfrac_lower"] <= 1 for line in lines)

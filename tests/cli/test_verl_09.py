@@ -123,7 +123,8 @@ def test_verls_whole_default_config_written_out_translates_and_loads():
             if version == "0.9.1" and "${" not in default and default != '"???"']
     out = overrides(args + ["trainer.logger=[console]", f"{AR}.rollout.name=hf"])
     assert len(args) > 700
-    assert out["algorithm.adv_estimator"] == "gae" and out["algorithm.clip_ratio_c"] == "3.0" and out["trainer.num_workers"] == "8"
+    assert out["algorithm.adv_estimator"] == "gae" and out["trainer.num_workers"] == "8"
+    assert out["algorithm.policy_loss_args.clip_ratio_c"] == "3.0"
     assert out["rollout.return_logprobs"] == "true"  # verl 0.9's calculate_log_probs default
 
 
@@ -209,11 +210,11 @@ def test_verl_0_7_geometric_spelling_keeps_its_bounds():
 
 def test_the_dual_clip_is_verls_default_unless_the_script_sets_it():
     translation = translate([*GRPO_09, *SMALL], num_train_rows=ROWS)
-    mapping = next(m for m in translation.mappings if m.key == "algorithm.clip_ratio_c")
+    mapping = next(m for m in translation.mappings if m.key == "algorithm.policy_loss_args.clip_ratio_c")
     assert mapping.value == 3.0 and mapping.sources == (f"{AR}.actor.clip_ratio_c=3.0 (verl default)",)
-    assert overrides([*GRPO_09, *SMALL, f"{AR}.actor.clip_ratio_c=10"])["algorithm.clip_ratio_c"] == "10.0"
+    assert overrides([*GRPO_09, *SMALL, f"{AR}.actor.clip_ratio_c=10"])["algorithm.policy_loss_args.clip_ratio_c"] == "10.0"
     gspo = translate([*GRPO_09, *SMALL, f"{AR}.actor.policy_loss.loss_mode=gspo", f"{AR}.actor.clip_ratio_c=5"], num_train_rows=ROWS)
-    assert "algorithm.clip_ratio_c" not in {m.key for m in gspo.mappings}
+    assert "algorithm.policy_loss_args.clip_ratio_c" not in {m.key for m in gspo.mappings}
     assert {i.key: i.reason for i in gspo.ignored}[f"{AR}.actor.clip_ratio_c"].startswith("read only by loss_mode=vanilla")
     assert "verl asserts clip_ratio_c > 1" in problems([*GRPO_09, f"{AR}.actor.clip_ratio_c=1.0"])[f"{AR}.actor.clip_ratio_c"].message
 
@@ -336,4 +337,4 @@ def test_a_key_given_twice_warns_and_the_last_is_used(caplog):
                          "trainer.total_training_steps=10"])
     assert ("actor_rollout_ref.actor.clip_ratio_c is given twice or more in the verl command (actor_rollout_ref.actor.clip_ratio_c=3.0, "
             "then actor_rollout_ref.actor.clip_ratio_c=2.5); the last is used") in caplog.text
-    assert "algorithm.clip_ratio_c=2.5" in out.overrides
+    assert "algorithm.policy_loss_args.clip_ratio_c=2.5" in out.overrides

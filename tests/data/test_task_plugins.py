@@ -19,7 +19,7 @@ PLUGIN = '''
 import random
 from dataclasses import dataclass
 
-from packrl.config.tasks import TaskInfo
+from packrl.capabilities import TaskInfo
 from packrl.errors import ConfigProblem
 from packrl.registry import TASKS
 

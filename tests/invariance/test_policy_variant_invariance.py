@@ -26,7 +26,7 @@ CASES = {  # the algorithm section of each case
     "clip_cov": dict(policy_loss="clip_cov", policy_loss_args=dict(clip_cov_ratio=0.1, clip_cov_lb=0.0)),
     "kl_cov": dict(policy_loss="kl_cov", policy_loss_args=dict(kl_cov_ratio=0.1, ppo_kl_coef=1.0)),
     "tis": dict(policy_loss="ppo_clip"),
-    "dual_clip": dict(policy_loss="ppo_clip", clip_ratio_c=1.1),
+    "dual_clip": dict(policy_loss="ppo_clip", policy_loss_args=dict(clip_ratio_c=1.1)),
 }
 
 
@@ -103,8 +103,8 @@ def _reference_token_losses(case: str, cfg, batch, logprobs) -> list[list[float]
             elif case == "tis":
                 row.append(ppo * float(batch.extras["rollout_is_weights"][i][t]))
             elif case == "dual_clip":  # Ye et al. 2020: bounded by -c A where A < 0
-                row.append(min(ppo, -a * algo.clip_ratio_c) if a < 0 else ppo)
-                bound += a < 0 and r > algo.clip_ratio_c and bool(m[t])
+                row.append(min(ppo, -a * opts.clip_ratio_c) if a < 0 else ppo)
+                bound += a < 0 and r > opts.clip_ratio_c and bool(m[t])
             else:
                 row.append(ppo)
         out.append(row)

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from packrl.config import ConfigError, load_config
-from packrl.config.schema import RewardConfig
-from packrl.config.shaping_checks import ShapingCheckInputs, shaping_check_inputs
+from packrl.config.schema import RewardConfig, RolloutConfig
 from packrl.errors import ConfigProblem
 from packrl.registry import REWARD_SHAPING, import_plugins
 from packrl.reward import score_rollout
@@ -85,10 +84,10 @@ def test_a_plugin_part_with_its_own_knobs_is_checked_at_load(plugin):
         load_config("demo", [*base, "reward.shaping.test_bad_shape.x=1"])
 
 
-def _brevity_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+def _brevity_problems(reward: RewardConfig, rollout: RolloutConfig) -> list[ConfigProblem]:
     """A check of the test part: its penalty at the response budget stays <= 50."""
-    per_token = (inputs.reward.shaping.get("test_brevity") or {}).get("per_token", 0.01)
-    budget = inputs.rollout.max_response_tokens
+    per_token = (reward.shaping.get("test_brevity") or {}).get("per_token", 0.01)
+    budget = rollout.max_response_tokens
     if per_token * budget <= 50:
         return []
     return [ConfigProblem("reward.shaping.test_brevity.per_token", per_token, f"x rollout.max_response_tokens={budget} > 50",
@@ -97,8 +96,9 @@ def _brevity_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
 
 
 def test_a_plugin_parts_check_reads_the_sections_it_gets(plugin, monkeypatch):
-    """A part's registered check (`REWARD_SHAPING.register_check`) gets `ShapingCheckInputs` (the
-    reward, rollout, data and train sections), not the whole config, and its problems stop the load."""
+    """A part's registered check (`REWARD_SHAPING.register_check`) gets the sections its parameters
+    name, as every other config check (`packrl.registry.call_with_sections`), not the whole config,
+    and its problems stop the load."""
     checks = REWARD_SHAPING._checks | {"test_brevity": _brevity_problems}  # as register_check would, for this test only
     monkeypatch.setattr(REWARD_SHAPING, "_checks", checks)
     base = [f"trainer.plugins=[{plugin}]"]
@@ -106,12 +106,12 @@ def test_a_plugin_parts_check_reads_the_sections_it_gets(plugin, monkeypatch):
         load_config("demo", [*base, "reward.shaping.test_brevity.per_token=1", "rollout.max_response_tokens=64"])
     assert load_config("demo", [*base, "reward.shaping.test_brevity.per_token=1", "rollout.max_response_tokens=32"])
     cfg = load_config("demo", base)
-    inputs = shaping_check_inputs(cfg)
-    assert isinstance(inputs, ShapingCheckInputs)
-    assert (inputs.reward, inputs.rollout, inputs.data, inputs.train) == (cfg.reward, cfg.rollout, cfg.data, cfg.train)
     seen = []
-    checks["test_seen_inputs"] = lambda got: seen.append(got) or []
-    assert REWARD_SHAPING.config_problems("test_seen_inputs", cfg) == [] and seen == [inputs]
+    checks["test_seen_sections"] = lambda data, train: seen.append((data, train)) or []
+    assert REWARD_SHAPING.config_problems("test_seen_sections", cfg) == [] and seen == [(cfg.data, cfg.train)]
+    checks["test_bad_parameter"] = lambda inputs: []
+    with pytest.raises(ValueError, match=r"takes parameter 'inputs', which is not a section of the config"):
+        REWARD_SHAPING.config_problems("test_bad_parameter", cfg)
 
 
 def test_score_rollout_sums_the_parts_and_reports_each(plugin):
@@ -143,3 +143,11 @@ def test_a_run_reports_every_part(tmp_path, plugin, smollm_tokenizer):
     assert line["reward/overlong/mean"] <= 0
     assert line["critic/rewards/mean"] == pytest.approx(
         line["critic/score/mean"] + line["reward/test_brevity/mean"] + line["reward/overlong/mean"], abs=1e-5)
+
+
+def test_the_module_names_every_built_in_part():
+    """`packrl.reward.shaping`'s list of built-ins is the registry's."""
+    import packrl.reward.shaping as shaping
+
+    built_in = REWARD_SHAPING._builtins
+    assert len(built_in) == 6 and [name for name in built_in if f"``{name}``" not in (shaping.__doc__ or "")] == []

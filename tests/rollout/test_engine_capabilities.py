@@ -52,7 +52,6 @@ def kv_notes(options, *, max_context_tokens, kv_bytes_per_token, dtype, cuda):
 
 ROLLOUT_ENGINES.register("test_noted", info=EngineCapabilities(preflight_notes=f"{__name__}:kv_notes"))(build_hf_engine)
 ROLLOUT_ENGINES.register("test_stops", info=EngineCapabilities(stop_on_condition=True))(build_hf_engine)
-ROLLOUT_ENGINES.register("test_bad_info", info={"stop_on_condition": True})(build_hf_engine)
 ROLLOUT_ENGINES.register("test_broken_notes", info=EngineCapabilities(preflight_notes="no_such_module_here:notes"))(build_hf_engine)
 '''
 
@@ -138,10 +137,20 @@ def test_preflight_and_the_rules_read_what_a_plugin_engine_declares(plugin):
     with pytest.raises(ConfigError, match=r"rollout.partial_chunk_tokens=32: has no effect: rollout.engine=test_stops on one rank"):
         load_config(base[0], [*base[1:], "rollout.engine=test_stops", *chunked])
     load_config(base[0], [*base[1:], "rollout.engine=test_noted", *chunked])  # chunks serve an engine that cannot stop a call
-    load_config(base[0], [*base[1:], "rollout.engine=test_bad_info", *chunked])  # not a declaration: set-up refuses it, by name
-    with pytest.raises(ValueError, match=r"rollout.engine='test_bad_info' registered info=\{'stop_on_condition': True\}; declare an "
-                                         r"EngineCapabilities"):
-        engine_capabilities(load_config(base[0], [*base[1:], "rollout.engine=test_bad_info"]).rollout)
+
+
+def test_an_engine_that_declares_something_else_is_refused_when_it_registers():
+    """A declaration of another type never reaches a reader: the registry refuses it, naming the
+    engine and the class it takes, so every reader takes the declaration as typed."""
+    from packrl.capabilities import RolloutModeInfo
+    from packrl.rollout.hf_engine import build_hf_engine
+
+    for bad in ({"stop_on_condition": True}, RolloutModeInfo()):
+        with pytest.raises(ValueError, match=r"rollout.engine='test_bad_info' registered info=.*; declare an EngineCapabilities"):
+            ROLLOUT_ENGINES.register("test_bad_info", info=bad)(build_hf_engine)
+    assert "test_bad_info" not in ROLLOUT_ENGINES
+    ROLLOUT_ENGINES.register("test_declares_nothing")(build_hf_engine)
+    assert ROLLOUT_ENGINES.info("test_declares_nothing") == EngineCapabilities()
 
 
 def test_an_engine_with_generate_until_that_does_not_declare_it_is_warned(caplog):

@@ -108,7 +108,7 @@ def test_an_unknown_mode_with_a_rule_that_reads_the_mode_is_one_clear_problem():
 
 
 def test_a_mode_that_declares_something_else_is_named():
-    ROLLOUT_MODES.register("test_dict_info", info={"rollout_workers": True})(lambda context: None)
     with pytest.raises(ValueError, match=r"trainer.rollout_mode='test_dict_info' registered info=\{'rollout_workers': True\}; "
                                          r"declare a RolloutModeInfo"):
-        mode_info("test_dict_info")
+        ROLLOUT_MODES.register("test_dict_info", info={"rollout_workers": True})(lambda context: None)
+    assert "test_dict_info" not in ROLLOUT_MODES

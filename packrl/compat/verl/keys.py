@@ -201,8 +201,9 @@ _ACTOR = {
     f"{ACTOR}.clip_ratio": _r("algorithm.clip_ratio_low, algorithm.clip_ratio_high", "_clip_ratio"),
     f"{ACTOR}.clip_ratio_low": _r("algorithm.clip_ratio_low", "_clip_ratio"),
     f"{ACTOR}.clip_ratio_high": _r("algorithm.clip_ratio_high", "_clip_ratio"),
-    f"{ACTOR}.clip_ratio_c": _r("algorithm.clip_ratio_c", "_clip_ratio", "dual clip (arXiv 1912.09729), on in every verl run: "
-                                "verl's default 3.0 is set when the script leaves it; read by loss_mode=vanilla only"),
+    f"{ACTOR}.clip_ratio_c": _r("algorithm.policy_loss_args.clip_ratio_c", "_clip_ratio",
+                                "dual clip (arXiv 1912.09729), on in every verl run: verl's default 3.0 is set when the script "
+                                "leaves it; read by loss_mode=vanilla only (ppo_clip's option)"),
     f"{ACTOR}.tau_pos": _i("read only by verl's loss_mode=sapo, which packrl does not have"),
     f"{ACTOR}.tau_neg": _i("read only by verl's loss_mode=sapo, which packrl does not have"),
     f"{ACTOR}.policy_loss.loss_mode": _x("algorithm.policy_loss", cv.policy_loss, "vanilla -> ppo_clip"),

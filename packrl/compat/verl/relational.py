@@ -360,7 +360,8 @@ def _clip_ratio(c: Context) -> None:
     if not 1.0 < bound < math.inf:
         c.refuse(dual, "must be a finite number > 1 (verl asserts clip_ratio_c > 1)", f"set {dual}=3.0", value=c.get(dual))
         return
-    c.set("algorithm.clip_ratio_c", bound, dual, conversion="" if c.has(dual) else "verl's dual clip is on in every vanilla-loss run")
+    c.set("algorithm.policy_loss_args.clip_ratio_c", bound, dual,
+          conversion="" if c.has(dual) else "verl's dual clip is on in every vanilla-loss run")
 
 
 _COV_KEYS = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}

@@ -8,7 +8,7 @@ response length a trained target, each one file with its options (``reward.shapi
 
 A response's length is the number of tokens the policy generated (`Response.generated_mask`: tool
 answers and forced end-of-thinking tokens are not the policy's). "Correct" is the task score
-reaching the reward's `packrl.reward.registry.RewardInfo.correct_score` for a response no budget
+reaching the reward's `packrl.capabilities.RewardInfo.correct_score` for a response no budget
 cut (`packrl.reward.shaping.ShapingInputs.correct`): a part that reads it is refused at load with a
 reward that declares no notion of correct (`correctness_problems`). Every part's options carry the
 accuracy gate (`common.LengthGateOptions`: ``scale_by_pass_rate``, ``min_group_accuracy``,

@@ -31,8 +31,7 @@ from packrl.errors import ConfigProblem
 if TYPE_CHECKING:
     import torch
 
-    from packrl.config.schema import RewardConfig
-    from packrl.config.shaping_checks import ShapingCheckInputs
+    from packrl.config.schema import RewardConfig, TrainConfig
     from packrl.reward.shaping import ShapingInputs
 
 
@@ -177,20 +176,19 @@ def gated(inputs: ShapingInputs, term: torch.Tensor, part: str) -> tuple[torch.T
     return term * factor, {"gated": (factor == 0).float()}
 
 
-def gate_config_problems(inputs: ShapingCheckInputs, part: str) -> list[ConfigProblem]:
-    """The gate's checks against the other sections (``inputs``: the reward and train sections):
-    a reward with a notion of correct when the gate reads correctness, and a warm-up shorter than
-    the run. Reads the part's settings as given (``reward.shaping.<part>``); bad types are the
-    options' own problems."""
+def gate_config_problems(reward: RewardConfig, train: TrainConfig, part: str) -> list[ConfigProblem]:
+    """The gate's checks against the ``reward`` and ``train`` sections: a reward with a notion of
+    correct when the gate reads correctness, and a warm-up shorter than the run. Reads the part's
+    settings as given (``reward.shaping.<part>``); bad types are the options' own problems."""
     key = f"reward.shaping.{part}"
-    args = inputs.reward.shaping.get(part) or {}
+    args = reward.shaping.get(part) or {}
     threshold, scale = args.get("min_group_accuracy", 0.0), args.get("scale_by_pass_rate", False)
     out = []
     if scale is True or (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and threshold > 0):
-        out += correctness_problems(inputs.reward, part)
+        out += correctness_problems(reward, part)
     warmup = args.get("warmup_steps", 0)
-    if isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and warmup >= inputs.train.total_steps:
-        out.append(ConfigProblem(f"{key}.warmup_steps", warmup, f"leaves no step of train.total_steps={inputs.train.total_steps} "
+    if isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and warmup >= train.total_steps:
+        out.append(ConfigProblem(f"{key}.warmup_steps", warmup, f"leaves no step of train.total_steps={train.total_steps} "
                                  "with the length term", f"lower {key}.warmup_steps or raise train.total_steps",
                                  keys=(f"{key}.warmup_steps", "train.total_steps")))
     return out

@@ -36,7 +36,7 @@ from packrl.reward.length.common import (
 )
 
 if TYPE_CHECKING:
-    from packrl.config.shaping_checks import ShapingCheckInputs
+    from packrl.config.schema import RewardConfig, TrainConfig
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "group_length"
@@ -72,6 +72,6 @@ def group_length(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(value, {"lambda": lam, **gate})
 
 
-def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+def config_problems(reward: RewardConfig, train: TrainConfig) -> list[ConfigProblem]:
     """A reward with a notion of correct; the gate's checks (a warm-up shorter than the run)."""
-    return correctness_problems(inputs.reward, PART) + gate_config_problems(inputs, PART)
+    return correctness_problems(reward, PART) + gate_config_problems(reward, train, PART)

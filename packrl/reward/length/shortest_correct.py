@@ -37,7 +37,7 @@ from packrl.reward.length.common import (
 )
 
 if TYPE_CHECKING:
-    from packrl.config.shaping_checks import ShapingCheckInputs
+    from packrl.config.schema import RewardConfig, TrainConfig
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "shortest_correct"
@@ -79,6 +79,6 @@ def shortest_correct(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(bonus + length, {"target": target.reshape(-1), "length": length, **gate})
 
 
-def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
+def config_problems(reward: RewardConfig, train: TrainConfig) -> list[ConfigProblem]:
     """A reward with a notion of correct; the gate's checks."""
-    return correctness_problems(inputs.reward, PART) + gate_config_problems(inputs, PART)
+    return correctness_problems(reward, PART) + gate_config_problems(reward, train, PART)

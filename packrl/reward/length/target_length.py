@@ -43,7 +43,7 @@ from packrl.reward.length.common import (
 if TYPE_CHECKING:
     import torch
 
-    from packrl.config.shaping_checks import ShapingCheckInputs
+    from packrl.config.schema import DataConfig, RewardConfig, TrainConfig
     from packrl.reward.shaping import ShapingInputs, ShapingOutput
 
 PART = "target_length"
@@ -120,13 +120,14 @@ def target_length(inputs: ShapingInputs) -> ShapingOutput:
     return ShapingOutput(value, {"target_error": error, **gate})
 
 
-def config_problems(inputs: ShapingCheckInputs) -> list[ConfigProblem]:
-    """Prompts that carry targets; ``max`` mode (or per-row modes) reads correctness; the gate's checks."""
+def config_problems(reward: RewardConfig, data: DataConfig, train: TrainConfig) -> list[ConfigProblem]:
+    """Prompts that carry targets; ``max`` mode (or per-row modes) reads correctness; the gate's
+    checks (the ``reward``, ``data`` and ``train`` sections)."""
     out = []
-    if not inputs.data.length_target.enabled:
-        out.append(ConfigProblem(f"reward.shaping.{PART}", inputs.reward.shaping.get(PART), "needs each prompt to ask for a length, "
+    if not data.length_target.enabled:
+        out.append(ConfigProblem(f"reward.shaping.{PART}", reward.shaping.get(PART), "needs each prompt to ask for a length, "
                                  "and data.length_target sets none", "set data.length_target.min_tokens and max_tokens (or "
                                  "data.length_target.column) and its template", keys=(f"reward.shaping.{PART}", "data.length_target")))
-    if (inputs.reward.shaping.get(PART) or {}).get("mode", "exact") == "max" or inputs.data.length_target.mode_column is not None:
-        out += correctness_problems(inputs.reward, PART)
-    return out + gate_config_problems(inputs, PART)
+    if (reward.shaping.get(PART) or {}).get("mode", "exact") == "max" or data.length_target.mode_column is not None:
+        out += correctness_problems(reward, PART)
+    return out + gate_config_problems(reward, train, PART)
