@@ -180,6 +180,52 @@ class TaskInfo:
                              "give data.<section> or data.task_args.<task>, or None for its own (data.task_args.<name>)")
 
 
+FilterStage = Literal["sampling", "advantages", "loss"]
+"""Where a filter acts (`packrl.algos.filters`): ``sampling`` drops whole groups from a generation
+round and may ask the stage for more rounds; ``advantages`` keeps the same number of each group's
+responses for the estimator; ``loss`` takes responses out of the loss after the advantages."""
+
+
+@dataclass(frozen=True)
+class FilterInfo:
+    """What a filter declares with its registration (``FILTERS.register(name, info=FilterInfo(...))``),
+    read by the config checks, the plan and the chain without running it.
+
+    Attributes:
+        stage: where it acts (`FilterStage`).
+        order: its place among the filters of its stage (lower first; ties by name): the chain is
+            sampling filters, then advantage filters, then loss filters, each stage in this order.
+        modes: the ``trainer.rollout_mode`` values it runs under; None = every mode. A config that
+            chooses it under another mode is refused at load.
+        reads_old_entropy: it reads the old-log-prob pass's entropy, so that pass runs for it
+            (`packrl.config.plan.BatchPlan.needs_old_logprobs`).
+        settings_key: its settings are another section of ``algorithm`` (``algorithm.rollout_correction``):
+            it is in every run's chain and acts as that section says (a no-op when off); None: it is
+            chosen by name under ``algorithm.filters`` with its own options.
+        warnings: ``"module:function"`` of a config check whose findings are warnings (a setting
+            that runs but likely defeats another), given the sections its parameters name; None: none.
+
+    Raises:
+        ValueError: an unknown stage, or ``warnings`` not a ``"module:function"`` string.
+    """
+
+    stage: FilterStage = "loss"
+    order: int = 100
+    modes: tuple[str, ...] | None = None
+    reads_old_entropy: bool = False
+    settings_key: str | None = None
+    warnings: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in ("sampling", "advantages", "loss"):
+            raise ValueError(f"FilterInfo(stage={self.stage!r}): one of sampling, advantages, loss")
+        if self.settings_key is not None and not self.settings_key.startswith("algorithm."):
+            raise ValueError(f"FilterInfo(settings_key={self.settings_key!r}): a key of the algorithm section, or None")
+        problem = _target_problem("FilterInfo", "warnings", self.warnings)
+        if problem is not None:
+            raise ValueError(problem)
+
+
 HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
 """What ``rollout.engine=hf`` declares (`packrl.rollout.hf_engine`), readable without importing it."""
 
@@ -214,3 +260,13 @@ TOOL_TRACES_TASK = TaskInfo(makes="traces", options_key="data.arithmetic")
 """``task:tool_traces``: calculator traces of ``task:arithmetic`` questions (`packrl.data.tool_traces`)."""
 CHAR_COUNT_TRACES_TASK = TaskInfo(makes="traces", options_key="data.char_count")
 """``task:char_count_traces``: worked answers to ``task:char_count`` questions (`packrl.data.char_count_traces`)."""
+
+DYNAMIC_SAMPLING_FILTER = FilterInfo(stage="sampling", modes=("sync",),
+                                     warnings="packrl.algos.dynamic_sampling:config_warnings")
+"""``algorithm.filters.dynamic_sampling`` (`packrl.algos.dynamic_sampling`): whole groups, in the sync mode."""
+GFPO_FILTER = FilterInfo(stage="advantages")
+"""``algorithm.filters.gfpo`` (`packrl.algos.group_filter`)."""
+ROLLOUT_CORRECTION_FILTER = FilterInfo(stage="loss", order=10, settings_key="algorithm.rollout_correction")
+"""Rollout-correction rejection and weights (`packrl.algos.rollout_correction`), set by ``algorithm.rollout_correction``."""
+ENTROPY_FILTER = FilterInfo(stage="loss", order=20, reads_old_entropy=True)
+"""``algorithm.filters.entropy`` (`packrl.algos.entropy_filter`), after rollout correction's rejection."""

@@ -56,7 +56,11 @@ from packrl.capabilities import (
     CHAR_COUNT_TRACES_TASK,
     COLOCATE_ASYNC,
     COV_LOSS,
+    DYNAMIC_SAMPLING_FILTER,
+    ENTROPY_FILTER,
+    GFPO_FILTER,
     HF_ENGINE,
+    ROLLOUT_CORRECTION_FILTER,
     SEPARATE_ASYNC,
     SHAPES_TASK,
     SYNC,
@@ -64,6 +68,7 @@ from packrl.capabilities import (
     TOOL_TRACES_TASK,
     VLLM_ENGINE,
     EngineCapabilities,
+    FilterInfo,
     LossInfo,
     NoInfo,
     RewardInfo,
@@ -377,8 +382,21 @@ TASKS = Registry("TASKS", "data.task_args", "task",
 a `packrl.capabilities.TaskInfo` (what it makes, where its options are). A plugin task's options
 are a mapping under ``data.task_args.<name>`` (``args_key`` is the key itself), checked at load."""
 
+FILTERS = Registry("FILTERS", "algorithm.filters", "filter",
+                   {"dynamic_sampling": "packrl.algos.dynamic_sampling", "gfpo": "packrl.algos.group_filter",
+                    "rollout_correction": "packrl.algos.rollout_correction", "entropy": "packrl.algos.entropy_filter"},
+                   info=FilterInfo, checks={"dynamic_sampling": "packrl.algos.dynamic_sampling:config_problems",
+                                            "gfpo": "packrl.algos.group_filter:config_problems"},
+                   args_key="algorithm.filters",
+                   infos={"dynamic_sampling": DYNAMIC_SAMPLING_FILTER, "gfpo": GFPO_FILTER,
+                          "rollout_correction": ROLLOUT_CORRECTION_FILTER, "entropy": ENTROPY_FILTER})
+"""``fn(inputs: FilterInputs) -> FilterOutput`` (`packrl.algos.filters.FilterFn`): which responses go on
+to the advantages and the loss; its info a `packrl.capabilities.FilterInfo` (its stage, its order, the
+modes it runs in). Its config key holds a mapping, filter name -> its options (``args_key`` is the key
+itself), as ``reward.shaping`` does; a filter with a ``settings_key`` is in every run's chain instead."""
+
 CONFIG_REGISTRIES: dict[str, Registry[Any]] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
-                                                             REWARD_SHAPING, ROLLOUT_MODES, TASKS)}
+                                                             REWARD_SHAPING, ROLLOUT_MODES, TASKS, FILTERS)}
 """Config key -> the registry its value (each value of a list, each key of a mapping) is looked up in (checked by
 `packrl.config.load`)."""
 

@@ -372,9 +372,9 @@ class TrainBatch:
             ``PolicyLossInputs.extras`` (`packrl.algos.policy_losses`). Built in:
             ``rollout_is_weights`` (float32, `packrl.algos.rollout_correction`) and
             ``cov_selected`` (bool, `packrl.algos.cov_losses`).
-        filtered: per response, True where group filtering (GFPO, ``algorithm.group_filter``)
-            left it out of the update (its loss mask is all False, its advantage 0); None = no
-            filtering. Dumped, never dropped (`packrl.algos.group_filter`).
+        filtered: per response, the name of the filter that took it out of the loss (its loss
+            mask is all False; an advantage filter's also gets advantage 0), None where none did;
+            None when no filter took any (`packrl.algos.filters`). Dumped, never dropped.
     """
 
     scored: ScoredBatch
@@ -386,7 +386,7 @@ class TrainBatch:
     values: tuple[torch.Tensor, ...] | None = None
     returns: tuple[torch.Tensor, ...] | None = None
     extras: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-    filtered: tuple[bool, ...] | None = None
+    filtered: tuple[str | None, ...] | None = None
 
     @property
     def rollout(self) -> RolloutBatch:

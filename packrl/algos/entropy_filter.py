@@ -1,4 +1,4 @@
-"""Entropy-based response filter (``algorithm.entropy_filter``): train only on responses whose
+"""Entropy-based response filter, the loss filter ``algorithm.filters.entropy`` (`packrl.algos.filters`): train only on responses whose
 mean token entropy is high, so low-information responses (near-deterministic, mostly copied or
 repeated text) stop costing update tokens. In the spirit of Wang et al. 2025, "Beyond the 80/20
 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM Reasoning" (arXiv 2506.01939), which
@@ -16,10 +16,51 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from packrl.config.algorithm_variants import EntropyFilterConfig
+from packrl.algos.filters import FilterInputs, FilterOutput
+from packrl.errors import ConfigProblem
+from packrl.registry import FILTERS
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntropyFilterOptions:
+    """``algorithm.filters.entropy``'s knobs: set exactly one of the two."""
+
+    threshold: float | None = None
+    """Keep responses whose mean token entropy is >= this, in nats (>= 0)."""
+
+    quantile: float | None = None
+    """Keep the ceil(quantile x n) responses with the highest mean token entropy among the n
+    that still have loss tokens (in (0, 1]; ties go to the earlier response)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        out: list[ConfigProblem] = []
+        if (self.threshold is None) == (self.quantile is None):
+            given = {"threshold": self.threshold, "quantile": self.quantile}
+            out.append(ConfigProblem(prefix, given, f"sets {'both' if self.threshold is not None else 'neither'} of threshold "
+                                     "and quantile; the filter keeps responses by exactly one",
+                                     f"set {prefix}.threshold=0.3 or {prefix}.quantile=0.8 (the other null), or {prefix}=null (off)",
+                                     keys=(prefix, f"{prefix}.quantile", f"{prefix}.threshold")))
+        if self.threshold is not None and not 0.0 <= self.threshold < math.inf:
+            out.append(ConfigProblem(f"{prefix}.threshold", self.threshold, "must be a finite number of nats >= 0",
+                                     f"set {prefix}.threshold=0.3"))
+        if self.quantile is not None and not 0.0 < self.quantile <= 1.0:
+            out.append(ConfigProblem(f"{prefix}.quantile", self.quantile, "must be in (0, 1] (the share of responses kept)",
+                                     f"set {prefix}.quantile=0.8"))
+        return out
+
+
+@FILTERS.register("entropy", options=EntropyFilterOptions)
+def entropy_filter(inputs: FilterInputs) -> FilterOutput:
+    """Take the low-entropy responses out of the loss (`apply_entropy_filter`)."""
+    policy = [r.generated_mask() for r in inputs.scored.rollout.responses]
+    masks, metrics = apply_entropy_filter(inputs.old_entropy, policy, inputs.masks, inputs.options)
+    return FilterOutput(keep=tuple(bool(after.any()) or not bool(before.any()) for before, after in zip(inputs.masks, masks)),
+                        metrics=metrics)
+
 
 
 def mean_entropies(entropy: Sequence[torch.Tensor], policy_masks: Sequence[torch.Tensor]) -> list[float | None]:
@@ -32,7 +73,7 @@ def mean_entropies(entropy: Sequence[torch.Tensor], policy_masks: Sequence[torch
     return [float(e[m].double().mean()) if bool(m.any()) else None for e, m in zip(entropy, policy_masks)]
 
 
-def entropy_keep(means: Sequence[float | None], live: Sequence[bool], cfg: EntropyFilterConfig) -> list[bool]:
+def entropy_keep(means: Sequence[float | None], live: Sequence[bool], cfg: EntropyFilterOptions) -> list[bool]:
     """Which responses keep their loss tokens.
 
     With ``threshold``: those with mean >= threshold. With ``quantile`` q: the ceil(q x n)
@@ -57,15 +98,15 @@ def apply_entropy_filter(
     entropy: Sequence[torch.Tensor] | None,
     policy_masks: Sequence[torch.Tensor],
     loss_masks: Sequence[torch.Tensor],
-    cfg: EntropyFilterConfig,
+    cfg: EntropyFilterOptions,
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, float]]:
-    """The loss masks with filtered responses all False (unchanged when the filter is off).
+    """The loss masks with filtered responses all False.
 
     Args:
         entropy: the old-log-prob pass's entropy, ``N`` x Shape [R_i], float32, nats.
         policy_masks: ``N`` x Shape [R_i] bool, True = a token the policy generated.
         loss_masks: the loss masks so far, ``N`` x Shape [R_i] bool.
-        cfg: ``algorithm.entropy_filter``.
+        cfg: ``algorithm.filters.entropy``.
 
     Returns:
         ``(loss_masks, metrics)``; metrics ``seqlen/masked_tokens/entropy`` (loss tokens removed),
@@ -76,10 +117,8 @@ def apply_entropy_filter(
         ValueError: the filter is on but no entropy was computed.
     """
     masks = tuple(loss_masks)
-    if not cfg.enabled:
-        return masks, {}
     if entropy is None:
-        raise ValueError("algorithm.entropy_filter needs the old-log-prob pass's entropy; "
+        raise ValueError("algorithm.filters.entropy needs the old-log-prob pass's entropy; "
                          "BatchPlan.needs_old_logprobs turns that pass on with the filter")
     means = mean_entropies(entropy, policy_masks)
     live = [bool(m.any()) for m in masks]

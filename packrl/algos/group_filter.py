@@ -1,6 +1,7 @@
 """Group filtering, GFPO (Shrivastava et al. 2025, "Sample More to Think Less: Group Filtered Policy
-Optimization", arXiv 2508.09726): of each group's ``G = rollout.n`` responses keep the best ``k``
-(``algorithm.group_filter.keep``) by a metric and train on those alone.
+Optimization", arXiv 2508.09726), the advantage filter ``algorithm.filters.gfpo``: of each group's
+``G = rollout.n`` responses keep the best ``k`` (``algorithm.filters.gfpo.keep``) by a metric and
+train on those alone (`packrl.algos.filters`).
 
 Shapes: ``N = B*G`` responses (groups contiguous) · ``K = B*k`` kept.
 
@@ -21,8 +22,8 @@ The advantages are computed over the kept set only (the estimator sees groups of
 advantage 0, so it leaves the update's denominators and its micro-batches (not packed, forwarded
 or back-propagated: `packrl.seqlen.update_plan.trained_sequences`); it still takes part in the
 log-prob passes, which run before the filter. Filtered responses stay in the rollout: they
-are scored, dumped (``filtered`` in ``rollouts/step_N.jsonl``) and counted
-(``train/group_filter/*``), never lost.
+are scored, dumped (``filtered: "gfpo"`` in ``rollouts/step_N.jsonl``) and counted
+(``filter/gfpo/*``), never lost.
 
 It runs after dynamic sampling (which keeps groups whose values vary over all G) and on the
 complete groups a partial-rollout step trains; under over-provisioning a group is filtered when it
@@ -31,18 +32,74 @@ is trained, with all its G members finished.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
-from packrl.config.length_control import GroupFilterConfig
+from packrl.algos.filters import FilterInputs, FilterOutput
+from packrl.config.schema import AlgorithmConfig, RolloutConfig
+from packrl.errors import ConfigProblem
+from packrl.registry import FILTERS
 from packrl.types import ScoredBatch
 
+KEY = "algorithm.filters.gfpo"
 
-def kept_indices(scored: ScoredBatch, cfg: GroupFilterConfig) -> list[int]:
+GroupFilterMetric = Literal["shortest", "reward_per_token"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GfpoOptions:
+    """``algorithm.filters.gfpo``'s knobs."""
+
+    keep: int | None = None
+    """k: responses per group trained (2 <= k < rollout.n; GFPO keeps 4-8 of 8-24). Required."""
+
+    metric: GroupFilterMetric = "shortest"
+    """``shortest``: the k fewest generated tokens (ties: the earlier response); ``reward_per_token``:
+    the k highest (reward - the group's lowest reward) / tokens (GFPO's token efficiency, shifted so
+    that negative rewards do not favour long responses; ties: the shorter, then the earlier response)."""
+
+    def problems(self, prefix: str) -> list[ConfigProblem]:
+        if self.keep is None:
+            return [ConfigProblem(f"{prefix}.keep", None, "is required: the responses of each group GFPO trains",
+                                  f"set {prefix}.keep to k < rollout.n (e.g. 4 of rollout.n=8), or {prefix}=null (off)")]
+        if self.keep < 1:
+            return [ConfigProblem(f"{prefix}.keep", self.keep, "must be >= 1", f"set {prefix}.keep to k < rollout.n")]
+        return []
+
+
+@FILTERS.register("gfpo", options=GfpoOptions)
+def gfpo(inputs: FilterInputs) -> FilterOutput:
+    """Keep each group's best ``keep`` responses by ``metric`` (`kept_indices`)."""
+    kept = set(kept_indices(inputs.scored, inputs.options))
+    return FilterOutput(keep=tuple(i in kept for i in range(len(inputs.masks))), metrics=filter_metrics(inputs.scored, sorted(kept)))
+
+
+def config_problems(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> list[ConfigProblem]:
+    """GFPO keeps fewer than ``rollout.n`` responses, and enough for a group-relative baseline."""
+    keep, n, estimator = (algorithm.filters.get("gfpo") or {}).get("keep"), rollout.n, algorithm.adv_estimator
+    key = f"{KEY}.keep"
+    if not isinstance(keep, int) or keep < 1:
+        return []
+    if keep > n:
+        return [ConfigProblem(key, keep, f"> rollout.n={n}: a group has only {n} response{'s' if n != 1 else ''} to keep",
+                              f"set {key} < rollout.n (GFPO samples more than it trains: raise rollout.n)", keys=(key, "rollout.n"))]
+    if keep == n:
+        return [ConfigProblem(key, keep, f"has no effect: it keeps all rollout.n={n} responses of a group",
+                              f"set {key} < rollout.n, or {KEY}=null (off)", keys=(key, "rollout.n"))]
+    if keep < 2 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        return [ConfigProblem(key, keep, f"leaves a group of one, whose advantage under {estimator} is 0 (no baseline)",
+                              f"set {key} >= 2", keys=(key, "algorithm.adv_estimator"))]
+    return []
+
+
+def kept_indices(scored: ScoredBatch, cfg: GfpoOptions) -> list[int]:
     """The responses GFPO keeps, in input order, ``k`` of each group (all when off).
 
     Args:
         scored: the scored rollout (rewards after shaping, the responses).
-        cfg: ``algorithm.group_filter``.
+        cfg: ``algorithm.filters.gfpo``.
 
     Returns:
         Indices into the ``N`` responses, ascending; groups of ``k`` in group order.
@@ -63,15 +120,13 @@ def kept_indices(scored: ScoredBatch, cfg: GroupFilterConfig) -> list[int]:
 
 
 def filter_metrics(scored: ScoredBatch, kept: list[int]) -> dict[str, float]:
-    """``train/group_filter/kept_responses`` and ``filtered_responses`` (counts), and the mean
-    generated tokens of each set (``kept_length_mean``, ``filtered_length_mean``)."""
+    """``filter/gfpo/kept_length_mean`` and ``filtered_length_mean``: the mean generated tokens of
+    the kept and the filtered responses (the seam counts them: ``filter/gfpo/dropped``)."""
     keep = set(kept)
     lengths = [float(r.generated_mask().sum()) for r in scored.rollout.responses]
     filtered = [n for i, n in enumerate(lengths) if i not in keep]
     kept_lengths = [lengths[i] for i in kept]
     return {
-        "train/group_filter/kept_responses": float(len(kept)),
-        "train/group_filter/filtered_responses": float(len(filtered)),
-        "train/group_filter/kept_length_mean": sum(kept_lengths) / max(1, len(kept_lengths)),
-        "train/group_filter/filtered_length_mean": sum(filtered) / max(1, len(filtered)),
+        "filter/gfpo/kept_length_mean": sum(kept_lengths) / max(1, len(kept_lengths)),
+        "filter/gfpo/filtered_length_mean": sum(filtered) / max(1, len(filtered)),
     }

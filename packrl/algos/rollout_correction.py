@@ -28,7 +28,9 @@ from collections.abc import Sequence
 
 import torch
 
+from packrl.algos.filters import FilterInputs, FilterOutput
 from packrl.config.algorithm_variants import RolloutCorrectionConfig
+from packrl.registry import FILTERS
 from packrl.types import Response
 
 _LOG_RATIO_CLAMP = 20.0
@@ -236,3 +238,19 @@ def weighted_token_loss(token_loss: torch.Tensor, extras: dict[str, torch.Tensor
     (no gradient), as in verl's decoupled mode. Shape [K]."""
     weights = extras.get(IS_WEIGHTS)
     return token_loss if weights is None else token_loss * weights.to(token_loss.dtype)
+
+
+@FILTERS.register("rollout_correction")
+def rollout_correction(inputs: FilterInputs) -> FilterOutput:
+    """The loss filter of ``algorithm.rollout_correction`` (in every run's chain, its settings that
+    section's: `packrl.capabilities.FilterInfo.settings_key`): rejection (`apply_rollout_correction`),
+    then the importance weights and the behaviour weights of tokens carried from earlier steps
+    (`apply_behaviour_weights`) as extras; nothing when off and nothing is carried."""
+    cfg: RolloutCorrectionConfig = inputs.options
+    scored = inputs.scored
+    responses = scored.rollout.responses
+    masks, extras, metrics = apply_rollout_correction(responses, inputs.old_logprobs, inputs.masks, cfg)
+    extras, stale_metrics = apply_behaviour_weights(responses, inputs.old_logprobs, masks, extras, scored.rollout.policy_version,
+                                                    cfg.rollout_is_threshold)
+    keep = tuple(bool(after.any()) or not bool(before.any()) for before, after in zip(inputs.masks, masks))
+    return FilterOutput(keep=keep, metrics=metrics | stale_metrics, extras=extras)

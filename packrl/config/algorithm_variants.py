@@ -1,6 +1,5 @@
-"""Config of the policy-loss variants and the controller-side token filters: rollout correction
-(``algorithm.rollout_correction``), the entropy filter (``algorithm.entropy_filter``), and the
-nested-section checks of ``algorithm``. (A policy loss's own knobs are checked against the
+"""Config of rollout correction (``algorithm.rollout_correction``) and the nested-section checks
+of ``algorithm``. (A policy loss's own knobs are checked against the
 options it registered with, `packrl.config.load.build_options`.)
 
 Every check returns `packrl.errors.ConfigProblem`s naming the key, the value, the limit and the
@@ -84,49 +83,16 @@ class RolloutCorrectionConfig:
         return out
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EntropyFilterConfig:
-    """Keep only responses whose mean token entropy is high (`packrl.algos.entropy_filter`): the
-    others lose their loss tokens, so low-information responses stop costing update tokens. The
-    entropy is the old-log-prob pass's (which then runs), averaged over each response's policy
-    tokens. Set at most one of the two; both null = off."""
-
-    threshold: float | None = None
-    """Keep responses whose mean token entropy is >= this, in nats (>= 0)."""
-
-    quantile: float | None = None
-    """Keep the ceil(quantile x n) responses with the highest mean token entropy among the n
-    that still have loss tokens (in (0, 1]; ties go to the earlier response)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.threshold is not None or self.quantile is not None
-
-    def problems(self, prefix: str) -> list[ConfigProblem]:
-        out: list[ConfigProblem] = []
-        if self.threshold is not None and self.quantile is not None:
-            out.append(ConfigProblem(f"{prefix}.quantile", self.quantile, f"is set together with {prefix}.threshold={self.threshold}",
-                                     f"set one of {prefix}.threshold or {prefix}.quantile to null",
-                                     keys=(f"{prefix}.quantile", f"{prefix}.threshold")))
-        if self.threshold is not None and not 0.0 <= self.threshold < math.inf:
-            out.append(ConfigProblem(f"{prefix}.threshold", self.threshold, "must be a finite number of nats >= 0",
-                                     f"set {prefix}.threshold=0.3 or null (off)"))
-        if self.quantile is not None and not 0.0 < self.quantile <= 1.0:
-            out.append(ConfigProblem(f"{prefix}.quantile", self.quantile, "must be in (0, 1] (the share of responses kept)",
-                                     f"set {prefix}.quantile=0.8 or null (off)"))
-        return out
-
-
 def _no_effect(key: str, value: Any, why: str, fix: str) -> ConfigProblem:
     return ConfigProblem(key, value, f"has no effect: {why}", fix)
 
 
 def algorithm_variant_problems(algo: Any, prefix: str = "algorithm") -> list[ConfigProblem]:
-    """The nested rollout-correction and entropy-filter sections.
+    """The nested rollout-correction section.
 
     Args:
         algo: the ``algorithm`` section (`packrl.config.schema.AlgorithmConfig`, which calls this
             from its own check; typed loosely so that this module, which the schema imports,
             does not import it back).
     """
-    return list(algo.rollout_correction.problems(f"{prefix}.rollout_correction") + algo.entropy_filter.problems(f"{prefix}.entropy_filter"))
+    return list(algo.rollout_correction.problems(f"{prefix}.rollout_correction"))

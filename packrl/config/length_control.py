@@ -1,17 +1,13 @@
 """Config sections of length control (docs/algorithms/length_control.md): the target length a
-prompt asks for (``data.length_target``), group filtering (``algorithm.group_filter``) and the
-checks of the thinking budgets (``rollout.think_budget_tokens``, ``answer_budget_tokens``,
+prompt asks for (``data.length_target``) and the checks of the thinking budgets (``rollout.think_budget_tokens``, ``answer_budget_tokens``,
 ``end_of_thinking``). The length objectives themselves are reward-shaping parts with options of
 their own (`packrl.reward.length`). No torch here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from packrl.errors import ConfigProblem
-
-GroupFilterMetric = Literal["shortest", "reward_per_token"]
 
 LENGTH_PARTS = ("group_length", "efficiency", "shortest_correct", "target_length")
 """The length objectives among the reward-shaping parts (`packrl.reward.length`, one module each)."""
@@ -84,31 +80,6 @@ class LengthTargetConfig:
         if "{target}" not in self.max_template:
             return [ConfigProblem(f"{prefix}.max_template", self.max_template, "does not hold {target}: a max row's prompt would "
                                   "not say its length", f"set {prefix}.max_template=' Think for maximum {{target}} tokens.'")]
-        return []
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GroupFilterConfig:
-    """GFPO (Shrivastava et al. 2025, arXiv 2508.09726): of each group's ``rollout.n`` responses,
-    train on the best `keep` by `metric`; the advantages are computed over the kept set, the others
-    get no loss tokens and are counted and dumped (`packrl.algos.group_filter`). Off when `keep`
-    is null."""
-
-    keep: int | None = None
-    """k: responses per group trained (2 <= k < rollout.n; GFPO keeps 4-8 of 8-24)."""
-
-    metric: GroupFilterMetric = "shortest"
-    """`shortest`: the k fewest generated tokens (ties: the earlier response); `reward_per_token`:
-    the k highest (reward - the group's lowest reward) / tokens (GFPO's token efficiency, shifted so
-    that negative rewards do not favour long responses; ties: the shorter, then the earlier
-    response; `packrl.algos.group_filter`)."""
-
-    def problems(self, prefix: str) -> list[ConfigProblem]:
-        if self.keep is not None and self.keep < 1:
-            return [ConfigProblem(f"{prefix}.keep", self.keep, "must be >= 1", f"set {prefix}.keep to k < rollout.n, or null (off)")]
-        if self.keep is None and self.metric != "shortest":
-            return [ConfigProblem(f"{prefix}.metric", self.metric, f"has no effect: {prefix}.keep is null",
-                                  f"set {prefix}.keep or remove {prefix}.metric", keys=(f"{prefix}.metric", f"{prefix}.keep"))]
         return []
 
 

@@ -240,8 +240,9 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
         if key not in names and isinstance(data[key], dict) and data[key]:  # a misspelled section: name each key in it
             for leaf, value in _flatten(data[key], f"{prefix}{key}."):
                 close = nearest_key(leaf, _all_keys(RunConfig) if keys is None else keys)
-                problems.append(ConfigProblem(leaf, value, "unknown key", f"did you mean {close}?" if close else
-                                              f"valid sections here: {', '.join(sorted(names))}"))
+                moved = _option_home(leaf) if keys is None and any(leaf.startswith(f"{old}.") for old in MOVED) else None
+                problems.append(ConfigProblem(leaf, value, "unknown key", moved or (f"did you mean {close}?" if close else
+                                              f"valid sections here: {', '.join(sorted(names))}")))
         elif key not in names:
             full = f"{prefix}{key}"
             if keys is None:
@@ -284,8 +285,9 @@ def _option_home(key: str) -> str | None:
     """The fix for an unknown ``key`` of a section whose leaf is an option of a registered part
     there (``algorithm.clip_cov_ub`` -> ``algorithm.policy_loss_args.clip_cov_ub`` with
     ``algorithm.policy_loss=clip_cov``), or None. Imports the parts' modules: an error path only."""
-    if key in MOVED:
-        return f"{key} moved: write {MOVED[key]}"
+    for old, new in MOVED.items():
+        if key == old or key.startswith(f"{old}."):
+            return f"{old} moved: write {new}"
     section, leaf = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
     for registry in CONFIG_REGISTRIES.values():
         if registry.args_key is None or registry.args_key.split(".", 1)[0] != section:
@@ -304,6 +306,10 @@ MOVED = {
     "reward.overlong_penalty_factor": "reward.shaping.overlong.penalty_factor=F (the overlong ramp is a reward-shaping part)",
     "reward.format_weight": "reward.shaping.tool_format.weight=W (the tool-call format reward is a reward-shaping part)",
     "algorithm.clip_ratio_c": "algorithm.policy_loss_args.clip_ratio_c=C (the dual clip is an option of the ppo_clip policy loss)",
+    "algorithm.filter_groups": "algorithm.filters.dynamic_sampling={} with its metric and max_num_gen_batches (dynamic sampling "
+                               "is a filter; enable=true is the filter's presence)",
+    "algorithm.group_filter": "algorithm.filters.gfpo.keep=K with its metric (GFPO is a filter)",
+    "algorithm.entropy_filter": "algorithm.filters.entropy.threshold=T or .quantile=Q (the entropy filter is a filter)",
 }
 """Keys of earlier releases -> where their setting lives now (named in the unknown-key problem)."""
 

@@ -21,7 +21,7 @@ from packrl.config.rollout_modes import mode_info
 from packrl.config.schema import RunConfig
 from packrl.config.update_spec import UpdateSpec
 from packrl.hardware import ComputeDtype, Host, resolve_dtype
-from packrl.registry import POLICY_LOSSES
+from packrl.registry import FILTERS, POLICY_LOSSES
 from packrl.seqlen.microbatch import CapLimit
 from packrl.seqlen.update_plan import PassPlanner
 
@@ -106,7 +106,8 @@ class BatchPlan:
             (mini != cfg.data.batch_size, f"train.mini_batch_size={mini} < data.batch_size={cfg.data.batch_size}"),
             (algo.kl_in_reward, "algorithm.kl_in_reward"),
             (cfg.rollout.return_logprobs or algo.rollout_correction.enabled, "rollout.return_logprobs or algorithm.rollout_correction"),
-            (algo.entropy_filter.enabled, "algorithm.entropy_filter reads them"),
+            *((True, f"algorithm.filters.{name} reads their entropy") for name in algo.filter_parts()
+              if FILTERS.info(name).reads_old_entropy),
             (loss_reads_old, f"algorithm.policy_loss={algo.policy_loss} reads them"),
         ) if applies]
         has_critic = cfg.critic.enabled(algo.adv_estimator)

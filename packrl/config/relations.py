@@ -21,14 +21,13 @@ from collections.abc import Callable
 from packrl.config.budgets import budget_problems, budgets_of_sections
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
-from packrl.config.length_control import LENGTH_PARTS
 from packrl.config.model import ModelConfig
 from packrl.config.rollout_modes import RolloutModeInfo, mode_info
-from packrl.config.schema import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig, RunConfig, TrainerConfig
+from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainerConfig
 from packrl.config.tasks import task_source_problems
 from packrl.config.train import TrainConfig
 from packrl.errors import ConfigProblem
-from packrl.registry import ROLLOUT_MODES, call_with_sections
+from packrl.registry import FILTERS, ROLLOUT_MODES, call_with_sections, resolve_target
 
 Rule = Callable[..., list[ConfigProblem]]
 """A rule: its parameters name the `RunConfig` sections it reads (`packrl.registry.call_with_sections`)."""
@@ -119,13 +118,12 @@ def compiled_layers(model: ModelConfig, trainer: TrainerConfig) -> list[ConfigPr
 
 
 def group_size(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> list[ConfigProblem]:
-    """Group-relative estimators need two responses per prompt, as does dynamic sampling."""
-    out = algorithm.filter_groups.relation_problems("algorithm.filter_groups", rollout.n)
+    """Group-relative estimators need two responses per prompt."""
     estimator = algorithm.adv_estimator
     if rollout.n == 1 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
-        out.insert(0, ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {estimator} (one response per group)",
-                                    "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator")))
-    return out
+        return [ConfigProblem("rollout.n", 1, f"gives every response advantage 0 under {estimator} (one response per group)",
+                              "set rollout.n >= 2", keys=("rollout.n", "algorithm.adv_estimator"))]
+    return []
 
 
 def sft_loss(algorithm: AlgorithmConfig) -> list[ConfigProblem]:
@@ -215,22 +213,23 @@ def gspo_problems(rollout: RolloutConfig, trainer: TrainerConfig) -> list[Config
     return out
 
 
-def group_filter(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> list[ConfigProblem]:
-    """GFPO keeps fewer than ``rollout.n`` responses, and enough for a group-relative baseline."""
-    keep, n, estimator = algorithm.group_filter.keep, rollout.n, algorithm.adv_estimator
-    key = "algorithm.group_filter.keep"
-    if keep is None or keep < 1:
-        return []
-    if keep > n:
-        return [ConfigProblem(key, keep, f"> rollout.n={n}: a group has only {n} response{'s' if n != 1 else ''} to keep",
-                              f"set {key} < rollout.n (GFPO samples more than it trains: raise rollout.n)", keys=(key, "rollout.n"))]
-    if keep == n:
-        return [ConfigProblem(key, keep, f"has no effect: it keeps all rollout.n={n} responses of a group",
-                              f"set {key} < rollout.n, or null (off)", keys=(key, "rollout.n"))]
-    if keep < 2 and estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
-        return [ConfigProblem(key, keep, f"leaves a group of one, whose advantage under {estimator} is 0 (no baseline)",
-                              f"set {key} >= 2", keys=(key, "algorithm.adv_estimator"))]
-    return []
+def filters(algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
+    """Every filter ``algorithm.filters`` chooses runs under ``trainer.rollout_mode``
+    (`packrl.capabilities.FilterInfo.modes`), and none is one set by a section of its own
+    (`FilterInfo.settings_key`: it is in every chain already)."""
+    out: list[ConfigProblem] = []
+    for name in algorithm.filter_parts():
+        if FILTERS.problem(name) is not None:
+            continue  # an unknown name is the registry check's
+        info, key = FILTERS.info(name), f"algorithm.filters.{name}"
+        if info.settings_key is not None:
+            out.append(ConfigProblem(key, algorithm.filters[name], f"is set by {info.settings_key}, not by algorithm.filters",
+                                     f"remove {key} and set {info.settings_key}.<knob>"))
+        elif info.modes is not None and trainer.rollout_mode not in info.modes:
+            out.append(ConfigProblem(key, algorithm.filters[name], f"does not run under trainer.rollout_mode={trainer.rollout_mode} "
+                                     f"(it runs under {', '.join(info.modes)})",
+                                     f"set trainer.rollout_mode={info.modes[0]} or {key}=null", keys=(key, "trainer.rollout_mode")))
+    return out
 
 
 def thinking_budgets(rollout: RolloutConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
@@ -300,29 +299,24 @@ def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProbl
                           "or raise that stage's budget", keys=("data.length_target.max_tokens", "rollout.max_response_tokens_schedule"))]
 
 
-def length_signal_filtered(algorithm: AlgorithmConfig, reward: RewardConfig) -> list[ConfigProblem]:
-    """A warning (`WARNINGS`): dynamic sampling on the task score drops the groups whose scores are
-    all equal, the all-correct groups included, whose only signal is a length part's (on an easy
-    task, most of it). ``metric=reward`` compares the scores plus shaping and keeps them."""
-    parts = [p for p in LENGTH_PARTS if reward.shaping.get(p) is not None]
-    fg = algorithm.filter_groups
-    if not (parts and fg.enable and fg.metric == "score"):
-        return []
-    keys = [f"reward.shaping.{p}" for p in parts]
-    return [ConfigProblem("algorithm.filter_groups.metric", "score", f"drops every group whose task scores are all equal, the "
-                          f"all-correct ones included, whose rewards differ only by the length term of {', '.join(keys)}",
-                          "set algorithm.filter_groups.metric=reward (the score plus shaping) to train on them",
-                          keys=("algorithm.filter_groups.metric", "algorithm.filter_groups.enable", *keys))]
+def filter_warnings(cfg: RunConfig) -> list[ConfigProblem]:
+    """A warning (`WARNINGS`): what each chosen filter's warning check finds
+    (`packrl.capabilities.FilterInfo.warnings`, given the sections its parameters name)."""
+    out: list[ConfigProblem] = []
+    for name in cfg.algorithm.filter_parts():
+        if FILTERS.problem(name) is None and (target := FILTERS.info(name).warnings) is not None:
+            out += call_with_sections(resolve_target(target), cfg)
+    return out
 
 
 RULES: tuple[Rule, ...] = (
     critic, shared_prompts, token_budgets, multi_turn_off, mini_batches, ranks_have_work, sequence_parallel_attention,
-    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, group_filter, thinking_budgets, length_targets,
+    parameter_offload, compiled_layers, group_size, sft_loss, kl_in_reward, filters, thinking_budgets, length_targets,
     restarts, task_sources,
 )
 """Every cross-field rule, in the order their problems are reported."""
 
-WARNINGS: tuple[Rule, ...] = (length_signal_filtered,)
+WARNINGS: tuple[Rule, ...] = (filter_warnings,)
 """Rules whose findings are warnings, not errors: settings that run but most likely lose what
 another setting asks for (supported but wrong: a warning with the fix). `load_config` logs them,
 preflight lists them among its notes."""

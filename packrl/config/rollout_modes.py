@@ -101,8 +101,8 @@ def _rollout_workers(trainer: TrainerConfig) -> list[ConfigProblem]:
 
 
 def _partial_problems(data: DataConfig, rollout: RolloutConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigProblem]:
-    """What the partial-rollout modes share: over-provisioning within a batch, one-turn rollouts,
-    no dynamic sampling."""
+    """What the partial-rollout modes share: over-provisioning within a batch, one-turn rollouts
+    (a filter that cannot run in a mode says so itself: `packrl.capabilities.FilterInfo.modes`)."""
     r, mode, out = rollout, trainer.rollout_mode, []
     if r.over_provision is not None and not 1 <= r.over_provision <= data.batch_size:
         out.append(ConfigProblem("rollout.over_provision", r.over_provision,
@@ -115,10 +115,6 @@ def _partial_problems(data: DataConfig, rollout: RolloutConfig, algorithm: Algor
         out.append(ConfigProblem("trainer.rollout_mode", mode, "does not carry multi-turn trajectories across steps yet",
                                  "set trainer.rollout_mode=sync or rollout.multi_turn.tools=[]",
                                  keys=("trainer.rollout_mode", "rollout.multi_turn.tools")))
-    if algorithm.filter_groups.enable:
-        out.append(ConfigProblem("trainer.rollout_mode", mode, "does not combine with dynamic sampling yet",
-                                 "set trainer.rollout_mode=sync or algorithm.filter_groups.enable=false",
-                                 keys=("trainer.rollout_mode", "algorithm.filter_groups.enable")))
     return out
 
 

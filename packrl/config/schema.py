@@ -9,15 +9,14 @@ never written back here.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig, algorithm_variant_problems
+from packrl.config.algorithm_variants import RolloutCorrectionConfig, algorithm_variant_problems
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
-from packrl.config.length_control import GroupFilterConfig, LengthTargetConfig, thinking_problems
+from packrl.config.length_control import LengthTargetConfig, thinking_problems
 from packrl.config.model import NOT_OFFERED, LoraConfig, ModelConfig, ModelDtype, PackedAttention, RopeScalingConfig, RopeType  # noqa: F401 (re-exported)
 from packrl.config.multi_turn import ContextPolicy, MultiTurnConfig, ToolSchemas, TruncationSide  # noqa: F401 (re-exported)
 from packrl.config.sft import SftConfig
@@ -32,7 +31,6 @@ KlEstimator = Literal["k1", "k2", "k3"]
 TruncatedPolicy = Literal["keep", "mask"]
 Extraction = Literal["strict", "flexible"]
 CharCountReading = Literal["strict", "lenient"]
-FilterMetric = Literal["score", "reward"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -293,42 +291,6 @@ class RewardConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FilterGroupsConfig:
-    """Dynamic sampling (DAPO, arXiv 2503.14476; verl's `algorithm.filter_groups`): drop prompt
-    groups whose responses all got the same value and refill the batch from further generation
-    rounds (`packrl.trainer.stages.rounds`, docs/algorithms/dynamic_sampling.md)."""
-
-    enable: bool = False
-    """Drop zero-variance groups and generate further rounds of `data.batch_size` prompts until
-    `data.batch_size` groups with variance are kept (or `max_num_gen_batches` rounds ran)."""
-
-    metric: FilterMetric = "score"
-    """The per-response value whose spread decides: `score` = the task score (verl's `score`),
-    `reward` = the score plus shaping (overlong penalty; in-reward KL is added later and not
-    seen). A group is kept when its largest value exceeds its smallest."""
-
-    max_num_gen_batches: int = 10
-    """Generation rounds per step at most (DAPO's recipe uses 10). At the cap the step trains on
-    the groups kept so far with a warning (verl raises instead; 0 there = unlimited, not here)."""
-
-    def problems(self, prefix: str) -> list[ConfigProblem]:
-        return check_positive(f"{prefix}.max_num_gen_batches", self.max_num_gen_batches)
-
-    def relation_problems(self, prefix: str, group_size: int) -> list[ConfigProblem]:
-        """Settings that cannot act: the filter with one response per group (every group would
-        be dropped: one value has no spread), or its settings while it is off."""
-        if self.enable and group_size == 1:
-            return [ConfigProblem(f"{prefix}.enable", True, "with rollout.n=1 every group is one response, whose value has no "
-                                  "variance: every group would be dropped", f"set rollout.n >= 2 or {prefix}.enable=false",
-                                  keys=(f"{prefix}.enable", "rollout.n"))]
-        if not self.enable:
-            changed = [f.name for f in dataclasses.fields(self) if f.name != "enable" and getattr(self, f.name) != f.default]
-            return [ConfigProblem(f"{prefix}.{name}", getattr(self, name), f"has no effect: {prefix}.enable=false",
-                                  f"set {prefix}.enable=true or remove {prefix}.{name}") for name in changed]
-        return []
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, a name in `packrl.registry.ADVANTAGE_ESTIMATORS`: `grpo`
@@ -401,21 +363,28 @@ class AlgorithmConfig:
     `rollout.max_response_tokens`, a constant (under a length curriculum the largest stage, not
     the current one); verl's default (the padded response width) changes with batching."""
 
-    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    """Dynamic sampling: drop groups without reward variance and refill the batch (off by default)."""
-
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Truncated importance weights, rejection by the engine/trainer ratio (off by default)."""
 
-    entropy_filter: EntropyFilterConfig = field(default_factory=EntropyFilterConfig)
-    """Train only on responses of high mean token entropy (off by default)."""
+    filters: dict[str, Any] = field(default_factory=dict)
+    """Filters between sampling and the update, each a name in `packrl.registry.FILTERS` mapped to
+    its own knobs (`packrl.algos.filters`), checked at load against the filter's options:
+    `dynamic_sampling` (DAPO: drop groups whose values do not vary and refill the batch,
+    `algorithm.filters.dynamic_sampling.metric`, `max_num_gen_batches`), `gfpo` (train on the
+    best `keep` responses of each group by `metric`), `entropy` (train only on responses of high
+    mean token entropy: `threshold` or `quantile`), or one registered through `trainer.plugins`. An
+    empty mapping takes the filter's defaults; null turns a preset's filter off. Rollout
+    correction's rejection is a filter too, set by its own section. Off by default."""
 
-    group_filter: GroupFilterConfig = field(default_factory=GroupFilterConfig)
-    """GFPO: train on the best `keep` responses of each group by `metric` (off by default)."""
+    def filter_parts(self) -> dict[str, dict[str, Any]]:
+        """The filters `filters` chooses, name -> its options mapping (a filter set to null is off)."""
+        return {name: dict(args or {}) for name, args in self.filters.items() if args is not None}
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
-        out: list[ConfigProblem] = self.filter_groups.problems(f"{prefix}.filter_groups")
-        out += algorithm_variant_problems(self, prefix) + self.group_filter.problems(f"{prefix}.group_filter")
+        out: list[ConfigProblem] = algorithm_variant_problems(self, prefix)
+        out += [ConfigProblem(f"{prefix}.filters.{name}", args, "must be a mapping of the filter's knobs (or {} for its defaults, "
+                              "null for off)", f"write {prefix}.filters.{name}.<knob>=value")
+                for name, args in self.filters.items() if args is not None and not isinstance(args, dict)]
         if self.loss_scale_factor is not None:
             out += check_positive(f"{prefix}.loss_scale_factor", self.loss_scale_factor)
             if self.loss_agg_mode != "seq-mean-token-sum-norm":

@@ -177,7 +177,7 @@ LENGTH_SERIES = (
     ("length/correct/mean", "correct responses, mean tokens"), ("length/correct/p95", "correct, p95"),
     ("length/wrong/mean", "wrong responses, mean tokens"), ("length/tokens_per_correct", "tokens per correct answer"),
     ("val/length/correct/mean", "validation: correct, mean tokens"), ("seqlen/forced_tokens", "forced end-of-thinking tokens"),
-    ("train/group_filter/filtered_responses", "responses filtered (GFPO)"),
+    ("filter/gfpo/dropped", "responses filtered (GFPO)"),
 )
 
 

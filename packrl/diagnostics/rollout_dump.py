@@ -50,14 +50,15 @@ def rollout_rows(step: int, batch: TrainBatch, tokenizer: Any) -> list[dict[str,
 
 
 def _length_fields(batch: TrainBatch, i: int, b: int, response: Any, tokenizer: Any) -> dict[str, Any]:
-    """Length control's fields, where they apply: ``filtered`` (GFPO left it out of the update),
+    """Length control's fields, where they apply: ``filtered`` (the name of the filter that took it
+    out of the loss, null where none did: `packrl.algos.filters`),
     ``length_target`` (the length its prompt asked for) and ``length_mode`` (how: ``exact`` or
     ``max``, with ``data.length_target.mode_column``), ``forced_tokens`` and ``forced`` (the
     end-of-thinking tokens appended when the thinking budget ran out, in the response but not sampled
     by the policy, and the response's text split around them: ``thinking``, ``forced``, ``answer``)."""
     out: dict[str, Any] = {}
     if batch.filtered is not None:
-        out["filtered"] = bool(batch.filtered[i])
+        out["filtered"] = batch.filtered[i]
     targets = batch.rollout.prompts.length_targets
     if targets is not None:
         out["length_target"] = int(targets[b])

@@ -79,7 +79,7 @@ class Sample:
         ended_by: what ended a multi-turn trajectory ("" for a single turn).
         dropped_turns: turns the rolling window dropped from the last turn's context.
         length_target: the response length its prompt asked for (``data.length_target``), or None.
-        filtered: group filtering (GFPO) left it out of the update.
+        filtered: the filter that took it out of the loss (`packrl.algos.filters`), or None.
         forced: the response split around the end-of-thinking tokens its thinking budget forced
             ``(thinking, forced, answer)``; empty when nothing was forced.
     """
@@ -99,7 +99,7 @@ class Sample:
     ended_by: str = ""
     dropped_turns: int = 0
     length_target: int | None = None
-    filtered: bool = False
+    filtered: str | None = None
     forced: tuple[str, ...] = ()
 
     @property
@@ -216,7 +216,7 @@ def parse_sample(row: Any) -> Sample:
         turns=_parse_turns(row.get("turns", [])), ended_by=str(row.get("ended_by", "")),
         dropped_turns=_count(row.get("dropped_turns", 0), "dropped_turns"),
         length_target=_count(row["length_target"], "length_target") if "length_target" in row else None,
-        filtered=bool(row.get("filtered", False)), forced=_forced(row.get("forced")),
+        filtered=_filtered(row.get("filtered")), forced=_forced(row.get("forced")),
     )
 
 
@@ -325,7 +325,7 @@ def describe_sample(step: int, sample: Sample) -> Text:
         + (f" · source {sample.data_source}" if sample.data_source else "")
         + (f" · ground truth {sample.ground_truth!r}" if sample.ground_truth else "")
         + (f" · target {sample.length_target} tokens" if sample.length_target is not None else "")
-        + (" · filtered by group filtering (not trained)" if sample.filtered else "")
+        + (f" · taken out of the loss by the {sample.filtered} filter (not trained)" if sample.filtered else "")
         + "\n\n"
     )
     cut = " (prompt truncated)" if sample.prompt_truncated else ""
@@ -512,3 +512,10 @@ def _ranges(numbers: list[int]) -> str:
         else:
             spans.append([n, n])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _filtered(value: object) -> str | None:
+    """A dump's ``filtered``: the filter's name (``true`` in dumps before filters were named: GFPO's)."""
+    if value is True:
+        return "gfpo"
+    return value if isinstance(value, str) and value else None

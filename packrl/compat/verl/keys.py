@@ -140,7 +140,7 @@ _DATA = {
     "data.sampler.class_name": _i("see data.sampler.class_path"),
     "data.datagen.path": _i("packrl reads fixed data files", (None,), "generate the rows beforehand into a data file"),
     "data.datagen.name": _i("see data.datagen.path"),
-    "data.gen_batch_size": _r("algorithm.filter_groups.max_num_gen_batches", "_filter_groups",
+    "data.gen_batch_size": _r("algorithm.filters.dynamic_sampling.max_num_gen_batches", "_filter_groups",
                               "rounds of gen_batch_size -> rounds of data.batch_size"),
     "data.tool_config_path": _i(*_TOOLS),
     "data.function_tool_path": _i(*_TOOLS),
@@ -491,13 +491,13 @@ _ALGORITHM = {
     "algorithm.kl_ctrl.target_kl": _i("read only by the adaptive KL controller"),
     "algorithm.use_pf_ppo": _i("packrl has no preference-feedback PPO", (False,), "remove algorithm.use_pf_ppo"),
     "algorithm.pf_ppo.reweight_method": _i("read only with use_pf_ppo"), "algorithm.pf_ppo.weight_pow": _i("read only with use_pf_ppo"),
-    "algorithm.filter_groups.enable": _r("algorithm.filter_groups.enable", "_filter_groups"),
-    "algorithm.filter_groups.metric": _r("algorithm.filter_groups.metric", "_filter_groups",
+    "algorithm.filter_groups.enable": _r("algorithm.filters.dynamic_sampling", "_filter_groups"),
+    "algorithm.filter_groups.metric": _r("algorithm.filters.dynamic_sampling.metric", "_filter_groups",
                                          "reward (verl 0.9's default) -> reward, acc/score -> score; seq_reward/seq_final_reward "
                                          "(verl <= 0.8) -> reward"),
     "algorithm.filter_groups.max_inflight_gen_batches": _i("rounds verl keeps in flight; packrl generates one round of "
                                                            "data.batch_size prompts at a time"),
-    "algorithm.filter_groups.max_num_gen_batches": _r("algorithm.filter_groups.max_num_gen_batches", "_filter_groups",
+    "algorithm.filter_groups.max_num_gen_batches": _r("algorithm.filters.dynamic_sampling.max_num_gen_batches", "_filter_groups",
                                                       "<= 0 (unlimited) is refused"),
     f"{_RC}.rollout_is": _r(f"{_RC}.rollout_is", "_rollout_correction", "token only"),
     f"{_RC}.rollout_is_threshold": _r(f"{_RC}.rollout_is_threshold", "_rollout_correction", "a number (TIS); IcePop's lower_upper "

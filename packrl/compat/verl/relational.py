@@ -258,16 +258,16 @@ def _gae(c: Context) -> None:
 def _filter_groups(c: Context) -> None:
     """DAPO's dynamic sampling: the metric, and the cap in rounds of ``data.gen_batch_size``
     prompts as rounds of ``data.batch_size`` (the same prompt cap)."""
-    prefix = "algorithm.filter_groups"
+    prefix, ours = "algorithm.filter_groups", "algorithm.filters.dynamic_sampling"
     keys = [f"{prefix}.metric", f"{prefix}.max_num_gen_batches", "data.gen_batch_size"]
     if not c.ignore_unless(bool(c.get(f"{prefix}.enable")), keys, f"no effect: {prefix}.enable=False"):
         return
-    c.set(f"{prefix}.enable", True, f"{prefix}.enable")
     metric = c.get(f"{prefix}.metric")
     if metric in ("acc", "score"):
-        c.set(f"{prefix}.metric", "score", f"{prefix}.metric", conversion=f"{metric}: the reward function's score")
+        c.set(f"{ours}.metric", "score", f"{prefix}.enable", f"{prefix}.metric", conversion=f"{metric}: the reward function's score")
     elif metric in ("reward", "seq_reward", "seq_final_reward"):
-        c.set(f"{prefix}.metric", "reward", f"{prefix}.metric", conversion=f"{metric}: the score plus shaping, before in-reward KL")
+        c.set(f"{ours}.metric", "reward", f"{prefix}.enable", f"{prefix}.metric",
+              conversion=f"{metric}: the score plus shaping, before in-reward KL")
     else:
         c.refuse(f"{prefix}.metric", "packrl filters on the score (verl's acc) or the reward (verl's reward)",
                  f"set {prefix}.metric=reward")
@@ -280,7 +280,7 @@ def _filter_groups(c: Context) -> None:
         return
     gen = c.int("data.gen_batch_size") if c.get("data.gen_batch_size") is not None else batch
     capped = math.ceil(rounds * gen / batch)
-    c.set(f"{prefix}.max_num_gen_batches", capped, f"{prefix}.max_num_gen_batches", "data.gen_batch_size",
+    c.set(f"{ours}.max_num_gen_batches", capped, f"{prefix}.max_num_gen_batches", "data.gen_batch_size",
           conversion="" if gen == batch else f"{rounds} rounds of {gen:,} prompts -> {capped} rounds of data.batch_size={batch:,} "
           "(the same prompt cap)")
 

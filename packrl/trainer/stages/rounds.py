@@ -1,18 +1,14 @@
 """The ``sync`` rollout mode: every step generates its batch whole, in one generation round or, with
-``algorithm.filter_groups.enable``, in dynamic sampling's rounds.
+sampling filters (`packrl.algos.filters`, stage ``sampling``: dynamic sampling), in rounds.
 
 - `one_round` draws ``data.batch_size`` prompts, generates and scores them (no metrics);
-- `dynamic_sampling` (DAPO, Yu et al. 2025, arXiv 2503.14476, "dynamic sampling"; verl's
-  ``algorithm.filter_groups``) repeats rounds, keeps the groups whose values
-  (``algorithm.filter_groups.metric``) are not all equal and stops when ``data.batch_size`` are
-  kept or after ``max_num_gen_batches`` rounds.
+- `filtered_rounds` repeats rounds, keeps the groups every sampling filter keeps and stops when
+  ``data.batch_size`` are kept or after the rounds the filters allow (`FilterOutput.max_rounds`).
 
-A group whose responses all score the same gets advantage 0 under GRPO (and RLOO): it adds no
-policy gradient but still costs its tokens in every update pass, and it shrinks the batch's
-effective size as training solves more prompts. Every round draws from the run's
-`PromptSampler`, so the checkpointed sampler position already covers extra rounds and a resumed
-run draws what the uninterrupted run drew. Dropped groups are not data rows lost (their rows
-stay in the dataset and come back next epoch); they are counted in ``train/*`` metrics.
+Every round draws from the run's `PromptSampler`, so the checkpointed sampler position already
+covers extra rounds and a resumed run draws what the uninterrupted run drew. Dropped groups are
+not data rows lost (their rows stay in the dataset and come back next epoch); they are counted in
+``train/*`` metrics.
 
 Shapes: ``B`` prompts · ``G`` responses per prompt · ``N = B*G``; response i answers prompt ``i // G``.
 """
@@ -28,7 +24,8 @@ from typing import Any
 
 import torch
 
-from packrl.config.schema import FilterGroupsConfig, RewardConfig
+from packrl.algos.filters import ChosenFilter, filter_chain, kept_groups
+from packrl.config.schema import RewardConfig
 from packrl.data.dataset import PromptSampler
 from packrl.diagnostics.timers import Span, stage_timer
 from packrl.distributed.group import WorkerGroup
@@ -67,12 +64,13 @@ class Rounds:
 
 @ROLLOUT_MODES.register("sync")
 def sync_stage(context: StageContext) -> SamplingStage:
-    """The ``sync`` mode: `dynamic_sampling` with ``algorithm.filter_groups.enable``, else `one_round`."""
+    """The ``sync`` mode: `filtered_rounds` with sampling filters, else `one_round`."""
     cfg, sampler, workers = context.cfg, context.sampler, context.workers
-    if not cfg.algorithm.filter_groups.enable:
+    chain = filter_chain(cfg.algorithm, "sampling")
+    if not chain:
         return Rounds(partial(one_round, reward=cfg.reward, sampler=sampler, workers=workers))
-    return Rounds(partial(dynamic_sampling, reward=cfg.reward, filter_groups=cfg.algorithm.filter_groups,
-                          batch_size=cfg.data.batch_size, sampler=sampler, workers=workers))
+    return Rounds(partial(filtered_rounds, reward=cfg.reward, chain=chain, batch_size=cfg.data.batch_size, sampler=sampler,
+                          workers=workers))
 
 
 def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
@@ -90,14 +88,14 @@ def one_round(sampling: SamplingParams, timing: dict[str, float], spans: list[Sp
 
 @dataclass(frozen=True)
 class FillCounts:
-    """What dynamic sampling did in one step, in prompts (groups) unless named otherwise.
+    """What the sampling filters did in one step, in prompts (groups) unless named otherwise.
 
-    ``num_gen_prompts = zero_variance + kept`` and ``kept = update + surplus + too_few_for_ranks``.
+    ``num_gen_prompts = sum(dropped) + kept`` and ``kept = update + surplus + too_few_for_ranks``.
     """
 
     num_gen_batches: int
     num_gen_prompts: int
-    num_zero_variance: int
+    dropped: dict[str, int]
     num_kept: int
     num_surplus: int
     num_too_few_for_ranks: int
@@ -105,12 +103,12 @@ class FillCounts:
     gen_score_mean: float
 
     def metrics(self) -> dict[str, float]:
-        """The ``train/*`` metrics (docs/metrics.md)."""
+        """The ``train/*`` metrics (docs/metrics.md): ``train/num_dropped_prompts/<filter>`` per sampling filter."""
         return {
             "train/num_gen_batches": float(self.num_gen_batches),
             "train/num_gen_prompts": float(self.num_gen_prompts),
             "train/num_kept_prompts": float(self.num_kept),
-            "train/num_dropped_prompts/zero_variance": float(self.num_zero_variance),
+            **{f"train/num_dropped_prompts/{name}": float(n) for name, n in self.dropped.items()},
             "train/num_dropped_prompts/surplus": float(self.num_surplus),
             "train/num_dropped_prompts/too_few_for_ranks": float(self.num_too_few_for_ranks),
             "train/update_batch_prompts": float(self.num_update),
@@ -118,12 +116,12 @@ class FillCounts:
         }
 
 
-def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
-                     reward: RewardConfig, filter_groups: FilterGroupsConfig, batch_size: int, sampler: PromptSampler,
-                     workers: WorkerGroup) -> Sampled:
-    """Rounds of `one_round` until ``batch_size`` (``data.batch_size``) groups with variance are
-    kept, at most ``filter_groups.max_num_gen_batches`` rounds (``algorithm.filter_groups``; DAPO's
-    dynamic sampling, arXiv 2503.14476).
+def filtered_rounds(sampling: SamplingParams, timing: dict[str, float], spans: list[Span], step: int, *,
+                    reward: RewardConfig, chain: Sequence[ChosenFilter], batch_size: int, sampler: PromptSampler,
+                    workers: WorkerGroup) -> Sampled:
+    """Rounds of `one_round` until ``batch_size`` (``data.batch_size``) groups that every sampling
+    filter of ``chain`` keeps are kept, at most the rounds the filters allow (`kept_groups`: the
+    largest `FilterOutput.max_rounds`; DAPO's dynamic sampling, arXiv 2503.14476).
 
     Kept groups keep their round's order; groups kept beyond ``data.batch_size`` are dropped
     (``surplus``), so a full step trains exactly ``data.batch_size`` prompts. At the cap the step
@@ -134,68 +132,46 @@ def dynamic_sampling(sampling: SamplingParams, timing: dict[str, float], spans: 
         The kept groups' rollout and scores, and `FillCounts.metrics`.
 
     Raises:
-        RuntimeError: no group is left to train after the last round (every group's values were
-            equal); the message names the counts and the keys to change.
+        RuntimeError: no group is left to train after the last round; the message names the counts
+            and the keys to change.
     """
-    fg, want, plan = filter_groups, batch_size, workers.plan
+    want, plan = batch_size, workers.plan
     kept: list[ScoredBatch] = []
+    dropped = {f.name: 0 for f in chain}
     num_kept = num_rounds = num_generated = 0
+    max_rounds = 1
     scores: list[torch.Tensor] = []
-    while num_kept < want and num_rounds < fg.max_num_gen_batches:
+    while num_rounds == 0 or (num_kept < want and num_rounds < max_rounds):
         _, scored, _ = one_round(sampling, timing, spans, step, reward=reward, sampler=sampler, workers=workers)
-        keep = groups_with_variance(filter_values(scored, fg), scored.rollout.group_size)
+        keep, round_dropped, max_rounds = kept_groups(chain, scored)
+        dropped = {name: dropped[name] + n for name, n in round_dropped.items()}
         kept.append(select_groups(scored, keep))
         num_rounds, num_kept = num_rounds + 1, num_kept + len(keep)
         num_generated += len(scored.rollout.prompts)
         scores.append(scored.scores)
     num_update = fit_to_ranks(min(num_kept, want), plan.mini_batch_prompts, plan.group_size, plan.data_parallel_size)
-    counts = FillCounts(num_rounds, num_generated, num_generated - num_kept, num_kept, max(0, num_kept - want),
+    counts = FillCounts(num_rounds, num_generated, dropped, num_kept, max(0, num_kept - want),
                         min(num_kept, want) - num_update, num_update, float(torch.cat(scores).mean()))
     if num_update == 0:
-        raise RuntimeError(_nothing_left(counts, fg, want, plan.data_parallel_size))
+        raise RuntimeError(_nothing_left(counts, want, plan.data_parallel_size))
     if num_update < want:
         logger.warning(
-            "dynamic sampling: %d of data.batch_size=%d prompt groups kept after algorithm.filter_groups.max_num_gen_batches=%d "
-            "rounds (%d prompts generated, %d with equal %ss); this step trains %d; raise algorithm.filter_groups."
-            "max_num_gen_batches to fill the batch", num_kept, want, num_rounds, num_generated, counts.num_zero_variance,
-            fg.metric, num_update,
+            "sampling filters: %d of data.batch_size=%d prompt groups kept after %d rounds (%d prompts generated; dropped %s); "
+            "this step trains %d; raise the rounds the filter allows (algorithm.filters.<name>) to fill the batch",
+            num_kept, want, num_rounds, num_generated, counts.dropped, num_update,
         )
     scored = select_groups(concat_scored(kept), range(num_update))
     return scored.rollout, scored, counts.metrics()
 
 
-def _nothing_left(counts: FillCounts, fg: FilterGroupsConfig, batch_size: int, num_ranks: int) -> str:
-    why = (f"{counts.num_kept} group(s) with variance make a mini-batch of fewer sequences than the {num_ranks} "
+def _nothing_left(counts: FillCounts, batch_size: int, num_ranks: int) -> str:
+    names = ", ".join(f"algorithm.filters.{name}" for name in counts.dropped)
+    why = (f"{counts.num_kept} group(s) kept make a mini-batch of fewer sequences than the {num_ranks} "
            "data-parallel ranks (each needs one)" if counts.num_kept else
-           f"all {counts.num_gen_prompts} prompt groups had equal {fg.metric}s (mean score {counts.gen_score_mean:.3g})")
-    return (f"dynamic sampling left no prompt group to train after algorithm.filter_groups.max_num_gen_batches="
-            f"{counts.num_gen_batches} rounds of data.batch_size={batch_size} prompts: {why}; raise "
-            "algorithm.filter_groups.max_num_gen_batches, check that reward.name tells responses apart on this data, "
-            "or set algorithm.filter_groups.enable=false")
-
-
-def filter_values(scored: ScoredBatch, cfg: FilterGroupsConfig) -> torch.Tensor:
-    """The values the filter compares (``algorithm.filter_groups.metric``). Shape [N], float32."""
-    return scored.scores if cfg.metric == "score" else scored.rewards
-
-
-def groups_with_variance(values: torch.Tensor, group_size: int) -> list[int]:
-    """Indices of the groups whose values are not all equal (std > 0, tested exactly as max > min,
-    so float rounding in a mean cannot keep a constant group).
-
-    Args:
-        values: one value per response, groups contiguous. Shape [N], float.
-        group_size: G.
-
-    ========================  ==  =======
-    values                    G   result
-    ========================  ==  =======
-    [1, 1, 0, 1, 1, 0, 0, 0]  2   [1, 2]
-    [1, 1, 1]                 3   []
-    ========================  ==  =======
-    """
-    per_group = values.reshape(-1, group_size)  # [B, G]
-    return torch.nonzero(per_group.amax(dim=1) > per_group.amin(dim=1)).flatten().tolist()
+           f"the filters dropped all {counts.num_gen_prompts} prompt groups ({counts.dropped}; mean score {counts.gen_score_mean:.3g})")
+    return (f"the sampling filters left no prompt group to train after {counts.num_gen_batches} rounds of "
+            f"data.batch_size={batch_size} prompts: {why}; raise the rounds they allow ({names}), check that reward.name "
+            f"tells responses apart on this data, or turn them off ({names}=null)")
 
 
 def fit_to_ranks(num_prompts: int, mini_batch_prompts: int, group_size: int, num_ranks: int) -> int:
