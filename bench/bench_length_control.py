@@ -69,7 +69,7 @@ no signal; at 0.7, 65.6% (64 responses, 5 of 16 groups with a spread, lengths 11
 
 ARMS: dict[str, list[str]] = {
     "grpo": [],
-    "gfpo": ["rollout.n=8", "algorithm.group_filter.keep=4", "algorithm.group_filter.metric=shortest"],
+    "gfpo": ["rollout.n=8", "algorithm.filters.gfpo.keep=4", "algorithm.filters.gfpo.metric=shortest"],
     "shortest_correct": ["reward.shaping.shortest_correct={}"],
     "shortest_correct_gated": ["reward.shaping.shortest_correct.min_group_accuracy=0.5"],
     "group_length": ["reward.shaping.group_length.weight=0.5"],

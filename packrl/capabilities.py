@@ -88,10 +88,14 @@ class RolloutModeInfo:
             checkpoint holds the groups in flight.
         rollout_workers: it generates on ``trainer.num_rollout_workers`` processes of its own
             (Ray actors), not on the training workers.
+        runs_sampling_filters: its stage runs the sampling filters (`FilterInfo` stage
+            ``sampling``) after each generation round; a config choosing one under a mode that
+            does not is refused at load.
     """
 
     carries_groups: bool = False
     rollout_workers: bool = False
+    runs_sampling_filters: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,9 @@ class FilterInfo:
         stage: where it acts (`FilterStage`).
         order: its place among the filters of its stage (lower first; ties by name): the chain is
             sampling filters, then advantage filters, then loss filters, each stage in this order.
-        modes: the ``trainer.rollout_mode`` values it runs under; None = every mode. A config that
-            chooses it under another mode is refused at load.
+        modes: the ``trainer.rollout_mode`` values it runs under; None = every mode (a sampling
+            filter: every mode whose stage runs them, `RolloutModeInfo.runs_sampling_filters`). A
+            config that chooses it under another mode is refused at load.
         reads_old_entropy: it reads the old-log-prob pass's entropy, so that pass runs for it
             (`packrl.config.plan.BatchPlan.needs_old_logprobs`).
         settings_key: its settings are another section of ``algorithm`` (``algorithm.rollout_correction``):
@@ -232,7 +237,7 @@ HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, sh
 VLLM_ENGINE = EngineCapabilities(preflight_notes="packrl.rollout.vllm_settings:preflight_notes")
 """What ``rollout.engine=vllm`` declares (`packrl.rollout.vllm_engine`), readable without importing it."""
 
-SYNC = RolloutModeInfo()
+SYNC = RolloutModeInfo(runs_sampling_filters=True)
 """What ``trainer.rollout_mode=sync`` declares (`packrl.trainer.stages.rounds`)."""
 
 COLOCATE_ASYNC = RolloutModeInfo(carries_groups=True)
@@ -261,9 +266,9 @@ TOOL_TRACES_TASK = TaskInfo(makes="traces", options_key="data.arithmetic")
 CHAR_COUNT_TRACES_TASK = TaskInfo(makes="traces", options_key="data.char_count")
 """``task:char_count_traces``: worked answers to ``task:char_count`` questions (`packrl.data.char_count_traces`)."""
 
-DYNAMIC_SAMPLING_FILTER = FilterInfo(stage="sampling", modes=("sync",),
-                                     warnings="packrl.algos.dynamic_sampling:config_warnings")
-"""``algorithm.filters.dynamic_sampling`` (`packrl.algos.dynamic_sampling`): whole groups, in the sync mode."""
+DYNAMIC_SAMPLING_FILTER = FilterInfo(stage="sampling", warnings="packrl.algos.dynamic_sampling:config_warnings")
+"""``algorithm.filters.dynamic_sampling`` (`packrl.algos.dynamic_sampling`): whole groups, where the
+rollout mode runs sampling filters (`RolloutModeInfo.runs_sampling_filters`)."""
 GFPO_FILTER = FilterInfo(stage="advantages")
 """``algorithm.filters.gfpo`` (`packrl.algos.group_filter`)."""
 ROLLOUT_CORRECTION_FILTER = FilterInfo(stage="loss", order=10, settings_key="algorithm.rollout_correction")

@@ -1,11 +1,12 @@
 """Open registries: the parts a config names by string, and the one way to add a part.
 
-Seven config keys take registered names: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
+Eight config keys take registered names: ``reward.name`` (`REWARDS`), ``algorithm.adv_estimator``
 (`ADVANTAGE_ESTIMATORS`), ``algorithm.policy_loss`` (`POLICY_LOSSES`), ``rollout.engine``
 (`ROLLOUT_ENGINES`), ``trainer.rollout_mode`` (`ROLLOUT_MODES`), each of
-``rollout.multi_turn.tools`` (`TOOLS`) and each key of ``reward.shaping`` (`REWARD_SHAPING`,
-whose values are the parts' options); a data source ``task:<name>`` names a task (`TASKS`, whose
-own options are the values of ``data.task_args``). A user adds a part with
+``rollout.multi_turn.tools`` (`TOOLS`), each key of ``reward.shaping`` (`REWARD_SHAPING`,
+whose values are the parts' options) and each key of ``algorithm.filters`` (`FILTERS`, likewise);
+a data source ``task:<name>`` names a task (`TASKS`, whose own options are the values of
+``data.task_args``). A user adds a part with
 one decorated function in a file of their own::
 
     from packrl.registry import POLICY_LOSSES

@@ -166,16 +166,17 @@ class Filtered:
     max_rounds: int = 1
 
 
-def run_filters(chain: Sequence[ChosenFilter], inputs: FilterInputs) -> Filtered:
+def run_filters(chain: Sequence[ChosenFilter], inputs: FilterInputs, *, count_masked: bool = False) -> Filtered:
     """Each filter of ``chain`` in order, each seeing the masks the ones before it left. A response
-    is counted for the first filter that takes it out while it still has loss tokens."""
+    is counted for the first filter that takes it out while it still has loss tokens (any
+    response with ``count_masked``: the advantage filters, whose choice moves the others' baseline)."""
     by: list[str | None] = [None] * len(inputs.masks)
     masks, rounds = inputs.masks, 1
     extras: dict[str, tuple[torch.Tensor, ...]] = {}
     metrics: dict[str, float] = {}
     for chosen in chain:
         out = chosen(replace(inputs, masks=masks))
-        took = [i for i, (k, m) in enumerate(zip(out.keep, masks)) if not k and by[i] is None and bool(m.any())]
+        took = [i for i, (k, m) in enumerate(zip(out.keep, masks)) if not k and by[i] is None and (count_masked or bool(m.any()))]
         for i in took:
             by[i] = chosen.name
         masks = tuple(m if k else torch.zeros_like(m) for m, k in zip(masks, out.keep))
@@ -185,12 +186,13 @@ def run_filters(chain: Sequence[ChosenFilter], inputs: FilterInputs) -> Filtered
     return Filtered(tuple(b is None for b in by), tuple(by), masks, extras, metrics, rounds)
 
 
-def kept_groups(chain: Sequence[ChosenFilter], scored: ScoredBatch) -> tuple[list[int], dict[str, int], int]:
+def kept_groups(chain: Sequence[ChosenFilter], scored: ScoredBatch) -> tuple[list[int], dict[str, int], dict[str, float], int]:
     """The sampling stage's filters on one generation round.
 
     Returns:
-        ``(groups, dropped, max_rounds)``: the indices of the groups kept (in order), the groups
-        each filter dropped (name -> count) and the rounds a step may run.
+        ``(groups, dropped, metrics, max_rounds)``: the indices of the groups kept (in order), the
+        groups each filter dropped (name -> count), the filters' own metrics and the rounds a step
+        may run.
 
     Raises:
         ValueError: a filter kept part of a group.
@@ -199,8 +201,10 @@ def kept_groups(chain: Sequence[ChosenFilter], scored: ScoredBatch) -> tuple[lis
     masks = tuple(r.generated_mask() for r in scored.rollout.responses)
     dropped: dict[str, int] = {f.name: 0 for f in chain}
     keep, rounds = [True] * (len(masks) // size), 1
+    metrics: dict[str, float] = {}
     for chosen in chain:
         out = chosen(FilterInputs(scored, masks))
+        metrics |= out.metrics
         for g in range(len(keep)):
             flags = set(out.keep[g * size:(g + 1) * size])
             if len(flags) > 1:
@@ -209,7 +213,7 @@ def kept_groups(chain: Sequence[ChosenFilter], scored: ScoredBatch) -> tuple[lis
             if keep[g] and flags == {False}:
                 keep[g], dropped[chosen.name] = False, dropped[chosen.name] + 1
         rounds = max(rounds, out.max_rounds)
-    return [g for g, k in enumerate(keep) if k], dropped, rounds
+    return [g for g, k in enumerate(keep) if k], dropped, metrics, rounds
 
 
 def kept_for_advantages(chain: Sequence[ChosenFilter], inputs: FilterInputs) -> Filtered:
@@ -218,7 +222,7 @@ def kept_for_advantages(chain: Sequence[ChosenFilter], inputs: FilterInputs) -> 
     Raises:
         ValueError: the groups keep different numbers of responses (names the counts).
     """
-    out = run_filters(chain, inputs)
+    out = run_filters(chain, inputs, count_masked=True)
     size = inputs.scored.rollout.group_size
     counts = {sum(out.keep[g:g + size]) for g in range(0, len(out.keep), size)}
     if len(counts) > 1 or counts == {0}:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from packrl.capabilities import FilterInfo
 from packrl.config.budgets import budget_problems, budgets_of_sections
 from packrl.config.critic import CriticConfig
 from packrl.config.curriculum import schedule_problems
@@ -225,10 +226,10 @@ def filters(algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigPr
         if info.settings_key is not None:
             out.append(ConfigProblem(key, algorithm.filters[name], f"is set by {info.settings_key}, not by algorithm.filters",
                                      f"remove {key} and set {info.settings_key}.<knob>"))
-        elif info.modes is not None and trainer.rollout_mode not in info.modes:
+        elif (runs := _filter_modes(info)) is not None and trainer.rollout_mode not in runs:
             out.append(ConfigProblem(key, algorithm.filters[name], f"does not run under trainer.rollout_mode={trainer.rollout_mode} "
-                                     f"(it runs under {', '.join(info.modes)})",
-                                     f"set trainer.rollout_mode={info.modes[0]} or {key}=null", keys=(key, "trainer.rollout_mode")))
+                                     f"(it runs under {', '.join(runs)})",
+                                     f"set trainer.rollout_mode={runs[0]} or {key}=null", keys=(key, "trainer.rollout_mode")))
     return out
 
 
@@ -297,6 +298,14 @@ def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProbl
                           f"curriculum's stage from step {start} (rollout.max_response_tokens_schedule): a prompt of that stage "
                           "would ask for a length its response cannot reach", f"set data.length_target.max_tokens <= {budget:,} "
                           "or raise that stage's budget", keys=("data.length_target.max_tokens", "rollout.max_response_tokens_schedule"))]
+
+
+def _filter_modes(info: FilterInfo) -> tuple[str, ...] | None:
+    """The rollout modes a filter runs under (None: every one)."""
+    modes = info.modes or (tuple(ROLLOUT_MODES.names()) if info.stage == "sampling" else None)
+    if modes is None or info.stage != "sampling":
+        return modes
+    return tuple(m for m in modes if ROLLOUT_MODES.info(m).runs_sampling_filters)
 
 
 def filter_warnings(cfg: RunConfig) -> list[ConfigProblem]:

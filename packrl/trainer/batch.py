@@ -33,12 +33,13 @@ def loss_masks(scored: ScoredBatch, truncated: str) -> tuple[torch.Tensor, ...]:
 def build_train_batch(scored: ScoredBatch, old_logprobs: tuple[torch.Tensor, ...] | None, ref_logprobs: tuple[torch.Tensor, ...] | None,
                       cfg: AlgorithmConfig, values: ValueEstimates | None = None, *,
                       old_entropy: tuple[torch.Tensor, ...] | None = None) -> tuple[TrainBatch, dict[str, float]]:
-    """The batch the update consumes: 1. the rewards with in-reward KL (`kl_shaped_rewards`); 2. the
-    advantage filters (GFPO) choose the responses ``algorithm.adv_estimator`` sees, the same number
-    per group (`packrl.algos.filters`; the others get advantage 0 and no loss tokens); 3. the
-    advantages, with the critic's ``values`` its GAE returns; 4. the truncation policy's loss masks
-    (`loss_masks`), then the loss filters (rollout correction, entropy; ``old_entropy``: the
-    old-log-prob pass's, ``N`` x Shape [R_i] float32 nats), which may add per-token extras.
+    """The batch the update consumes: 1. the rewards with in-reward KL (`kl_shaped_rewards`) and the
+    truncation policy's loss masks (`loss_masks`); 2. the advantage filters (GFPO) choose the
+    responses ``algorithm.adv_estimator`` sees, the same number per group (`packrl.algos.filters`;
+    the others get advantage 0 and no loss tokens); 3. the advantages, with the critic's ``values``
+    its GAE returns; 4. the loss filters (rollout correction, entropy; ``old_entropy``: the
+    old-log-prob pass's, ``N`` x Shape [R_i] float32 nats) take responses out of the loss and may
+    add per-token extras.
 
     ``old_logprobs`` is None when the update is on-policy. ``batch.filtered`` names, per response,
     the filter that took it out of the loss. Metrics: ``seqlen/masked_tokens/truncated``,

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from packrl.algos.cov_losses import SELECTED, clip_cov, kl_cov, pick_tokens, select_cov_tokens, token_covariance
-from packrl.algos.entropy_filter import apply_entropy_filter, entropy_keep
+from packrl.algos.entropy_filter import EntropyFilterOptions, apply_entropy_filter, entropy_keep
 from packrl.algos.policy_losses import PolicyLossInputs, gspo, loss_options
 from packrl.algos.rollout_correction import apply_rollout_correction, geometric_mean_ratio, rollout_is_weights, weighted_token_loss
 from packrl.config import ConfigError, load_config
-from packrl.config.algorithm_variants import EntropyFilterConfig, RolloutCorrectionConfig
+from packrl.config.algorithm_variants import RolloutCorrectionConfig
 from packrl.config.critic import CriticConfig
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig, RunConfig, TrainConfig
@@ -130,26 +130,26 @@ def test_rollout_correction_is_a_no_op_when_off_and_needs_engine_logprobs():
 # --- entropy filter ---------------------------------------------------------------------------
 
 def test_entropy_keep_docstring_table():
-    cfg = EntropyFilterConfig(quantile=0.5)
+    cfg = EntropyFilterOptions(quantile=0.5)
     assert entropy_keep([0.1, 0.9, 0.5, 0.7], [True, True, True, False], cfg) == [False, True, True, True]
-    assert entropy_keep([0.1, 0.9, 0.5, 0.7], [True] * 4, EntropyFilterConfig(threshold=0.5)) == [False, True, True, True]
-    assert entropy_keep([0.5, 0.5, 0.5], [True] * 3, EntropyFilterConfig(quantile=0.34)) == [True, True, False]  # ties: earlier first
+    assert entropy_keep([0.1, 0.9, 0.5, 0.7], [True] * 4, EntropyFilterOptions(threshold=0.5)) == [False, True, True, True]
+    assert entropy_keep([0.5, 0.5, 0.5], [True] * 3, EntropyFilterOptions(quantile=0.34)) == [True, True, False]  # ties: earlier first
 
 
 def test_entropy_filter_counts_and_masks():
     entropy = [T([0.1, 0.1, 9.0]), T([2.0, 2.0]), T([1.0, 1.0, 1.0]), T([5.0])]
     policy = [T([True, True, False]), T([True, True]), T([True, True, True]), T([True])]  # response 0's 9.0 is a tool token
     masks = [T([True, True, False]), T([True, False]), T([True, True, True]), T([False])]  # response 3 already has none
-    out, metrics = apply_entropy_filter(entropy, policy, masks, EntropyFilterConfig(threshold=1.5))
+    out, metrics = apply_entropy_filter(entropy, policy, masks, EntropyFilterOptions(threshold=1.5))
     assert [m.tolist() for m in out] == [[False, False, False], [True, False], [False, False, False], [False]]
     assert metrics["seqlen/masked_tokens/entropy"] == 5.0
     assert metrics["seqlen/masked_sequences/entropy"] == 2.0
     assert metrics["entropy_filter/mean_entropy"] == pytest.approx((0.1 + 2.0 + 1.0) / 3)
-    out, metrics = apply_entropy_filter(entropy, policy, masks, EntropyFilterConfig(quantile=0.5))  # ceil(0.5 x 3) = 2 kept
+    out, metrics = apply_entropy_filter(entropy, policy, masks, EntropyFilterOptions(quantile=0.5))  # ceil(0.5 x 3) = 2 kept
     assert [bool(m.any()) for m in out] == [False, True, True, False]
     assert metrics["seqlen/masked_sequences/entropy"] == 1.0
     with pytest.raises(ValueError, match="entropy"):
-        apply_entropy_filter(None, policy, masks, EntropyFilterConfig(threshold=1.0))
+        apply_entropy_filter(None, policy, masks, EntropyFilterOptions(threshold=1.0))
 
 
 # --- Clip-Cov / KL-Cov ------------------------------------------------------------------------
@@ -263,20 +263,22 @@ def test_refusals_name_the_key_the_value_and_the_fix():
     assert "must be in (0, 1)" in _problems("algorithm.rollout_correction.rollout_rs=geometric",
                                             "algorithm.rollout_correction.rollout_rs_threshold=1.01",
                                             "algorithm.rollout_correction.rollout_rs_threshold_lower=1.5")
-    assert "set one of" in _problems("algorithm.entropy_filter.threshold=0.5", "algorithm.entropy_filter.quantile=0.5")
-    assert "must be in (0, 1]" in _problems("algorithm.entropy_filter.quantile=0")
-    assert "nats >= 0" in _problems("algorithm.entropy_filter.threshold=-1")
+    assert "sets both of threshold and quantile" in _problems("algorithm.filters.entropy.threshold=0.5",
+                                                              "algorithm.filters.entropy.quantile=0.5")
+    assert "sets neither of threshold and quantile" in _problems("algorithm.filters.entropy={}")
+    assert "must be in (0, 1]" in _problems("algorithm.filters.entropy.quantile=0")
+    assert "nats >= 0" in _problems("algorithm.filters.entropy.threshold=-1")
 
 
 @pytest.mark.parametrize("algorithm", [
-    dict(policy_loss="kl_cov"), dict(policy_loss="clip_cov"), dict(entropy_filter=EntropyFilterConfig(quantile=0.5)),
+    dict(policy_loss="kl_cov"), dict(policy_loss="clip_cov"), dict(filters={"entropy": {"quantile": 0.5}}),
     dict(rollout_correction=RolloutCorrectionConfig(rollout_is="token")),
     dict(rollout_correction=RolloutCorrectionConfig(rollout_rs="geometric", rollout_rs_threshold=1.001)),
 ])
 def test_features_that_read_the_old_pass_turn_it_on(algorithm):
     plan = BatchPlan.from_config(RunConfig(algorithm=AlgorithmConfig(**algorithm)))
     assert plan.needs_old_logprobs
-    reason = {"rollout_correction": "rollout_correction", "entropy_filter": "algorithm.entropy_filter reads them",
+    reason = {"rollout_correction": "rollout_correction", "filters": "algorithm.filters.entropy reads their entropy",
               "policy_loss": f"algorithm.policy_loss={algorithm.get('policy_loss')} reads them"}[next(iter(algorithm))]
     assert f"yes ({plan.old_logprobs_reason})" in plan.summary() and reason in plan.old_logprobs_reason
     on = "rollout_correction" in algorithm

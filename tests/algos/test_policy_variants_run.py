@@ -17,7 +17,7 @@ def test_a_run_with_every_filter_logs_their_metrics(tmp_path, smollm_tokenizer, 
     run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, [
         "train.total_steps=2", "reward.name=test_letter_e", f"algorithm.policy_loss={loss}",
         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=geometric",
-        "algorithm.rollout_correction.rollout_rs_threshold=1.5", "algorithm.entropy_filter.quantile=0.5",
+        "algorithm.rollout_correction.rollout_rs_threshold=1.5", "algorithm.filters.entropy.quantile=0.5",
     ])
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]

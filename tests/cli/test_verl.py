@@ -170,7 +170,8 @@ def test_policy_losses_and_dynamic_sampling_map_to_algorithm_keys():
                                      "data.gen_batch_size=12"])
     assert out["algorithm.policy_loss"] == "clip_cov" and out["algorithm.policy_loss_args.clip_cov_ratio"] == "0.0004"
     assert "algorithm.policy_loss_args.kl_cov_ratio" not in out  # read by kl_cov only: named as ignored
-    assert out["algorithm.filter_groups.metric"] == "score" and out["algorithm.filter_groups.max_num_gen_batches"] == "30"
+    assert out["algorithm.filters.dynamic_sampling.metric"] == "score"
+    assert out["algorithm.filters.dynamic_sampling.max_num_gen_batches"] == "30"
     assert translated(GRPO + SMALL + [f"{AR}.actor.policy_loss.loss_mode=vanilla"])["algorithm.policy_loss"] == "ppo_clip"
 
 

@@ -261,7 +261,7 @@ def test_verl_0_9_reward_spelling_maps_the_dapo_overlong_buffer():
 
 def test_dynamic_sampling_filters_on_verls_default_metric():
     out = overrides([*GRPO_09, *SMALL, "algorithm.filter_groups.enable=True", "algorithm.filter_groups.max_num_gen_batches=4"])
-    assert out["algorithm.filter_groups.metric"] == "reward"  # verl 0.9: the reward before KL
+    assert out["algorithm.filters.dynamic_sampling.metric"] == "reward"  # verl 0.9: the reward before KL
 
 
 def test_asynchronous_verl_trainer_modes_are_refused_with_packrls_mode_named():

@@ -34,14 +34,13 @@ CASES: list[tuple[str, list[str], str, str]] = [  # (rule, overrides on the demo
     ("parameter_offload", ["model.param_offload=true"], "model.param_offload", "trainer.num_workers=1 runs one process"),
     ("compiled_layers", ["model.compile=true", "trainer.num_workers=2"], "model.compile", "cannot run with trainer.num_workers=2"),
     ("group_size", ["rollout.n=1"], "rollout.n", "gives every response advantage 0 under grpo"),
-    ("group_size", ["rollout.n=1", "algorithm.adv_estimator=gae", "algorithm.filter_groups.enable=true"],
-     "algorithm.filter_groups.enable", "rollout.n"),
     ("sft_loss", ["algorithm.policy_loss=sft"], "algorithm.policy_loss", "supervised loss of packrl sft"),
     ("kl_in_reward", ["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "has no effect with algorithm.kl_coef=0"),
     ("restarts", ["trainer.max_restarts=2"], "trainer.max_restarts", "trains in this process with none"),
-    ("group_filter", ["algorithm.group_filter.keep=5"], "algorithm.group_filter.keep", "> rollout.n=4"),
-    ("group_filter", ["algorithm.group_filter.keep=4"], "algorithm.group_filter.keep", "has no effect: it keeps all"),
-    ("group_filter", ["algorithm.group_filter.keep=1"], "algorithm.group_filter.keep", "leaves a group of one"),
+    ("filters", ["algorithm.filters.dynamic_sampling={}", "trainer.rollout_mode=colocate_async"], "algorithm.filters.dynamic_sampling",
+     "does not run under trainer.rollout_mode=colocate_async"),
+    ("filters", ["algorithm.filters.rollout_correction={}"], "algorithm.filters.rollout_correction",
+     "is set by algorithm.rollout_correction"),
     ("thinking_budgets", ["rollout.think_budget_tokens=8", "rollout.answer_budget_tokens=8", "trainer.rollout_mode=colocate_async"],
      "rollout.think_budget_tokens", "does not apply to responses carried across steps"),
     ("length_targets", ["data.length_target.min_tokens=8", "data.length_target.max_tokens=65"], "data.length_target.max_tokens",
@@ -68,8 +67,6 @@ PART_CHECKS: list[tuple[str, list[str], str, str]] = [  # a registered part's ow
      "has no effect: rollout.engine=hf on one rank"),
     ("trainer.rollout_mode=colocate_async", ["rollout.multi_turn.tools=[calculator]"], "trainer.rollout_mode",
      "does not carry multi-turn"),
-    ("trainer.rollout_mode=colocate_async", ["algorithm.filter_groups.enable=true"], "trainer.rollout_mode",
-     "does not combine with dynamic sampling"),
     ("trainer.rollout_mode=colocate_async", ["trainer.num_rollout_workers=2"], "trainer.num_rollout_workers",
      "runs no rollout workers of its own"),
     ("algorithm.policy_loss=gspo", ["trainer.num_workers=2", "trainer.sequence_parallel_size=2"], "algorithm.policy_loss",
@@ -191,18 +188,18 @@ def test_dynamic_sampling_on_the_score_with_a_length_part_is_a_warning_naming_me
     from packrl.registry import REWARD_SHAPING
     from packrl.reward.length.common import LengthGateOptions
 
-    assert [rule.__name__ for rule in WARNINGS] == ["length_signal_filtered"]
+    assert [rule.__name__ for rule in WARNINGS] == ["filter_warnings"]
     assert {n for n in REWARD_SHAPING.names() if issubclass(REWARD_SHAPING.options_class(n) or object, LengthGateOptions)} \
         == set(LENGTH_PARTS)
-    over = ["algorithm.filter_groups.enable=true", "reward.shaping.shortest_correct.beta=0.001"]
+    over = ["algorithm.filters.dynamic_sampling={}", "reward.shaping.shortest_correct.beta=0.001"]
     with caplog.at_level("WARNING", logger="packrl.config"):
         cfg = load_config("demo", over)
-    assert ("algorithm.filter_groups.metric='score': drops every group whose task scores are all equal, the all-correct ones "
-            "included, whose rewards differ only by the length term of reward.shaping.shortest_correct; fix: set "
-            "algorithm.filter_groups.metric=reward") in caplog.text
-    assert [w.keys for w in config_warnings(cfg)] == [("algorithm.filter_groups.metric", "algorithm.filter_groups.enable",
+    assert ("algorithm.filters.dynamic_sampling.metric='score': drops every group whose task scores are all equal, the all-correct "
+            "ones included, whose rewards differ only by the length term of reward.shaping.shortest_correct; fix: set "
+            "algorithm.filters.dynamic_sampling.metric=reward") in caplog.text
+    assert [w.keys for w in config_warnings(cfg)] == [("algorithm.filters.dynamic_sampling.metric", "algorithm.filters.dynamic_sampling",
                                                        "reward.shaping.shortest_correct")]
-    assert config_warnings(load_config("demo", [*over, "algorithm.filter_groups.metric=reward"])) == []
+    assert config_warnings(load_config("demo", [*over[1:], "algorithm.filters.dynamic_sampling.metric=reward"])) == []
     assert config_warnings(load_config("demo", over[:1])) == []  # no length part
     assert config_warnings(load_config("demo", over[1:])) == []  # no dynamic sampling
     for preset in preset_names():

@@ -36,10 +36,10 @@ def test_thinking_budgets_force_the_end_of_thinking_on_the_135m_model(tmp_path):
 def test_length_objectives_gfpo_and_targets_report_their_metrics(tmp_path):
     run = tmp_path / "length"
     assert main(["train", "char_count", f"model.path={GGUF}", *TINY, f"train.out_dir={run}", "rollout.n=4",
-                 "reward.shaping.shortest_correct.beta=0.01", "algorithm.group_filter.keep=2",
+                 "reward.shaping.shortest_correct.beta=0.01", "algorithm.filters.gfpo.keep=2",
                  "data.length_target.min_tokens=16", "data.length_target.max_tokens=48"]) == 0
     line = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert line["train/group_filter/kept_responses"] == 4 and line["train/group_filter/filtered_responses"] == 4
+    assert line["filter/gfpo/dropped"] == 4
     assert "length/target_error/mean" in line and "reward/shortest_correct/mean" in line
     assert "length/all_cut_or_wrong" in line and "length/score_per_1k_tokens" in line
     rows = [json.loads(r) for r in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]

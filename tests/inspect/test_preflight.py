@@ -327,6 +327,6 @@ def test_no_rope_factor_above_four_is_proposed(model_dir):
 
 
 def test_preflight_lists_the_config_warnings_among_its_notes(model_dir):
-    report = preflight("demo", [f"model.path={model_dir}", "algorithm.filter_groups.enable=true",
+    report = preflight("demo", [f"model.path={model_dir}", "algorithm.filters.dynamic_sampling={}",
                                 "reward.shaping.group_length.weight=0.5"])
-    assert any(n.startswith("warning: algorithm.filter_groups.metric='score': drops every group") for n in report.notes)
+    assert any(n.startswith("warning: algorithm.filters.dynamic_sampling.metric='score': drops every group") for n in report.notes)

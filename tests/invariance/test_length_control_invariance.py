@@ -1,6 +1,6 @@
 """The length-control paths that touch the loss keep invariant 4 (the loss and the gradient of a
 mini-batch do not depend on its micro-batches or ranks): GFPO's filtered responses
-(``algorithm.group_filter``: no loss tokens, advantage 0) and a thinking budget's forced
+(``algorithm.filters.gfpo``: no loss tokens, advantage 0) and a thinking budget's forced
 end-of-thinking tokens (``Response.forced_span``: out of the loss mask).
 
 The oracle for the filter is independent of packrl's masking: the same update on a batch that
@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from packrl.algos.loss_agg import LOSS_AGG_MODES
-from packrl.config.length_control import GroupFilterConfig
 from packrl.trainer.batch import build_train_batch
 from packrl.types import PromptBatch, Response, RolloutBatch, ScoredBatch
 from tests.builders import BUDGETS, RTOL, WHOLE, pass_config
@@ -63,7 +62,7 @@ def _old_logprobs(indices: list[int]) -> tuple[torch.Tensor, ...]:
 
 def _cfg(mode: str, budget: int, keep: int | None):
     return pass_config(batch_size=3, n=4, max_prompt_tokens=12, max_response_tokens=24, update_tokens=budget, loss_agg_mode=mode,
-                       clip_ratio_low=0.1, clip_ratio_high=0.1, group_filter=GroupFilterConfig(keep=keep, metric="shortest"))
+                       clip_ratio_low=0.1, clip_ratio_high=0.1, filters={"gfpo": {"keep": keep, "metric": "shortest"}})
 
 
 def _loss_and_grads(batch, cfg, num_ranks: int, keep_masked: bool = False) -> tuple[float, torch.Tensor]:

@@ -173,7 +173,7 @@ def test_task_arithmetic_trains_with_every_length_part_gfpo_and_targets(tmp_path
     from tests.diagnostics.tiny_run import tiny_run
 
     run_dir, workers = tiny_run(tmp_path, smollm_tokenizer, [
-        "train.total_steps=2", "rollout.n=4", "algorithm.group_filter.keep=2", "reward.shaping.group_length.weight=0.5",
+        "train.total_steps=2", "rollout.n=4", "algorithm.filters.gfpo.keep=2", "reward.shaping.group_length.weight=0.5",
         "reward.shaping.efficiency.alpha=0.2", "reward.shaping.shortest_correct.beta=0.01", "reward.shaping.target_length.mode=max",
         "data.length_target.min_tokens=4", "data.length_target.max_tokens=12"])
     workers.close()
@@ -182,5 +182,5 @@ def test_task_arithmetic_trains_with_every_length_part_gfpo_and_targets(tmp_path
     for line in lines:
         for part in ("group_length", "efficiency", "shortest_correct", "target_length"):
             assert math.isfinite(line[f"reward/{part}/mean"])
-        assert line["train/group_filter/kept_responses"] == 4 and line["train/group_filter/filtered_responses"] == 4
+        assert line["filter/gfpo/dropped"] == 4
         assert math.isfinite(line["length/target_error/mean"]) and math.isfinite(line["actor/pg_loss"])

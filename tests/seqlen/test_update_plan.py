@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packrl.config.length_control import GroupFilterConfig
 from packrl.config.schema import AlgorithmConfig
 from packrl.seqlen.update_plan import groups_of, plan_update, trained_sequences
 from packrl.trainer.batch import build_train_batch
@@ -37,7 +36,7 @@ def _gfpo_batch(lengths: list[int], group_size: int, keep: int):
     prompts = PromptBatch(tuple((1, 2, 3, 4, k) for k in range(num)), ("1",) * num, ("t",) * num, tuple(range(num)), (False,) * num)
     rewards = torch.randint(0, 2, (len(lengths),), generator=g).float()
     scored = ScoredBatch(RolloutBatch(prompts, group_size, tuple(Response((7,) * n, "eos") for n in lengths)), rewards, rewards)
-    cfg = AlgorithmConfig(adv_estimator="grpo", group_filter=GroupFilterConfig(keep=keep, metric="reward_per_token"))
+    cfg = AlgorithmConfig(adv_estimator="grpo", filters={"gfpo": {"keep": keep, "metric": "reward_per_token"}})
     return build_train_batch(scored, None, None, cfg)[0]
 
 

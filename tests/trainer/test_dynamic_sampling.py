@@ -1,4 +1,4 @@
-"""Dynamic sampling (algorithm.filter_groups): zero-variance groups dropped, the batch refilled
+"""Dynamic sampling (algorithm.filters.dynamic_sampling, a sampling filter): zero-variance groups dropped, the batch refilled
 from further rounds of the run's sampler, the round cap, the counts, the config checks, resume."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from packrl.algos.dynamic_sampling import groups_with_variance
 from packrl.config import config_problems
+from packrl.config.load import check_config
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import (
     AlgorithmConfig,
     DataConfig,
-    FilterGroupsConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
@@ -28,7 +29,7 @@ from packrl.rollout.engine import SamplingParams
 from packrl.seqlen.prompt_policy import PromptAccounting, RowOutcome
 from packrl.trainer.stages import sampling_stage
 from packrl.trainer.stages.base import StageContext
-from packrl.trainer.stages.rounds import fit_to_ranks, groups_with_variance
+from packrl.trainer.stages.rounds import fit_to_ranks
 from packrl.types import Response, RolloutBatch
 
 if "test_scripted_value" not in REWARDS:
@@ -66,7 +67,7 @@ def _cfg(*, enable=True, batch_size=4, n=2, max_rounds=10, mini=None, workers=1,
         data=DataConfig(batch_size=batch_size, shuffle=False), rollout=RolloutConfig(n=n),
         reward=RewardConfig(name="test_scripted_value", shaping={"overlong": {"buffer_tokens": buffer}} if buffer else {}),
         train=TrainConfig(mini_batch_size=mini),
-        algorithm=AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=enable, max_num_gen_batches=max_rounds, metric=metric)),
+        algorithm=AlgorithmConfig(filters={"dynamic_sampling": {"max_num_gen_batches": max_rounds, "metric": metric}} if enable else {}),
         trainer=TrainerConfig(num_workers=workers),
     )
 
@@ -111,7 +112,7 @@ def test_zero_variance_groups_are_refilled_to_a_full_batch_over_rounds():
     assert groups_with_variance(scored.scores, 2) == [0, 1, 2, 3]  # only groups with variance are left
     assert metrics == {
         "train/num_gen_batches": 3.0, "train/num_gen_prompts": 12.0, "train/num_kept_prompts": 4.0,
-        "train/num_dropped_prompts/zero_variance": 8.0, "train/num_dropped_prompts/surplus": 0.0,
+        "train/num_dropped_prompts/dynamic_sampling": 8.0, "train/num_dropped_prompts/surplus": 0.0,
         "train/num_dropped_prompts/too_few_for_ranks": 0.0, "train/update_batch_prompts": 4.0,
         "train/gen_score/mean": pytest.approx(20 / 24),
     }
@@ -132,10 +133,10 @@ def test_the_round_cap_stops_there_and_trains_what_was_kept(caplog):
         rollout, _, metrics, workers, _ = _step(cfg, _varied({1, 6, 9}))
     assert len(workers.rows) == 2 and rollout.prompts.rows == (1, 6)
     assert metrics["train/num_gen_batches"] == 2 and metrics["train/update_batch_prompts"] == 2
-    assert metrics["train/num_dropped_prompts/zero_variance"] == 6
-    assert "2 of data.batch_size=4 prompt groups kept after algorithm.filter_groups.max_num_gen_batches=2 rounds" in caplog.text
-    with pytest.raises(RuntimeError, match=r"no prompt group to train after .*max_num_gen_batches=2 rounds .*all 8 prompt "
-                                           r"groups had equal scores"):
+    assert metrics["train/num_dropped_prompts/dynamic_sampling"] == 6
+    assert "2 of data.batch_size=4 prompt groups kept after 2 rounds" in caplog.text
+    with pytest.raises(RuntimeError, match=r"no prompt group to train after 2 rounds .*the filters dropped all 8 prompt "
+                                           r"groups \(\{'dynamic_sampling': 8\}"):
         _step(cfg, _varied(set()))
 
 
@@ -178,18 +179,21 @@ def test_resuming_the_sampler_after_a_step_draws_the_same_rounds():
     assert resumed[0].prompts.rows == straight[0].prompts.rows == (13, 17, 18, 23)
 
 
-def _problems(cfg: RunConfig) -> list[str]:
-    return [str(p) for p in config_problems(cfg) if p.key.startswith("algorithm.filter_groups")]
+def _problems(overrides: list[str]) -> list[str]:
+    cfg, problems, _ = check_config("demo", ["reward.name=gsm8k", *overrides])
+    return [str(p) for p in problems if "filter" in p.key]
 
 
 def test_config_refuses_a_filter_that_cannot_act():
-    (one,) = _problems(_cfg(n=1))
-    assert one.startswith("algorithm.filter_groups.enable=True: with rollout.n=1") and "set rollout.n >= 2" in one
-    (off,) = _problems(_cfg(enable=False, max_rounds=3))
-    assert "max_num_gen_batches=3: has no effect: algorithm.filter_groups.enable=false" in off
-    (zero,) = _problems(_cfg(max_rounds=0))
+    (one,) = _problems(["algorithm.filters.dynamic_sampling={}", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
+    assert one.startswith("algorithm.filters.dynamic_sampling={}: with rollout.n=1") and "set rollout.n >= 2" in one
+    (zero,) = _problems(["algorithm.filters.dynamic_sampling.max_num_gen_batches=0"])
     assert "max_num_gen_batches=0: must be >= 1" in zero
-    assert _problems(_cfg()) == [] and _problems(_cfg(enable=False)) == []
+    (mode,) = _problems(["algorithm.filters.dynamic_sampling={}", "trainer.rollout_mode=colocate_async"])
+    assert "does not run under trainer.rollout_mode=colocate_async (it runs under sync)" in mode
+    (moved,) = _problems(["algorithm.filter_groups.enable=true"])
+    assert "algorithm.filter_groups moved: write algorithm.filters.dynamic_sampling={}" in moved
+    assert _problems(["algorithm.filters.dynamic_sampling={}"]) == [] and config_problems(_cfg()) == []
 
 
 def test_a_tiny_run_with_dynamic_sampling_trains_only_groups_with_variance(tmp_path, smollm_tokenizer):
@@ -203,7 +207,7 @@ def test_a_tiny_run_with_dynamic_sampling_trains_only_groups_with_variance(tmp_p
             return response_text.count("e") / max(1, len(response_text)) if int(ground_truth) % 2 else 0.0
 
     smollm_tokenizer.padding_side = "left"
-    common = ["reward.name=test_letter_e_odd", "algorithm.filter_groups.enable=true", "train.dump_rollouts=true",
+    common = ["reward.name=test_letter_e_odd", "algorithm.filters.dynamic_sampling={}", "train.dump_rollouts=true",
               "train.save_every=1", "train.mini_batch_size=1", "train.lr=1e-2"]
     straight, _ = tiny_run(tmp_path / "a", smollm_tokenizer, ["train.total_steps=3", *common])
     tiny_run(tmp_path / "b", smollm_tokenizer, ["train.total_steps=1", *common])
@@ -213,7 +217,7 @@ def test_a_tiny_run_with_dynamic_sampling_trains_only_groups_with_variance(tmp_p
     assert sum(line["train/num_gen_batches"] for line in a) > 3, "some step must need a second round"
     for line in a:
         assert line["train/num_gen_prompts"] == 2 * line["train/num_gen_batches"]
-        assert line["train/num_gen_prompts"] == line["train/num_dropped_prompts/zero_variance"] + line["train/num_kept_prompts"]
+        assert line["train/num_gen_prompts"] == line["train/num_dropped_prompts/dynamic_sampling"] + line["train/num_kept_prompts"]
         assert line["train/num_kept_prompts"] == (line["train/update_batch_prompts"] + line["train/num_dropped_prompts/surplus"]
                                                   + line["train/num_dropped_prompts/too_few_for_ranks"])
     for step in range(1, 4):

@@ -129,7 +129,8 @@ def filtered_rounds(sampling: SamplingParams, timing: dict[str, float], spans: l
     give some data-parallel rank no sequence (`fit_to_ranks`).
 
     Returns:
-        The kept groups' rollout and scores, and `FillCounts.metrics`.
+        The kept groups' rollout and scores, `FillCounts.metrics` and the filters' own metrics (of
+        the last round).
 
     Raises:
         RuntimeError: no group is left to train after the last round; the message names the counts
@@ -141,9 +142,10 @@ def filtered_rounds(sampling: SamplingParams, timing: dict[str, float], spans: l
     num_kept = num_rounds = num_generated = 0
     max_rounds = 1
     scores: list[torch.Tensor] = []
+    filter_metrics: dict[str, float] = {}
     while num_rounds == 0 or (num_kept < want and num_rounds < max_rounds):
         _, scored, _ = one_round(sampling, timing, spans, step, reward=reward, sampler=sampler, workers=workers)
-        keep, round_dropped, max_rounds = kept_groups(chain, scored)
+        keep, round_dropped, filter_metrics, max_rounds = kept_groups(chain, scored)
         dropped = {name: dropped[name] + n for name, n in round_dropped.items()}
         kept.append(select_groups(scored, keep))
         num_rounds, num_kept = num_rounds + 1, num_kept + len(keep)
@@ -157,11 +159,11 @@ def filtered_rounds(sampling: SamplingParams, timing: dict[str, float], spans: l
     if num_update < want:
         logger.warning(
             "sampling filters: %d of data.batch_size=%d prompt groups kept after %d rounds (%d prompts generated; dropped %s); "
-            "this step trains %d; raise the rounds the filter allows (algorithm.filters.<name>) to fill the batch",
-            num_kept, want, num_rounds, num_generated, counts.dropped, num_update,
+            "this step trains %d; raise the rounds the filters allow (%s) to fill the batch",
+            num_kept, want, num_rounds, num_generated, counts.dropped, num_update, ", ".join(f"algorithm.filters.{n}" for n in dropped),
         )
     scored = select_groups(concat_scored(kept), range(num_update))
-    return scored.rollout, scored, counts.metrics()
+    return scored.rollout, scored, counts.metrics() | filter_metrics  # the filters' own metrics: of the last round
 
 
 def _nothing_left(counts: FillCounts, batch_size: int, num_ranks: int) -> str:
