@@ -46,7 +46,7 @@ def test_filtered_responses_are_in_no_micro_batch_and_the_denominators_stay(num_
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 30, (32,), generator=g).tolist()
     batch = _gfpo_batch(lengths, group_size=8, keep=4)
-    assert batch.filtered is not None and sum(batch.filtered) == 16
+    assert batch.filtered is not None and sum(f is not None for f in batch.filtered) == 16
     seq_lengths = batch.rollout.sequence_lengths()
     loss_tokens = [int(m.sum()) for m in batch.loss_masks]
     plan = _plan(seq_lengths, loss_tokens, 8, num_ranks=num_ranks, max_tokens=max_tokens)

@@ -491,7 +491,7 @@ _ALGORITHM = {
     "algorithm.kl_ctrl.target_kl": _i("read only by the adaptive KL controller"),
     "algorithm.use_pf_ppo": _i("packrl has no preference-feedback PPO", (False,), "remove algorithm.use_pf_ppo"),
     "algorithm.pf_ppo.reweight_method": _i("read only with use_pf_ppo"), "algorithm.pf_ppo.weight_pow": _i("read only with use_pf_ppo"),
-    "algorithm.filter_groups.enable": _r("algorithm.filters.dynamic_sampling", "_filter_groups"),
+    "algorithm.filter_groups.enable": _r("algorithm.filters.dynamic_sampling.metric", "_filter_groups"),
     "algorithm.filter_groups.metric": _r("algorithm.filters.dynamic_sampling.metric", "_filter_groups",
                                          "reward (verl 0.9's default) -> reward, acc/score -> score; seq_reward/seq_final_reward "
                                          "(verl <= 0.8) -> reward"),

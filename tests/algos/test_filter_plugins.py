@@ -1,0 +1,98 @@
+"""A filter of your own is one plugin file: its options are checked at load under
+``algorithm.filters.<name>``, it runs in its stage in every rollout mode that runs that stage, and
+what it takes out is counted and dumped with its name; a sampling filter is refused under a mode
+that runs no sampling filters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from packrl.algos.filters import filter_chain
+from packrl.config import ConfigError, load_config
+from packrl.registry import FILTERS, import_plugins
+from tests.diagnostics.tiny_run import tiny_run
+
+PLUGIN = '''
+from dataclasses import dataclass
+
+from packrl.algos.filters import FilterInputs, FilterOutput
+from packrl.capabilities import FilterInfo
+from packrl.errors import ConfigProblem
+from packrl.registry import FILTERS
+
+
+@dataclass(frozen=True)
+class EveryOther:
+    period: int = 2
+
+    def problems(self, prefix):
+        return [] if self.period >= 2 else [ConfigProblem(f"{prefix}.period", self.period, "must be >= 2",
+                                                          f"set {prefix}.period=2")]
+
+
+@FILTERS.register("test_every_other", options=EveryOther, info=FilterInfo(stage="loss", order=5))
+def every_other(inputs: FilterInputs) -> FilterOutput:
+    keep = tuple(i % inputs.options.period != 0 for i in range(len(inputs.masks)))
+    return FilterOutput(keep=keep, metrics={"filter/test_every_other/period": float(inputs.options.period)})
+
+
+@FILTERS.register("test_even_rows", info=FilterInfo(stage="sampling"))
+def even_rows(inputs: FilterInputs) -> FilterOutput:
+    rollout = inputs.scored.rollout
+    return FilterOutput(keep=tuple(rollout.prompts.rows[i // rollout.group_size] % 2 == 0 for i in range(len(rollout.responses))),
+                        max_rounds=4)
+'''
+NAMES = ("test_every_other", "test_even_rows")
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plugin") / "filters.py"  # one file: a filter's name is registered once per process
+    path.write_text(PLUGIN)
+    assert import_plugins([str(path)]) == []
+    yield path
+    for name in NAMES:  # the other modules' tests see the built-in filters alone
+        for table in (FILTERS._parts, FILTERS._options, FILTERS._info):
+            table.pop(name, None)
+
+
+def test_its_options_and_its_mode_are_checked_at_load(plugin):
+    base = [f"trainer.plugins=[{plugin}]"]
+    with pytest.raises(ConfigError, match=r"algorithm.filters.test_every_other.period=1: must be >= 2"):
+        load_config("demo", [*base, "algorithm.filters.test_every_other.period=1"])
+    with pytest.raises(ConfigError, match=r"algorithm.filters.test_every_other.perod=3: unknown key; fix: did you mean "
+                                          r"algorithm.filters.test_every_other.period\?"):
+        load_config("demo", [*base, "algorithm.filters.test_every_other.perod=3"])
+    with pytest.raises(ConfigError, match=r"algorithm.filters.test_even_rows=\{\}: does not run under "
+                                          r"trainer.rollout_mode=colocate_async \(it runs under sync\)"):
+        load_config("demo", [*base, "algorithm.filters.test_even_rows={}", "trainer.rollout_mode=colocate_async"])
+    cfg = load_config("demo", [*base, "algorithm.filters.test_every_other={}", "algorithm.filters.entropy.quantile=0.5"])
+    assert [f.name for f in filter_chain(cfg.algorithm, "loss")] == ["test_every_other", "rollout_correction", "entropy"]
+    assert filter_chain(cfg.algorithm, "loss")[0].options.period == 2
+
+
+@pytest.mark.parametrize("mode", [["trainer.rollout_mode=sync"], ["trainer.rollout_mode=colocate_async", "rollout.over_provision=1"]])
+def test_a_loss_filter_runs_in_every_mode_and_what_it_takes_is_dumped_with_its_name(tmp_path, plugin, smollm_tokenizer, mode):
+    smollm_tokenizer.padding_side = "left"
+    run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, [
+        "train.total_steps=2", f"trainer.plugins=[{plugin}]", "algorithm.filters.test_every_other.period=3",
+        "train.dump_rollouts=true", *mode])
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        rows = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{line['step']}.jsonl").read_text().splitlines()]
+        assert [r["filtered"] for r in rows] == ["test_every_other" if r["index"] % 3 == 0 else None for r in rows]
+        assert line["filter/test_every_other/dropped"] == len(range(0, len(rows), 3)) and line["filter/test_every_other/period"] == 3
+
+
+def test_a_sampling_filter_refills_the_batch_from_further_rounds(tmp_path, plugin, smollm_tokenizer):
+    smollm_tokenizer.padding_side = "left"
+    run_dir, _ = tiny_run(tmp_path / "run", smollm_tokenizer, [
+        "train.total_steps=1", f"trainer.plugins=[{plugin}]", "algorithm.filters.test_even_rows={}", "train.dump_rollouts=true",
+        "data.shuffle=false"])
+    line = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    rows = [json.loads(x) for x in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert {r["row"] % 2 for r in rows} == {0} and line["train/num_dropped_prompts/test_even_rows"] >= 1
+    assert line["train/num_gen_batches"] >= 2 and line["train/update_batch_prompts"] == 2
