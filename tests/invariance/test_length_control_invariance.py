@@ -62,7 +62,8 @@ def _old_logprobs(indices: list[int]) -> tuple[torch.Tensor, ...]:
 
 def _cfg(mode: str, budget: int, keep: int | None):
     return pass_config(batch_size=3, n=4, max_prompt_tokens=12, max_response_tokens=24, update_tokens=budget, loss_agg_mode=mode,
-                       clip_ratio_low=0.1, clip_ratio_high=0.1, filters={} if keep is None else {"gfpo": {"keep": keep, "metric": "shortest"}})
+                       clip_ratio_low=0.1, clip_ratio_high=0.1,
+                       filters={} if keep is None else {"gfpo": {"keep": keep, "metric": "shortest"}})
 
 
 def _loss_and_grads(batch, cfg, num_ranks: int, keep_masked: bool = False) -> tuple[float, torch.Tensor]:
