@@ -184,6 +184,43 @@ class TaskInfo:
                              "give data.<section> or data.task_args.<task>, or None for its own (data.task_args.<name>)")
 
 
+@dataclass(frozen=True)
+class WrapperInfo:
+    """What an engine wrapper declares with its registration (``ENGINE_WRAPPERS.register(name,
+    info=WrapperInfo(...))``), read by set-up, preflight and the config checks without building it.
+
+    Attributes:
+        applies: ``"module:function"`` of ``function(rollout: RolloutConfig) -> bool``: whether a run
+            with this ``rollout`` section wraps its engine (in a module light enough for config
+            checks); None: never.
+        order: its place among the wrappers that apply (lower wraps first, innermost; ties by name).
+        keeps: the `EngineCapabilities` fields the wrapped engine keeps (the others fall back to
+            their defaults: a wrapper that serves the engine call by call keeps none).
+        preflight_notes: ``"module:function"`` of a check whose findings ``packrl preflight`` lists as
+            notes (``list[str]``), given the config sections its parameters name; None: none.
+        preflight_problems: likewise, of problems set-up would raise (``list[ConfigProblem]``, e.g.
+            found with the policy's tokenizer); not run while a key of those sections has a problem.
+
+    Raises:
+        ValueError: a field of ``keeps`` that `EngineCapabilities` does not have, or a target that is
+            not a ``"module:function"`` string.
+    """
+
+    applies: str | None = None
+    order: int = 100
+    keeps: tuple[str, ...] = ()
+    preflight_notes: str | None = None
+    preflight_problems: str | None = None
+
+    def __post_init__(self) -> None:
+        known = set(EngineCapabilities.__dataclass_fields__)
+        if unknown := [k for k in self.keeps if k not in known]:
+            raise ValueError(f"WrapperInfo(keeps={self.keeps!r}): {unknown} are not EngineCapabilities fields ({', '.join(sorted(known))})")
+        for name in ("applies", "preflight_notes", "preflight_problems"):
+            if (problem := _target_problem("WrapperInfo", name, getattr(self, name))) is not None:
+                raise ValueError(problem)
+
+
 FilterStage = Literal["sampling", "advantages", "loss"]
 """Where a filter acts (`packrl.algos.filters`): ``sampling`` drops whole groups from a generation
 round and may ask the stage for more rounds; ``advantages`` keeps the same number of each group's
@@ -265,6 +302,13 @@ TOOL_TRACES_TASK = TaskInfo(makes="traces", options_key="data.arithmetic")
 """``task:tool_traces``: calculator traces of ``task:arithmetic`` questions (`packrl.data.tool_traces`)."""
 CHAR_COUNT_TRACES_TASK = TaskInfo(makes="traces", options_key="data.char_count")
 """``task:char_count_traces``: worked answers to ``task:char_count`` questions (`packrl.data.char_count_traces`)."""
+
+MULTI_TURN_WRAPPER = WrapperInfo(applies="packrl.config.multi_turn:wraps_engine", order=10,
+                                 preflight_notes="packrl.rollout.multi_turn:preflight_notes")
+"""``rollout.multi_turn.tools`` set: the tool loop (`packrl.rollout.multi_turn`), one engine call per turn."""
+THINKING_WRAPPER = WrapperInfo(applies="packrl.config.length_control:thinking_wraps_engine", order=20,
+                               preflight_problems="packrl.rollout.thinking:preflight_problems")
+"""``rollout.think_budget_tokens`` set: the thinking budgets (`packrl.rollout.thinking`), one call per segment."""
 
 DYNAMIC_SAMPLING_FILTER = FilterInfo(stage="sampling", warnings="packrl.algos.dynamic_sampling:config_warnings")
 """``algorithm.filters.dynamic_sampling`` (`packrl.algos.dynamic_sampling`): whole groups, where the

@@ -61,10 +61,12 @@ from packrl.capabilities import (
     ENTROPY_FILTER,
     GFPO_FILTER,
     HF_ENGINE,
+    MULTI_TURN_WRAPPER,
     ROLLOUT_CORRECTION_FILTER,
     SEPARATE_ASYNC,
     SHAPES_TASK,
     SYNC,
+    THINKING_WRAPPER,
     TOKEN_LOSS,
     TOOL_TRACES_TASK,
     VLLM_ENGINE,
@@ -75,6 +77,7 @@ from packrl.capabilities import (
     RewardInfo,
     RolloutModeInfo,
     TaskInfo,
+    WrapperInfo,
 )
 
 T = TypeVar("T")
@@ -395,6 +398,14 @@ FILTERS = Registry("FILTERS", "algorithm.filters", "filter",
 to the advantages and the loss; its info a `packrl.capabilities.FilterInfo` (its stage, its order, the
 modes it runs in). Its config key holds a mapping, filter name -> its options (``args_key`` is the key
 itself), as ``reward.shaping`` does; a filter with a ``settings_key`` is in every run's chain instead."""
+
+ENGINE_WRAPPERS = Registry("ENGINE_WRAPPERS", "rollout", "engine wrapper",
+                           {"multi_turn": "packrl.rollout.multi_turn", "thinking": "packrl.rollout.thinking"},
+                           info=WrapperInfo, infos={"multi_turn": MULTI_TURN_WRAPPER, "thinking": THINKING_WRAPPER})
+"""``fn(engine, context: WrapperContext) -> RolloutEngine`` (`packrl.rollout.engine.WrapperFn`): an engine
+that serves the run's engine (multi-turn tool loops, thinking budgets); its info a
+`packrl.capabilities.WrapperInfo` (when it applies, its order, the capabilities it keeps, its
+preflight hooks). No config key names one: a wrapper applies where its ``applies`` says."""
 
 CONFIG_REGISTRIES: dict[str, Registry[Any]] = {r.key: r for r in (REWARDS, ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_ENGINES, TOOLS,
                                                              REWARD_SHAPING, ROLLOUT_MODES, TASKS, FILTERS)}

@@ -1,11 +1,13 @@
 """Config sections of length control (docs/algorithms/length_control.md): the target length a
-prompt asks for (``data.length_target``) and the checks of the thinking budgets (``rollout.think_budget_tokens``, ``answer_budget_tokens``,
-``end_of_thinking``). The length objectives themselves are reward-shaping parts with options of
-their own (`packrl.reward.length`). No torch here."""
+prompt asks for (``data.length_target``) and the checks of the thinking budgets
+(``rollout.think_budget_tokens``, ``answer_budget_tokens``, ``end_of_thinking``). The length
+objectives themselves are reward-shaping parts with options of their own (`packrl.reward.length`).
+No torch here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from packrl.errors import ConfigProblem
 
@@ -106,3 +108,9 @@ def thinking_problems(think: int | None, answer: int | None, end_of_thinking: st
         out.append(ConfigProblem(f"{prefix}.end_of_thinking", end_of_thinking, "is blank",
                                  f"set {prefix}.end_of_thinking='</think>' or null (the chat template's)"))
     return out
+
+
+def thinking_wraps_engine(rollout: Any) -> bool:
+    """Thinking budgets wrap the engine (`packrl.capabilities.THINKING_WRAPPER`): ``rollout.think_budget_tokens``
+    is set. ``rollout``: the `packrl.config.schema.RolloutConfig` section."""
+    return bool(rollout.thinking)

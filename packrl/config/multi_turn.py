@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from packrl.errors import ConfigProblem, check_positive
 
@@ -84,3 +84,9 @@ class MultiTurnConfig:
                                      "must be a plain role name other than assistant (tool answers must not look like the policy's turns)",
                                      f"set {prefix}.tool_role=tool (or user for templates without a tool role)"))
         return out
+
+
+def wraps_engine(rollout: Any) -> bool:
+    """Multi-turn rollouts wrap the engine (`packrl.capabilities.MULTI_TURN_WRAPPER`): tools are set.
+    ``rollout``: the `packrl.config.schema.RolloutConfig` section."""
+    return bool(rollout.multi_turn.enabled)

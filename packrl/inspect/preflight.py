@@ -32,7 +32,7 @@ from packrl.hardware import ComputeDtype, probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 from packrl.models.isolation import config_packing
 from packrl.registry import resolve_target
-from packrl.rollout.engine import EngineOptions, declared_capabilities, engine_capabilities
+from packrl.rollout.engine import EngineOptions, declared_capabilities, engine_capabilities, wrapper_notes, wrapper_problems
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 
 
@@ -138,7 +138,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
     if "model.path" not in bad:
         model_config, problem = _read_model_config(cfg.model.path)
         problems += problem
-    problems += _critic_path_problems(cfg.critic, cfg.algorithm.adv_estimator) + _thinking_problems(cfg.model, cfg.rollout, bad, problems)
+    problems += _critic_path_problems(cfg.critic, cfg.algorithm.adv_estimator) + _wrapper_problems(cfg, bad, problems)
     budgets = budgets_of(cfg, max_context_tokens=None)
     rope = None
     rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
@@ -177,8 +177,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
             problems += _sequence_parallel_problems(cfg.trainer.sequence_parallel_size, model_config, packing)
             engine_options = EngineOptions.of_sections(cfg.rollout, cfg.data, cfg.train, cfg.algorithm)
             notes += _engine_notes(cfg.rollout.engine, engine_options, compute, shape, budgets, device)
-            notes += _multi_turn_notes(cfg.rollout) + _rollout_mode_notes(cfg.trainer, cfg.rollout, cfg.data.batch_size, shape,
-                                                                          compute.param_bytes)
+            notes += wrapper_notes(cfg) + _rollout_mode_notes(cfg.trainer, cfg.rollout, cfg.data.batch_size, shape, compute.param_bytes)
             more = _modality_checks(cfg, model_config, PromptRoom.of(cfg.rollout, budgets.max_context_tokens))
             notes, problems = notes + more[0], problems + more[1]
             if memory_bytes is not None:
@@ -230,17 +229,6 @@ def _rollout_mode_notes(trainer: TrainerConfig, rollout: RolloutConfig, batch: i
                    f"copy (about {copy:.2f} GiB of parameters) and its engine's KV cache in its own process (its own GPU on "
                    "CUDA), outside this estimate, which covers one trainer rank")
     return out
-
-
-def _multi_turn_notes(rollout: RolloutConfig) -> list[str]:
-    """With tools but without ``</tool_call>`` in ``rollout.stop``, a turn runs on after its call."""
-    from packrl.rollout.tools import CALL_CLOSE
-
-    if not rollout.multi_turn.enabled or CALL_CLOSE in rollout.stop:
-        return []
-    return [f"rollout.multi_turn.tools is set but rollout.stop does not hold {CALL_CLOSE!r}: a turn goes on after its tool "
-            f"call until EOS or its budget, and its calls run only then; add rollout.stop=['{CALL_CLOSE}'] to answer each "
-            "call as soon as it is written"]
 
 
 def _modality_checks(cfg: RunConfig, model_config: Any, room: PromptRoom | None) -> tuple[list[str], list[ConfigProblem]]:
@@ -332,25 +320,11 @@ def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[Conf
     return []
 
 
-def _thinking_problems(model_cfg: ModelConfig, rollout: RolloutConfig, bad: set[str], found: list[ConfigProblem]) -> list[ConfigProblem]:
-    """Thinking budgets checked with the policy's tokenizer, as set-up checks them
-    (`packrl.rollout.thinking.check_thinking`: the end-of-thinking text found and round-tripped,
-    think + its exact tokens + answer within the response budget); not where a key it reads did
-    not parse or already has a problem (``bad``, ``found``)."""
-    said = bad.union(*(p.involved_keys for p in found))
-    if not rollout.thinking or said.intersection({"model.path", "rollout.think_budget_tokens", "rollout.answer_budget_tokens",
-                                                  "rollout.end_of_thinking", "rollout.max_response_tokens"}):
-        return []
-    from packrl.models.loading import load_policy_tokenizer
-    from packrl.rollout.thinking import check_thinking
-
-    try:
-        check_thinking(load_policy_tokenizer(model_cfg), rollout)
-    except KeyedValueError as err:
-        return [err.problem(getattr(rollout, err.key.removeprefix("rollout.")))]
-    except ValueError:  # the tokenizer itself: said by train and by the model checks
-        return []
-    return []
+def _wrapper_problems(cfg: RunConfig, bad: set[str], found: list[ConfigProblem]) -> list[ConfigProblem]:
+    """What the engine wrappers that apply find as set-up would (`packrl.rollout.engine.wrapper_problems`:
+    the thinking budgets with the policy's tokenizer); not where a key of the sections a hook reads
+    did not parse or already has a problem (``bad``, ``found``)."""
+    return wrapper_problems(cfg, bad.union(*(p.involved_keys for p in found)))
 
 
 def _read_model_config(path: str) -> tuple[Any, list[ConfigProblem]]:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from packrl.capabilities import EngineCapabilities
 from packrl.hardware import ComputeDtype
-from packrl.registry import ROLLOUT_ENGINES
+from packrl.registry import ENGINE_WRAPPERS, ROLLOUT_ENGINES, call_with_sections, resolve_target
 
 if TYPE_CHECKING:
     from packrl.config.schema import AlgorithmConfig, DataConfig, RolloutConfig
@@ -246,16 +246,84 @@ def declared_capabilities(engine: str) -> EngineCapabilities:
     return ROLLOUT_ENGINES.info(engine)
 
 
+@dataclass(frozen=True)
+class WrapperContext:
+    """What an engine wrapper's factory gets (`packrl.registry.ENGINE_WRAPPERS`).
+
+    Attributes:
+        tokenizer: the policy's tokenizer.
+        rollout: the ``rollout`` section.
+        max_prompt_tokens: the prompt budget (``data.max_prompt_tokens``), tokens.
+        max_context_tokens: the model's context, tokens.
+    """
+
+    tokenizer: Any
+    rollout: RolloutConfig
+    max_prompt_tokens: int
+    max_context_tokens: int
+
+
+WrapperFn = Callable[[Any, WrapperContext], Any]
+"""``fn(engine, context) -> RolloutEngine``: the engine serving ``engine`` (an `EngineWrapper`)."""
+
+
+def active_wrappers(rollout: RolloutConfig) -> list[str]:
+    """The registered wrappers that apply to a run with this ``rollout`` section
+    (`packrl.capabilities.WrapperInfo.applies`), innermost first (by ``order``, then name)."""
+    chosen = [(ENGINE_WRAPPERS.info(n).order, n) for n in ENGINE_WRAPPERS.names()
+              if (applies := ENGINE_WRAPPERS.info(n).applies) is not None and resolve_target(applies)(rollout)]
+    return [name for _, name in sorted(chosen)]
+
+
+def wrap_engine(engine: Any, context: WrapperContext) -> Any:
+    """``engine`` wrapped by every wrapper that applies (`active_wrappers`), innermost first.
+
+    Raises:
+        ValueError: a wrapper returned an object without the engine contract (names it).
+    """
+    for name in active_wrappers(context.rollout):
+        engine = ENGINE_WRAPPERS.lookup(name)(engine, context)
+        if not isinstance(engine, RolloutEngine):
+            raise ValueError(f"engine wrapper {name!r} returned a {type(engine).__name__} without the methods of "
+                             "packrl.rollout.engine.RolloutEngine; subclass packrl.rollout.engine.EngineWrapper")
+    return engine
+
+
 def engine_capabilities(rollout: RolloutConfig) -> EngineCapabilities:
-    """What the rollouts of a run can do: ``rollout.engine``'s declaration, or none of it when a
-    wrapper serves the engine call by call (multi-turn rollouts, `packrl.rollout.multi_turn`, and
-    thinking budgets, `packrl.rollout.thinking`: text prompts, one call per turn or segment).
+    """What the rollouts of a run can do: ``rollout.engine``'s declaration, less what each wrapper
+    that applies does not keep (`packrl.capabilities.WrapperInfo.keeps`: a wrapper serving the
+    engine call by call, multi-turn tool loops or thinking budgets, keeps none of it).
 
     Raises:
         ValueError: as `declared_capabilities`.
     """
-    declared = declared_capabilities(rollout.engine)
-    return EngineCapabilities() if rollout.multi_turn.enabled or rollout.thinking else declared
+    capabilities, default = declared_capabilities(rollout.engine), EngineCapabilities()
+    for name in active_wrappers(rollout):
+        kept = ENGINE_WRAPPERS.info(name).keeps
+        capabilities = replace(capabilities, **{f: getattr(default, f) for f in EngineCapabilities.__dataclass_fields__ if f not in kept})
+    return capabilities
+
+
+def wrapper_notes(cfg: Any) -> list[str]:
+    """What ``packrl preflight`` notes for the wrappers that apply (their
+    `packrl.capabilities.WrapperInfo.preflight_notes`, given the sections their parameters name)."""
+    return [note for name in active_wrappers(cfg.rollout) if (target := ENGINE_WRAPPERS.info(name).preflight_notes) is not None
+            for note in call_with_sections(resolve_target(target), cfg)]
+
+
+def wrapper_problems(cfg: Any, said: set[str]) -> list[Any]:
+    """The problems set-up would raise for the wrappers that apply (their
+    `packrl.capabilities.WrapperInfo.preflight_problems`, e.g. found with the policy's tokenizer),
+    each hook given the sections its parameters name and not run while a key of those sections is
+    in ``said`` (a key that did not parse or already has a problem)."""
+    out: list[Any] = []
+    for name in active_wrappers(cfg.rollout):
+        if (target := ENGINE_WRAPPERS.info(name).preflight_problems) is None:
+            continue
+        hook = resolve_target(target)
+        if not any(key.split(".", 1)[0] in inspect.signature(hook).parameters for key in said):
+            out += call_with_sections(hook, cfg)
+    return out
 
 
 def check_capabilities(engine: Any, name: str, capabilities: EngineCapabilities) -> None:

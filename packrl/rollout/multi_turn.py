@@ -45,13 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 from packrl.chat.render import ToolRenderer
 from packrl.chat.tool_schemas import renders_tools, template_kwargs
-from packrl.rollout.engine import EngineWrapper, RolloutEngine, SamplingParams
-from packrl.rollout.tools import ToolCall, parse_tool_calls, run_tool
+from packrl.registry import ENGINE_WRAPPERS
+from packrl.rollout.engine import EngineWrapper, RolloutEngine, SamplingParams, WrapperContext
+from packrl.rollout.tools import CALL_CLOSE, ToolCall, parse_tool_calls, run_tool
 from packrl.seqlen.prompt_policy import cut_text
 from packrl.types import FinishReason, Response, Trajectory
 
 if TYPE_CHECKING:
-    from packrl.config.schema import MultiTurnConfig
+    from packrl.config.schema import MultiTurnConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 TRUNCATION_MARKER = "...(truncated)..."
@@ -295,6 +296,24 @@ class MultiTurnEngine(EngineWrapper):
             return cut_text(ids, keep, "right", decode) + TRUNCATION_MARKER
         head, tail = keep - keep // 2, keep // 2
         return cut_text(ids, head, "right", decode) + TRUNCATION_MARKER + cut_text(ids, tail, "left", decode)
+
+
+@ENGINE_WRAPPERS.register("multi_turn")
+def multi_turn_wrapper(engine: RolloutEngine, context: WrapperContext) -> MultiTurnEngine:
+    """The registered wrapper (`packrl.capabilities.MULTI_TURN_WRAPPER`): `multi_turn_engine` of the
+    run's ``rollout.multi_turn`` section and budgets."""
+    rollout = context.rollout
+    return multi_turn_engine(engine, context.tokenizer, rollout.multi_turn, max_prompt_tokens=context.max_prompt_tokens,
+                             max_response_tokens=rollout.max_response_tokens, max_context_tokens=context.max_context_tokens)
+
+
+def preflight_notes(rollout: RolloutConfig) -> list[str]:
+    """With tools but without ``</tool_call>`` in ``rollout.stop``, a turn runs on after its call."""
+    if CALL_CLOSE in rollout.stop:
+        return []
+    return [f"rollout.multi_turn.tools is set but rollout.stop does not hold {CALL_CLOSE!r}: a turn goes on after its tool "
+            f"call until EOS or its budget, and its calls run only then; add rollout.stop=['{CALL_CLOSE}'] to answer each "
+            "call as soon as it is written"]
 
 
 def multi_turn_engine(engine: RolloutEngine, tokenizer: Any, mt: MultiTurnConfig, *, max_prompt_tokens: int,

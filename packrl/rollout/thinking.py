@@ -31,9 +31,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from packrl.config.schema import RolloutConfig
-from packrl.errors import KeyedValueError
-from packrl.rollout.engine import EngineWrapper, RolloutEngine, SamplingParams, single_sample_seed
+from packrl.config.schema import ModelConfig, RolloutConfig
+from packrl.errors import ConfigProblem, KeyedValueError
+from packrl.registry import ENGINE_WRAPPERS
+from packrl.rollout.engine import EngineWrapper, RolloutEngine, SamplingParams, WrapperContext, single_sample_seed
 from packrl.types import Response
 
 THINK_CLOSE = "</think>"
@@ -160,6 +161,27 @@ def thinking_engine(engine: RolloutEngine, tokenizer: Any, rollout: RolloutConfi
     assert rollout.think_budget_tokens is not None and rollout.answer_budget_tokens is not None, "checked at config load"
     return ThinkingEngine(engine, tokenizer, think_budget_tokens=rollout.think_budget_tokens,
                           answer_budget_tokens=rollout.answer_budget_tokens, end_text=text, end_ids=ids)
+
+
+@ENGINE_WRAPPERS.register("thinking")
+def thinking_wrapper(engine: RolloutEngine, context: WrapperContext) -> ThinkingEngine:
+    """The registered wrapper (`packrl.capabilities.THINKING_WRAPPER`): `thinking_engine`."""
+    return thinking_engine(engine, context.tokenizer, context.rollout)
+
+
+def preflight_problems(model: ModelConfig, rollout: RolloutConfig) -> list[ConfigProblem]:
+    """The thinking budgets checked with the policy's tokenizer, as set-up checks them
+    (`check_thinking`: the end-of-thinking text found and round-tripped, think + its exact tokens +
+    answer within the response budget); a tokenizer that does not load is the model checks' to say."""
+    from packrl.models.loading import load_policy_tokenizer
+
+    try:
+        check_thinking(load_policy_tokenizer(model), rollout)
+    except KeyedValueError as err:
+        return [err.problem(getattr(rollout, err.key.removeprefix("rollout.")))]
+    except ValueError:  # the tokenizer itself: said by train and by the model checks
+        return []
+    return []
 
 
 def _mask(response: Response) -> tuple[bool, ...]:

@@ -28,12 +28,12 @@ from packrl.rollout.engine import (
     EngineContext,
     EngineOptions,
     RolloutEngine,
+    WrapperContext,
     check_capabilities,
     declared_capabilities,
     engine_capabilities,
+    wrap_engine,
 )
-from packrl.rollout.multi_turn import multi_turn_engine
-from packrl.rollout.thinking import thinking_engine
 from packrl.worker.actor import MicrobatchLoss
 from packrl.worker.critic import CriticRole
 from packrl.worker.optim import Optimization
@@ -94,10 +94,10 @@ class WorkerParts:
 
 def build_engine(rollout: RolloutConfig, options: EngineOptions, policy: Any, tokenizer: Any, *, max_context_tokens: int,
                  may_share_policy: bool, compute_dtype: ComputeDtype) -> tuple[Any, str, EngineCapabilities]:
-    """The configured rollout engine for ``policy`` (``rollout.engine``, wrapped for tools by
-    `packrl.rollout.multi_turn.multi_turn_engine` and for thinking budgets by
-    `packrl.rollout.thinking.thinking_engine`), its summary phrase and what the run's rollouts
-    can do (`packrl.rollout.engine.engine_capabilities`). Before the strategy wraps the policy: an
+    """The configured rollout engine for ``policy`` (``rollout.engine``, wrapped by the registered
+    engine wrappers that apply, `packrl.rollout.engine.wrap_engine`: tool loops, thinking
+    budgets), its summary phrase and what the run's rollouts can do
+    (`packrl.rollout.engine.engine_capabilities`). Before the strategy wraps the policy: an
     engine copies whole weights.
 
     Args:
@@ -119,11 +119,7 @@ def build_engine(rollout: RolloutConfig, options: EngineOptions, policy: Any, to
                          f"{', '.join(missing)}; return an object with the methods of packrl.rollout.engine.RolloutEngine")
     check_capabilities(engine, name, declared_capabilities(name))
     phrase = engine.describe() if isinstance(engine, DescribedEngine) else ""
-    if rollout.multi_turn.enabled:
-        engine = multi_turn_engine(engine, tokenizer, rollout.multi_turn, max_prompt_tokens=options.max_prompt_tokens,
-                                   max_response_tokens=rollout.max_response_tokens, max_context_tokens=max_context_tokens)
-    if rollout.thinking:
-        engine = thinking_engine(engine, tokenizer, rollout)
+    engine = wrap_engine(engine, WrapperContext(tokenizer, rollout, options.max_prompt_tokens, max_context_tokens))
     return engine, phrase, engine_capabilities(rollout)
 
 
