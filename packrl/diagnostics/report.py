@@ -177,7 +177,7 @@ def build_sections(run: RunData) -> list[Section]:
         _plain_section("length_control", "Length control",
                        "How long correct and wrong responses are (length/correct/*, length/wrong/*: tokens the policy "
                        "generated), tokens per correct answer, forced end-of-thinking tokens (seqlen/forced_tokens) and "
-                       "responses GFPO left out (filter/gfpo/dropped).",
+                       "responses each filter took out of the loss (filter/<name>/dropped, e.g. GFPO's).",
                        figs.length_control(run.metrics), "no length/* metrics in metrics.jsonl (a reward without a notion "
                        "of correct)"),
         _plain_section("targets", "Target-length adherence",

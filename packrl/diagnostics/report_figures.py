@@ -177,14 +177,16 @@ LENGTH_SERIES = (
     ("length/correct/mean", "correct responses, mean tokens"), ("length/correct/p95", "correct, p95"),
     ("length/wrong/mean", "wrong responses, mean tokens"), ("length/tokens_per_correct", "tokens per correct answer"),
     ("val/length/correct/mean", "validation: correct, mean tokens"), ("seqlen/forced_tokens", "forced end-of-thinking tokens"),
-    ("filter/gfpo/dropped", "responses filtered (GFPO)"),
 )
 
 
 def length_control(metrics: Metrics) -> go.Figure | None:
     """Length control per step (``length/*``): how long correct and wrong responses are, tokens per
-    correct answer, forced and filtered counts; None when no such metric was logged."""
-    return _lines(metrics, LENGTH_SERIES, y_title="tokens / count")
+    correct answer, forced tokens and the responses each filter took out of the loss
+    (``filter/<name>/dropped``, where a filter took any); None when no such metric was logged."""
+    dropped = tuple((key, f"responses taken out by the {key.split('/')[1]} filter")
+                    for key in keys_with_prefix(metrics, "filter/") if key.endswith("/dropped") and any(series(metrics, key)[1]))
+    return _lines(metrics, LENGTH_SERIES + dropped, y_title="tokens / count")
 
 
 def target_error(metrics: Metrics) -> go.Figure | None:

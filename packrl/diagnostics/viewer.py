@@ -515,7 +515,7 @@ def _ranges(numbers: list[int]) -> str:
 
 
 def _filtered(value: object) -> str | None:
-    """A dump's ``filtered``: the filter's name (``true`` in dumps before filters were named: GFPO's)."""
+    """A dump's ``filtered``: the filter's name (``true`` in dumps written before filters were named)."""
     if value is True:
-        return "gfpo"
+        return "group"
     return value if isinstance(value, str) and value else None
