@@ -29,6 +29,11 @@ def _target_problem(owner: str, field: str, value: object) -> str | None:
     return f"{owner}({field}={value!r}): a 'module:function' string, or None"
 
 
+def _check_order(owner: str, order: object) -> None:
+    if not isinstance(order, int) or isinstance(order, bool):
+        raise ValueError(f"{owner}(order={order!r}): an int (lower first)")
+
+
 @dataclass(frozen=True)
 class NoInfo:
     """What a part of a kind that declares nothing holds (advantage estimators, tools, reward-shaping
@@ -213,6 +218,9 @@ class WrapperInfo:
     preflight_problems: str | None = None
 
     def __post_init__(self) -> None:
+        _check_order("WrapperInfo", self.order)
+        if not isinstance(self.keeps, tuple):
+            raise ValueError(f"WrapperInfo(keeps={self.keeps!r}): a tuple of EngineCapabilities fields, e.g. ('modalities',)")
         known = set(EngineCapabilities.__dataclass_fields__)
         if unknown := [k for k in self.keeps if k not in known]:
             raise ValueError(f"WrapperInfo(keeps={self.keeps!r}): {unknown} are not EngineCapabilities fields ({', '.join(sorted(known))})")
@@ -261,6 +269,12 @@ class FilterInfo:
     def __post_init__(self) -> None:
         if self.stage not in ("sampling", "advantages", "loss"):
             raise ValueError(f"FilterInfo(stage={self.stage!r}): one of sampling, advantages, loss")
+        _check_order("FilterInfo", self.order)
+        if self.modes is not None and not (isinstance(self.modes, tuple) and self.modes and all(isinstance(m, str) for m in self.modes)):
+            raise ValueError(f"FilterInfo(modes={self.modes!r}): a tuple of trainer.rollout_mode names, e.g. ('sync',), "
+                             "or None (every mode)")
+        if not isinstance(self.reads_old_entropy, bool):
+            raise ValueError(f"FilterInfo(reads_old_entropy={self.reads_old_entropy!r}): True or False")
         if self.settings_key is not None and not self.settings_key.startswith("algorithm."):
             raise ValueError(f"FilterInfo(settings_key={self.settings_key!r}): a key of the algorithm section, or None")
         problem = _target_problem("FilterInfo", "warnings", self.warnings)

@@ -194,7 +194,8 @@ class Registry(Mapping[str, Any], Generic[InfoT]):
             cls = self.info_class.__name__
             wanted = (f"the parts of {self.name} declare nothing: remove info=" if self.info_class is NoInfo else
                       f"declare {'an' if cls[0] in 'AEIOU' else 'a'} {cls} ({self.name}.register(name, info={cls}(...)))")
-            raise ValueError(f"{self.key}={name!r} registered info={info!r}; {wanted}")
+            where = f"{self.key}.{name}" if self.args_key == self.key else f"{self.key}={name!r}"
+            raise ValueError(f"{where} registered info={info!r}; {wanted}")
 
         def decorate(part: T) -> T:
             if name in self._builtins and name not in self._parts:
@@ -305,12 +306,21 @@ class Registry(Mapping[str, Any], Generic[InfoT]):
         return f"Registry({self.key}: {', '.join(self.names())})"
 
 
-def resolve_target(target: str) -> Any:
+def resolve_target(target: str, owner: str = "") -> Any:
     """The function ``"module:function"`` names (its module imported): a check or hook a
     registration names without importing its module (`LossInfo.prepare`,
-    `EngineCapabilities.preflight_notes`)."""
+    `EngineCapabilities.preflight_notes`, `FilterInfo.warnings`, `WrapperInfo.applies`).
+
+    Raises:
+        ValueError: the module or the function does not exist (``owner``: what declared it, for
+            the message).
+    """
     module, _, function = target.partition(":")
-    return getattr(importlib.import_module(module), function)
+    try:
+        return getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{owner or 'a declaration'} names {target!r}, which cannot be imported ({err}); name a "
+                         "'module:function' that exists (a plugin file names its own module as f\"{__name__}:function\")") from err
 
 
 

@@ -80,7 +80,7 @@ def config_problems(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> list[
     """GFPO keeps fewer than ``rollout.n`` responses, and enough for a group-relative baseline."""
     keep, n, estimator = (algorithm.filters.get("gfpo") or {}).get("keep"), rollout.n, algorithm.adv_estimator
     key = f"{KEY}.keep"
-    if not isinstance(keep, int) or keep < 1:
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         return []
     if keep > n:
         return [ConfigProblem(key, keep, f"> rollout.n={n}: a group has only {n} response{'s' if n != 1 else ''} to keep",

@@ -138,12 +138,7 @@ def prepare_update(batch: TrainBatch, minibatches: Sequence[Sequence[int]], cfg:
     target = POLICY_LOSSES.info(cfg.policy_loss).prepare
     if target is None:
         return batch, {}
-    try:
-        prepare: PrepareFn = resolve_target(target)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"algorithm.policy_loss={cfg.policy_loss} declares LossInfo(prepare={target!r}), which cannot be imported "
-                         f"({type(err).__name__}: {err}); name an importable 'module:function' in its registration "
-                         "(a plugin file: f'{__name__}:function')") from err
+    prepare: PrepareFn = resolve_target(target, f"algorithm.policy_loss={cfg.policy_loss}'s LossInfo(prepare=)")
     return prepare(batch, minibatches, cfg, seed)
 
 

@@ -227,9 +227,10 @@ def filters(algorithm: AlgorithmConfig, trainer: TrainerConfig) -> list[ConfigPr
             out.append(ConfigProblem(key, algorithm.filters[name], f"is set by {info.settings_key}, not by algorithm.filters",
                                      f"remove {key} and set {info.settings_key}.<knob>"))
         elif (runs := _filter_modes(info)) is not None and trainer.rollout_mode not in runs:
+            where = f"it runs under {', '.join(runs)}" if runs else f"it declares modes={info.modes!r}, none of them a registered mode"
+            fix = f"set trainer.rollout_mode={runs[0]} or {key}=null" if runs else f"set {key}=null, or fix the filter's FilterInfo.modes"
             out.append(ConfigProblem(key, algorithm.filters[name], f"does not run under trainer.rollout_mode={trainer.rollout_mode} "
-                                     f"(it runs under {', '.join(runs)})",
-                                     f"set trainer.rollout_mode={runs[0]} or {key}=null", keys=(key, "trainer.rollout_mode")))
+                                     f"({where})", fix, keys=(key, "trainer.rollout_mode")))
     return out
 
 
@@ -303,9 +304,10 @@ def length_targets(data: DataConfig, rollout: RolloutConfig) -> list[ConfigProbl
 def _filter_modes(info: FilterInfo) -> tuple[str, ...] | None:
     """The rollout modes a filter runs under (None: every one)."""
     modes = info.modes or (tuple(ROLLOUT_MODES.names()) if info.stage == "sampling" else None)
-    if modes is None or info.stage != "sampling":
-        return modes
-    return tuple(m for m in modes if ROLLOUT_MODES.info(m).runs_sampling_filters)
+    if modes is None:
+        return None
+    known = tuple(m for m in modes if ROLLOUT_MODES.problem(m) is None)  # a declared mode nobody registered runs nothing
+    return known if info.stage != "sampling" else tuple(m for m in known if ROLLOUT_MODES.info(m).runs_sampling_filters)
 
 
 def filter_warnings(cfg: RunConfig) -> list[ConfigProblem]:
@@ -314,7 +316,7 @@ def filter_warnings(cfg: RunConfig) -> list[ConfigProblem]:
     out: list[ConfigProblem] = []
     for name in cfg.algorithm.filter_parts():
         if FILTERS.problem(name) is None and (target := FILTERS.info(name).warnings) is not None:
-            out += call_with_sections(resolve_target(target), cfg)
+            out += call_with_sections(resolve_target(target, f"the filter {name}'s FilterInfo(warnings=)"), cfg)
     return out
 
 

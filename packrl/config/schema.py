@@ -377,8 +377,9 @@ class AlgorithmConfig:
     correction's rejection is a filter too, set by its own section. Off by default."""
 
     def filter_parts(self) -> dict[str, dict[str, Any]]:
-        """The filters `filters` chooses, name -> its options mapping (a filter set to null is off)."""
-        return {name: dict(args or {}) for name, args in self.filters.items() if args is not None}
+        """The filters `filters` chooses, name -> its options mapping (a filter set to null is off; a
+        value that is not a mapping is the section's own problem, `problems`, and left out here)."""
+        return {name: dict(args) for name, args in self.filters.items() if isinstance(args, dict)}
 
     def problems(self, prefix: str) -> list[ConfigProblem]:
         out: list[ConfigProblem] = algorithm_variant_problems(self, prefix)

@@ -26,12 +26,12 @@ from typing import Any
 from packrl.config import ConfigProblem, RunConfig, check_config
 from packrl.config.budgets import MAX_ROPE_FACTOR, PromptRoom, budget_problems, budgets_of, budgets_table
 from packrl.config.relations import config_warnings
-from packrl.config.schema import CriticConfig, ModelConfig, RolloutConfig, RopeScalingConfig, TrainerConfig
+from packrl.config.schema import AlgorithmConfig, CriticConfig, ModelConfig, RolloutConfig, RopeScalingConfig, TrainerConfig
 from packrl.errors import KeyedValueError
 from packrl.hardware import ComputeDtype, probe_host, resolve_for_device
 from packrl.inspect.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, max_fitting_tokens
 from packrl.models.isolation import config_packing
-from packrl.registry import resolve_target
+from packrl.registry import POLICY_LOSSES, resolve_target
 from packrl.rollout.engine import EngineOptions, declared_capabilities, engine_capabilities, wrapper_notes, wrapper_problems
 from packrl.seqlen.budgets import Budgets, model_context_tokens
 
@@ -139,6 +139,7 @@ def preflight(preset: str | None, overrides: list[str] | tuple[str, ...] = (), *
         model_config, problem = _read_model_config(cfg.model.path)
         problems += problem
     problems += _critic_path_problems(cfg.critic, cfg.algorithm.adv_estimator) + _wrapper_problems(cfg, bad, problems)
+    problems += _loss_hook_problems(cfg.algorithm)
     budgets = budgets_of(cfg, max_context_tokens=None)
     rope = None
     rope_ok = not any(p.key.startswith("model.rope_scaling") for p in problems)  # else judge the unscaled context
@@ -317,6 +318,19 @@ def _critic_path_problems(critic: CriticConfig, adv_estimator: str) -> list[Conf
     except ValueError as err:
         return [ConfigProblem("critic.model.path", path, str(err), "set critic.model.path to a model dir, .gguf file or hub id, "
                               "or null for the policy's checkpoint")]
+    return []
+
+
+def _loss_hook_problems(algorithm: AlgorithmConfig) -> list[ConfigProblem]:
+    """The ``prepare`` hook the policy loss declares imports (`packrl.capabilities.LossInfo.prepare`;
+    the update imports it only when it first runs)."""
+    if POLICY_LOSSES.problem(algorithm.policy_loss) is not None or (target := POLICY_LOSSES.info(algorithm.policy_loss).prepare) is None:
+        return []
+    try:
+        resolve_target(target, f"algorithm.policy_loss={algorithm.policy_loss}'s LossInfo(prepare=)")
+    except ValueError as err:
+        return [ConfigProblem("algorithm.policy_loss", algorithm.policy_loss, str(err), "fix the loss's registration, or pick another "
+                              "algorithm.policy_loss")]
     return []
 
 

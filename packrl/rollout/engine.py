@@ -271,7 +271,8 @@ def active_wrappers(rollout: RolloutConfig) -> list[str]:
     """The registered wrappers that apply to a run with this ``rollout`` section
     (`packrl.capabilities.WrapperInfo.applies`), innermost first (by ``order``, then name)."""
     chosen = [(ENGINE_WRAPPERS.info(n).order, n) for n in ENGINE_WRAPPERS.names()
-              if (applies := ENGINE_WRAPPERS.info(n).applies) is not None and resolve_target(applies)(rollout)]
+              if (applies := ENGINE_WRAPPERS.info(n).applies) is not None
+              and resolve_target(applies, f"the engine wrapper {n}'s WrapperInfo(applies=)")(rollout)]
     return [name for _, name in sorted(chosen)]
 
 
@@ -308,7 +309,7 @@ def wrapper_notes(cfg: Any) -> list[str]:
     """What ``packrl preflight`` notes for the wrappers that apply (their
     `packrl.capabilities.WrapperInfo.preflight_notes`, given the sections their parameters name)."""
     return [note for name in active_wrappers(cfg.rollout) if (target := ENGINE_WRAPPERS.info(name).preflight_notes) is not None
-            for note in call_with_sections(resolve_target(target), cfg)]
+            for note in call_with_sections(resolve_target(target, f"the engine wrapper {name}'s WrapperInfo(preflight_notes=)"), cfg)]
 
 
 def wrapper_problems(cfg: Any, said: set[str]) -> list[Any]:
@@ -320,7 +321,7 @@ def wrapper_problems(cfg: Any, said: set[str]) -> list[Any]:
     for name in active_wrappers(cfg.rollout):
         if (target := ENGINE_WRAPPERS.info(name).preflight_problems) is None:
             continue
-        hook = resolve_target(target)
+        hook = resolve_target(target, f"the engine wrapper {name}'s WrapperInfo(preflight_problems=)")
         if not any(key.split(".", 1)[0] in inspect.signature(hook).parameters for key in said):
             out += call_with_sections(hook, cfg)
     return out

@@ -96,3 +96,34 @@ def test_a_sampling_filter_refills_the_batch_from_further_rounds(tmp_path, plugi
     rows = [json.loads(x) for x in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert {r["row"] % 2 for r in rows} == {0} and line["train/num_dropped_prompts/test_even_rows"] >= 1
     assert line["train/num_gen_batches"] >= 2 and line["train/update_batch_prompts"] == 2
+
+
+def test_a_value_that_is_not_a_mapping_and_a_malformed_declaration_are_refused():
+    from packrl.capabilities import FilterInfo
+
+    for value in ("5", "abc", "[1,2]"):
+        with pytest.raises(ConfigError, match=r"algorithm.filters.gfpo=.*: must be a mapping of the filter's knobs"):
+            load_config("demo", [f"algorithm.filters.gfpo={value}"])
+    with pytest.raises(ConfigError, match=r"algorithm.filters.gfpo.keep=True"):
+        load_config("demo", ["algorithm.filters.gfpo.keep=true"])
+    for declared, message in ((dict(modes="sync"), r"FilterInfo\(modes='sync'\): a tuple"),
+                              (dict(order="first"), r"FilterInfo\(order='first'\): an int"),
+                              (dict(stage="bogus"), r"FilterInfo\(stage='bogus'\): one of"),
+                              (dict(reads_old_entropy=1), r"FilterInfo\(reads_old_entropy=1\): True or False")):
+        with pytest.raises(ValueError, match=message):
+            FilterInfo(**declared)
+    with pytest.raises(ValueError, match=r"algorithm.filters.test_misdeclared registered info='loss'; declare a FilterInfo"):
+        FILTERS.register("test_misdeclared", info="loss")(lambda inputs: None)
+
+
+def test_a_declared_hook_that_does_not_exist_is_named_with_its_owner(plugin):
+    from packrl.capabilities import FilterInfo
+
+    FILTERS.register("test_lost_warnings", info=FilterInfo(warnings=f"{__name__}:no_such_function"))(lambda inputs: None)
+    try:
+        with pytest.raises(ValueError, match=r"the filter test_lost_warnings's FilterInfo\(warnings=\) names "
+                                             r"'tests.algos.test_filter_plugins:no_such_function', which cannot be imported"):
+            load_config("demo", ["algorithm.filters.test_lost_warnings={}"])
+    finally:
+        for table in (FILTERS._parts, FILTERS._info):
+            table.pop("test_lost_warnings", None)

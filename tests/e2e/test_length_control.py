@@ -43,4 +43,4 @@ def test_length_objectives_gfpo_and_targets_report_their_metrics(tmp_path):
     assert "length/target_error/mean" in line and "reward/shortest_correct/mean" in line
     assert "length/all_cut_or_wrong" in line and "length/score_per_1k_tokens" in line
     rows = [json.loads(r) for r in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
-    assert sum(r["filtered"] for r in rows) == 4 and all(16 <= r["length_target"] <= 48 for r in rows)
+    assert sum(r["filtered"] == "gfpo" for r in rows) == 4 and all(16 <= r["length_target"] <= 48 for r in rows)

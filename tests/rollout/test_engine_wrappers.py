@@ -85,6 +85,8 @@ def test_a_plugin_wrapper_applies_keeps_what_it_declares_and_wraps_the_run(tmp_p
 @pytest.mark.parametrize(("declared", "message"), [
     (dict(keeps=("images",)), r"\['images'\] are not EngineCapabilities fields"),
     (dict(applies="no_colon"), r"WrapperInfo\(applies='no_colon'\): a 'module:function' string"),
+    (dict(keeps="modalities"), r"WrapperInfo\(keeps='modalities'\): a tuple of EngineCapabilities fields"),
+    (dict(order="last"), r"WrapperInfo\(order='last'\): an int"),
 ])
 def test_a_malformed_declaration_is_refused_where_it_is_written(declared, message):
     with pytest.raises(ValueError, match=message):
@@ -102,6 +104,17 @@ def test_a_wrapper_that_breaks_the_contract_is_named(plugin):
     finally:
         for table in (ENGINE_WRAPPERS._parts, ENGINE_WRAPPERS._info):
             table.pop("test_broken", None)
+
+
+def test_a_wrapper_whose_predicate_does_not_exist_is_named():
+    ENGINE_WRAPPERS.register("test_lost", info=WrapperInfo(applies=f"{__name__}:no_such_function"))(lambda engine, context: engine)
+    try:
+        with pytest.raises(ValueError, match=r"the engine wrapper test_lost's WrapperInfo\(applies=\) names "
+                                             r"'tests.rollout.test_engine_wrappers:no_such_function', which cannot be imported"):
+            active_wrappers(load_config("demo").rollout)
+    finally:
+        for table in (ENGINE_WRAPPERS._parts, ENGINE_WRAPPERS._info):
+            table.pop("test_lost", None)
 
 
 def _top_k_is_9(rollout) -> bool:

@@ -275,8 +275,9 @@ def _filter_groups(c: Context) -> None:
     if batch is None:
         return
     if rounds <= 0:
-        c.refuse(f"{prefix}.max_num_gen_batches", "<= 0 means unlimited rounds in verl; packrl needs a cap (then trains on the "
-                 "groups kept, with a warning)", f"set {prefix}.max_num_gen_batches=10", value=rounds)
+        given = "" if c.has(f"{prefix}.max_num_gen_batches") else " (verl default, not set by the script)"
+        c.refuse(f"{prefix}.max_num_gen_batches", f"<= 0 means unlimited rounds in verl{given}; packrl needs a cap (then trains on "
+                 "the groups kept, with a warning)", f"set {prefix}.max_num_gen_batches=10", value=rounds)
         return
     gen = c.int("data.gen_batch_size") if c.get("data.gen_batch_size") is not None else batch
     capped = math.ceil(rounds * gen / batch)
