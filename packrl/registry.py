@@ -312,14 +312,16 @@ def resolve_target(target: str, owner: str = "") -> Any:
     `EngineCapabilities.preflight_notes`, `FilterInfo.warnings`, `WrapperInfo.applies`).
 
     Raises:
-        ValueError: the module or the function does not exist (``owner``: what declared it, for
-            the message).
+        ValueError: with ``owner`` (what declared it, for the message), the module or the function
+            does not exist; ImportError or AttributeError without one (the caller names it).
     """
     module, _, function = target.partition(":")
     try:
         return getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"{owner or 'a declaration'} names {target!r}, which cannot be imported ({err}); name a "
+        if not owner:
+            raise
+        raise ValueError(f"{owner} names {target!r}, which cannot be imported ({err}); name a "
                          "'module:function' that exists (a plugin file names its own module as f\"{__name__}:function\")") from err
 
 

@@ -134,9 +134,11 @@ def test_hydra_append_forms_are_accepted():
 
 def test_misspelled_key_names_the_nearest_verl_key():
     with pytest.raises(ConfigError) as err:
-        translate(GRPO + [f"{AR}.actor.ppo_mini_batchsize=64", "trainer.n_gpu_per_node=2", "train.lr=1e-5"], num_train_rows=100)
+        translate(GRPO + [f"{AR}.actor.ppo_mini_batchsize=64", "trainer.n_gpu_per_node=2", "train.lr=1e-5",
+                          "algorithm.filters.gfpo.keep=2", "reward.shaping.overlong.buffer_tokens=8"], num_train_rows=100)
     text = str(err.value)
     assert "train.lr is a packrl key: add it to the `packrl train` command" in text
+    assert "algorithm.filters.gfpo.keep is a packrl key" in text and "reward.shaping.overlong.buffer_tokens is a packrl key" in text
     assert f"{AR}.actor.ppo_mini_batchsize=64: is not a verl config key; fix: did you mean {AR}.actor.ppo_mini_batch_size?" in text
     assert "did you mean trainer.n_gpus_per_node?" in text
 

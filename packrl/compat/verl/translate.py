@@ -138,17 +138,20 @@ def _generic(c: Context) -> None:
 
 
 def _is_packrl_key(key: str) -> bool:
-    """Whether ``key`` names a field of packrl's `RunConfig` (a packrl override given to `packrl verl`)."""
+    """Whether ``key`` names a field of packrl's `RunConfig` or a key under one of its open mappings
+    (``algorithm.filters.gfpo.keep``, ``reward.shaping.*``: a packrl override given to `packrl verl`)."""
     import dataclasses
 
     from packrl.config.schema import RunConfig
 
     node: Any = RunConfig
     for part in key.split("."):
+        if isinstance(node, dict):
+            return True  # an open mapping's keys are its parts' names and knobs
         if not (isinstance(node, type) and dataclasses.is_dataclass(node)) or part not in {f.name for f in dataclasses.fields(node)}:
             return False
         value = getattr(node(), part)
-        node = type(value) if dataclasses.is_dataclass(value) else None
+        node = type(value) if dataclasses.is_dataclass(value) else value if isinstance(value, dict) else None
     return True
 
 
