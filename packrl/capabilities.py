@@ -22,11 +22,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 
-def _target_problem(owner: str, field: str, value: object) -> str | None:
-    """Why ``value`` is not a ``"module:function"`` string or None (a message), else None."""
-    if value is None or (isinstance(value, str) and ":" in value):
-        return None
-    return f"{owner}({field}={value!r}): a 'module:function' string, or None"
+def _check_target(owner: str, field: str, value: object) -> None:
+    """Refuse a declared hook that is not a ``"module:function"`` string or None.
+
+    Raises:
+        ValueError: naming ``owner``, the field and the value.
+    """
+    if value is not None and not (isinstance(value, str) and ":" in value):
+        raise ValueError(f"{owner}({field}={value!r}): a 'module:function' string, or None")
 
 
 def _check_order(owner: str, order: object) -> None:
@@ -78,9 +81,7 @@ class EngineCapabilities:
         for name in ("stop_on_condition", "shares_policy_weights", "packs_cpu_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineCapabilities({name}={getattr(self, name)!r}): True or False")
-        problem = _target_problem("EngineCapabilities", "preflight_notes", self.preflight_notes)
-        if problem is not None:
-            raise ValueError(problem)
+        _check_target("EngineCapabilities", "preflight_notes", self.preflight_notes)
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,7 @@ class LossInfo:
     def __post_init__(self) -> None:
         if not isinstance(self.reads_old_logprobs, bool):
             raise ValueError(f"LossInfo(reads_old_logprobs={self.reads_old_logprobs!r}): True or False")
-        problem = _target_problem("LossInfo", "prepare", self.prepare)
-        if problem is not None:
-            raise ValueError(problem)
+        _check_target("LossInfo", "prepare", self.prepare)
 
 
 @dataclass(frozen=True)
@@ -225,8 +224,7 @@ class WrapperInfo:
         if unknown := [k for k in self.keeps if k not in known]:
             raise ValueError(f"WrapperInfo(keeps={self.keeps!r}): {unknown} are not EngineCapabilities fields ({', '.join(sorted(known))})")
         for name in ("applies", "preflight_notes", "preflight_problems"):
-            if (problem := _target_problem("WrapperInfo", name, getattr(self, name))) is not None:
-                raise ValueError(problem)
+            _check_target("WrapperInfo", name, getattr(self, name))
 
 
 FilterStage = Literal["sampling", "advantages", "loss"]
@@ -277,9 +275,7 @@ class FilterInfo:
             raise ValueError(f"FilterInfo(reads_old_entropy={self.reads_old_entropy!r}): True or False")
         if self.settings_key is not None and not self.settings_key.startswith("algorithm."):
             raise ValueError(f"FilterInfo(settings_key={self.settings_key!r}): a key of the algorithm section, or None")
-        problem = _target_problem("FilterInfo", "warnings", self.warnings)
-        if problem is not None:
-            raise ValueError(problem)
+        _check_target("FilterInfo", "warnings", self.warnings)
 
 
 HF_ENGINE = EngineCapabilities(modalities=("image",), stop_on_condition=True, shares_policy_weights=True, packs_cpu_weights=True)
