@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from packrl.config.plan import BatchPlan
 from packrl.config.schema import AlgorithmConfig, RunConfig
 from packrl.models.attention import use_packed_attention
+from packrl.registry import Registry, import_plugins
 from packrl.seqlen.update_plan import groups_of
 from packrl.types import TrainBatch
 from packrl.worker.actor import MicrobatchLoss, ResponseSums, actor_microbatches
@@ -94,3 +96,26 @@ def minibatch_grads(model: torch.nn.Module, batch: TrainBatch, cfg: RunConfig, c
                                     context=context or contextlib.nullcontext, sums=sums, draw=draw)
         total += minibatch_objective(totals.metrics, cfg.algorithm)
     return total
+
+
+def write_plugin(directory: Path, filename: str, text: str) -> Path:
+    """Write ``text`` to ``directory / filename`` and import it as ``trainer.plugins`` does (its
+    parts register); the file's path, for ``trainer.plugins=[...]``. A part's name registers once
+    per process, so a test module writes its plugin once (a module-scoped fixture).
+
+    Raises:
+        ValueError: the file cannot be imported (the message holds `import_plugins`'s error).
+    """
+    path = directory / filename
+    path.write_text(text)
+    if failed := import_plugins([str(path)]):
+        raise ValueError(f"plugin {path} cannot be imported: {failed}")
+    return path
+
+
+def forget_parts(registry: Registry, *names: str) -> None:
+    """Unregister the parts ``names`` a test registered in ``registry`` (each part, its options and
+    its declaration), so the tests after it see the built-in parts alone."""
+    for table in (registry._parts, registry._options, registry._info):
+        for name in names:
+            table.pop(name, None)

@@ -11,7 +11,8 @@ import pytest
 
 from packrl.algos.filters import filter_chain
 from packrl.config import ConfigError, load_config
-from packrl.registry import FILTERS, import_plugins
+from packrl.registry import FILTERS
+from packrl.testing import forget_parts, write_plugin
 from tests.diagnostics.tiny_run import tiny_run
 
 PLUGIN = '''
@@ -49,13 +50,8 @@ NAMES = ("test_every_other", "test_even_rows")
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plugin") / "filters.py"  # one file: a filter's name is registered once per process
-    path.write_text(PLUGIN)
-    assert import_plugins([str(path)]) == []
-    yield path
-    for name in NAMES:  # the other modules' tests see the built-in filters alone
-        for table in (FILTERS._parts, FILTERS._options, FILTERS._info):
-            table.pop(name, None)
+    yield write_plugin(tmp_path_factory.mktemp("plugin"), "filters.py", PLUGIN)
+    forget_parts(FILTERS, *NAMES)  # the other modules' tests see the built-in filters alone
 
 
 def test_its_options_and_its_mode_are_checked_at_load(plugin):
@@ -125,5 +121,4 @@ def test_a_declared_hook_that_does_not_exist_is_named_with_its_owner(plugin):
                                              r"'tests.algos.test_filter_plugins:no_such_function', which cannot be imported"):
             load_config("demo", ["algorithm.filters.test_lost_warnings={}"])
     finally:
-        for table in (FILTERS._parts, FILTERS._info):
-            table.pop("test_lost_warnings", None)
+        forget_parts(FILTERS, "test_lost_warnings")

@@ -12,7 +12,8 @@ from packrl.config.sft_rules import sft_problems
 from packrl.config.tasks import task_names
 from packrl.data import PromptDataset, load_examples
 from packrl.data.task_sources import TaskRequest, read_task
-from packrl.registry import TASKS, import_plugins
+from packrl.registry import TASKS
+from packrl.testing import forget_parts, write_plugin
 from packrl.trainer.sft import sft_traces
 
 PLUGIN = '''
@@ -53,13 +54,8 @@ def sums_traces(request):
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plugin") / "sums.py"  # one file: a task's name is registered once per process
-    path.write_text(PLUGIN)
-    assert import_plugins([str(path)]) == []
-    yield path
-    for name in ("test_sums", "test_sums_traces"):  # the other modules' tests see the built-in tasks alone
-        for table in (TASKS._parts, TASKS._options, TASKS._info):
-            table.pop(name, None)
+    yield write_plugin(tmp_path_factory.mktemp("plugin"), "sums.py", PLUGIN)
+    forget_parts(TASKS, "test_sums", "test_sums_traces")  # the other modules' tests see the built-in tasks alone
 
 
 def test_a_task_source_that_names_no_registered_task_is_refused_at_load_with_the_nearest():

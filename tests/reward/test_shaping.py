@@ -12,8 +12,9 @@ import torch
 from packrl.config import ConfigError, load_config
 from packrl.config.schema import RewardConfig, RolloutConfig
 from packrl.errors import ConfigProblem
-from packrl.registry import REWARD_SHAPING, import_plugins
+from packrl.registry import REWARD_SHAPING
 from packrl.reward import score_rollout
+from packrl.testing import write_plugin
 from packrl.types import PromptBatch, Response, RolloutBatch
 from tests.diagnostics.tiny_run import tiny_run
 
@@ -50,10 +51,7 @@ def bad(inputs):
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plugin") / "brevity.py"  # one file: a part's name is registered once per process
-    path.write_text(PLUGIN)
-    assert import_plugins([str(path)]) == []
-    return path
+    return write_plugin(tmp_path_factory.mktemp("plugin"), "brevity.py", PLUGIN)
 
 
 def _rollout(lengths: list[int]) -> RolloutBatch:

@@ -12,8 +12,9 @@ import pytest
 
 from packrl.capabilities import HF_ENGINE, EngineCapabilities, WrapperInfo
 from packrl.config import load_config
-from packrl.registry import ENGINE_WRAPPERS, import_plugins
+from packrl.registry import ENGINE_WRAPPERS
 from packrl.rollout.engine import active_wrappers, engine_capabilities, wrapper_notes
+from packrl.testing import forget_parts, write_plugin
 from tests.diagnostics.tiny_run import tiny_run
 
 PLUGIN = '''
@@ -47,12 +48,8 @@ def counting(engine, context):
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    path = tmp_path_factory.mktemp("plugin") / "counting.py"  # one file: a wrapper's name is registered once per process
-    path.write_text(PLUGIN)
-    assert import_plugins([str(path)]) == []
-    yield path
-    for table in (ENGINE_WRAPPERS._parts, ENGINE_WRAPPERS._options, ENGINE_WRAPPERS._info):
-        table.pop("test_counting", None)
+    yield write_plugin(tmp_path_factory.mktemp("plugin"), "counting.py", PLUGIN)
+    forget_parts(ENGINE_WRAPPERS, "test_counting")
 
 
 def _module(path) -> object:
@@ -102,8 +99,7 @@ def test_a_wrapper_that_breaks_the_contract_is_named(plugin):
         with pytest.raises(ValueError, match=r"engine wrapper 'test_broken' returned a object without the methods"):
             wrap_engine(object(), WrapperContext(None, rollout, 64, 128))
     finally:
-        for table in (ENGINE_WRAPPERS._parts, ENGINE_WRAPPERS._info):
-            table.pop("test_broken", None)
+        forget_parts(ENGINE_WRAPPERS, "test_broken")
 
 
 def test_a_wrapper_whose_predicate_does_not_exist_is_named():
@@ -113,8 +109,7 @@ def test_a_wrapper_whose_predicate_does_not_exist_is_named():
                                              r"'tests.rollout.test_engine_wrappers:no_such_function', which cannot be imported"):
             active_wrappers(load_config("demo").rollout)
     finally:
-        for table in (ENGINE_WRAPPERS._parts, ENGINE_WRAPPERS._info):
-            table.pop("test_lost", None)
+        forget_parts(ENGINE_WRAPPERS, "test_lost")
 
 
 def _top_k_is_9(rollout) -> bool:
