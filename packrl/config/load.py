@@ -240,7 +240,7 @@ def _build(cls: type, data: Any, prefix: str, problems: list[ConfigProblem], bad
         if key not in names and isinstance(data[key], dict) and data[key]:  # a misspelled section: name each key in it
             for leaf, value in _flatten(data[key], f"{prefix}{key}."):
                 close = nearest_key(leaf, _all_keys(RunConfig) if keys is None else keys)
-                moved = _option_home(leaf) if keys is None and any(leaf.startswith(f"{old}.") for old in MOVED) else None
+                moved = _moved(leaf) if keys is None else None
                 problems.append(ConfigProblem(leaf, value, "unknown key", moved or (f"did you mean {close}?" if close else
                                               f"valid sections here: {', '.join(sorted(names))}")))
         elif key not in names:
@@ -281,13 +281,20 @@ def _flatten(data: dict[str, Any], prefix: str) -> list[tuple[str, Any]]:
     return out
 
 
+def _moved(key: str) -> str | None:
+    """The fix for ``key`` when it, or a section above it, is a key of an earlier release (`MOVED`), else None."""
+    for old, new in MOVED.items():
+        if key == old or key.startswith(f"{old}."):
+            return f"{old} moved: write {new}"
+    return None
+
+
 def _option_home(key: str) -> str | None:
     """The fix for an unknown ``key`` of a section whose leaf is an option of a registered part
     there (``algorithm.clip_cov_ub`` -> ``algorithm.policy_loss_args.clip_cov_ub`` with
     ``algorithm.policy_loss=clip_cov``), or None. Imports the parts' modules: an error path only."""
-    for old, new in MOVED.items():
-        if key == old or key.startswith(f"{old}."):
-            return f"{old} moved: write {new}"
+    if (moved := _moved(key)) is not None:
+        return moved
     section, leaf = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
     for registry in CONFIG_REGISTRIES.values():
         if registry.args_key is None or registry.args_key.split(".", 1)[0] != section:
